@@ -1,0 +1,74 @@
+"""`dapo-mega` command line: train, eval, plan.
+
+    dapo-mega train [hydra overrides]      the DAPO run (no overrides: embedded CPU default)
+    dapo-mega train --cfg job [overrides]  print the composed config and exit
+    dapo-mega train --help                 every config field with its default and meaning
+    dapo-mega eval  [overrides] eval.checkpoint=... avg@k on the held-out set
+    dapo-mega plan  [overrides] [--json]   layout and memory per GPU, without starting anything
+
+Overrides use Hydra syntax (`algo.lr=2e-6`, `+experiment=dapo_qwen2.5_32b`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from dapo_mega.config import ConfigError, describe_fields, load_config, to_yaml
+
+COMMANDS = ("train", "eval", "plan")
+
+
+def _usage() -> str:
+    return __doc__ or ""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"dapo-mega: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:
+        print(_usage())
+        print("Config fields (override with key=value):")
+        print("\n".join("  " + line for line in describe_fields()))
+        return 0
+    show_cfg = False
+    as_json = False
+    overrides: List[str] = []
+    it = iter(rest)
+    for arg in it:
+        if arg == "--cfg":
+            next(it, None)
+            show_cfg = True
+        elif arg == "--json":
+            as_json = True
+        else:
+            overrides.append(arg)
+    try:
+        cfg = load_config(overrides)
+    except ConfigError as exc:
+        print(f"dapo-mega: config error: {exc}", file=sys.stderr)
+        return 2
+    if show_cfg:
+        print(to_yaml(cfg))
+        return 0
+    if command == "train":
+        from dapo_mega.trainer import run_training
+
+        return run_training(cfg)
+    if command == "eval":
+        from dapo_mega.evaluate import run_eval_command
+
+        return run_eval_command(cfg, overrides)
+    from dapo_mega.plan import run_plan_command
+
+    return run_plan_command(cfg, as_json=as_json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,601 @@
+"""Typed configuration for dapo-mega.
+
+Every component owns a small dataclass; `DapoConfig` composes them. The dataclasses are
+registered with Hydra's ConfigStore as the schema of `configs/config.yaml`, so YAML groups
+under `configs/` and command-line overrides are type-checked against them. Each field is
+documented by the docstring-style comment under it (`dapo-mega train --help` prints them).
+
+`validate_config` holds every cross-field rule. It runs before any process group, model or
+engine is created, and every error names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny-qwen2"
+    """Human-readable model name, recorded in metrics and checkpoints."""
+    hf_path: str = ""
+    """Directory of a Hugging Face checkpoint (config.json, tokenizer, safetensors).
+    Empty: build the tiny synthetic Qwen2 model below into `<run_dir>/base_model`."""
+    megatron_path: str = ""
+    """Megatron distributed checkpoint to start from (made by `convert_checkpoint.py
+    import`). Empty: initialise from `hf_path` weights, or randomly for the tiny model."""
+    # --- the tiny synthetic model (used only when hf_path is empty) ---
+    tiny_hidden_size: int = 64
+    """Hidden size of the tiny model."""
+    tiny_num_layers: int = 2
+    """Transformer layers of the tiny model."""
+    tiny_num_attention_heads: int = 4
+    """Query heads of the tiny model."""
+    tiny_num_key_value_heads: int = 2
+    """Key/value heads (GQA groups) of the tiny model."""
+    tiny_intermediate_size: int = 256
+    """SwiGLU FFN size of the tiny model."""
+    tiny_tie_word_embeddings: bool = False
+    """Tie input and output embeddings in the tiny model."""
+    tiny_max_position_embeddings: int = 256
+    """Context length of the tiny model."""
+
+
+@dataclass
+class AlgoConfig:
+    # --- objective (DAPO paper, Eq. 8 / 10) ---
+    clip_ratio_low: float = 0.2
+    """ε_low of the decoupled clip: ratios below 1-ε_low are clipped for A<0."""
+    clip_ratio_high: float = 0.28
+    """ε_high of the decoupled clip (Clip-Higher): ratios above 1+ε_high clipped for A>0."""
+    clip_ratio_c: Optional[float] = 10.0
+    """Dual-clip constant c for negative advantages (must be > 1); null disables it."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean (DAPO), seq-mean-token-mean or seq-mean-token-sum (GRPO ablations)."""
+    adv_eps: float = 1e-6
+    """ε added to the group reward std before dividing."""
+    normalize_adv_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO/DAPO); false = Dr.GRPO style."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling cap for the train/inference log-prob mismatch;
+    null disables it. Needs engine log-probs."""
+    use_engine_logprobs: bool = False
+    """Take old log-probs from the engine instead of recomputing them on the learner."""
+    # --- sampling ---
+    n_samples_per_prompt: int = 16
+    """G: responses sampled per prompt."""
+    train_batch_size: int = 512
+    """Prompts (groups) per rollout step that the learner trains on."""
+    gen_batch_size: int = 1536
+    """Prompts sent to the engines per dynamic-sampling round."""
+    mini_batch_size: int = 32
+    """Prompts per optimizer update: train_batch_size/mini_batch_size updates per step."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and refill the batch (DAPO §3.2)."""
+    max_num_gen_batches: int = 10
+    """Give up after this many dynamic-sampling rounds in one step (0 = no limit)."""
+    max_prompt_length: int = 2048
+    """Prompts longer than this (tokens) are rejected by the data loader."""
+    max_response_length: int = 20480
+    """L_max: the engines stop generating here (tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts (also applied to learner logits)."""
+    top_p: float = 1.0
+    """Top-p of training rollouts."""
+    top_k: int = -1
+    """Top-k of training rollouts (-1 = off)."""
+    # --- reward shaping (DAPO §3.4) ---
+    overlong_buffer_enable: bool = True
+    """Soft overlong punishment (Eq. 13) added to the correctness reward."""
+    overlong_buffer_length: int = 4096
+    """L_cache of Eq. 13."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty."""
+    overlong_filter: bool = False
+    """Mask the loss of truncated samples (overlong filtering, the paper's other option)."""
+    verifier: str = "dapo"
+    """Answer verifier: dapo (last 300 chars, `Answer:` line, Minerva) or math_verify."""
+    verifier_timeout_s: float = 5.0
+    """A verification taking longer than this is scored as failed (verifier_error)."""
+    # --- optimiser ---
+    lr: float = 1e-6
+    """AdamW learning rate after warm-up."""
+    lr_warmup_steps: int = 20
+    """Linear warm-up, in optimizer updates counted from 0, then constant."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW β1."""
+    adam_beta2: float = 0.999
+    """AdamW β2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    on_nonfinite: str = "skip"
+    """A NaN/Inf loss or gradient: skip (drop the update, report it) or stop the run."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    """Training prompts: a .parquet (DAPO-Math-17k schema) or .jsonl file.
+    Empty: the synthetic arithmetic task."""
+    eval_path: str = ""
+    """Held-out prompts (AIME 2024 schema); empty: a synthetic held-out split."""
+    prompt_template: str = "dapo"
+    """How a problem becomes a prompt: dapo (the paper's template), raw (as stored)."""
+    apply_chat_template: bool = False
+    """Render the chat-list prompt with the tokenizer's chat template."""
+    dedup: bool = True
+    """Drop prompts that repeat (DAPO-Math-17k repeats many)."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch (deterministically from `seed`)."""
+    seed: int = 1234
+    """Seed of the shuffle and of the synthetic task."""
+    on_bad_row: str = "error"
+    """A malformed row: error (stop naming file/row/field) or skip (count it)."""
+    synthetic_num_train: int = 4000
+    """Synthetic task: training problems."""
+    synthetic_num_eval: int = 200
+    """Synthetic task: held-out problems."""
+    synthetic_min_digits: int = 1
+    """Synthetic task: fewest digits per operand."""
+    synthetic_max_digits: int = 2
+    """Synthetic task: most digits per operand (difficulty)."""
+    synthetic_ops: str = "+-"
+    """Synthetic task: operators to draw from (subset of +-*)."""
+    synthetic_num_operands: int = 2
+    """Synthetic task: operands per problem."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "embedded"
+    """embedded (CPU engine of this package) or sglang."""
+    num_engines: int = 1
+    """Engine processes (each a server)."""
+    engine_tp_size: int = 1
+    """Tensor parallelism inside each engine (SGLang --tp-size)."""
+    engine_dp_size: int = 1
+    """Data parallelism inside each engine (SGLang --dp-size)."""
+    host: str = "127.0.0.1"
+    """Address engines bind to. Anything but loopback requires `api_key`."""
+    base_port: int = 0
+    """First engine port; 0 picks free ports."""
+    api_key: str = ""
+    """API key engines require (SGLang --api-key); required when host is not loopback."""
+    dtype: str = "auto"
+    """Engine weight dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16."""
+    mem_fraction_static: float = 0.7
+    """SGLang --mem-fraction-static."""
+    max_running_requests: int = 256
+    """Most sequences an engine decodes at once."""
+    request_timeout_s: float = 600.0
+    """A request without reply after this long marks its engine failed; retried elsewhere."""
+    health_timeout_s: float = 300.0
+    """How long to wait for an engine to become healthy at start."""
+    max_retries: int = 3
+    """Times a prompt group is retried on another engine before the step fails."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size of the weight broadcast (MiB); bounds extra memory during a sync."""
+    use_router: bool = False
+    """Put sglang-router in front of the engines."""
+    extra_server_args: List[str] = field(default_factory=list)
+    """Extra flags passed verbatim to the engine command line."""
+    model_path: str = ""
+    """Path engines load at start; empty: the run's HF export of the initial weights."""
+
+
+@dataclass
+class Fp8Config:
+    enabled: bool = False
+    """Train with FP8 GEMMs through Transformer Engine (GPU only)."""
+    format: str = "e4m3"
+    """e4m3 or hybrid (e4m3 forward, e5m2 backward)."""
+    recipe: str = "delayed"
+    """delayed, tensorwise or blockwise scaling."""
+    amax_history_len: int = 1024
+    """Delayed scaling: length of the amax history."""
+    amax_compute_algo: str = "max"
+    """Delayed scaling: max or most_recent."""
+    num_layers_at_start_in_bf16: int = 1
+    """First transformer layers kept in bf16."""
+    num_layers_at_end_in_bf16: int = 1
+    """Last transformer layers kept in bf16."""
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    """TP size."""
+    pipeline_model_parallel_size: int = 1
+    """PP size."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Virtual stages per PP rank (interleaved 1F1B); null = off."""
+    context_parallel_size: int = 1
+    """CP size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1)."""
+    expert_model_parallel_size: int = 1
+    """EP size (dense models: 1)."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch (prompt + response tokens after padding)."""
+    params_dtype: str = "auto"
+    """auto (float32 on CPU, bf16 on GPU), float32, bf16."""
+    transformer_impl: str = "auto"
+    """auto (transformer_engine when importable on GPU, else local), local, transformer_engine."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """FP8 recipe (Transformer Engine only)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: null, full or selective."""
+    recompute_method: Optional[str] = None
+    """With full recompute: uniform or block."""
+    recompute_num_layers: Optional[int] = None
+    """With full recompute: layers per chunk (uniform) or recomputed layers (block)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over DP ranks (ZeRO-1 as Megatron does it)."""
+    overlap_grad_reduce: bool = False
+    """Overlap DP gradient reduce-scatter with backward."""
+    seed: int = 1234
+    """Model init and dropout seed."""
+
+
+@dataclass
+class ClusterConfig:
+    mode: str = "colocated"
+    """colocated (learners and engines share devices) or disaggregated."""
+    max_staleness: int = 0
+    """Disaggregated only: versions generation may run ahead (0 = synchronous)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    num_learner_processes: int = 1
+    """Learner ranks when launched outside Slurm/torchrun (the CPU default spawns them)."""
+    num_nodes: int = 1
+    """Nodes of the job (for `plan` and the Slurm launcher)."""
+    gpus_per_node: int = 8
+    """Accelerators per node (for `plan` and the Slurm launcher)."""
+    engine_nodes: int = 0
+    """Disaggregated: nodes given to engines (the rest are learners)."""
+    gpu_memory_gib: float = 80.0
+    """Memory per accelerator, for `plan`."""
+    dist_timeout_s: int = 1800
+    """Timeout of collective operations."""
+
+
+@dataclass
+class TrainerConfig:
+    run_name: str = "tiny_cpu"
+    """Run directory name under output_dir; also the wandb run name."""
+    output_dir: str = "outputs"
+    """Parent of run directories."""
+    total_steps: int = 20
+    """Rollout steps to train (each: generate, filter, train, sync)."""
+    save_interval: int = 5
+    """Save a training checkpoint every this many steps (0 = only at the end)."""
+    keep_last_k: int = 2
+    """Checkpoints kept; older ones are deleted after a new one is complete."""
+    eval_interval: int = 10
+    """Evaluate on the held-out set every this many steps (0 = off); also before step 1
+    and after the last."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint of the run directory when there is one."""
+    seed: int = 1
+    """Seed of sampling and data order."""
+    sft_warmup_steps: int = 0
+    """Supervised warm-start steps on reference answers before RL (embedded default)."""
+    sft_lr: float = 1e-3
+    """Learning rate of the supervised warm start."""
+    sft_batch_size: int = 64
+    """Examples per supervised warm-start step."""
+    wandb_mode: str = "offline"
+    """wandb mode: offline (default), online (needs WANDB_API_KEY) or disabled."""
+    wandb_project: str = "dapo-mega"
+    """wandb project."""
+    plot: bool = True
+    """Write curves.png into the run directory each step."""
+
+
+@dataclass
+class EvalConfig:
+    n_samples: int = 32
+    """k of avg@k."""
+    temperature: float = 1.0
+    """Sampling temperature (AIME protocol: 1.0)."""
+    top_p: float = 0.7
+    """Top-p (AIME protocol: 0.7)."""
+    max_response_length: Optional[int] = None
+    """Null: the training max_response_length, so scores compare."""
+    max_problems: int = 0
+    """Evaluate only the first N problems (0 = all)."""
+
+
+@dataclass
+class DapoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir) / self.trainer.run_name
+
+
+CONFIG_DIR_ENV = "DAPO_MEGA_CONFIG_DIR"
+
+
+def config_dir() -> Path:
+    """The `configs/` directory (next to the package, or $DAPO_MEGA_CONFIG_DIR)."""
+    if os.environ.get(CONFIG_DIR_ENV):
+        return Path(os.environ[CONFIG_DIR_ENV]).resolve()
+    return (Path(__file__).resolve().parent.parent / "configs").resolve()
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="dapo_mega_schema", node=DapoConfig)
+
+
+def _field_error(path: str, message: str, fix: str) -> ConfigError:
+    return ConfigError(f"{path}: {message}. Fix: {fix}")
+
+
+def load_config(overrides: Optional[List[str]] = None, config_name: str = "config") -> DapoConfig:
+    """Compose `configs/<config_name>.yaml` with Hydra overrides into a validated DapoConfig.
+
+    A bad override (unknown key, wrong type) raises ConfigError naming the key.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+            cfg = compose(config_name=config_name, overrides=list(overrides or []))
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        raise ConfigError(f"{key or 'override'}: {exc}".strip()) from exc
+    except Exception as exc:  # hydra's own errors (missing group option, bad syntax)
+        if type(exc).__module__.startswith("hydra"):
+            raise ConfigError(f"override: {exc}") from exc
+        raise
+    assert isinstance(obj, DapoConfig)
+    validate_config(obj)
+    return obj
+
+
+def to_yaml(cfg: DapoConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml(text: str) -> DapoConfig:
+    """Parse a saved `config.yaml` (as written into a run directory)."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(DapoConfig)
+    obj = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.create(text)))
+    assert isinstance(obj, DapoConfig)
+    return obj
+
+
+def save_config(cfg: DapoConfig, run_dir: Path) -> Path:
+    """Write the resolved config into the run directory (atomically)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def describe_fields(cls: type = DapoConfig, prefix: str = "") -> List[str]:
+    """`name: type = default  # doc` lines for every field (for `--help`)."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict = {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+                if isinstance(getattr(nxt, "value", None), ast.Constant):
+                    docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore
+    except (OSError, TypeError):
+        pass
+    lines: List[str] = []
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        default: Any = f.default
+        if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            lines.extend(describe_fields(type(default), prefix=f"{name}."))
+            continue
+        doc = docs.get(f.name, "")
+        lines.append(f"{name} = {default!r}    # {doc}")
+    return lines
+
+
+def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
+    """Every cross-field rule; raises ConfigError naming the field and the fix.
+
+    `world_size` (learner processes) is checked against the parallel layout when given.
+    """
+    a, d, r, m, c, t, e = cfg.algo, cfg.data, cfg.rollout, cfg.megatron, cfg.cluster, cfg.trainer, cfg.eval
+    err = _field_error
+
+    if a.clip_ratio_low < 0 or a.clip_ratio_low >= 1:
+        raise err("algo.clip_ratio_low", f"must be in [0, 1), got {a.clip_ratio_low}", "use 0.2 (DAPO)")
+    if a.clip_ratio_high < a.clip_ratio_low:
+        raise err("algo.clip_ratio_high", f"{a.clip_ratio_high} < algo.clip_ratio_low {a.clip_ratio_low}",
+                  "Clip-Higher needs clip_ratio_high >= clip_ratio_low (DAPO: 0.28 vs 0.2)")
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
+        raise err("algo.clip_ratio_c", f"dual-clip constant must be > 1, got {a.clip_ratio_c}",
+                  "use 3..10, or null to disable dual clip")
+    if a.loss_agg_mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        raise err("algo.loss_agg_mode", f"unknown mode {a.loss_agg_mode!r}",
+                  "use token-mean, seq-mean-token-mean or seq-mean-token-sum")
+    if a.n_samples_per_prompt < 1:
+        raise err("algo.n_samples_per_prompt", "must be >= 1", "use 16 (DAPO)")
+    if a.dynamic_sampling and a.n_samples_per_prompt < 2:
+        raise err("algo.n_samples_per_prompt", f"is {a.n_samples_per_prompt} with algo.dynamic_sampling on; "
+                  "a group of one always has uniform rewards and would always be dropped",
+                  "set n_samples_per_prompt >= 2 or algo.dynamic_sampling=false")
+    if a.train_batch_size < 1:
+        raise err("algo.train_batch_size", "must be >= 1", "use 512 (DAPO)")
+    if a.mini_batch_size < 1 or a.train_batch_size % a.mini_batch_size:
+        raise err("algo.mini_batch_size", f"{a.mini_batch_size} does not divide algo.train_batch_size "
+                  f"{a.train_batch_size}", "pick a divisor (DAPO: 512/32 = 16 updates per step)")
+    if a.gen_batch_size < 1:
+        raise err("algo.gen_batch_size", "must be >= 1", "use 3x train_batch_size (DAPO: 1536)")
+    if not a.dynamic_sampling and a.gen_batch_size < a.train_batch_size:
+        raise err("algo.gen_batch_size", f"{a.gen_batch_size} < algo.train_batch_size {a.train_batch_size} "
+                  "without dynamic sampling", "set gen_batch_size >= train_batch_size")
+    if a.max_num_gen_batches < 0:
+        raise err("algo.max_num_gen_batches", "must be >= 0", "use 10, or 0 for no limit")
+    if a.max_response_length < 1 or a.max_prompt_length < 1:
+        raise err("algo.max_response_length", "lengths must be >= 1", "use 20480 / 2048 (DAPO)")
+    if a.overlong_buffer_enable and a.max_response_length <= a.overlong_buffer_length:
+        raise err("algo.overlong_buffer_length", f"{a.overlong_buffer_length} >= algo.max_response_length "
+                  f"{a.max_response_length}; every response would be penalised",
+                  "make overlong_buffer_length smaller than max_response_length (DAPO: 4096 of 20480)")
+    if a.overlong_buffer_length < 0:
+        raise err("algo.overlong_buffer_length", "must be >= 0", "use 4096 (DAPO)")
+    if a.temperature <= 0:
+        raise err("algo.temperature", "must be > 0 (greedy RL has no exploration)", "use 1.0")
+    if not 0 < a.top_p <= 1:
+        raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
+    if a.verifier not in ("dapo", "math_verify"):
+        raise err("algo.verifier", f"unknown verifier {a.verifier!r}", "use dapo or math_verify")
+    if a.lr <= 0:
+        raise err("algo.lr", "must be > 0", "use 1e-6 (DAPO)")
+    if a.lr_warmup_steps < 0:
+        raise err("algo.lr_warmup_steps", "must be >= 0", "use 20")
+    if a.grad_clip < 0:
+        raise err("algo.grad_clip", "must be >= 0", "use 1.0 (0 disables clipping)")
+    if a.on_nonfinite not in ("skip", "stop"):
+        raise err("algo.on_nonfinite", f"unknown {a.on_nonfinite!r}", "use skip or stop")
+
+    if d.prompt_template not in ("dapo", "raw"):
+        raise err("data.prompt_template", f"unknown {d.prompt_template!r}", "use dapo or raw")
+    if d.on_bad_row not in ("error", "skip"):
+        raise err("data.on_bad_row", f"unknown {d.on_bad_row!r}", "use error or skip")
+    if not d.train_path:
+        if not 1 <= d.synthetic_min_digits <= d.synthetic_max_digits:
+            raise err("data.synthetic_max_digits", "need 1 <= synthetic_min_digits <= synthetic_max_digits",
+                      "e.g. synthetic_min_digits=1 synthetic_max_digits=2")
+        if not d.synthetic_ops or set(d.synthetic_ops) - set("+-*"):
+            raise err("data.synthetic_ops", f"{d.synthetic_ops!r} must be a non-empty subset of '+-*'", "use '+-'")
+        if d.synthetic_num_operands < 2:
+            raise err("data.synthetic_num_operands", "must be >= 2", "use 2")
+
+    if r.backend not in ("embedded", "sglang"):
+        raise err("rollout.backend", f"unknown {r.backend!r}", "use embedded (CPU) or sglang (GPU)")
+    if r.num_engines < 1:
+        raise err("rollout.num_engines", "must be >= 1", "use 1 or more")
+    if r.host not in ("127.0.0.1", "localhost", "::1") and not r.api_key:
+        raise err("rollout.api_key", f"engines bind to {r.host} without an API key",
+                  "set rollout.api_key (or bind rollout.host=127.0.0.1)")
+    if r.weight_sync_bucket_mb < 1:
+        raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
+    if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise err("rollout.dtype", f"unknown {r.dtype!r}", "use auto, float32, bfloat16 or float16")
+
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(m, name) < 1:
+            raise err(f"megatron.{name}", "must be >= 1", "use 1")
+    if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+        raise err("megatron.sequence_parallel", "needs tensor_model_parallel_size > 1",
+                  "set megatron.sequence_parallel=false or raise TP")
+    if m.virtual_pipeline_model_parallel_size is not None and m.pipeline_model_parallel_size == 1:
+        raise err("megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
+                  "set it to null or raise PP")
+    if m.fp8.enabled and m.transformer_impl == "local":
+        raise err("megatron.fp8.enabled", "FP8 needs the Transformer Engine layer spec",
+                  "set megatron.transformer_impl=transformer_engine (GPU) or fp8.enabled=false")
+    if m.fp8.format not in ("e4m3", "hybrid"):
+        raise err("megatron.fp8.format", f"unknown {m.fp8.format!r}", "use e4m3 or hybrid")
+    if m.fp8.recipe not in ("delayed", "tensorwise", "blockwise"):
+        raise err("megatron.fp8.recipe", f"unknown {m.fp8.recipe!r}", "use delayed, tensorwise or blockwise")
+    if m.recompute_granularity not in (None, "full", "selective"):
+        raise err("megatron.recompute_granularity", f"unknown {m.recompute_granularity!r}",
+                  "use null, full or selective")
+    if m.recompute_granularity == "full" and m.recompute_method not in ("uniform", "block"):
+        raise err("megatron.recompute_method", "full recompute needs a method",
+                  "set megatron.recompute_method=uniform (or block) and recompute_num_layers")
+    if m.params_dtype not in ("auto", "float32", "bf16", "fp16"):
+        raise err("megatron.params_dtype", f"unknown {m.params_dtype!r}", "use auto, float32 or bf16")
+    if m.transformer_impl not in ("auto", "local", "transformer_engine"):
+        raise err("megatron.transformer_impl", f"unknown {m.transformer_impl!r}",
+                  "use auto, local or transformer_engine")
+    if m.micro_batch_tokens < a.max_prompt_length + a.max_response_length:
+        raise err("megatron.micro_batch_tokens", f"{m.micro_batch_tokens} cannot hold one sample of "
+                  f"max_prompt_length + max_response_length = {a.max_prompt_length + a.max_response_length} tokens",
+                  "raise megatron.micro_batch_tokens (or shorten the lengths)")
+    if world_size is not None:
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+        if world_size % (tp * pp * cp):
+            raise err("megatron.tensor_model_parallel_size",
+                      f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the world size {world_size}",
+                      "choose tp, pp and cp whose product divides the number of learner processes")
+        dp = world_size // (tp * pp * cp)
+        if a.mini_batch_size * a.n_samples_per_prompt % dp:
+            raise err("algo.mini_batch_size", f"{a.mini_batch_size} prompts x {a.n_samples_per_prompt} samples "
+                      f"do not split over {dp} data-parallel ranks", "make mini_batch_size*G divisible by DP")
+
+    if c.mode not in ("colocated", "disaggregated"):
+        raise err("cluster.mode", f"unknown {c.mode!r}", "use colocated or disaggregated")
+    if c.max_staleness < 0:
+        raise err("cluster.max_staleness", "must be >= 0", "use 0 (synchronous) or 1 (one-step off-policy)")
+    if c.mode == "colocated" and c.max_staleness > 0:
+        raise err("cluster.max_staleness", f"is {c.max_staleness} in colocated mode, where engines and learners "
+                  "take turns on the same devices", "set cluster.mode=disaggregated or max_staleness=0")
+    if c.device not in ("auto", "cpu", "cuda"):
+        raise err("cluster.device", f"unknown {c.device!r}", "use auto, cpu or cuda")
+    if c.num_learner_processes < 1:
+        raise err("cluster.num_learner_processes", "must be >= 1", "use 1")
+    if c.mode == "disaggregated" and c.num_nodes > 1 and not 0 < c.engine_nodes < c.num_nodes:
+        raise err("cluster.engine_nodes", f"{c.engine_nodes} of {c.num_nodes} nodes",
+                  "give engines between 1 and num_nodes-1 nodes in disaggregated mode")
+
+    if t.total_steps < 0:
+        raise err("trainer.total_steps", "must be >= 0", "use a positive number of rollout steps")
+    if t.keep_last_k < 1:
+        raise err("trainer.keep_last_k", "must be >= 1 (the latest checkpoint is always kept)", "use 2")
+    if t.wandb_mode not in ("offline", "online", "disabled"):
+        raise err("trainer.wandb_mode", f"unknown {t.wandb_mode!r}", "use offline, online or disabled")
+    if t.wandb_mode == "online" and not os.environ.get("WANDB_API_KEY"):
+        raise err("trainer.wandb_mode", "online needs WANDB_API_KEY in the environment",
+                  "export WANDB_API_KEY or use trainer.wandb_mode=offline")
+    if "/" in t.run_name or not t.run_name:
+        raise err("trainer.run_name", f"{t.run_name!r} must be a non-empty name without '/'", "e.g. my_run")
+
+    if e.n_samples < 1:
+        raise err("eval.n_samples", "must be >= 1", "use 32 (AIME protocol)")
+    if not 0 < e.top_p <= 1:
+        raise err("eval.top_p", f"must be in (0, 1], got {e.top_p}", "use 0.7 (AIME protocol)")
