@@ -1,0 +1,1 @@
+"""Model definitions built from config (the tiny model of the CPU default)."""

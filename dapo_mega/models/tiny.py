@@ -1,0 +1,111 @@
+"""The tiny synthetic Qwen2 model of the embedded CPU default, built from config.
+
+`build_tiny_model_dir` writes a complete Hugging Face checkpoint directory (config.json,
+generation_config.json, a character-level fast tokenizer, randomly initialised
+model.safetensors) that transformers, the embedded engine, the Megatron learner and the
+conversion tool all load as they would load Qwen2.5-32B. Nothing is downloaded.
+
+The tokenizer maps each printable ASCII character to one token, so arithmetic such as
+"12+34" is 5 tokens and a tiny model can learn it in minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Dict, Optional
+
+from dapo_mega.config import ModelConfig
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|bos|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN)
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def build_char_vocab() -> Dict[str, int]:
+    """Special tokens first, then one id per character of CHARACTERS."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab[ch] = len(vocab)
+    return vocab
+
+
+def build_char_tokenizer():
+    """A `PreTrainedTokenizerFast` with one token per character (no merges)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = build_char_vocab()
+    # Every character (whitespace included) is its own pre-token and its own word.
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=BOS_TOKEN,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: str = "qwen2"):
+    """The transformers config of the tiny model (Qwen2 by default, or Llama)."""
+    vocab = build_char_vocab()
+    common = dict(
+        vocab_size=vocab_size or len(vocab),
+        hidden_size=model_cfg.tiny_hidden_size,
+        intermediate_size=model_cfg.tiny_intermediate_size,
+        num_hidden_layers=model_cfg.tiny_num_layers,
+        num_attention_heads=model_cfg.tiny_num_attention_heads,
+        num_key_value_heads=model_cfg.tiny_num_key_value_heads,
+        max_position_embeddings=model_cfg.tiny_max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=model_cfg.tiny_tie_word_embeddings,
+        bos_token_id=vocab[BOS_TOKEN],
+        eos_token_id=vocab[EOS_TOKEN],
+        pad_token_id=vocab[PAD_TOKEN],
+        torch_dtype="float32",
+    )
+    if architecture == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common)
+    if architecture == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    raise ValueError(f"tiny model architecture {architecture!r}: use qwen2 or llama")
+
+
+def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] = None, seed: int = 0,
+                         architecture: str = "qwen2", with_weights: bool = True) -> Path:
+    """Write a tiny HF checkpoint (config, tokenizer, random weights) to `out_dir`.
+
+    Deterministic in `seed`. Returns `out_dir`. Existing files are overwritten.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_cfg = model_cfg or ModelConfig()
+    hf_config = tiny_hf_config(model_cfg, architecture=architecture)
+    tokenizer = build_char_tokenizer()
+    tokenizer.save_pretrained(out)
+    if with_weights:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+        model.save_pretrained(out, safe_serialization=True)
+    else:
+        hf_config.save_pretrained(out)
+    GenerationConfig(bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id,
+                     pad_token_id=hf_config.pad_token_id).save_pretrained(out)
+    (out / "dapo_mega_tiny.json").write_text(json.dumps({"architecture": architecture, "seed": seed}))
+    return out
