@@ -25,24 +25,33 @@ SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN)
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
+def _byte_level(ch: str) -> str:
+    """The byte-level (GPT-2 / Qwen) spelling of one character: ' ' -> 'Ġ', '\\n' -> 'Ċ'."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(ch)[0][0]
+
+
 def build_char_vocab() -> Dict[str, int]:
-    """Special tokens first, then one id per character of CHARACTERS."""
+    """Special tokens first, then one id per character of CHARACTERS (byte-level spelling)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
-        vocab[ch] = len(vocab)
+        vocab[_byte_level(ch)] = len(vocab)
     return vocab
 
 
 def build_char_tokenizer():
-    """A `PreTrainedTokenizerFast` with one token per character (no merges)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level BPE tokenizer with no merges: one token per character.
+
+    It is byte-level like Qwen's own, because transformers loads every `qwen2` checkpoint
+    through `Qwen2Tokenizer`, which re-applies the byte-level pre-tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = build_char_vocab()
-    # Every character (whitespace included) is its own pre-token and its own word.
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.BPE(vocab=build_char_vocab(), merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
