@@ -191,6 +191,12 @@ class RolloutConfig:
     """Extra flags passed verbatim to the engine command line."""
     model_path: str = ""
     """Path engines load at start; empty: the run's HF export of the initial weights."""
+    engine_urls: List[str] = field(default_factory=list)
+    """Engines started by someone else (e.g. the Slurm launcher), as http://host:port.
+    Empty: the trainer starts `num_engines` engine processes itself."""
+    engine_registry: str = ""
+    """Directory where externally launched engines announce themselves (one
+    `engine-<i>.json` with `url` each); the trainer waits for `num_engines` of them."""
 
 
 @dataclass
