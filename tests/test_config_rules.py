@@ -1,0 +1,124 @@
+"""Every cross-field config rule fails before anything heavy, naming the field and the fix."""
+
+import pytest
+
+from dapo_mega.cli import main as cli_main
+from dapo_mega.config import ConfigError, load_config, validate_config, from_yaml, to_yaml, save_config
+
+# (overrides, field named in the error)
+BAD = [
+    (["algo.clip_ratio_high=0.1"], "algo.clip_ratio_high"),
+    (["algo.clip_ratio_low=1.5"], "algo.clip_ratio_low"),
+    (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c"),
+    (["algo.loss_agg_mode=seq-sum"], "algo.loss_agg_mode"),
+    (["algo.n_samples_per_prompt=1"], "algo.n_samples_per_prompt"),
+    (["algo.n_samples_per_prompt=0", "algo.dynamic_sampling=false"], "algo.n_samples_per_prompt"),
+    (["algo.mini_batch_size=5"], "algo.mini_batch_size"),
+    (["algo.train_batch_size=0"], "algo.train_batch_size"),
+    (["algo.gen_batch_size=0"], "algo.gen_batch_size"),
+    (["algo.dynamic_sampling=false", "algo.gen_batch_size=8"], "algo.gen_batch_size"),
+    (["algo.max_num_gen_batches=-1"], "algo.max_num_gen_batches"),
+    (["algo.max_response_length=4", "algo.overlong_buffer_length=4"], "algo.overlong_buffer_length"),
+    (["algo.overlong_buffer_length=-1", "algo.overlong_buffer_enable=false"], "algo.overlong_buffer_length"),
+    (["algo.max_response_length=0"], "algo.max_response_length"),
+    (["algo.temperature=0"], "algo.temperature"),
+    (["algo.top_p=0"], "algo.top_p"),
+    (["algo.tis_cap=0"], "algo.tis_cap"),
+    (["algo.verifier=llm"], "algo.verifier"),
+    (["algo.lr=0"], "algo.lr"),
+    (["algo.lr_warmup_steps=-1"], "algo.lr_warmup_steps"),
+    (["algo.grad_clip=-1"], "algo.grad_clip"),
+    (["algo.on_nonfinite=ignore"], "algo.on_nonfinite"),
+    (["data.prompt_template=chatml"], "data.prompt_template"),
+    (["data.on_bad_row=warn"], "data.on_bad_row"),
+    (["data.synthetic_min_digits=3", "data.synthetic_max_digits=2"], "data.synthetic_max_digits"),
+    (["data.synthetic_ops=/"], "data.synthetic_ops"),
+    (["data.synthetic_num_operands=1"], "data.synthetic_num_operands"),
+    (["rollout.backend=vllm"], "rollout.backend"),
+    (["rollout.num_engines=0"], "rollout.num_engines"),
+    (["rollout.host=0.0.0.0"], "rollout.api_key"),
+    (["rollout.weight_sync_bucket_mb=0"], "rollout.weight_sync_bucket_mb"),
+    (["rollout.dtype=int8"], "rollout.dtype"),
+    (["megatron.tensor_model_parallel_size=0"], "megatron.tensor_model_parallel_size"),
+    (["megatron.pipeline_model_parallel_size=0"], "megatron.pipeline_model_parallel_size"),
+    (["megatron.context_parallel_size=0"], "megatron.context_parallel_size"),
+    (["megatron.expert_model_parallel_size=0"], "megatron.expert_model_parallel_size"),
+    (["megatron.sequence_parallel=true"], "megatron.sequence_parallel"),
+    (["megatron.virtual_pipeline_model_parallel_size=2"], "megatron.virtual_pipeline_model_parallel_size"),
+    (["megatron.fp8.enabled=true", "megatron.transformer_impl=local"], "megatron.fp8.enabled"),
+    (["megatron.fp8.format=e5m2"], "megatron.fp8.format"),
+    (["megatron.fp8.recipe=mxfp8"], "megatron.fp8.recipe"),
+    (["megatron.recompute_granularity=some"], "megatron.recompute_granularity"),
+    (["megatron.recompute_granularity=full"], "megatron.recompute_method"),
+    (["megatron.params_dtype=int8"], "megatron.params_dtype"),
+    (["megatron.transformer_impl=apex"], "megatron.transformer_impl"),
+    (["megatron.micro_batch_tokens=32"], "megatron.micro_batch_tokens"),
+    (["cluster.mode=hybrid"], "cluster.mode"),
+    (["cluster.max_staleness=-1", "cluster.mode=disaggregated"], "cluster.max_staleness"),
+    (["cluster.max_staleness=1"], "cluster.max_staleness"),
+    (["cluster.device=tpu"], "cluster.device"),
+    (["cluster.num_learner_processes=0"], "cluster.num_learner_processes"),
+    (["cluster.mode=disaggregated", "cluster.num_nodes=4", "cluster.engine_nodes=4"], "cluster.engine_nodes"),
+    (["trainer.total_steps=-1"], "trainer.total_steps"),
+    (["trainer.keep_last_k=0"], "trainer.keep_last_k"),
+    (["trainer.wandb_mode=cloud"], "trainer.wandb_mode"),
+    (["trainer.run_name=a/b"], "trainer.run_name"),
+    (["eval.n_samples=0"], "eval.n_samples"),
+    (["eval.top_p=2"], "eval.top_p"),
+]
+
+
+def test_default_config_is_valid():
+    cfg = load_config([])
+    assert cfg.algo.clip_ratio_low == 0.2 and cfg.algo.clip_ratio_high == 0.28
+    assert cfg.rollout.backend == "embedded" and cfg.megatron.transformer_impl == "local"
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=[b[1] + ":" + ",".join(b[0]) for b in BAD])
+def test_rule_names_field(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    message = str(info.value)
+    assert message.startswith(field + ":"), message
+    assert "Fix:" in message
+
+
+def test_world_size_rules():
+    cfg = load_config(["megatron.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"^megatron.tensor_model_parallel_size:.*world size 3"):
+        validate_config(cfg, world_size=3)
+    validate_config(cfg, world_size=4)
+    cfg = load_config(["algo.mini_batch_size=1", "algo.n_samples_per_prompt=3"])
+    with pytest.raises(ConfigError, match=r"^algo.mini_batch_size:.*2 data-parallel"):
+        validate_config(cfg, world_size=2)
+
+
+def test_online_wandb_needs_key(monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="^trainer.wandb_mode:.*WANDB_API_KEY"):
+        load_config(["trainer.wandb_mode=online"])
+
+
+def test_bad_override_names_key(capsys):
+    with pytest.raises(ConfigError, match="algo.nonexistent"):
+        load_config(["algo.nonexistent=3"])
+    with pytest.raises(ConfigError, match="algo.lr"):
+        load_config(["algo.lr=abc"])
+    assert cli_main(["train", "algo.lr=abc"]) == 2
+    assert "algo.lr" in capsys.readouterr().err
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(["algo.lr=3e-6", "trainer.run_name=x"])
+    path = save_config(cfg, tmp_path / "run")
+    again = from_yaml(path.read_text())
+    assert again == cfg
+    assert "lr: 3.0e-06" in to_yaml(cfg)
+
+
+def test_cli_help_and_cfg(capsys):
+    assert cli_main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "algo.clip_ratio_high = 0.28" in out and "Clip-Higher" in out
+    assert cli_main(["train", "--cfg", "job", "algo.lr=5e-6"]) == 0
+    assert "lr: 5.0e-06" in capsys.readouterr().out
