@@ -1,0 +1,172 @@
+"""Per-step records of a run: metrics.jsonl, the console line, wandb, and curves.png.
+
+`RunRecorder` is used on rank 0 only (other ranks get `NullRecorder`, so call sites never
+test the rank). On resume it first cuts `metrics.jsonl` back to the checkpointed step, so a
+step that ran after the last checkpoint and before a crash appears once, not twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+CONSOLE_FORMAT = (
+    "step {step:>5d} | v{policy_version:<4d} | reward {reward:+.3f} | acc {acc:.3f} | kept {kept:.2f} "
+    "| len {length:6.1f} | loss {loss:+.4f} | gnorm {gnorm:.3f} | gen {gen:5.1f}s train {train:5.1f}s "
+    "sync {sync:4.1f}s | eval {eval}"
+)
+
+PLOT_PANELS = [
+    ("reward", ["rollout/reward_mean"]),
+    ("accuracy", ["rollout/accuracy", "eval/avg_at_k"]),
+    ("response length", ["rollout/response_length_mean", "rollout/response_length_p90"]),
+    ("kept-group fraction", ["rollout/kept_group_frac"]),
+    ("seconds per phase", ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"]),
+    ("clip fraction", ["loss/clip_frac_low", "loss/clip_frac_high"]),
+]
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(run_dir: Path) -> List[Dict[str, Any]]:
+    """All rows of `<run_dir>/metrics.jsonl` (a torn last line from a crash is ignored)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows: List[Dict[str, Any]] = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> int:
+    """Keep only rows with step <= last_step (atomically); returns how many were dropped."""
+    rows = read_metrics(run_dir)
+    kept = [r for r in rows if int(r.get("step", 0)) <= last_step]
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.exists():
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    return len(rows) - len(kept)
+
+
+class NullRecorder:
+    """What ranks other than 0 get: every method is a no-op."""
+
+    wandb_run_id: Optional[str] = None
+
+    def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunRecorder(NullRecorder):
+    """metrics.jsonl + one console line per step + wandb (offline by default) + curves.png."""
+
+    def __init__(self, run_dir: Path, run_name: str, config_dict: Dict[str, Any], resume_step: int,
+                 wandb_mode: str = "offline", wandb_project: str = "dapo-mega",
+                 wandb_run_id: Optional[str] = None, plot: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.plot = plot
+        dropped = truncate_metrics(self.run_dir, resume_step)
+        if dropped:
+            print(f"[records] resuming at step {resume_step}: dropped {dropped} metric rows of "
+                  "steps that ran after the last checkpoint", flush=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._wandb = None
+        self.wandb_run_id = wandb_run_id
+        if wandb_mode != "disabled":
+            self._wandb = self._start_wandb(run_name, config_dict, wandb_mode, wandb_project, wandb_run_id)
+
+    def _start_wandb(self, run_name, config_dict, mode, project, run_id):
+        try:
+            import wandb
+        except ImportError:  # wandb is a core dependency, but a run must not die for a logger
+            print("[records] wandb is not installed: metrics go to metrics.jsonl only", flush=True)
+            return None
+        os.environ.setdefault("WANDB_SILENT", "true")
+        run_id = run_id or uuid.uuid4().hex[:8]
+        self.wandb_run_id = run_id
+        run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
+                         dir=str(self.run_dir), config=config_dict, settings=wandb.Settings(console="off"))
+        return run
+
+    def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}, "time/unix": time.time()}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+        print(format_console_line(row), flush=True)
+        if self.plot:
+            plot_curves(self.run_dir)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def format_console_line(row: Dict[str, Any]) -> str:
+    """The fixed-format line rank 0 prints per step."""
+
+    def num(key: str) -> float:
+        value = row.get(key)
+        return float(value) if isinstance(value, (int, float)) else float("nan")
+
+    eval_value = row.get("eval/avg_at_k")
+    return CONSOLE_FORMAT.format(
+        step=int(row["step"]), policy_version=int(row.get("policy_version", 0)),
+        reward=num("rollout/reward_mean"), acc=num("rollout/accuracy"), kept=num("rollout/kept_group_frac"),
+        length=num("rollout/response_length_mean"), loss=num("loss/pg"), gnorm=num("actor/grad_norm"),
+        gen=num("time/rollout_s"), train=num("time/train_s"), sync=num("time/sync_s"),
+        eval=f"{eval_value:.3f}" if isinstance(eval_value, (int, float)) else "  -  ",
+    )
+
+
+def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
+    """Draw the curves a user looks at first into `<run_dir>/curves.png`."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (title, keys) in zip(axes.flat, PLOT_PANELS):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(run_dir) / out_name
+    tmp = out.with_name(out.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

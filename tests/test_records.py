@@ -1,0 +1,50 @@
+"""Run records: metrics.jsonl cut back on resume, fixed console line, curves.png."""
+
+import json
+
+from dapo_mega.records import RunRecorder, format_console_line, read_metrics
+
+
+def _metrics(step):
+    return {"policy_version": step, "rollout/reward_mean": 0.1 * step, "rollout/accuracy": 0.5,
+            "rollout/kept_group_frac": 0.75, "rollout/response_length_mean": 7.0, "loss/pg": -0.01,
+            "actor/grad_norm": 0.5, "time/rollout_s": 1.0, "time/train_s": 2.0, "time/sync_s": 0.1,
+            "loss/nan_example": float("nan")}
+
+
+def test_resume_truncates_and_appends(tmp_path, capsys):
+    rec = RunRecorder(tmp_path, "r", {}, resume_step=0, wandb_mode="disabled", plot=True)
+    for step in (1, 2, 3):
+        rec.log_step(step, _metrics(step))
+    rec.close()
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "step     2 | v2" in out and "reward +0.200" in out
+    # Crash after step 3, last checkpoint at step 2: step 3 must appear once after the rerun.
+    rec = RunRecorder(tmp_path, "r", {}, resume_step=2, wandb_mode="disabled", plot=False)
+    rec.log_step(3, _metrics(3))
+    rec.close()
+    steps = [r["step"] for r in read_metrics(tmp_path)]
+    assert steps == [1, 2, 3]
+    assert read_metrics(tmp_path)[0]["loss/nan_example"] is None  # NaN is not valid JSON
+
+
+def test_torn_line_ignored(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n{\"step\": 2, \"x\"")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_console_line_missing_values():
+    line = format_console_line({"step": 4, "eval/avg_at_k": 0.25})
+    assert line.startswith("step     4 | v0") and "eval 0.250" in line and "reward +nan" in line
+
+
+def test_wandb_offline_resume_same_id(tmp_path):
+    rec = RunRecorder(tmp_path, "r", {"a": 1}, resume_step=0, wandb_mode="offline", plot=False)
+    run_id = rec.wandb_run_id
+    rec.log_step(1, _metrics(1))
+    rec.close()
+    rec = RunRecorder(tmp_path, "r", {"a": 1}, resume_step=1, wandb_mode="offline", wandb_run_id=run_id, plot=False)
+    assert rec.wandb_run_id == run_id
+    rec.close()
+    assert any(p.name.startswith("offline-run") and run_id in p.name for p in (tmp_path / "wandb").iterdir())
