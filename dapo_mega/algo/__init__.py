@@ -1,1 +1,39 @@
+"""Pure tensor math of DAPO (arXiv 2503.14476): no torch.distributed, Megatron or SGLang.
 
+    compute_group_advantages   Eq. 9   group-relative advantages, no critic
+    compute_policy_loss        Eq. 8/10/12 decoupled clip (+ dual clip), token-level loss
+    merge_loss_metrics                 exact aggregation of loss metrics over micro-batches
+    compute_tis_weights                truncated importance sampling (engine/learner mismatch)
+    compute_overlong_penalty   Eq. 13  soft overlong punishment
+    select_informative_groups  Eq. 11  dynamic sampling's group filter
+"""
+
+from dapo_mega.algo.advantages import compute_group_advantages
+from dapo_mega.algo.group_filter import (
+    ALL_CORRECT_GROUP,
+    ALL_WRONG_GROUP,
+    KEPT,
+    GroupSelection,
+    select_informative_groups,
+)
+from dapo_mega.algo.overlong import compute_overlong_penalty
+from dapo_mega.algo.policy_loss import (
+    LOSS_AGG_MODES,
+    compute_policy_loss,
+    compute_tis_weights,
+    merge_loss_metrics,
+)
+
+__all__ = [
+    "ALL_CORRECT_GROUP",
+    "ALL_WRONG_GROUP",
+    "KEPT",
+    "LOSS_AGG_MODES",
+    "GroupSelection",
+    "compute_group_advantages",
+    "compute_overlong_penalty",
+    "compute_policy_loss",
+    "compute_tis_weights",
+    "merge_loss_metrics",
+    "select_informative_groups",
+]
