@@ -1,0 +1,457 @@
+"""The Python side of the Slurm scripts: decide each task's role and ranks, start it.
+
+`slurm/colocated.sbatch` and `slurm/disaggregated.sbatch` hold the topology (nodes, tasks
+per node, containers); they call this module once per role with the user's Hydra overrides:
+
+    python -m dapo_mega.launch prepare  --mode M --engine-nodes N -- [overrides]
+        one task, before the roles start: compose + validate the config, create the run
+        directory and this job's log directory, clear the engine registry of the previous
+        job, build the tiny model if the engines need it; prints shell assignments
+        (RUN_DIR, LOG_DIR, NUM_ENGINES, ...) for the sbatch script to `eval`.
+    python -m dapo_mega.launch engines  --engine-nodes N -- [overrides]
+        one task per engine node: starts this node's engines (embedded on CPU, SGLang on
+        GPU), waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
+        (atomically), then watches them; any engine exiting ends the task non-zero.
+    python -m dapo_mega.launch learner  --engine-nodes N -- [overrides]
+        one task per learner GPU: sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+        MASTER_PORT from Slurm and execs `dapo-mega train` with the registry overrides.
+
+Why a module of the package rather than scripts in `launch/`: the sbatch scripts run it
+with `python -m dapo_mega.launch`, which works from any working directory and from a
+container where the package is installed (not only from a source checkout).
+
+Addresses travel through the shared run directory (engine registry) and the environment
+exported by the sbatch script (MASTER_ADDR from `scontrol show hostnames` + NodeAddr,
+MASTER_PORT, DAPO_MEGA_NODE_ADDRS). Teardown: every srun uses `--kill-on-bad-exit=1`, the
+engines task exits non-zero as soon as one of its engines dies, and the sbatch script's
+wait loop stops the other role when one role ends (slurm/lib.sh).
+
+Tests replace the role commands with stand-ins through DAPO_MEGA_LEARNER_CMD and
+DAPO_MEGA_ENGINE_CMD (shell-split, the usual arguments appended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from dapo_mega.config import DapoConfig, load_config, save_config, validate_config
+
+LEARNER_CMD_ENV = "DAPO_MEGA_LEARNER_CMD"
+ENGINE_CMD_ENV = "DAPO_MEGA_ENGINE_CMD"
+NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
+API_KEY_ENV = "DAPO_MEGA_ENGINE_API_KEY"
+BIND_HOST_ENV = "DAPO_MEGA_ENGINE_BIND_HOST"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+# --------------------------------------------------------------------------------------
+# Slurm environment → roles and ranks (pure functions, tested without Slurm)
+# --------------------------------------------------------------------------------------
+@dataclass
+class SlurmTask:
+    """What Slurm tells one task about itself (see `srun` OUTPUT ENVIRONMENT VARIABLES)."""
+
+    job_id: str
+    proc_id: int
+    """SLURM_PROCID: rank of this task within its step (het step: within its component)."""
+    num_tasks: int
+    """SLURM_NTASKS of the step."""
+    node_id: int
+    """SLURM_NODEID: index of this task's node within the step's nodes."""
+    num_nodes: int
+    """SLURM_NNODES (SLURM_STEP_NUM_NODES) of the step."""
+    local_id: int
+    """SLURM_LOCALID: rank of this task on its node."""
+    tasks_on_node: int
+    """Tasks of this step on this node (SLURM_STEP_TASKS_PER_NODE, first entry)."""
+    node_name: str
+    """SLURMD_NODENAME."""
+
+
+def _first_count(tasks_per_node: str) -> int:
+    """'8(x16)' or '8,8' or '8' → 8: the count of the first node entry."""
+    match = re.match(r"(\d+)", tasks_per_node or "")
+    return int(match.group(1)) if match else 1
+
+
+def read_slurm_task(env: Mapping[str, str]) -> SlurmTask:
+    """Read this task's identity from a Slurm step environment; raises KeyError outside one."""
+    num_tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+    num_nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    tasks_on_node = _first_count(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    if num_tasks and num_nodes and num_tasks % num_nodes == 0:
+        tasks_on_node = num_tasks // num_nodes
+    return SlurmTask(
+        job_id=env.get("SLURM_JOB_ID", "0"),
+        proc_id=int(env["SLURM_PROCID"]),
+        num_tasks=num_tasks,
+        node_id=int(env.get("SLURM_NODEID", 0)),
+        num_nodes=num_nodes,
+        local_id=int(env.get("SLURM_LOCALID", 0)),
+        tasks_on_node=tasks_on_node,
+        node_name=env.get("SLURMD_NODENAME", socket.gethostname()),
+    )
+
+
+@dataclass
+class LearnerRank:
+    """torch.distributed identity of one learner task (env:// rendezvous)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def env(self) -> Dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def compute_learner_rank(task: SlurmTask, env: Mapping[str, str]) -> LearnerRank:
+    """One task per learner GPU: the global rank is the task's rank within the learner step.
+
+    MASTER_ADDR / MASTER_PORT come from the sbatch script (first learner host's NodeAddr).
+    """
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise RuntimeError("MASTER_ADDR/MASTER_PORT not set: run the learner role through slurm/*.sbatch, "
+                           "which exports them from `scontrol show hostnames`")
+    return LearnerRank(rank=task.proc_id, world_size=task.num_tasks, local_rank=task.local_id,
+                       local_world_size=task.tasks_on_node, node_rank=task.node_id,
+                       master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]))
+
+
+@dataclass
+class EngineSlot:
+    """One engine to start on this node."""
+
+    index: int
+    """Global engine index (the registry file is engine-<index>.json)."""
+    gpu_ids: List[int] = field(default_factory=list)
+    """Devices of this engine on its node (CUDA_VISIBLE_DEVICES); empty on CPU."""
+
+
+def engines_per_node(num_engines: int, engine_nodes: int) -> int:
+    """Engines are spread evenly: node k hosts indices [k·per, (k+1)·per) ∩ [0, num_engines)."""
+    if engine_nodes < 1:
+        raise ValueError("engine_nodes must be >= 1")
+    return math.ceil(num_engines / engine_nodes)
+
+
+def compute_engine_slots(cfg: DapoConfig, node_index: int, engine_nodes: int, use_gpu: bool) -> List[EngineSlot]:
+    """The engines node `node_index` (of `engine_nodes`) runs, with their device ids.
+
+    Raises when the engines of one node need more devices than the node has.
+    """
+    per_node = engines_per_node(cfg.rollout.num_engines, engine_nodes)
+    tp = cfg.rollout.engine_tp_size * cfg.rollout.engine_dp_size
+    if use_gpu and per_node * tp > cfg.cluster.gpus_per_node:
+        raise RuntimeError(f"rollout.num_engines={cfg.rollout.num_engines} over {engine_nodes} engine nodes puts "
+                           f"{per_node} engines x {tp} GPUs on one node, more than cluster.gpus_per_node="
+                           f"{cfg.cluster.gpus_per_node}; lower num_engines or engine_tp_size, or add engine nodes")
+    first = node_index * per_node
+    slots = []
+    for local in range(per_node):
+        index = first + local
+        if index >= cfg.rollout.num_engines:
+            break
+        gpus = list(range(local * tp, (local + 1) * tp)) if use_gpu else []
+        slots.append(EngineSlot(index=index, gpu_ids=gpus))
+    return slots
+
+
+def parse_node_addrs(text: str) -> Dict[str, str]:
+    """'n1=10.0.0.1,n2=10.0.0.2' (exported by slurm/lib.sh) → {'n1': '10.0.0.1', ...}."""
+    pairs = [item.split("=", 1) for item in text.split(",") if "=" in item]
+    return {name.strip(): addr.strip() for name, addr in pairs}
+
+
+def hydra_value(value: str) -> str:
+    """Quote a string for a Hydra override when it holds characters the grammar reserves."""
+    if re.fullmatch(r"[A-Za-z0-9_./:@+-]*", value) and value:
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+# --------------------------------------------------------------------------------------
+# the three roles
+# --------------------------------------------------------------------------------------
+def _log(message: str) -> None:
+    print(f"[dapo-mega launch {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _use_gpu(cfg: DapoConfig) -> bool:
+    if cfg.cluster.device == "cpu":
+        return False
+    if cfg.cluster.device == "cuda":
+        return True
+    return cfg.rollout.backend == "sglang"
+
+
+def registry_dir(cfg: DapoConfig) -> Path:
+    """Where engines announce themselves: the configured one, else `<run_dir>/engines`."""
+    return Path(cfg.rollout.engine_registry) if cfg.rollout.engine_registry else cfg.run_dir.resolve() / "engines"
+
+
+def engine_model_path(cfg: DapoConfig) -> Path:
+    """The checkpoint engines load at start (weights are replaced by the first sync)."""
+    if cfg.rollout.model_path:
+        return Path(cfg.rollout.model_path)
+    if cfg.model.hf_path:
+        return Path(cfg.model.hf_path)
+    return cfg.run_dir.resolve() / "base_model"
+
+
+def learner_overrides(cfg: DapoConfig, env: Mapping[str, str]) -> List[str]:
+    """Overrides appended after the user's so every rank agrees on paths and engines."""
+    out = [f"trainer.output_dir={hydra_value(str(Path(cfg.trainer.output_dir).resolve()))}",
+           f"rollout.engine_registry={hydra_value(str(registry_dir(cfg)))}"]
+    if env.get(API_KEY_ENV) and not cfg.rollout.api_key:
+        out.append(f"rollout.api_key={hydra_value(env[API_KEY_ENV])}")
+    return out
+
+
+def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> int:
+    """Validate, create the run/log dirs, clear the stale registry; print shell assignments."""
+    if cfg.cluster.mode != mode:
+        raise RuntimeError(f"cluster.mode={cfg.cluster.mode} but this is slurm/{mode}.sbatch; "
+                           f"pass cluster.mode={mode} or submit slurm/{cfg.cluster.mode}.sbatch")
+    run_dir = cfg.run_dir.resolve()
+    log_dir = run_dir / "logs" / f"job-{job_id}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    registry = registry_dir(cfg)
+    registry.mkdir(parents=True, exist_ok=True)
+    for stale in registry.glob("*.json"):  # a previous job's engines are gone
+        stale.unlink()
+    model_path = engine_model_path(cfg)
+    if not cfg.rollout.model_path and not cfg.model.hf_path and not (model_path / "config.json").exists():
+        from dapo_mega.models.tiny import build_tiny_model_dir
+
+        tmp = model_path.with_name(model_path.name + f".tmp-{job_id}")
+        build_tiny_model_dir(tmp, cfg.model, seed=cfg.megatron.seed)
+        os.replace(tmp, model_path)
+    engines_per = engines_per_node(cfg.rollout.num_engines, engine_nodes)
+    assignments = {"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir), "REGISTRY_DIR": str(registry),
+                   "NUM_ENGINES": str(cfg.rollout.num_engines), "ENGINES_PER_NODE": str(engines_per),
+                   "TOTAL_STEPS": str(cfg.trainer.total_steps)}
+    for key, value in assignments.items():
+        print(f"{key}={shlex.quote(value)}")
+    return 0
+
+
+def build_engine_command(cfg: DapoConfig, model_path: Path, host: str, port: int, api_key: str) -> List[str]:
+    """`python -m dapo_mega.rollout.server` (embedded) or `python -m sglang.launch_server`.
+
+    Both take the same flags; SGLang also gets its parallel and memory settings.
+    """
+    if os.environ.get(ENGINE_CMD_ENV):
+        cmd = shlex.split(os.environ[ENGINE_CMD_ENV])
+    elif cfg.rollout.backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server"]
+    else:
+        cmd = [sys.executable, "-m", "dapo_mega.rollout.server"]
+    cmd += ["--model-path", str(model_path), "--host", host, "--port", str(port)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if cfg.rollout.backend == "sglang" and not os.environ.get(ENGINE_CMD_ENV):
+        r = cfg.rollout
+        dtype = "bfloat16" if r.dtype == "auto" else r.dtype
+        cmd += ["--tp-size", str(r.engine_tp_size), "--dp-size", str(r.engine_dp_size),
+                "--mem-fraction-static", str(r.mem_fraction_static), "--dtype", dtype,
+                "--max-running-requests", str(r.max_running_requests)]
+    cmd += list(cfg.rollout.extra_server_args)
+    return cmd
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str, api_key: str, timeout_s: float = 2.0) -> bool:
+    request = urllib.request.Request(url + "/health")
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def announce_engine(registry: Path, index: int, record: dict) -> Path:
+    """Write `engine-<index>.json` atomically (tmp + rename), so readers never see half a file."""
+    registry.mkdir(parents=True, exist_ok=True)
+    path = registry / f"engine-{index}.json"
+    tmp = registry / f".engine-{index}.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    return path
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class _Terminated(Exception):
+    pass
+
+
+def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
+    """Start, health-check, announce and watch this node's engines. Returns the exit status."""
+    use_gpu = _use_gpu(cfg)
+    slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu)
+    advertise = parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).get(task.node_name) or socket.gethostname()
+    bind_host = env.get(BIND_HOST_ENV) or (cfg.rollout.host if engine_nodes == 1 and cfg.cluster.num_nodes == 1
+                                           else advertise)
+    api_key = cfg.rollout.api_key or env.get(API_KEY_ENV, "")
+    if bind_host not in LOOPBACK and not api_key:
+        raise RuntimeError(f"engines bind to {bind_host} without an API key: set rollout.api_key or "
+                           f"{API_KEY_ENV} (slurm/lib.sh generates one per job)")
+    registry = registry_dir(cfg)
+    log_dir = Path(env.get("DAPO_MEGA_LOG_DIR") or cfg.run_dir.resolve() / "logs" / f"job-{task.job_id}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model_path = engine_model_path(cfg)
+
+    def on_sigterm(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    procs: Dict[int, subprocess.Popen] = {}
+    logs: Dict[int, Path] = {}
+    try:
+        urls: Dict[int, str] = {}
+        for slot in slots:
+            port = cfg.rollout.base_port + slot.index if cfg.rollout.base_port else _free_port(bind_host)
+            cmd = build_engine_command(cfg, model_path, bind_host, port, api_key)
+            child_env = dict(os.environ, DAPO_MEGA_ENGINE_INDEX=str(slot.index))
+            if slot.gpu_ids:
+                child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpu_ids))
+            logs[slot.index] = log_dir / f"engine-{slot.index}.log"
+            with open(logs[slot.index], "ab") as log_file:
+                procs[slot.index] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+            urls[slot.index] = f"http://{advertise}:{port}"
+            _log(f"engine {slot.index} on {task.node_name}: {shlex.join(cmd[:2] + cmd[2:3])} ... -> {urls[slot.index]} "
+                 f"(log {logs[slot.index]})")
+        pending = set(urls)
+        deadline = time.monotonic() + cfg.rollout.health_timeout_s
+        while pending:
+            for index in sorted(pending):
+                rc = procs[index].poll()
+                if rc is not None:
+                    return _engine_failed(index, rc, logs[index], procs)
+                if _healthy(urls[index], api_key):
+                    announce_engine(registry, index, {"url": urls[index], "engine_id": index, "node": task.node_name,
+                                                      "pid": procs[index].pid, "job_id": task.job_id,
+                                                      "time": time.time()})
+                    _log(f"engine {index} healthy, announced in {registry}")
+                    pending.discard(index)
+            if pending and time.monotonic() > deadline:
+                _log(f"engines {sorted(pending)} not healthy after rollout.health_timeout_s="
+                     f"{cfg.rollout.health_timeout_s}s")
+                for index in sorted(pending):
+                    print(f"--- last lines of {logs[index]}\n{_tail(logs[index])}", flush=True)
+                return 1
+            time.sleep(0.5)
+        while True:  # watch: any engine ending while the job runs is a failure
+            for index, proc in procs.items():
+                rc = proc.poll()
+                if rc is not None:
+                    return _engine_failed(index, rc, logs[index], procs)
+            time.sleep(1.0)
+    except _Terminated:
+        _log("SIGTERM: stopping engines")
+        return 143
+    finally:
+        _stop_all(procs)
+
+
+def _engine_failed(index: int, rc: int, log: Path, procs: Mapping[int, subprocess.Popen]) -> int:
+    _log(f"engine {index} exited with status {rc}; stopping the other engines of this node")
+    print(f"--- last lines of {log}\n{_tail(log)}", flush=True)
+    return rc if rc not in (0, None) else 1
+
+
+def _stop_all(procs: Mapping[int, subprocess.Popen], grace_s: float = 10.0) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def build_learner_command(overrides: Sequence[str]) -> List[str]:
+    """`dapo-mega train <user overrides> <launcher overrides>` (or the test stand-in)."""
+    if os.environ.get(LEARNER_CMD_ENV):
+        base = shlex.split(os.environ[LEARNER_CMD_ENV])
+    else:
+        base = [sys.executable, "-m", "dapo_mega.cli", "train"]
+    return base + list(overrides)
+
+
+def run_learner(cfg: DapoConfig, user_overrides: Sequence[str], task: SlurmTask, env: Mapping[str, str]) -> int:
+    """Exec the trainer with this task's torch.distributed identity (does not return)."""
+    rank = compute_learner_rank(task, env)
+    validate_config(cfg, world_size=rank.world_size)
+    cmd = build_learner_command(list(user_overrides) + learner_overrides(cfg, env))
+    child_env = dict(os.environ)
+    child_env.update(rank.env())
+    if rank.rank == 0:
+        _log(f"learner world {rank.world_size} ({task.num_nodes} nodes), master {rank.master_addr}:"
+             f"{rank.master_port}: {shlex.join(cmd)}")
+    sys.stdout.flush()
+    os.execvpe(cmd[0], cmd, child_env)
+    return 127  # not reached
+
+
+# --------------------------------------------------------------------------------------
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dapo_mega.launch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("role", choices=("prepare", "engines", "learner"))
+    parser.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
+                        help="prepare: the sbatch script calling (checked against cluster.mode)")
+    parser.add_argument("--engine-nodes", type=int, required=True, help="nodes that run engines in this job")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.overrides)
+    env = os.environ
+    if args.role == "prepare":
+        return run_prepare(cfg, args.mode or cfg.cluster.mode, args.engine_nodes, env.get("SLURM_JOB_ID", "0"))
+    task = read_slurm_task(env)
+    if args.role == "engines":
+        return run_engines(cfg, task, args.engine_nodes, env)
+    return run_learner(cfg, args.overrides, task, env)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception as exc:  # one readable line in the role's log, then the traceback
+        print(f"dapo-mega launch: error: {exc}", file=sys.stderr, flush=True)
+        raise

@@ -1,0 +1,398 @@
+"""A real two-node Slurm cluster on this one machine, for the launch tests.
+
+`LocalSlurmCluster(workdir).start()` writes its own slurm.conf, munge key and state
+directories under `workdir` (nothing in /etc is touched), starts one `munged` on a private
+socket, one `slurmctld` and two `slurmd` daemons posing as nodes n1 and n2
+(../shared/notes/local-slurm.md), and waits until `sinfo` shows both nodes idle. `stop()`
+ends exactly the daemons it started, by pid. Client commands (`sbatch`, `squeue`,
+`scontrol`, `scancel`) find the cluster through the `SLURM_CONF` in `env()`.
+
+Packages: slurmctld, slurmd, slurm-client, munge (Debian, Slurm 22.05). `ensure_installed()`
+installs them with apt-get when missing and returns a reason string when it cannot, so
+the tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
+TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+
+
+def _which_all() -> List[str]:
+    missing = []
+    for name in SLURM_BINARIES:
+        if shutil.which(name) is None and not Path("/usr/sbin", name).exists():
+            missing.append(name)
+    return missing
+
+
+def ensure_installed(timeout_s: float = 600.0) -> Optional[str]:
+    """Install Slurm + munge with apt-get if missing. Returns None when usable, else why not."""
+    if not _which_all():
+        return None
+    if os.geteuid() != 0:
+        return f"Slurm binaries {_which_all()} missing and not root, cannot apt-get install them"
+    if shutil.which("apt-get") is None:
+        return f"Slurm binaries {_which_all()} missing and no apt-get on this machine"
+    cmd = ["apt-get", "install", "-y", "slurmctld", "slurmd", "slurm-client", "munge"]
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if result.returncode != 0:
+            subprocess.run(["apt-get", "update"], capture_output=True, timeout=timeout_s, env=env)
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"apt-get install slurm failed: {exc}"
+    if _which_all():
+        return f"apt-get install slurm did not provide {_which_all()}: {result.stderr[-500:]}"
+    return None
+
+
+def _free_ports(count: int) -> List[int]:
+    """`count` distinct free TCP ports on 127.0.0.1 (held together so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _free_consecutive_ports(count: int, tries: int = 50) -> int:
+    """First of `count` consecutive free ports (slurmd's Port=a-b range needs consecutive)."""
+    for _ in range(tries):
+        base = _free_ports(1)[0]
+        if base + count >= 65535:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _sbin(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+class LocalSlurmCluster:
+    """Two slurmd "nodes" (n1, n2) + slurmctld + munged, all private to `workdir`."""
+
+    def __init__(self, workdir: Path, cpus_per_node: int = 2, real_memory_mb: int = 10000):
+        self.workdir = Path(workdir)
+        self.cpus_per_node = cpus_per_node
+        self.real_memory_mb = real_memory_mb
+        self.hostname = socket.gethostname()
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.conf_path = self.workdir / "etc" / "slurm.conf"
+
+    # --- lifecycle -------------------------------------------------------------------
+    def env(self) -> Dict[str, str]:
+        """Environment for client commands (and for the jobs they submit)."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf_path)
+        for key in list(env):  # a test run inside a Slurm job must not leak its job vars
+            if key.startswith("SLURM_") and key != "SLURM_CONF":
+                env.pop(key)
+        return env
+
+    def start(self, timeout_s: float = 60.0) -> "LocalSlurmCluster":
+        w = self.workdir
+        for sub in ("etc", "log", "state", "spool", "run", "munge"):
+            (w / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(w / "munge", 0o700)
+        self._start_munge()
+        ctld_port = _free_ports(1)[0]
+        slurmd_base = _free_consecutive_ports(2)
+        self.conf_path.write_text(self._slurm_conf(ctld_port, slurmd_base))
+        env = self.env()
+        self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-f", str(self.conf_path)], env)
+        for node in ("n1", "n2"):
+            self._spawn(f"slurmd-{node}", [_sbin("slurmd"), "-D", "-N", node, "-f", str(self.conf_path)], env)
+        self._wait_idle(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        """Stop the daemons this object started (by pid), slurmds first."""
+        for name in sorted(self.procs, key=lambda n: (not n.startswith("slurmd"), n)):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalSlurmCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- jobs ------------------------------------------------------------------------
+    def run(self, args: List[str], timeout_s: float = 30.0, check: bool = True,
+            extra_env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+        env = self.env()
+        env.update(extra_env or {})
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        return result
+
+    def sbatch(self, args: List[str], extra_env: Optional[Dict[str, str]] = None, cwd: Optional[Path] = None) -> int:
+        """Submit; returns the job id."""
+        env = self.env()
+        env.update(extra_env or {})
+        result = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True,
+                                timeout=30, env=env, cwd=str(cwd) if cwd else None)
+        if result.returncode != 0:
+            raise RuntimeError(f"sbatch {args} failed: {result.stderr}")
+        return int(result.stdout.strip().split(";")[0].split("+")[0])
+
+    def job_info(self, job_id: int) -> Dict[str, str]:
+        """`scontrol show job` fields of the job (of component 0 for a heterogeneous job)."""
+        out = self.run(["scontrol", "show", "job", "-o", str(job_id)], check=False).stdout
+        line = out.strip().splitlines()[0] if out.strip() else ""
+        return dict(re.findall(r"(\w+)=(\S*)", line))
+
+    def job_state(self, job_id: int) -> str:
+        return self.job_info(job_id).get("JobState", "UNKNOWN")
+
+    def wait_job(self, job_id: int, timeout_s: float, poll_s: float = 1.0) -> Dict[str, str]:
+        """Wait until the job reaches a terminal state (bounded); returns its fields."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.job_info(job_id)
+            if info.get("JobState") in TERMINAL_STATES:
+                return info
+            time.sleep(poll_s)
+        self.run(["scancel", str(job_id)], check=False)
+        raise TimeoutError(f"job {job_id} not finished after {timeout_s:.0f}s: {self.job_info(job_id)}\n"
+                           f"{self.debug_tail()}")
+
+    def wait_state(self, job_id: int, state: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            current = self.job_state(job_id)
+            if current == state:
+                return
+            if current in TERMINAL_STATES:
+                raise RuntimeError(f"job {job_id} ended ({current}) before reaching {state}")
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} not {state} after {timeout_s:.0f}s")
+
+    def debug_tail(self, lines: int = 30) -> str:
+        chunks = []
+        for log in sorted((self.workdir / "log").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            chunks.append(f"--- {log.name}\n" + "\n".join(text))
+        return "\n".join(chunks)
+
+    # --- internals -------------------------------------------------------------------
+    def _spawn(self, name: str, cmd: List[str], env: Dict[str, str]) -> None:
+        log = open(self.workdir / "log" / f"{name}.stdout", "wb")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        log.close()
+
+    def _start_munge(self) -> None:
+        """A private munged: own key, socket, pid and log (the system one is left alone)."""
+        m = self.workdir / "munge"
+        key = m / "munge.key"
+        key.write_bytes(os.urandom(128))
+        os.chmod(key, 0o600)
+        self.munge_socket = m / "munge.socket"
+        cmd = [_sbin("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
+               f"--key-file={key}", f"--pid-file={m / 'munged.pid'}", f"--log-file={m / 'munged.log'}",
+               f"--seed-file={m / 'munged.seed'}"]
+        self._spawn("munged", cmd, dict(os.environ))
+        deadline = time.monotonic() + 15
+        while not self.munge_socket.exists():
+            if self.procs["munged"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("munged did not start: " + (m / "munged.log").read_text(errors="replace")
+                                   if (m / "munged.log").exists() else "munged did not start")
+            time.sleep(0.1)
+
+    def _slurm_conf(self, ctld_port: int, slurmd_base: int) -> str:
+        w = self.workdir
+        return "\n".join([
+            "ClusterName=dapotest",
+            f"SlurmctldHost={self.hostname}",
+            f"SlurmctldPort={ctld_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SchedulerType=sched/backfill",
+            # heterogeneous jobs are placed by the backfill pass: run it every second
+            "SchedulerParameters=bf_interval=1,sched_interval=1",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            f"SlurmctldPidFile={w}/run/slurmctld.pid",
+            f"SlurmdPidFile={w}/run/slurmd-%n.pid",
+            f"SlurmdSpoolDir={w}/spool/%n",
+            f"StateSaveLocation={w}/state",
+            "SlurmUser=root",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "KillWait=3",
+            "MinJobAge=600",
+            "InactiveLimit=0",
+            f"SlurmctldLogFile={w}/log/slurmctld.log",
+            f"SlurmdLogFile={w}/log/slurmd-%n.log",
+            f"NodeName=n[1-2] NodeHostname={self.hostname} NodeAddr=127.0.0.1 "
+            f"Port={slurmd_base}-{slurmd_base + 1} CPUs={self.cpus_per_node} "
+            f"RealMemory={self.real_memory_mb} State=UNKNOWN",
+            "PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+            "",
+        ])
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}\n{self.debug_tail()}")
+            result = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout_s=10)
+            last = result.stdout + result.stderr
+            states = dict(line.split() for line in result.stdout.strip().splitlines() if len(line.split()) == 2)
+            if states.get("n1") == "idle" and states.get("n2") == "idle":
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"nodes not idle after {timeout_s:.0f}s: {last}\n{self.debug_tail()}")
+
+
+# --------------------------------------------------------------------------------------
+# Stand-in roles: `python tests/slurm_cluster.py standin-learner|standin-engine ...`.
+# The launcher runs them through DAPO_MEGA_LEARNER_CMD / DAPO_MEGA_ENGINE_CMD, so the
+# sbatch + launch machinery (roles, rendezvous, registry, teardown, exit codes, logs) is
+# exercised for real. The learner does a real gloo rendezvous and writes the run-directory
+# records the trainer writes (metrics.jsonl, ledger/, checkpoints/), resuming from the
+# latest checkpoint like the trainer does with trainer.resume=true.
+# Knobs: STANDIN_STEP_SECONDS, STANDIN_CRASH_RANK + STANDIN_CRASH_AT_STEP,
+#        STANDIN_ENGINE_CRASH_INDEX + STANDIN_ENGINE_CRASH_AFTER_S.
+# --------------------------------------------------------------------------------------
+def _standin_learner(overrides: List[str]) -> int:
+    import json
+    import urllib.request
+
+    import torch
+    import torch.distributed as dist
+
+    from dapo_mega.config import load_config
+
+    cfg = load_config(overrides)
+    dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    registry = Path(cfg.rollout.engine_registry)
+    deadline = time.monotonic() + 60
+    while len(list(registry.glob("engine-*.json"))) < cfg.rollout.num_engines:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"stand-in learner: engines did not announce themselves in {registry}")
+        time.sleep(0.2)
+    urls = sorted(json.loads(p.read_text())["url"] for p in registry.glob("engine-*.json"))
+    for url in urls:  # every announced engine answers
+        request = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {cfg.rollout.api_key}"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert response.status == 200
+    run_dir = cfg.run_dir
+    ckpt_root = run_dir / "checkpoints"
+    done = sorted(int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*") if (p / "complete").exists())
+    start = done[-1] + 1 if cfg.trainer.resume and done else 1
+    step_seconds = float(os.environ.get("STANDIN_STEP_SECONDS", "0.2"))
+    crash_rank = int(os.environ.get("STANDIN_CRASH_RANK", "-1"))
+    crash_step = int(os.environ.get("STANDIN_CRASH_AT_STEP", "-1"))
+    for step in range(start, cfg.trainer.total_steps + 1):
+        if rank == crash_rank and step == crash_step:
+            raise RuntimeError(f"stand-in learner rank {rank} crashed at step {step}")
+        time.sleep(step_seconds)
+        value = torch.tensor([1.0])
+        dist.all_reduce(value)  # a dead peer makes this raise (or the job's teardown kills us)
+        if rank == 0:
+            record = {"step": step, "world_size": world, "rank_sum": total.item(), "allreduce": value.item(),
+                      "engines": urls, "job_id": os.environ.get("SLURM_JOB_ID"), "resumed_from": start - 1}
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            (run_dir / "ledger").mkdir(exist_ok=True)
+            (run_dir / "ledger" / f"step_{step:06d}.jsonl").write_text(json.dumps({"step": step}) + "\n")
+            if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0 or step == cfg.trainer.total_steps:
+                ckpt = ckpt_root / f"step_{step:06d}"
+                ckpt.mkdir(parents=True, exist_ok=True)
+                (ckpt / "complete").write_text(str(step))
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _standin_engine(argv: List[str]) -> int:
+    import argparse
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--api-key", default="")
+    args, _ = parser.parse_known_args(argv)
+    if not Path(args.model_path, "config.json").exists():
+        raise SystemExit(f"stand-in engine: no model at {args.model_path}")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            ok = not args.api_key or self.headers.get("Authorization") == f"Bearer {args.api_key}"
+            self.send_response(200 if ok and self.path == "/health" else 401 if not ok else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    print(f"stand-in engine serving on {args.host}:{args.port}", flush=True)
+    crash_after = float(os.environ.get("STANDIN_ENGINE_CRASH_AFTER_S", "-1"))
+    crash_port_index = os.environ.get("STANDIN_ENGINE_CRASH_INDEX")
+    started = time.monotonic()
+    while True:
+        time.sleep(0.2)
+        if crash_after >= 0 and time.monotonic() - started > crash_after and crash_port_index is not None:
+            if os.environ.get("DAPO_MEGA_ENGINE_INDEX") == crash_port_index:
+                print("stand-in engine: simulated CUDA error: out of memory", flush=True)
+                return 3
+
+
+if __name__ == "__main__":
+    import sys
+
+    role, rest = sys.argv[1], sys.argv[2:]
+    sys.exit(_standin_learner(rest) if role == "standin-learner" else _standin_engine(rest))
