@@ -1,0 +1,100 @@
+"""Reward composition: correctness (±1) + soft overlong penalty (DAPO §3.4, Eq. 13).
+
+    reward_i = correctness_i + overlong_penalty_i      (a truncated wrong answer: −2)
+
+Both components are kept per sample for the ledger. The learner places the scalar
+reward on the last response token (it is an outcome reward; advantages spread it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from dapo_mega.algo.overlong import compute_overlong_penalty
+from dapo_mega.reward.scoring import Text, VerifierPool, score_responses
+from dapo_mega.reward.types import Verifier, VerifyStats
+
+
+@dataclass
+class RewardBatch:
+    """Per-sample reward components of N responses.
+
+    correctness: [N] float32, +1 correct / −1 wrong (or verifier error).
+    overlong_penalty: [N] float32 in [−factor, 0] (all 0 when shaping is off).
+    reward: [N] float32 = correctness + overlong_penalty.
+    correct: [N] bool.
+    verifier_error: N × (None or "verifier_error: ...").
+    extracted: N × the answer the verifier read (None if none).
+    stats: counts of the scoring call (errors, time-outs, seconds).
+    """
+
+    correctness: torch.Tensor
+    overlong_penalty: torch.Tensor
+    reward: torch.Tensor
+    correct: torch.Tensor
+    verifier_error: List[Optional[str]]
+    extracted: List[Optional[str]]
+    stats: VerifyStats
+    verifier_name: str
+    verifier_version: str
+
+    def record(self, i: int) -> Dict[str, Any]:
+        """The ledger fields of sample i."""
+        return {
+            "correctness": float(self.correctness[i]),
+            "overlong_penalty": float(self.overlong_penalty[i]),
+            "reward": float(self.reward[i]),
+            "correct": bool(self.correct[i]),
+            "verifier_error": self.verifier_error[i],
+            "extracted": self.extracted[i],
+            "verifier_name": self.verifier_name,
+            "verifier_version": self.verifier_version,
+        }
+
+
+def compute_rewards(
+    verifier: Verifier,
+    responses: Sequence[Text],
+    ground_truths: Sequence[str],
+    response_lengths: Sequence[int],
+    algo_cfg: Any,
+    answer_prefixes: Optional[Sequence[str]] = None,
+    pool: Optional[VerifierPool] = None,
+) -> RewardBatch:
+    """Verify N responses and add the overlong penalty.
+
+    Args:
+        verifier: from `build_verifier(algo_cfg.verifier)`.
+        responses: N decoded responses.
+        ground_truths: N reference answers.
+        response_lengths: N response lengths in tokens (|y| of Eq. 13).
+        algo_cfg: an AlgoConfig (or anything with its fields): max_response_length,
+            overlong_buffer_enable, overlong_buffer_length, overlong_penalty_factor,
+            verifier_timeout_s.
+        answer_prefixes: see `score_responses` (the synthetic task's "Answer:").
+        pool: optional worker pool (default: the shared one of the verifier).
+    """
+    results, stats = score_responses(verifier, responses, ground_truths, algo_cfg.verifier_timeout_s,
+                                     answer_prefixes=answer_prefixes, pool=pool)
+    correctness = torch.tensor([r.reward for r in results], dtype=torch.float32)
+    if algo_cfg.overlong_buffer_enable:
+        penalty = compute_overlong_penalty(list(response_lengths), algo_cfg.max_response_length,
+                                           algo_cfg.overlong_buffer_length, algo_cfg.overlong_penalty_factor)
+    else:
+        penalty = torch.zeros(len(results), dtype=torch.float32)
+    if penalty.shape != correctness.shape:
+        raise ValueError(f"{len(response_lengths)} response lengths for {len(results)} responses")
+    return RewardBatch(
+        correctness=correctness,
+        overlong_penalty=penalty,
+        reward=correctness + penalty,
+        correct=torch.tensor([r.correct for r in results], dtype=torch.bool),
+        verifier_error=[r.error for r in results],
+        extracted=[r.extracted for r in results],
+        stats=stats,
+        verifier_name=verifier.name,
+        verifier_version=verifier.version,
+    )
