@@ -1,1 +1,4 @@
+"""SGLang backend: pinned API tables (`api`) and engine / router command lines (`launch`).
 
+Nothing here imports sglang; the GPU engine is a separate process started from argv.
+"""

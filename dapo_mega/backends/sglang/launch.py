@@ -1,0 +1,111 @@
+"""Command lines of rollout engines and of sglang-router, built from `RolloutConfig`.
+
+Both engines start the same way: `python -m sglang.launch_server ...` on GPU clusters and
+`python -m dapo_mega.rollout.server ...` (the embedded CPU engine, which accepts the same
+flags) everywhere else. Flag names come from `api.SERVER_FLAGS`, pinned from sglang 0.5.23
+(`srt/arg_groups/fields/*.py`); router flags from sglang-router 0.3.2.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import List, Optional, Sequence
+
+from dapo_mega.backends.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
+from dapo_mega.config import RolloutConfig
+
+SGLANG_MODULE = "sglang.launch_server"
+EMBEDDED_MODULE = "dapo_mega.rollout.server"
+ROUTER_MODULE = "sglang_router.launch_router"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def resolve_engine_dtype(dtype: str, backend: str) -> str:
+    """`auto` means float32 on the CPU engine and bfloat16 on SGLang (GPU)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if backend == "embedded" else "bfloat16"
+
+
+def build_engine_command(
+    cfg: RolloutConfig,
+    model_path: str,
+    port: int,
+    weight_version: str = "default",
+    host: Optional[str] = None,
+    python: str = sys.executable,
+) -> List[str]:
+    """argv of one engine: `[python, -m, <module>, --model-path, ..., *extra_server_args]`.
+
+    The module is sglang.launch_server for `cfg.backend == "sglang"`, else the embedded
+    engine. Memory flags (`--mem-fraction-static`, `--enable-memory-saver`) are passed to
+    both; the embedded engine accepts and ignores what has no meaning on a CPU.
+    """
+    host = host or cfg.host
+    if host not in LOOPBACK_HOSTS and not cfg.api_key:
+        raise ValueError(f"rollout.host={host} without rollout.api_key: an engine reachable from the "
+                         "network would accept weight updates from anyone. Set rollout.api_key.")
+    module = SGLANG_MODULE if cfg.backend == "sglang" else EMBEDDED_MODULE
+    f = SERVER_FLAGS
+    argv = [python, "-m", module,
+            f["model_path"], str(model_path),
+            f["host"], host,
+            f["port"], str(port),
+            f["tp_size"], str(cfg.engine_tp_size),
+            f["dp_size"], str(cfg.engine_dp_size),
+            f["dtype"], resolve_engine_dtype(cfg.dtype, cfg.backend),
+            f["mem_fraction_static"], str(cfg.mem_fraction_static),
+            f["max_running_requests"], str(cfg.max_running_requests),
+            f["weight_version"], str(weight_version)]
+    if cfg.api_key:
+        argv += [f["api_key"], cfg.api_key]
+    argv += list(cfg.extra_server_args)
+    return argv
+
+
+def build_router_command(
+    worker_urls: Sequence[str],
+    port: int,
+    host: str = "127.0.0.1",
+    policy: str = "cache_aware",
+    python: str = sys.executable,
+) -> List[str]:
+    """argv of sglang-router in front of `worker_urls` (cache-aware routing by default)."""
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"router policy {policy!r} not in {ROUTER_POLICIES}")
+    if not worker_urls:
+        raise ValueError("sglang-router needs at least one worker url")
+    return [python, "-m", ROUTER_MODULE, ROUTER_FLAGS["worker_urls"], *worker_urls,
+            ROUTER_FLAGS["host"], host, ROUTER_FLAGS["port"], str(port),
+            ROUTER_FLAGS["policy"], policy]
+
+
+def wait_for_health(url: str, timeout_s: float, api_key: str = "", process=None,
+                    poll_s: float = 0.2) -> float:
+    """Poll GET `url`/health until 200; returns the seconds waited.
+
+    Raises TimeoutError after `timeout_s`, or RuntimeError at once when `process`
+    (a subprocess.Popen) has exited, with its return code.
+    """
+    start = time.monotonic()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    attempts = max(1, int(timeout_s / poll_s) + 1)
+    for _ in range(attempts):
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"engine process for {url} exited with code {process.returncode} before "
+                               "becoming healthy; see its log")
+        try:
+            req = urllib.request.Request(url.rstrip("/") + "/health", headers=headers)
+            with urllib.request.urlopen(req, timeout=max(poll_s, 1.0)) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - start
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        if time.monotonic() - start > timeout_s:
+            break
+        time.sleep(poll_s)
+    raise TimeoutError(f"engine at {url} not healthy after {timeout_s:.0f} s "
+                       "(raise rollout.health_timeout_s for large models)")

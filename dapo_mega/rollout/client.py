@@ -1,0 +1,227 @@
+"""Async HTTP client of one rollout engine (SGLang or the embedded engine: same API).
+
+Request bodies use exactly SGLang 0.5.23's JSON field names (`backends.sglang.api`);
+`build_*_body` functions are pure so the tests check them against the pinned table.
+`/generate` replies are parsed into one `SampleResult` per sample, in SGLang's order
+(prompt-major: result `i * n + j` is sample `j` of prompt `i`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import aiohttp
+
+from dapo_mega.backends.sglang.api import DEFAULT_GROUP_NAME, PAUSE_MODES
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error status (the message carries its reply)."""
+
+    def __init__(self, url: str, path: str, status: int, body: Any):
+        super().__init__(f"{url}{path} -> HTTP {status}: {body}")
+        self.status, self.body = status, body
+
+
+@dataclass
+class SampleResult:
+    """One generated sample, parsed from a /generate reply.
+
+    output_ids: the reply's output_ids (a matched stop token trimmed, as SGLang does).
+    token_ids: every generated token including a matched stop token (from the log-prob
+        list when asked for; else output_ids) — what the learner trains on.
+    logprobs: [len(token_ids)] log p(token) under softmax(z/T) (SGLang's convention), or None.
+    weight_versions: [{"version", "start", "end"}] spans over token_ids.
+    """
+
+    prompt_index: int
+    sample_index: int
+    text: str
+    output_ids: List[int]
+    token_ids: List[int]
+    finish_reason: Dict[str, Any]
+    logprobs: Optional[List[float]]
+    weight_versions: List[Dict[str, Any]]
+    prompt_tokens: int
+    completion_tokens: int
+    meta_info: Dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason.get("type") == "length"
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
+
+    @property
+    def versions(self) -> List[str]:
+        return [str(s["version"]) for s in self.weight_versions]
+
+
+def build_sampling_params(n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                          max_new_tokens: int = 128, stop: Optional[Sequence[str]] = None,
+                          sampling_seed: Optional[int] = None, **extra: Any) -> Dict[str, Any]:
+    """SGLang `sampling_params` dict."""
+    params: Dict[str, Any] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                              "max_new_tokens": max_new_tokens}
+    if stop:
+        params["stop"] = list(stop)
+    if sampling_seed is not None:
+        params["sampling_seed"] = sampling_seed
+    params.update(extra)
+    return params
+
+
+def build_generate_body(prompts: Sequence, sampling_params: Dict[str, Any], return_logprob: bool = False,
+                        rid: Optional[str] = None) -> Dict[str, Any]:
+    """Batched GenerateReqInput: `text` for strings, `input_ids` for token lists."""
+    if not prompts:
+        raise ValueError("no prompts")
+    key = "text" if isinstance(prompts[0], str) else "input_ids"
+    body: Dict[str, Any] = {key: [p if isinstance(p, str) else list(p) for p in prompts],
+                            "sampling_params": sampling_params, "return_logprob": bool(return_logprob)}
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def parse_generate_reply(reply: Any, num_prompts: int, n: int) -> List[SampleResult]:
+    """Replies (a list of batch*n dicts, or one dict) -> SampleResults in SGLang's order."""
+    items = reply if isinstance(reply, list) else [reply]
+    if len(items) != num_prompts * n:
+        raise ValueError(f"expected {num_prompts * n} replies ({num_prompts} prompts x n={n}), got {len(items)}")
+    out = []
+    for k, item in enumerate(items):
+        meta = item["meta_info"]
+        lps = meta.get("output_token_logprobs")
+        token_ids = [int(t[1]) for t in lps] if lps is not None else list(item["output_ids"])
+        spans = meta.get("weight_versions") or [
+            {"version": meta.get("weight_version", "default"), "start": 0, "end": len(token_ids)}]
+        out.append(SampleResult(
+            prompt_index=k // n, sample_index=k % n, text=item.get("text", ""),
+            output_ids=list(item.get("output_ids", [])), token_ids=token_ids,
+            finish_reason=meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"},
+            logprobs=[float(t[0]) for t in lps] if lps is not None else None,
+            weight_versions=spans, prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", len(token_ids))), meta_info=meta))
+    return out
+
+
+def control_body(path: str, **fields: Any) -> Dict[str, Any]:
+    """A control request body; drops None values (SGLang fills its defaults)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+class EngineClient:
+    """One engine at `url` (http://host:port). Use as `async with EngineClient(url) as c:`."""
+
+    def __init__(self, url: str, api_key: str = "", timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> Dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def _request(self, method: str, path: str, body: Any = None, timeout_s: Optional[float] = None,
+                       expect_json: bool = True) -> Any:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self._headers())
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        async with self._session.request(method, self.url + path, json=body, timeout=timeout) as resp:
+            text = await resp.text()
+            try:
+                data = await resp.json(content_type=None) if expect_json and text else text
+            except ValueError:
+                data = text
+            if resp.status >= 400:
+                raise EngineError(self.url, path, resp.status, data)
+            return data
+
+    # ---------------------------------------------------------------- generation
+    async def generate(self, prompts: Sequence, sampling_params: Dict[str, Any], return_logprob: bool = True,
+                       timeout_s: Optional[float] = None) -> List[SampleResult]:
+        """Batched /generate; returns len(prompts) * n SampleResults, prompt-major."""
+        body = build_generate_body(prompts, sampling_params, return_logprob)
+        reply = await self._request("POST", "/generate", body, timeout_s=timeout_s)
+        return parse_generate_reply(reply, len(prompts), int(sampling_params.get("n", 1)))
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await self._request("GET", "/health", timeout_s=timeout_s, expect_json=False)
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, EngineError, OSError):
+            return False
+
+    async def model_info(self) -> Dict[str, Any]:
+        return await self._request("GET", "/model_info")
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info())["weight_version"])
+
+    # ---------------------------------------------------------------- control
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}")
+        return await self._request("POST", "/pause_generation", control_body("/pause_generation", mode=mode))
+
+    async def continue_generation(self) -> Any:
+        return await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> str:
+        return await self._request("POST", "/flush_cache", expect_json=False)
+
+    async def release_memory_occupation(self, tags: Optional[List[str]] = None) -> Any:
+        return await self._request("POST", "/release_memory_occupation", control_body("", tags=tags))
+
+    async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> Any:
+        return await self._request("POST", "/resume_memory_occupation", control_body("", tags=tags))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = DEFAULT_GROUP_NAME,
+                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> Any:
+        body = control_body("/init_weights_update_group", master_address=master_address,
+                            master_port=int(master_port), rank_offset=int(rank_offset),
+                            world_size=int(world_size), group_name=group_name, backend=backend)
+        return await self._request("POST", "/init_weights_update_group", body, timeout_s=timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> Any:
+        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                                              group_name: str = DEFAULT_GROUP_NAME,
+                                              weight_version: Optional[str] = None,
+                                              load_format: Optional[str] = None, flush_cache: bool = True,
+                                              timeout_s: Optional[float] = None) -> Any:
+        body = control_body("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
+                            group_name=group_name, weight_version=weight_version, load_format=load_format,
+                            flush_cache=flush_cache)
+        return await self._request("POST", "/update_weights_from_distributed", body, timeout_s=timeout_s)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str],
+                                         weight_version: Optional[str] = None, flush_cache: bool = True) -> Any:
+        body = control_body("/update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
+                            load_format=load_format, weight_version=weight_version, flush_cache=flush_cache)
+        return await self._request("POST", "/update_weights_from_tensor", body)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
+        return await self._request("POST", "/update_weight_version",
+                                   {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

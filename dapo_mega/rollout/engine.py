@@ -1,0 +1,439 @@
+"""The embedded engine's generation core: batched sampling with a KV cache on a HF model.
+
+`GenerationEngine` owns a transformers `AutoModelForCausalLM`, a queue of sequences and one
+generation thread. The thread collects queued sequences for `batch_wait_s`, left-pads them
+into one batch, prefills, then decodes token by token with the model's KV cache, dropping
+finished rows from the cache as it goes. The HTTP layer (`server.py`) never touches the
+model: it enqueues sequences, and weight updates go through `load_named_tensors`, which
+takes the same lock as a forward step, so a step never sees half-loaded weights.
+
+Sampling follows SGLang 0.5.23 (`srt/layers/sampler.py`), per row:
+
+    p = softmax(z / T)                      (T = temperature; T < 1e-5 means greedy)
+    p' = top-k, then top-p, then min-p filtered p, renormalised
+    y ~ p'
+    reported logprob = log p[y]            (temperature-scaled, *before* top-k/top-p;
+                                             greedy rows report log_softmax(z)[y])
+
+Every generated token is stamped with the weight version current at the forward step that
+produced it; runs of equal versions become SGLang's `weight_versions` spans.
+
+Pausing (SGLang's `/pause_generation` modes): `abort` finishes running and queued
+sequences at once with finish_reason abort; `in_place` stops between decode steps and
+keeps the KV cache (tokens after a weight update then attend to keys computed by the old
+weights, as in SGLang); `retract` stops likewise but drops the KV cache, which is
+recomputed from prompt + output so far on `continue` (with the then-current weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GREEDY_EPS = 1e-5
+
+
+def _cache_kwarg() -> str:
+    """transformers 5.x renamed `past_key_values` to `cache`; accept either release."""
+    import inspect
+
+    from transformers import PreTrainedModel  # noqa: F401
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    params = inspect.signature(LlamaForCausalLM.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+_CACHE_KWARG = _cache_kwarg()
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) if _CACHE_KWARG == "cache" else out.past_key_values
+
+
+@dataclass
+class SamplingSpec:
+    """One request's sampling parameters (SGLang SamplingParams names)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop: Tuple[str, ...] = ()
+    stop_token_ids: Tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: Optional[int] = None
+
+
+@dataclass
+class Sequence_:
+    """One sample being generated. `on_done(seq)` is called from the engine thread."""
+
+    prompt_ids: List[int]
+    spec: SamplingSpec
+    on_done: Callable[["Sequence_"], None]
+    generator: torch.Generator
+    output_ids: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    spans: List[Dict[str, object]] = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    enqueue_time: float = field(default_factory=time.monotonic)
+    start_time: Optional[float] = None
+    end_time: Optional[float] = None
+
+    def append(self, token: int, logprob: float, version: str) -> None:
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        n = len(self.output_ids)
+        if self.spans and self.spans[-1]["version"] == version:
+            self.spans[-1]["end"] = n
+        else:
+            self.spans.append({"version": version, "start": n - 1, "end": n})
+
+
+class GenerationEngine:
+    """Batched generation on one HF model with pause / weight-update hooks (CPU or GPU)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", max_running_requests: int = 256,
+                 weight_version: str = "default", batch_wait_s: float = 0.005, seed: int = 0,
+                 enable_weights_cpu_backup: bool = False, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch_dtype = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                       "float16": torch.float16, "half": torch.float16, "auto": torch.float32}[dtype]
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model_path = model_path
+        self.weight_version = str(weight_version)
+        self.max_running_requests = max_running_requests
+        self.batch_wait_s = batch_wait_s
+        self.enable_weights_cpu_backup = enable_weights_cpu_backup
+        self.tied_embeddings = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self.params: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._param_shapes = {k: tuple(v.shape) for k, v in self.params.items()}
+        self._backup: Dict[str, torch.Tensor] = {}
+        self.weights_released = False
+        # model_lock: held by every forward step and every weight load / release.
+        self.model_lock = threading.RLock()
+        self._cv = threading.Condition()
+        self._waiting: List[Sequence_] = []
+        self._running: List[Sequence_] = []
+        self._paused = False
+        self._pause_mode = "abort"
+        self._recompute_kv = False
+        self._stop = False
+        self.num_generated_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ requests
+    def new_generator(self, seed: Optional[int]) -> torch.Generator:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        return torch.Generator().manual_seed(int(seed))
+
+    def submit(self, seqs: Sequence[Sequence_]) -> None:
+        with self._cv:
+            self._waiting.extend(seqs)
+            self._cv.notify_all()
+
+    def num_active(self) -> int:
+        with self._cv:
+            return len(self._waiting) + len(self._running)
+
+    def pause(self, mode: str) -> None:
+        """Stop generating (see module docstring for the modes); returns once the thread is idle."""
+        with self._cv:
+            self._paused, self._pause_mode = True, mode
+            if mode == "retract":
+                self._recompute_kv = True
+            if mode == "abort":
+                for seq in self._waiting:
+                    self._finish(seq, {"type": "abort", "message": "Abort by pause_generation."})
+                self._waiting.clear()
+            self._cv.notify_all()
+        # Wait until the step in flight has finished: after this returns no forward runs.
+        with self.model_lock:
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def flush_cache(self) -> bool:
+        """Drop cached KV; SGLang refuses while requests hold it (in_place pause)."""
+        with self._cv:
+            if self._running and not self._recompute_kv:
+                return False
+            return True
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ weights
+    def check_named_meta(self, names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]]) -> Optional[str]:
+        """None if every (name, dtype, shape) can be loaded, else a message naming the first bad one."""
+        from dapo_mega.weights.transport import parse_dtype
+
+        if not (len(names) == len(dtypes) == len(shapes)):
+            return f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length"
+        seen = set()
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            if not isinstance(name, str) or name not in self._param_shapes:
+                return f"unknown parameter name {name!r} (not in the model's HF state dict)"
+            if name in seen:
+                return f"parameter {name!r} appears twice"
+            seen.add(name)
+            try:
+                dt = parse_dtype(dtype)
+            except ValueError as exc:
+                return f"parameter {name!r}: {exc}"
+            if not dt.is_floating_point:
+                return f"parameter {name!r}: dtype {dtype} is not a floating-point dtype"
+            if not isinstance(shape, (list, tuple)) or tuple(int(s) for s in shape) != self._param_shapes[name]:
+                return f"parameter {name!r}: shape {shape} != model shape {list(self._param_shapes[name])}"
+        return None
+
+    def load_named_tensors(self, named: Sequence[Tuple[str, torch.Tensor]],
+                           weight_version: Optional[str] = None) -> None:
+        """Copy tensors into the model by HF name (cast to the model dtype), then set the version.
+
+        `lm_head.weight` of a tied model is skipped, as SGLang's Qwen2/Llama `load_weights`
+        does: the tied matrix is loaded through `model.embed_tokens.weight`.
+        """
+        with self.model_lock:
+            if self.weights_released:
+                raise RuntimeError("weights are released; call /resume_memory_occupation first")
+            with torch.no_grad():
+                for name, tensor in named:
+                    if self.tied_embeddings and name == "lm_head.weight":
+                        continue
+                    self.params[name].copy_(tensor.to(self.device))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        if name not in self.params:
+            raise KeyError(f"unknown parameter name {name!r}")
+        if self.tied_embeddings and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"
+        return self.params[name].detach()
+
+    def release_weights(self) -> None:
+        """Free the parameter storage (SGLang's release of the `weights` tag).
+
+        Without --enable-weights-cpu-backup the contents are lost, as in SGLang: after
+        resume the learner must push weights (update_weights_from_tensor) before generating.
+        """
+        with self.model_lock:
+            if self.weights_released:
+                return
+            for name, p in self.params.items():
+                if self.enable_weights_cpu_backup:
+                    self._backup[name] = p.data
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.weights_released = True
+
+    def resume_weights(self) -> None:
+        with self.model_lock:
+            if not self.weights_released:
+                return
+            for name, p in self.params.items():
+                p.data = self._backup.pop(name) if name in self._backup else torch.zeros(
+                    self._param_shapes[name], dtype=p.dtype, device=p.device)
+            # Tied parameters share one tensor object; re-tie after reallocating.
+            if self.tied_embeddings:
+                self.model.tie_weights()
+            self.weights_released = False
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ generation thread
+    def _finish(self, seq: Sequence_, reason: dict) -> None:
+        seq.finish_reason = reason
+        seq.end_time = time.monotonic()
+        try:
+            seq.on_done(seq)
+        except Exception:  # a closed event loop must not kill the generation thread
+            logger.exception("on_done callback failed")
+
+    def _take_batch(self) -> List[Sequence_]:
+        with self._cv:
+            while not self._stop and (not self._waiting or self._paused or self.weights_released):
+                self._cv.wait(timeout=0.5)
+            if self._stop:
+                return []
+        time.sleep(self.batch_wait_s)  # let concurrent requests join this batch
+        with self._cv:
+            if self._paused or self.weights_released:
+                return []
+            batch = self._waiting[: self.max_running_requests]
+            del self._waiting[: len(batch)]
+            self._running = list(batch)
+            return batch
+
+    def _loop(self) -> None:
+        while not self._stop:
+            batch = self._take_batch()
+            if not batch:
+                continue
+            try:
+                self._run_batch(batch)
+            except Exception as exc:  # report, never hang the HTTP side
+                logger.exception("generation failed")
+                for seq in batch:
+                    if seq.finish_reason is None:
+                        self._finish(seq, {"type": "abort", "message": f"engine error: {exc}"})
+            finally:
+                with self._cv:
+                    self._running = []
+
+    def _forward_prefill(self, rows: List[Sequence_]):
+        """Left-padded prefill of prompt + output so far. Returns (last logits [B,V], cache, mask [B,T])."""
+        seqs = [r.prompt_ids + r.output_ids for r in rows]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float(), _cache_of(out), mask
+
+    def _forward_decode(self, rows: List[Sequence_], cache, mask: torch.Tensor):
+        ids = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long)
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        pos = mask.sum(-1, keepdim=True) - 1
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1,
+                         **{_CACHE_KWARG: cache})
+        return out.logits[:, -1].float(), _cache_of(out), mask
+
+    def _run_batch(self, batch: List[Sequence_]) -> None:
+        now = time.monotonic()
+        for seq in batch:
+            seq.start_time = now
+        rows = list(batch)
+        cache, mask, need_prefill = None, None, True
+        while rows:
+            with self._cv:
+                if self._paused:
+                    if self._pause_mode == "abort":
+                        for seq in rows:
+                            self._finish(seq, {"type": "abort", "message": "Abort by pause_generation."})
+                        return
+                    while self._paused and not self._stop:
+                        self._cv.wait(timeout=0.5)
+                if self._recompute_kv:
+                    need_prefill, cache, self._recompute_kv = True, None, False
+                if self._stop:
+                    return
+            with self.model_lock, torch.no_grad():
+                if self.weights_released:
+                    need_prefill = True
+                    continue
+                if need_prefill:
+                    logits, cache, mask = self._forward_prefill(rows)
+                    need_prefill = False
+                else:
+                    logits, cache, mask = self._forward_decode(rows, cache, mask)
+                version = self.weight_version
+            tokens, logprobs = sample_tokens(logits, [r.spec for r in rows], [r.generator for r in rows])
+            keep = []
+            for i, seq in enumerate(rows):
+                seq.append(int(tokens[i]), float(logprobs[i]), version)
+                self.num_generated_tokens += 1
+                reason = self._stop_reason(seq)
+                if reason is None:
+                    keep.append(i)
+                else:
+                    self._finish(seq, reason)
+            if len(keep) < len(rows):
+                rows = [rows[i] for i in keep]
+                if rows:
+                    index = torch.tensor(keep, dtype=torch.long)
+                    cache.batch_select_indices(index.to(self.device))
+                    mask = mask[index]
+                    # Rows that were all padding on the left can be trimmed from the cache:
+                    # not worth it on a CPU batch of this size.
+
+    def _stop_reason(self, seq: Sequence_) -> Optional[dict]:
+        spec, token, n = seq.spec, seq.output_ids[-1], len(seq.output_ids)
+        if n >= spec.min_new_tokens:
+            if not spec.ignore_eos and token in self.eos_token_ids:
+                return {"type": "stop", "matched": token}
+            if token in spec.stop_token_ids:
+                return {"type": "stop", "matched": token}
+            if spec.stop:
+                tail = self.tokenizer.decode(seq.output_ids[-64:], skip_special_tokens=spec.skip_special_tokens)
+                for s in spec.stop:
+                    if s and s in tail:
+                        return {"type": "stop", "matched": s}
+        if n >= spec.max_new_tokens or len(seq.prompt_ids) + n >= self.max_context:
+            return {"type": "length", "length": n}
+        return None
+
+
+def sample_tokens(logits: torch.Tensor, specs: Sequence[SamplingSpec],
+                  generators: Sequence[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row as SGLang does (module docstring).
+
+    Args:
+        logits: [B, V] float32 next-token logits.
+    Returns:
+        tokens [B] long, logprobs [B] float32: log softmax(z/T)[y] (greedy: log softmax(z)[y]).
+    """
+    B = logits.shape[0]
+    tokens = torch.empty(B, dtype=torch.long)
+    logprobs = torch.empty(B, dtype=torch.float32)
+    for i in range(B):
+        z, spec = logits[i], specs[i]
+        if spec.temperature < GREEDY_EPS:
+            y = int(torch.argmax(z))
+            tokens[i], logprobs[i] = y, torch.log_softmax(z, dim=-1)[y]
+            continue
+        logp = torch.log_softmax(z / spec.temperature, dim=-1)
+        probs = logp.exp()
+        filtered = probs.clone()
+        if 0 < spec.top_k < filtered.numel():
+            kth = torch.topk(filtered, spec.top_k).values[-1]
+            filtered[filtered < kth] = 0.0
+        if spec.top_p < 1.0:
+            sorted_p, order = torch.sort(filtered, descending=True)
+            cum = sorted_p.cumsum(0)
+            # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
+            drop_sorted = (cum - sorted_p) > spec.top_p
+            filtered[order[drop_sorted]] = 0.0
+        if spec.min_p > 0.0:
+            filtered[filtered < spec.min_p * filtered.max()] = 0.0
+        y = int(torch.multinomial(filtered / filtered.sum(), 1, generator=generators[i]))
+        tokens[i], logprobs[i] = y, logp[y]
+    return tokens, logprobs

@@ -1,0 +1,207 @@
+"""Transport of named tensors between learners and engines.
+
+* `init_custom_process_group`: SGLang's own way of creating a second "world" beside the
+  default process group (sglang 0.5.23 `srt/utils/common.py`, after OpenRLHF): a `tcp://`
+  rendezvous, a `PrefixStore(group_name, store)` and torch's `_new_process_group_helper`.
+  The learner's source rank and every engine call this one function with the same
+  address, world size and group name, so both sides build the identical group (NCCL on
+  GPU, gloo on CPU).
+* Flattened buckets: SGLang's `load_format="flattened_bucket"` layout
+  (`weight_sync/tensor_bucket.py`): the bytes of every tensor of a bucket concatenated
+  into one uint8 tensor in list order; one broadcast moves the whole bucket.
+* Shared-memory handles (CPU colocated mode): the learner writes a bucket's bytes into a
+  file under /dev/shm and sends JSON metadata (path, names, dtypes, shapes, offsets); the
+  engine maps the file and copies. Nothing received over the network is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+DTYPES: Dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+    "int8": torch.int8, "bool": torch.bool,
+}
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+SHM_PREFIX = "dapo_mega_weights_"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the spelling SGLang's `dtypes` field takes)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """"bfloat16" or "torch.bfloat16" -> torch.bfloat16; ValueError for anything else."""
+    key = str(name).removeprefix("torch.")
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+def init_custom_process_group(
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: Optional[timedelta] = None,
+):
+    """A process group independent of the default one (SGLang's `init_custom_process_group`).
+
+    Args:
+        backend: "gloo" (CPU) or "nccl".
+        init_method: "tcp://host:port" of the rendezvous (rank 0 hosts the store).
+        world_size: learner source rank + all engine ranks.
+        rank: 0 for the learner source; engines use rank_offset + their TP rank.
+        group_name: distinct per group (one group per PP stage); also the store prefix.
+    Returns:
+        the ProcessGroup; use it as `group=` in collectives with group-local ranks.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend, PrefixStore, _new_process_group_helper, _world, default_pg_timeout, rendezvous)
+
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name,
+        backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_custom_process_group(pg) -> None:
+    """Tear down a group made by `init_custom_process_group`."""
+    torch.distributed.destroy_process_group(pg)
+
+
+@dataclass
+class TensorMeta:
+    """Where one tensor lies inside a flattened bucket: bytes [start, end)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    start: int
+    end: int
+
+
+def bucket_layout(names: Sequence[str], dtypes: Sequence[torch.dtype],
+                  shapes: Sequence[Sequence[int]]) -> Tuple[List[TensorMeta], int]:
+    """Byte offsets of each tensor in SGLang's flattened-bucket layout; returns (metas, nbytes)."""
+    metas, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        metas.append(TensorMeta(name, dtype, tuple(int(s) for s in shape), offset, offset + nbytes))
+        offset += nbytes
+    return metas, offset
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Concatenate the bytes of `tensors` into one uint8 tensor [sum nbytes] (into `out` if given)."""
+    flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    total = sum(f.numel() for f in flats)
+    if out is None:
+        return torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)
+    out = out[:total]
+    torch.cat(flats, out=out)
+    return out
+
+
+def unflatten_bucket(flat: torch.Tensor, metas: Sequence[TensorMeta]) -> List[Tuple[str, torch.Tensor]]:
+    """Views of `flat` (uint8) as the named tensors of `metas` (no copy)."""
+    return [(m.name, flat[m.start:m.end].view(m.dtype).view(m.shape)) for m in metas]
+
+
+# ---------------------------------------------------------------- shared memory (CPU colocated)
+
+def write_shm_bucket(named_tensors: Sequence[Tuple[str, torch.Tensor]],
+                     shm_dir: Path = SHM_DIR) -> dict:
+    """Write a bucket's bytes to a fresh shared-memory file; return its JSON handle.
+
+    Handle: {"path", "nbytes", "tensors": [{"name", "dtype", "shape", "start", "end"}]}.
+    The caller deletes the file (`remove_shm_bucket`) once every engine has loaded it.
+    """
+    names = [n for n, _ in named_tensors]
+    tensors = [t for _, t in named_tensors]
+    metas, nbytes = bucket_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
+    path = Path(shm_dir) / f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex}.bin"
+    tmp = path.with_suffix(".tmp")
+    flat = flatten_bucket(tensors)
+    with open(tmp, "wb") as fh:
+        fh.write(flat.numpy().tobytes())
+    os.replace(tmp, path)
+    return {"path": str(path), "nbytes": nbytes,
+            "tensors": [{"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape),
+                         "start": m.start, "end": m.end} for m in metas]}
+
+
+def remove_shm_bucket(handle: dict) -> None:
+    Path(handle["path"]).unlink(missing_ok=True)
+
+
+def parse_shm_handle(handle: dict, shm_dir: Path = SHM_DIR) -> Tuple[Path, List[TensorMeta]]:
+    """Validate a JSON handle: the file must be one of ours under `shm_dir`; metas consistent."""
+    if not isinstance(handle, dict) or set(handle) != {"path", "nbytes", "tensors"}:
+        raise ValueError("shared-memory handle must have exactly the keys path, nbytes, tensors")
+    path = Path(handle["path"]).resolve()
+    if path.parent != Path(shm_dir).resolve() or not path.name.startswith(SHM_PREFIX):
+        raise ValueError(f"shared-memory handle path {handle['path']!r} is not a {SHM_PREFIX}* file "
+                         f"in {shm_dir}")
+    metas = []
+    for t in handle["tensors"]:
+        metas.append(TensorMeta(str(t["name"]), parse_dtype(t["dtype"]), tuple(int(s) for s in t["shape"]),
+                                int(t["start"]), int(t["end"])))
+    expect, nbytes = bucket_layout([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas])
+    if [(m.start, m.end) for m in expect] != [(m.start, m.end) for m in metas] or nbytes != int(handle["nbytes"]):
+        raise ValueError("shared-memory handle offsets do not match the names/dtypes/shapes")
+    return path, metas
+
+
+def read_shm_bucket(path: Path, metas: Sequence[TensorMeta]) -> List[Tuple[str, torch.Tensor]]:
+    """Map the file and return named tensor views of it (the file is read-only mapped)."""
+    nbytes = metas[-1].end if metas else 0
+    if path.stat().st_size != nbytes:
+        raise ValueError(f"{path} has {path.stat().st_size} bytes, handle says {nbytes}")
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=nbytes)
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return unflatten_bucket(flat, metas)
+
+
+def encode_handle(handle: dict) -> str:
+    """JSON text of a handle (what goes into `serialized_named_tensors` for load_format shm)."""
+    return json.dumps(handle)
+
+
+def serialize_cuda_ipc(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:
+    """GPU colocated mode: SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)`.
+
+    Pickles CUDA tensors as IPC handles with torch.multiprocessing's reductions (ForkingPickler)
+    and base64-encodes them, the format SGLang's `/update_weights_from_tensor` decodes.
+    Only for a trusted SGLang engine on the same node; written against the real API, untested
+    here (no GPU).
+    """
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing.reductions  # noqa: F401  (registers CUDA tensor reductions)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(named_tensors))
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
