@@ -1,0 +1,131 @@
+"""CPU support for megatron-core 0.16.1: the CUDA calls it makes unconditionally, redirected.
+
+megatron-core assumes a GPU in a handful of places even when every tensor lives on the
+CPU (`use_cpu_initialization=True`, the local layer spec, the gloo backend). This module
+is the one place where the learner substitutes them, so that the *same* megatron-core
+code paths (GPTModel, tensor-parallel layers, pipeline schedules, DDP, the distributed
+optimizer, grad clipping) run in CPU tests and in the embedded CPU default. It is applied
+only when no GPU is present (`enable_cpu_support()` does nothing on a CUDA machine) and it
+is idempotent. See ../shared/notes/megatron-cpu.md for how each call site was found.
+
+The substitutions, process-wide:
+
+1. `torch.cuda.current_device()` answers "cpu" (rotary embeddings and others place
+   tensors with it).
+2. CUDA RNG state -> CPU generator: `torch.cuda.{get_rng_state,set_rng_state,manual_seed}` and megatron's `tensor_parallel.random._get_cuda_rng_state` /
+   `_set_cuda_rng_state`, which the model-parallel RNG tracker forks around attention even
+   with dropout 0.
+3. A `torch.overrides.TorchFunctionMode` (`CudaToCpuMode`) that rewrites any CUDA device
+   argument (`device="cuda"`, `device=0`, `torch.device("cuda", i)`) of torch functions to
+   the CPU and makes `Tensor.cuda()` / `.to("cuda")` stay on the CPU: pipeline schedules
+   and the default causal mask build `device="cuda"` tensors.
+4. `torch.cuda.synchronize()` (p2p communication): a no-op.
+5. `Tensor.type()` reports CPU float tensors under their CUDA names
+   ("torch.cuda.FloatTensor", ...), because the optimizer and grad clipping compare these
+   strings and raise otherwise.
+
+Any other CUDA call megatron-core makes fails loudly (torch raises "Torch not compiled
+with CUDA enabled"): that is deliberate, so a new code path is noticed, not skipped.
+The function mode costs Python overhead per torch call; it is a test/CPU path, the GPU
+path never installs it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+_LOCK = threading.Lock()
+_MODE: Optional["CudaToCpuMode"] = None
+
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int device index means a CUDA ordinal to torch factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _to_cpu_device(value: Any) -> Any:
+    return _CPU if _is_cuda_device(value) else value
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch function call.
+
+    Handles `device=` keywords (factory functions, `Tensor.to`, `Tensor.new_*`), positional
+    device arguments of `Tensor.to`, `Tensor.cuda()` (returns the tensor itself) and
+    `Tensor.type()` without arguments (CUDA type names, see the module docstring).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            non_blocking = kwargs.get("non_blocking", False)
+            del non_blocking  # a CPU tensor "moved" to the CPU is itself
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]) and not isinstance(args[1], int):
+            args = (args[0], _CPU) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def enable_cpu_support(force: bool = False) -> bool:
+    """Install the CPU substitutions for megatron-core. Idempotent.
+
+    Does nothing when CUDA is available (unless `force`, for tests of this module only).
+    Returns True when the substitutions are active after the call.
+    """
+    global _ENABLED, _MODE
+    if torch.cuda.is_available() and not force:
+        return False
+    with _LOCK:
+        if _ENABLED:
+            return True
+        import megatron.core.tensor_parallel.random as mp_random
+
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+        torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+        torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
+        torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
+        # Not torch.manual_seed: it calls torch.cuda.manual_seed_all (a lazy no-op without
+        # CUDA, left alone) and would recurse if that were redirected too.
+        torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))  # type: ignore
+        mp_random._get_cuda_rng_state = _cpu_get_rng_state
+        mp_random._set_cuda_rng_state = _cpu_set_rng_state
+
+        _MODE = CudaToCpuMode()
+        _MODE.__enter__()  # stays on the (thread-local) function-mode stack for good
+        _ENABLED = True
+    return True
+
+
+def cpu_support_enabled() -> bool:
+    """Whether `enable_cpu_support()` has installed the substitutions in this process."""
+    return _ENABLED

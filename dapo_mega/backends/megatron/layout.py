@@ -1,0 +1,177 @@
+"""The parallel layout of the Megatron learner: one object, validated, passed explicitly.
+
+    world = TP · PP · CP · DP          (expert parallel stays 1: dense models)
+
+`ParallelLayout.from_config` computes DP from the world size; `validate()` checks every
+rule against the model *before* any process group exists and raises `ConfigError` naming
+the field; `initialize()` starts torch.distributed (gloo on the CPU, NCCL on GPUs) when
+needed and megatron's `parallel_state`. Rank properties read the initialised groups, so
+code that holds a layout never has to reach for module globals itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from dapo_mega.backends.megatron.hf_arch import read_hf_arch
+from dapo_mega.config import ConfigError, MegatronConfig
+
+
+@dataclass
+class ParallelLayout:
+    """Sizes of every parallel dimension of the learner (ranks come after `initialize`)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    """Virtual pipeline stages (model chunks) per PP rank; None = not interleaved."""
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    hf_config: Any = None
+    """The HF config (object, dict or path) used for divisibility checks; may be None."""
+
+    @classmethod
+    def from_config(cls, mcfg: MegatronConfig, world_size: int, hf_config: Any = None) -> "ParallelLayout":
+        """Layout from the Megatron config and the number of learner processes.
+
+        DP = world_size / (TP·PP·CP); the division is checked in `validate()`.
+        """
+        tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+        model_parallel = max(tp * pp * cp, 1)
+        return cls(world_size=world_size, tp=tp, pp=pp, vpp=mcfg.virtual_pipeline_model_parallel_size, cp=cp,
+                   dp=max(world_size // model_parallel, 1), ep=mcfg.expert_model_parallel_size,
+                   sequence_parallel=mcfg.sequence_parallel, hf_config=hf_config)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "ParallelLayout":
+        """Every rule that must hold before process groups start; ConfigError names the field."""
+        for name, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
+                            ("context_parallel_size", self.cp)):
+            if value < 1:
+                raise ConfigError(f"megatron.{name}: must be >= 1, got {value}")
+        if self.ep != 1:
+            raise ConfigError(f"megatron.expert_model_parallel_size: {self.ep} but the learner builds dense "
+                              "models only; set it to 1")
+        if self.tp * self.pp * self.cp * self.dp != self.world_size:
+            raise ConfigError(
+                f"megatron.tensor_model_parallel_size: tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} "
+                f"!= world size {self.world_size}; choose tp, pp and cp whose product divides the number of "
+                "learner processes")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("megatron.sequence_parallel: needs tensor_model_parallel_size > 1")
+        if self.vpp is not None:
+            if self.pp == 1:
+                raise ConfigError("megatron.virtual_pipeline_model_parallel_size: needs "
+                                  "pipeline_model_parallel_size > 1")
+            if self.vpp < 1:
+                raise ConfigError(f"megatron.virtual_pipeline_model_parallel_size: must be >= 1, got {self.vpp}")
+        if self.hf_config is not None:
+            arch = read_hf_arch(self.hf_config)
+            if arch.num_attention_heads % self.tp:
+                raise ConfigError(
+                    f"megatron.tensor_model_parallel_size: {self.tp} does not divide the model's "
+                    f"num_attention_heads {arch.num_attention_heads}; pick a TP that divides it")
+            if arch.num_key_value_heads % self.tp:
+                raise ConfigError(
+                    f"megatron.tensor_model_parallel_size: {self.tp} does not divide the model's "
+                    f"num_key_value_heads (query groups) {arch.num_key_value_heads}; pick a TP that divides it")
+            chunks = self.pp * (self.vpp or 1)
+            field = ("virtual_pipeline_model_parallel_size" if self.vpp
+                     else "pipeline_model_parallel_size")
+            if arch.num_layers % chunks:
+                raise ConfigError(
+                    f"megatron.{field}: the model's {arch.num_layers} layers do not split into "
+                    f"pp*vpp = {self.pp}*{self.vpp or 1} = {chunks} equal pipeline chunks; pick sizes that divide "
+                    "num_hidden_layers")
+        return self
+
+    # ------------------------------------------------------------------ start-up
+    def initialize(self, backend: Optional[str] = None, init_method: Optional[str] = None,
+                   rank: Optional[int] = None, timeout_s: int = 1800) -> "ParallelLayout":
+        """Validate, start torch.distributed if needed, then megatron's parallel_state.
+
+        backend: default gloo without CUDA, nccl with it. init_method/rank default to
+        env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), as torchrun and srun set them.
+        On the CPU the megatron CUDA substitutions (`cpu_support`) are installed first.
+        """
+        self.validate()
+        from megatron.core import parallel_state
+
+        from dapo_mega.backends.megatron.cpu_support import enable_cpu_support
+
+        enable_cpu_support()
+        if not torch.distributed.is_initialized():
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(
+                backend=backend, init_method=init_method or "env://", world_size=self.world_size,
+                rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
+                timeout=datetime.timedelta(seconds=timeout_s))
+        actual = torch.distributed.get_world_size()
+        if actual != self.world_size:
+            raise ConfigError(f"cluster.num_learner_processes: layout expects {self.world_size} learner processes, "
+                              f"torch.distributed has {actual}")
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep, distributed_timeout_minutes=max(timeout_s // 60, 1))
+        return self
+
+    # ------------------------------------------------------------------ ranks
+    @property
+    def rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_rank()
+
+    @property
+    def cp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_weight_source(self) -> bool:
+        """True on the rank of each pipeline stage that sends its weights (tp0, dp0, cp0)."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+    def destroy(self) -> None:
+        """Tear down megatron's groups (torch.distributed stays up; the caller owns it)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,348 @@
+"""Model provider: a megatron-core GPTModel for Qwen2 / Qwen2.5 / Llama from a HF config.
+
+    build_model(hf_config, mcfg, layout) -> ([GPTModel chunk per virtual stage], ModelInfo)
+
+Architecture mapping (HF -> megatron TransformerConfig / GPTModel):
+
+    num_key_value_heads   -> num_query_groups (GQA)
+    Qwen2: always QKV bias; Llama: attention_bias -> add_qkv_bias; no other linear bias
+    rms_norm_eps          -> normalization="RMSNorm", layernorm_epsilon
+    SwiGLU MLP            -> gated_linear_unit=True, activation_func=silu
+    rope θ                -> position_embedding_type="rope", rotary_base (llama3 scaling ->
+                             rope_scaling=True, rope_scaling_factor)
+    tie_word_embeddings   -> share_embeddings_and_output_weights
+    vocab_size            -> padded to a multiple of 128·TP (ModelInfo keeps both, so
+                             conversion can strip the padding rows)
+
+Layer spec: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`) when TE and a
+GPU are present (or forced by `megatron.transformer_impl`), with FP8 settings from
+`megatron.fp8`; the local spec (`get_gpt_layer_local_spec(normalization="RMSNorm")`)
+otherwise. `plan_transformer_config` is the pure config -> (TransformerConfig kwargs, spec)
+function, unit-testable on the CPU without importing TE.
+
+Dtype policy: on GPU bf16 parameters (`params_dtype=bf16`, `bf16=True`); the learner's
+Megatron DDP keeps fp32 gradient buffers (`grad_reduce_in_fp32`) and the optimizer fp32
+main params and Adam state (`OptimizerConfig(bf16=True)`). On the CPU everything is fp32.
+
+Initialisation is deterministic and independent of the parallel layout: every parameter's
+*full* (unsharded, unpadded) tensor is drawn from a generator seeded by `mcfg.seed` and
+the parameter's global name, then this rank's shard is cut out exactly as megatron's
+`_initialize_affine_weight_cpu` cuts it. TP=1 and TP=2 (or PP=2) builds are therefore the
+same function. Real runs overwrite these weights from a HF or Megatron checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from dapo_mega.backends.megatron.hf_arch import HFArch, read_hf_arch
+from dapo_mega.backends.megatron.layout import ParallelLayout
+from dapo_mega.config import ConfigError, MegatronConfig
+
+VOCAB_PAD_MULTIPLE = 128
+INIT_STD = 0.02
+LOCAL_SPEC = "local"
+TE_SPEC = "transformer_engine"
+
+_FP8_FORMATS = {"e4m3": "e4m3", "hybrid": "hybrid"}
+_FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise"}
+
+
+@dataclass
+class ModelInfo:
+    """What the conversion / weight-sync code needs to know about a built model."""
+
+    architecture: str
+    """HF model_type: qwen2 or llama."""
+    vocab_size: int
+    """HF vocabulary size (rows of embed_tokens / lm_head)."""
+    padded_vocab_size: int
+    """Megatron vocabulary size: vocab_size rounded up to a multiple of 128·TP. Rows
+    [vocab_size, padded_vocab_size) are padding: zero at init, masked out of log-probs."""
+    tie_word_embeddings: bool
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    qkv_bias: bool
+    rms_norm_eps: float
+    rope_theta: float
+    layer_spec: str
+    """"local" or "transformer_engine" (TE fuses the pre-norms into linear_qkv / linear_fc1:
+    `...linear_qkv.layer_norm_weight` instead of `...input_layernorm.weight`)."""
+    params_dtype: str
+    """"float32" or "bfloat16"."""
+    fp8: Optional[str]
+    """None, "e4m3" or "hybrid"."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TransformerPlan:
+    """Output of `plan_transformer_config`: everything decided, nothing imported."""
+
+    config_kwargs: Dict[str, Any]
+    """Keyword arguments of megatron.core.transformer.TransformerConfig (activation_func
+    is added by build_model: it is a function, not config)."""
+    layer_spec: str
+    """LOCAL_SPEC or TE_SPEC."""
+    params_dtype: str
+    """"float32" or "bfloat16"."""
+    notes: List[str]
+    """Decisions a user should see in the log (e.g. why bf16 edge layers were dropped)."""
+
+
+def pad_vocab_size(vocab_size: int, tp: int) -> int:
+    """Round the vocabulary up to a multiple of 128·TP (Megatron's make-vocab-divisible)."""
+    multiple = VOCAB_PAD_MULTIPLE * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_engine_available() -> bool:
+    """True when transformer_engine.pytorch imports (never on the CPU machines)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE import failures are ImportError, OSError (cudnn), RuntimeError...
+        return False
+    return True
+
+
+def choose_layer_spec(transformer_impl: str, has_gpu: bool, te_available: bool) -> str:
+    """auto -> TE when a GPU and TE are present, local otherwise; explicit choices are checked."""
+    if transformer_impl == "local":
+        return LOCAL_SPEC
+    if transformer_impl == "transformer_engine":
+        if not (has_gpu and te_available):
+            raise ConfigError("megatron.transformer_impl: transformer_engine needs a GPU and an importable "
+                              "transformer_engine; use auto or local on this machine")
+        return TE_SPEC
+    if transformer_impl == "auto":
+        return TE_SPEC if (has_gpu and te_available) else LOCAL_SPEC
+    raise ConfigError(f"megatron.transformer_impl: unknown {transformer_impl!r}; use auto, local or transformer_engine")
+
+
+def plan_transformer_config(arch: HFArch, mcfg: MegatronConfig, layout: ParallelLayout, has_gpu: bool,
+                            te_available: bool) -> TransformerPlan:
+    """Pure mapping config -> TransformerConfig kwargs + layer spec + dtype (no imports of TE).
+
+    FP8 (TE only): fp8 = format ("e4m3" | "hybrid"), fp8_recipe = recipe, amax history and
+    algorithm for delayed scaling, and `first_last_layers_bf16` with the start/end counts.
+    megatron-core rejects bf16 edge layers under *delayed* scaling ("Delayed scaling does not
+    support first / last layer in BF16"), so there they are dropped with a note.
+    """
+    spec = choose_layer_spec(mcfg.transformer_impl, has_gpu, te_available)
+    if mcfg.params_dtype == "auto":
+        params_dtype = "bfloat16" if has_gpu else "float32"
+    else:
+        params_dtype = {"float32": "float32", "bf16": "bfloat16", "fp16": "float16"}[mcfg.params_dtype]
+    if params_dtype == "float16":
+        raise ConfigError("megatron.params_dtype: fp16 needs loss scaling, which this learner does not do; use bf16")
+    if params_dtype == "bfloat16" and not has_gpu:
+        raise ConfigError("megatron.params_dtype: bf16 on the CPU is not supported by the learner; use float32 "
+                          "or auto")
+    notes: List[str] = []
+    kwargs: Dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        add_bias_linear=arch.mlp_bias,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=INIT_STD,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == "bfloat16",
+        fp16=False,
+        use_cpu_initialization=not has_gpu,
+        # The learner's loss is already divided by the global token count; see train_step.py.
+        calculate_per_token_loss=True,
+        # Fused kernels need apex/TE; the local spec on CPU runs the unfused paths.
+        bias_activation_fusion=spec == TE_SPEC,
+        masked_softmax_fusion=spec == TE_SPEC,
+        bias_dropout_fusion=spec == TE_SPEC,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity=mcfg.recompute_granularity,
+        recompute_method=mcfg.recompute_method if mcfg.recompute_granularity == "full" else None,
+        recompute_num_layers=mcfg.recompute_num_layers if mcfg.recompute_granularity == "full" else None,
+    )
+    if mcfg.fp8.enabled:
+        if spec != TE_SPEC:
+            raise ConfigError("megatron.fp8.enabled: FP8 needs the Transformer Engine layer spec (GPU + TE); "
+                              "set megatron.fp8.enabled=false")
+        if mcfg.fp8.format not in _FP8_FORMATS:
+            raise ConfigError(f"megatron.fp8.format: unknown {mcfg.fp8.format!r}; use e4m3 or hybrid")
+        if mcfg.fp8.recipe not in _FP8_RECIPES:
+            raise ConfigError(f"megatron.fp8.recipe: unknown {mcfg.fp8.recipe!r}; use delayed, tensorwise or blockwise")
+        if params_dtype != "bfloat16":
+            raise ConfigError("megatron.params_dtype: FP8 training keeps bf16 master copies in the GEMMs; "
+                              "set megatron.params_dtype=bf16 (or auto on GPU)")
+        kwargs.update(fp8=_FP8_FORMATS[mcfg.fp8.format], fp8_recipe=_FP8_RECIPES[mcfg.fp8.recipe], fp8_margin=0,
+                      fp8_amax_history_len=mcfg.fp8.amax_history_len,
+                      fp8_amax_compute_algo=mcfg.fp8.amax_compute_algo)
+        start, end = mcfg.fp8.num_layers_at_start_in_bf16, mcfg.fp8.num_layers_at_end_in_bf16
+        if start or end:
+            if mcfg.fp8.recipe == "delayed":
+                notes.append(f"fp8 delayed scaling: megatron-core cannot keep first/last layers in bf16; "
+                             f"num_layers_at_start/end_in_bf16 = {start}/{end} ignored (use tensorwise to keep them)")
+            else:
+                per_stage = arch.num_layers // layout.pp
+                if start > per_stage or end > per_stage:
+                    raise ConfigError(f"megatron.fp8.num_layers_at_start_in_bf16: {start}/{end} bf16 edge layers "
+                                      f"exceed the {per_stage} layers of a pipeline stage")
+                kwargs.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
+                              num_layers_at_end_in_bf16=end)
+    return TransformerPlan(config_kwargs=kwargs, layer_spec=spec, params_dtype=params_dtype, notes=notes)
+
+
+def _layer_spec(spec: str):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if spec == TE_SPEC:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
+                device: Optional[torch.device] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
+    """Build this rank's GPTModel chunks (one per virtual pipeline stage) and the ModelInfo.
+
+    `layout.initialize()` must have run. The chunks are bare GPTModels (no DDP wrapper), so
+    their parameter names are the megatron-core ones (`embedding.word_embeddings.weight`,
+    `decoder.layers.{i}.self_attention.linear_qkv.weight`, ..., with *local* layer indices
+    per chunk; `layer.layer_number` is the 1-based global index).
+    """
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    arch = read_hf_arch(hf_config)
+    has_gpu = torch.cuda.is_available()
+    plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_available())
+    kwargs = dict(plan.config_kwargs)
+    kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
+    kwargs["pipeline_dtype"] = getattr(torch, kwargs["pipeline_dtype"])
+    config = TransformerConfig(activation_func=F.silu, **kwargs)
+    padded_vocab = pad_vocab_size(arch.vocab_size, layout.tp)
+
+    # Seeds the megatron RNG tracker (dropout forks; CPU-substituted on CPU machines).
+    model_parallel_cuda_manual_seed(mcfg.seed)
+    layer_spec = _layer_spec(plan.layer_spec)
+    num_chunks = layout.vpp or 1
+    chunks: List[torch.nn.Module] = []
+    for vp_stage in range(num_chunks):
+        vp = vp_stage if layout.vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        model = GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
+            max_sequence_length=arch.max_position_embeddings, pre_process=pre, post_process=post,
+            parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope", rotary_base=arch.rope_theta,
+            rope_scaling=arch.rope_scaling_factor is not None,
+            rope_scaling_factor=arch.rope_scaling_factor or 8.0, vp_stage=vp)
+        if has_gpu:
+            model = model.to(device or torch.device("cuda", torch.cuda.current_device()))
+        elif device is not None:
+            model = model.to(device)
+        chunks.append(model)
+    initialize_weights(chunks, arch, layout.tp, padded_vocab, seed=mcfg.seed)
+    info = ModelInfo(
+        architecture=arch.model_type, vocab_size=arch.vocab_size, padded_vocab_size=padded_vocab,
+        tie_word_embeddings=arch.tie_word_embeddings, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim, ffn_hidden_size=arch.intermediate_size, qkv_bias=arch.qkv_bias,
+        rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, layer_spec=plan.layer_spec,
+        params_dtype=plan.params_dtype, fp8=kwargs.get("fp8"))
+    return chunks, info
+
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def global_param_names(chunk: torch.nn.Module) -> Dict[str, str]:
+    """Local parameter name -> name with the *global* layer index (same on every PP rank)."""
+    names: Dict[str, str] = {}
+    layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+    local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    for name, _ in chunk.named_parameters():
+        match = _LAYER_PREFIX.match(name)
+        if match:
+            global_index = local_to_global[int(match.group(1))]
+            names[name] = f"decoder.layers.{global_index}." + name[match.end():]
+        else:
+            names[name] = name
+    return names
+
+
+@torch.no_grad()
+def initialize_weights(chunks: List[torch.nn.Module], arch: HFArch, tp: int, padded_vocab: int, seed: int) -> None:
+    """Layout-independent init: full tensor from (seed, global name), then this rank's shard.
+
+    Norm weights are 1; every other tensor (weights and QKV biases) is N(0, INIT_STD²).
+    Vocabulary-row tensors are drawn at the HF vocab size and zero-padded to `padded_vocab`;
+    a tied output layer on the last stage gets the embedding's tensor. The shard of a
+    tensor-parallel parameter follows megatron's `_initialize_affine_weight_cpu`: split the
+    partition dimension into pieces of (local size / stride) and take pieces rank::tp
+    (stride 2 for SwiGLU's fc1, which interleaves [gate; up] per rank).
+    """
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    for chunk in chunks:
+        names = global_param_names(chunk)
+        for local_name, param in chunk.named_parameters():
+            name = names[local_name]
+            if name == "output_layer.weight" and arch.tie_word_embeddings:
+                name = "embedding.word_embeddings.weight"
+            if name.endswith("layernorm.weight") or name.endswith("layer_norm_weight"):
+                param.fill_(1.0)
+                continue
+            is_tp = getattr(param, "tensor_model_parallel", False) and tp > 1
+            dim = getattr(param, "partition_dim", 0) if is_tp else 0
+            stride = getattr(param, "partition_stride", 1) if is_tp else 1
+            full_shape = list(param.shape)
+            if is_tp:
+                full_shape[dim] *= tp
+            generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            if name in _VOCAB_PARAMS:
+                full = torch.zeros(full_shape, dtype=torch.float32)
+                full[: arch.vocab_size] = torch.randn([arch.vocab_size] + full_shape[1:], generator=generator) * INIT_STD
+            else:
+                full = torch.randn(full_shape, generator=generator) * INIT_STD
+            if is_tp:
+                piece = param.shape[dim] // stride
+                pieces = torch.split(full, piece, dim=dim)[tp_rank::tp]
+                full = torch.cat(pieces, dim=dim)
+            param.copy_(full.to(param.dtype))
