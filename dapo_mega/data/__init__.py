@@ -1,1 +1,45 @@
+"""Prompts and reference answers: DAPO-Math-17k / AIME parquet and JSONL readers with
+validation and deduplication, the synthetic arithmetic task, and a resumable iterator.
 
+    build_datasets(data_cfg) -> (train, held_out, revision)   what the trainer calls
+    PromptIterator(train, seed).next_batch(n)                  deterministic, resumable
+    format_prompt(problem, template)                           "dapo" template or "raw"
+    verification_prefix(problem, template)                     prepended to the response for the verifier
+"""
+
+from dapo_mega.data.build import build_datasets
+from dapo_mega.data.iterator import PromptIterator
+from dapo_mega.data.problem import (
+    DAPO_PROMPT_TEMPLATE,
+    DataError,
+    Problem,
+    compute_dataset_revision,
+    format_prompt,
+    verification_prefix,
+)
+from dapo_mega.data.readers import ReadReport, read_problems
+from dapo_mega.data.synthetic import (
+    ANSWER_PREFIX,
+    SYNTHETIC_SOURCE,
+    evaluate_expression,
+    generate_synthetic_problems,
+    make_arithmetic_problem,
+)
+
+__all__ = [
+    "ANSWER_PREFIX",
+    "DAPO_PROMPT_TEMPLATE",
+    "DataError",
+    "Problem",
+    "PromptIterator",
+    "ReadReport",
+    "SYNTHETIC_SOURCE",
+    "build_datasets",
+    "compute_dataset_revision",
+    "evaluate_expression",
+    "format_prompt",
+    "generate_synthetic_problems",
+    "make_arithmetic_problem",
+    "read_problems",
+    "verification_prefix",
+]

@@ -1,0 +1,142 @@
+"""Synthetic multi-digit arithmetic, the embedded CPU default's task.
+
+A problem looks like
+
+    prompt         "Q: 12+34\\nAnswer:"      (raw template; ~16 characters)
+    answer_prefix  "Answer:"
+    ground_truth   "46"
+
+and a correct response is " 46\\n": a character-level tiny model with a 16-token
+response budget can produce it. The reward verifies answer_prefix + response, i.e.
+"Answer: 46\\n", with the same DAPO verifier as the real data (last `Answer:` line).
+
+Operands have `min_digits..max_digits` digits (1-digit operands include 0), operators are
+drawn from `ops` (+, -, *) with the usual precedence, so answers are integers (possibly
+negative). Train and held-out problems are disjoint as expressions; both are a pure
+function of the seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import List, Sequence, Set, Tuple
+
+from dapo_mega.data.problem import DataError, Problem
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC_SOURCE = "synthetic_arithmetic"
+ANSWER_PREFIX = "Answer:"
+
+
+def evaluate_expression(operands: Sequence[int], operators: Sequence[str]) -> int:
+    """Value of o0 op0 o1 op1 ... with * binding tighter than + and -."""
+    terms: List[int] = [operands[0]]
+    signs: List[int] = [1]
+    for op, value in zip(operators, operands[1:]):
+        if op == "*":
+            terms[-1] *= value
+        elif op in "+-":
+            terms.append(value)
+            signs.append(1 if op == "+" else -1)
+        else:
+            raise ValueError(f"unknown operator {op!r}")
+    return sum(sign * term for sign, term in zip(signs, terms))
+
+
+def _operand_count(min_digits: int, max_digits: int) -> int:
+    return sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in range(min_digits, max_digits + 1))
+
+
+def _draw_operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    digits = rng.randint(min_digits, max_digits)
+    return rng.randint(0, 9) if digits == 1 else rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+
+
+def _enumerate_all(min_digits: int, max_digits: int, ops: str, num_operands: int) -> List[str]:
+    values = [v for d in range(min_digits, max_digits + 1)
+              for v in (range(10) if d == 1 else range(10 ** (d - 1), 10 ** d))]
+    expressions = [str(v) for v in values]
+    for _ in range(num_operands - 1):
+        expressions = [f"{e}{op}{v}" for e in expressions for op in ops for v in values]
+    return expressions
+
+
+def _parse(expression: str) -> Tuple[List[int], List[str]]:
+    operands, operators, number = [], [], ""
+    for ch in expression:
+        if ch.isdigit():
+            number += ch
+        else:
+            operands.append(int(number))
+            operators.append(ch)
+            number = ""
+    operands.append(int(number))
+    return operands, operators
+
+
+def make_arithmetic_problem(expression: str, split: str) -> Problem:
+    """The Problem of one expression such as "12+34"."""
+    operands, operators = _parse(expression)
+    prompt = f"Q: {expression}\n{ANSWER_PREFIX}"
+    return Problem(
+        id=f"arith-{split}-{expression}",
+        prompt=prompt,
+        ground_truth=str(evaluate_expression(operands, operators)),
+        data_source=SYNTHETIC_SOURCE,
+        messages=({"role": "user", "content": prompt},),
+        answer_prefix=ANSWER_PREFIX,
+    )
+
+
+def generate_synthetic_problems(
+    num_train: int,
+    num_eval: int,
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: str = "+-",
+    num_operands: int = 2,
+    seed: int = 1234,
+) -> Tuple[List[Problem], List[Problem]]:
+    """Disjoint (train, held-out) arithmetic problems, deterministic in `seed`.
+
+    When the expression space is smaller than num_train + num_eval, the held-out split is
+    served first and the training split gets what is left (with a warning).
+    """
+    if not 1 <= min_digits <= max_digits:
+        raise DataError(f"synthetic task: need 1 <= min_digits ({min_digits}) <= max_digits ({max_digits})")
+    op_set = "".join(sorted(set(ops)))
+    if not op_set or set(op_set) - set("+-*"):
+        raise DataError(f"synthetic task: ops {ops!r} must be a non-empty subset of '+-*' (data.synthetic_ops)")
+    if num_operands < 2:
+        raise DataError(f"synthetic task: num_operands must be >= 2, got {num_operands}")
+    space = _operand_count(min_digits, max_digits) ** num_operands * len(op_set) ** (num_operands - 1)
+    if num_eval > space:
+        raise DataError(f"synthetic task: {num_eval} held-out problems requested but only {space} distinct "
+                        "expressions exist; lower data.synthetic_num_eval or raise data.synthetic_max_digits")
+    if num_train + num_eval > space:
+        logger.warning("synthetic task: only %d distinct expressions; training split cut from %d to %d",
+                       space, num_train, space - num_eval)
+        num_train = space - num_eval
+    needed = num_train + num_eval
+    rng = random.Random(seed)
+    if space <= 2 * needed:
+        # dense: enumerate and shuffle (rejection sampling would need ~space·log(space) draws)
+        expressions = _enumerate_all(min_digits, max_digits, op_set, num_operands)
+        rng.shuffle(expressions)
+        chosen = expressions[:needed]
+    else:
+        # sparse: each draw is new with probability ≥ 1/2, so ~2·needed draws
+        seen: Set[str] = set()
+        chosen = []
+        while len(chosen) < needed:
+            operands = [_draw_operand(rng, min_digits, max_digits) for _ in range(num_operands)]
+            operators = [rng.choice(op_set) for _ in range(num_operands - 1)]
+            expression = "".join(f"{v}{op}" for v, op in zip(operands, operators)) + str(operands[-1])
+            if expression not in seen:
+                seen.add(expression)
+                chosen.append(expression)
+    eval_problems = [make_arithmetic_problem(e, "eval") for e in chosen[:num_eval]]
+    train_problems = [make_arithmetic_problem(e, "train") for e in chosen[num_eval:]]
+    return train_problems, eval_problems
