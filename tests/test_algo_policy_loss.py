@@ -116,6 +116,10 @@ def test_empty_mask_gives_zero_without_nan(mode):
     assert torch.equal(lp.grad, torch.zeros(2, 3, dtype=F64))
     assert all(math.isfinite(float(v)) for v in m.values())
     assert float(m["loss/num_tokens"]) == 0.0
+    # a global denominator of 0 (the whole batch masked, e.g. by overlong filtering) is fine
+    loss0, _ = compute_policy_loss(lp.detach(), old, torch.tensor([1.0, -1.0]), torch.zeros(2, 3),
+                                   loss_agg_mode=mode, global_num_tokens=0, global_num_seqs=0)
+    assert loss0.item() == 0.0
 
 
 def test_padding_garbage_is_ignored():
@@ -202,8 +206,13 @@ def test_local_denominator_default_and_bad_global():
     # doubling the global denominator halves the loss (the micro-batch is half the batch)
     loss_half, _ = compute_policy_loss(lp, old, adv, mask, global_num_tokens=2 * int(mask.sum()))
     torch.testing.assert_close(loss_half, loss_default / 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="whole batch"):
         compute_policy_loss(lp, old, adv, mask, global_num_tokens=0)
+    with pytest.raises(ValueError, match="whole batch"):
+        compute_policy_loss(lp, old, adv, mask, global_num_tokens=int(mask.sum()) - 1)
+    # a tensor denominator works the same (not checked: no host sync on GPU)
+    loss_t, _ = compute_policy_loss(lp, old, adv, mask, global_num_tokens=torch.tensor(2.0 * int(mask.sum())))
+    torch.testing.assert_close(loss_t, loss_default / 2)
     with pytest.raises(ValueError):
         compute_policy_loss(lp, old, adv, mask, loss_agg_mode="sum")
 

@@ -76,13 +76,20 @@ def compute_tis_weights(
 
 
 def _as_denominator(value: Optional[Number], local: torch.Tensor, name: str) -> torch.Tensor:
-    """The aggregation denominator as a float tensor: `value` when given, else the local count."""
+    """The aggregation denominator: `value` when given, else the local count; at least 1.
+
+    A whole batch without tokens (e.g. overlong filtering masked every sample) gives
+    loss 0. A Python-number `value` below the local count is a caller bug (it must count
+    the whole batch) and raises when the check is free (CPU); device tensors are not
+    checked, to avoid a host sync per micro-batch.
+    """
     if value is None:
         return local.clamp(min=1.0)
+    if isinstance(value, (int, float)):
+        if value < 0 or (local.device.type == "cpu" and value < float(local)):
+            raise ValueError(f"{name}={value} but this micro-batch alone has {int(local)}; "
+                             "pass the count of the whole batch (all micro-batches and DP ranks)")
     denom = torch.as_tensor(value, dtype=local.dtype, device=local.device)
-    if bool(denom <= 0) and bool(local > 0):
-        raise ValueError(f"{name}={float(denom)} but this batch has {int(local)} of them; "
-                         "pass the global count of the whole batch (>= the local one)")
     return denom.clamp(min=1.0)
 
 

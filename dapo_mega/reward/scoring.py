@@ -47,7 +47,7 @@ MAX_IN_PROCESS_GROUND_TRUTH_CHARS = 1000
 """Longer ground truths go to the pool even for in-process verifiers (their normalisation
 is not bounded by the response tail)."""
 
-_WORKER_START_TIMEOUT_S = 120.0  # first start imports math-verify/sympy (seconds on 2 cores)
+_WORKER_START_TIMEOUT_S = 30.0  # a start imports math-verify (~0.6 s on 2 idle cores)
 
 Text = Union[str, bytes, bytearray, None]
 
@@ -123,7 +123,9 @@ class VerifierPool:
     """Worker processes that score responses, each task bounded by a deadline.
 
     Long-lived: the trainer scores every rollout step through the same pool (workers start
-    once; a killed worker is replaced by a fork of the forkserver, milliseconds).
+    once; a killed worker is replaced by a fresh one, well under a second). The bound per
+    item is `timeout_s`, plus the restart of a worker killed meanwhile (replacements are
+    started synchronously, at most `_WORKER_START_TIMEOUT_S`).
     """
 
     def __init__(self, verifier: Verifier, num_workers: int = 2):
