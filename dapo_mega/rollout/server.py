@@ -335,17 +335,17 @@ class EngineServer:
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         b = parse_control_body("/update_weights_from_distributed", await self._json(request))
-        if b["group_name"] not in self.groups:
-            raise BadRequest(f"Group {b['group_name']} not in {sorted(self.groups)}. "
-                             "Please call `init_weights_update_group` first.")
-        if b["load_format"] not in (None, FLATTENED_BUCKET):
-            raise BadRequest(f"load_format {b['load_format']!r} not supported (null or {FLATTENED_BUCKET})")
         names, dtypes, shapes = b["names"], b["dtypes"], b["shapes"]
         if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
             raise BadRequest("names, dtypes and shapes must be lists")
         error = self.engine.check_named_meta(names, dtypes, shapes)
         if error:
             raise BadRequest(error)
+        if b["load_format"] not in (None, FLATTENED_BUCKET):
+            raise BadRequest(f"load_format {b['load_format']!r} not supported (null or {FLATTENED_BUCKET})")
+        if b["group_name"] not in self.groups:
+            raise BadRequest(f"Group {b['group_name']} not in {sorted(self.groups)}. "
+                             "Please call `init_weights_update_group` first.")
         if self.engine.weights_released:
             raise BadRequest("weights are released; call /resume_memory_occupation first")
         async with self._update_lock:

@@ -1,0 +1,274 @@
+"""Learner-side weight sync into rollout engines (SGLang or the embedded engine).
+
+Distributed mode (disaggregated; also usable colocated on CPU):
+
+    once:      every PP stage's source rank (layout.is_weight_source) creates group
+               `<prefix>_pp<stage>` = {that rank (rank 0)} ∪ {engine e at rank 1+e}, while
+               POSTing /init_weights_update_group to every engine (both sides must enter
+               the rendezvous together or they hang).
+    each sync: rank 0 pauses the engines and flushes their cache; then every stage's
+               source streams `iter_megatron_to_hf` into buckets of ≤ bucket_mb; per
+               bucket it starts one broadcast of the flattened bytes (SGLang's
+               load_format="flattened_bucket") and POSTs /update_weights_from_distributed
+               with the bucket's names/dtypes/shapes to every engine; the last bucket of
+               the last stage carries `weight_version`; rank 0 continues generation.
+
+An engine that rejects a bucket (400: unknown name, wrong shape) answers before joining the
+broadcast; the syncer raises at once, naming the engine and its message, instead of
+waiting for the broadcast (the group should then be destroyed and re-initialised).
+
+Colocated mode: per bucket, the tensors go into a shared-memory file (CPU; JSON handle,
+load_format "shared_memory_json") or CUDA IPC handles (GPU, SGLang's pickled format) and
+are sent with /update_weights_from_tensor; engines release their memory while the learner
+trains (`release_engine_memory` / `resume_engine_memory`).
+
+Memory beyond the model is bounded by one bucket (plus the one tensor that does not fit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
+from dapo_mega.rollout.client import EngineClient
+from dapo_mega.weights import transport
+
+SHM_LOAD_FORMAT = "shared_memory_json"
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused or failed a weight update."""
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes: int
+    num_tensors: int
+    num_buckets: int
+
+    @property
+    def gbps(self) -> float:
+        """GB/s (1e9 bytes) of payload moved per engine."""
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+    def as_metrics(self) -> dict:
+        return {"sync/seconds": self.seconds, "sync/gbps": self.gbps, "sync/bytes": self.bytes,
+                "sync/buckets": self.num_buckets}
+
+
+def iter_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int
+                 ) -> Iterator[Tuple[List[Tuple[str, torch.Tensor]], bool]]:
+    """Group a stream of tensors into buckets of ≤ bucket_bytes; yields (bucket, is_last).
+
+    A tensor larger than the bucket is a bucket of its own. One bucket of lookahead tells
+    which is last, so at most two buckets are alive.
+    """
+    pending: Optional[List[Tuple[str, torch.Tensor]]] = None
+    current: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            if pending is not None:
+                yield pending, False
+            pending, current, size = current, [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        if pending is not None:
+            yield pending, False
+        pending = current
+    if pending is not None:
+        yield pending, True
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread: HTTP calls run while this thread broadcasts."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="weight-sync-http", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: Optional[float] = None):
+        return self.submit(coro).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class WeightSyncer:
+    """Pushes learner weights (HF names) into every engine; see the module docstring."""
+
+    def __init__(self, engine_urls: Sequence[str], api_key: str = "", bucket_mb: float = 512,
+                 mode: str = "distributed", backend: str = "gloo", master_address: str = "127.0.0.1",
+                 group_prefix: str = "dapo_weight_sync", pause_mode: str = "retract",
+                 timeout_s: float = 600.0, engine_tp_size: int = 1):
+        if mode not in ("distributed", "colocated"):
+            raise ValueError(f"mode must be distributed or colocated, got {mode!r}")
+        self.engine_urls = list(engine_urls)
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.mode, self.backend, self.master_address = mode, backend, master_address
+        self.group_prefix, self.pause_mode, self.timeout_s = group_prefix, pause_mode, timeout_s
+        self.engine_tp_size = engine_tp_size
+        self._io = _LoopThread()
+        self.clients = [EngineClient(u, api_key=api_key, timeout_s=timeout_s) for u in self.engine_urls]
+        self.group = None
+        self.group_name: Optional[str] = None
+
+    def close(self) -> None:
+        async def _close():
+            for c in self.clients:
+                await c.close()
+        self._io.run(_close(), timeout=10)
+        self._io.close()
+
+    async def _all(self, fn):
+        results = await asyncio.gather(*(fn(c) for c in self.clients), return_exceptions=True)
+        errors = [f"{c.url}: {r}" for c, r in zip(self.clients, results) if isinstance(r, BaseException)]
+        if errors:
+            raise WeightSyncError("; ".join(errors))
+        return results
+
+    # ---------------------------------------------------------------- group
+    def init_group(self, master_port: int, stage: int = 0) -> None:
+        """On a stage's source rank: create the group with all engines (group-local rank 0)."""
+        name = f"{self.group_prefix}_pp{stage}"
+        world = 1 + len(self.clients) * self.engine_tp_size
+        fut = self._io.submit(self._all(lambda c: c.init_weights_update_group(
+            self.master_address, master_port, 1 + self.clients.index(c) * self.engine_tp_size, world,
+            group_name=name, backend=self.backend, timeout_s=self.timeout_s)))
+        self.group = transport.init_custom_process_group(
+            self.backend, f"tcp://{self.master_address}:{master_port}", world, 0, name,
+            timeout=timedelta(seconds=self.timeout_s))
+        fut.result(self.timeout_s)
+        self.group_name = name
+
+    def destroy_group(self) -> None:
+        if self.group is None:
+            return
+        name = self.group_name
+        self._io.run(self._all(lambda c: c.destroy_weights_update_group(name)), timeout=self.timeout_s)
+        transport.destroy_custom_process_group(self.group)
+        self.group = self.group_name = None
+
+    # ---------------------------------------------------------------- engine state
+    def pause_engines(self) -> None:
+        """Pause generation and flush the KV cache on every engine."""
+        async def _pause(c):
+            await c.pause_generation(self.pause_mode)
+            await c.flush_cache()
+        self._io.run(self._all(_pause), timeout=self.timeout_s)
+
+    def continue_engines(self) -> None:
+        self._io.run(self._all(lambda c: c.continue_generation()), timeout=self.timeout_s)
+
+    def release_engine_memory(self) -> None:
+        """Colocated: free engine weights + KV cache before training."""
+        self._io.run(self._all(lambda c: c.release_memory_occupation()), timeout=self.timeout_s)
+
+    def resume_engine_memory(self) -> None:
+        self._io.run(self._all(lambda c: c.resume_memory_occupation()), timeout=self.timeout_s)
+
+    # ---------------------------------------------------------------- sync
+    def sync(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], weight_version: Optional[str],
+             is_last_stage: bool = True, pause: bool = True) -> SyncStats:
+        """Stream `named_tensors` (HF names, full tensors) into every engine.
+
+        Call on the source rank of each PP stage (the other ranks of the stage must still
+        drain their copy of the TP-gathering iterator). `pause=True` pauses/flushes before
+        and continues after (set it False when a caller coordinates several stages).
+        """
+        start = time.perf_counter()
+        total, count, buckets = 0, 0, 0
+        if pause:
+            self.pause_engines()
+        try:
+            for bucket, is_last in iter_buckets(named_tensors, self.bucket_bytes):
+                version = weight_version if (is_last and is_last_stage) else None
+                if self.mode == "distributed":
+                    self._send_bucket_distributed(bucket, version)
+                else:
+                    self._send_bucket_colocated(bucket, version)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+                count += len(bucket)
+                buckets += 1
+        finally:
+            if pause:
+                self.continue_engines()
+        return SyncStats(time.perf_counter() - start, total, count, buckets)
+
+    def _send_bucket_distributed(self, bucket, version: Optional[str]) -> None:
+        if self.group is None:
+            raise WeightSyncError("call init_group() before sync() in distributed mode")
+        names = [n for n, _ in bucket]
+        dtypes = [transport.dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        posts = self._io.submit(self._all(lambda c: c.update_weights_from_distributed(
+            names, dtypes, shapes, group_name=self.group_name, weight_version=version,
+            load_format=FLATTENED_BUCKET, flush_cache=False, timeout_s=self.timeout_s)))
+        flat = transport.flatten_bucket([t for _, t in bucket])
+        work = torch.distributed.broadcast(flat, src=0, group=self.group, async_op=True)
+        # Engines reply only after receiving, so a successful reply means the broadcast is
+        # done; a 400 arrives before they join and must not leave us waiting on the broadcast.
+        posts.result(self.timeout_s)
+        work.wait()
+
+    def _send_bucket_colocated(self, bucket, version: Optional[str]) -> None:
+        if bucket[0][1].is_cuda:
+            payload = [transport.serialize_cuda_ipc(bucket)] * self.engine_tp_size
+            self._io.run(self._all(lambda c: c.update_weights_from_tensor(
+                payload, load_format=None, weight_version=version, flush_cache=False)), timeout=self.timeout_s)
+            return
+        handle = transport.write_shm_bucket([(n, t.detach().cpu()) for n, t in bucket])
+        try:
+            payload = [base64.b64encode(json.dumps(handle).encode()).decode()]
+            self._io.run(self._all(lambda c: c.update_weights_from_tensor(
+                payload, load_format=SHM_LOAD_FORMAT, weight_version=version, flush_cache=False)),
+                timeout=self.timeout_s)
+        finally:
+            transport.remove_shm_bucket(handle)
+
+
+def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weight_version: str) -> Optional[SyncStats]:
+    """Sync a Megatron learner: every TP rank of DP rank 0 drains `iter_megatron_to_hf`
+    (its TP gathers are collective); only each stage's weight source sends.
+
+    Pausing / continuing is done here by the global rank 0 around a barrier on the
+    default group so that every stage streams into paused engines.
+    """
+    from dapo_mega.weights.stream import iter_megatron_to_hf
+
+    dist = torch.distributed
+    is_rank0 = dist.get_rank() == 0
+    if is_rank0:
+        syncer.pause_engines()
+    dist.barrier()
+    stats = None
+    try:
+        if layout.dp_rank == 0:
+            stream = iter_megatron_to_hf(model_chunks, info, layout)
+            if layout.is_weight_source:
+                stats = syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False)
+            else:
+                for _ in stream:
+                    pass
+    finally:
+        dist.barrier()
+        if is_rank0:
+            syncer.continue_engines()
+    return stats

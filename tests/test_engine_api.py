@@ -1,0 +1,205 @@
+"""Embedded engine vs SGLang's API and vs HF transformers (the reference for the math)."""
+
+import json
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from dapo_mega.rollout.processes import EngineProcess
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    d = tmp_path_factory.mktemp("tiny")
+    build_tiny_model_dir(d, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    e = EngineProcess(model_dir, api_key=API_KEY, weight_version="7",
+                      log_path=str(tmp_path_factory.mktemp("log") / "engine.log"))
+    try:
+        yield e.wait_healthy()
+    finally:
+        e.kill()
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def call(engine, path, body=None, key=API_KEY, raw=None, method=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(engine.url + path, data=data, method=method or ("POST" if data else "GET"))
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+            return r.status, (json.loads(text) if text and r.headers.get_content_type() == "application/json" else text)
+    except urllib.error.HTTPError as err:
+        text = err.read().decode()
+        try:
+            return err.code, json.loads(text)
+        except ValueError:
+            return err.code, text
+
+
+def test_generate_text_single_and_meta_info(engine):
+    status, out = call(engine, "/generate", {"text": "12+3=", "sampling_params": {"max_new_tokens": 6,
+                       "temperature": 1.0, "ignore_eos": True}, "return_logprob": True})
+    assert status == 200 and isinstance(out, dict)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 6 and len(out["output_ids"]) == 6
+    assert meta["weight_versions"] == [{"version": "7", "start": 0, "end": 6}] and meta["weight_version"] == "7"
+    assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(t[2] is None and t[0] <= 0 for t in meta["output_token_logprobs"])
+
+
+def test_batched_n_is_prompt_major(engine):
+    prompts = [[5, 6], [5, 6, 7, 8, 9], [10]]
+    status, out = call(engine, "/generate", {"input_ids": prompts, "sampling_params": {
+        "n": 3, "max_new_tokens": 3, "ignore_eos": True}})
+    assert status == 200 and len(out) == 9
+    # SGLang order: reply i*n + j is sample j of prompt i.
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [2, 2, 2, 5, 5, 5, 1, 1, 1]
+
+
+def test_logprobs_match_transformers_under_temperature(engine, hf):
+    model, tok = hf
+    prompt = tok("7*8=", add_special_tokens=False).input_ids
+    T = 0.7
+    status, out = call(engine, "/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 8, "temperature": T, "top_p": 0.9, "top_k": 20, "ignore_eos": True,
+        "sampling_seed": 11}, "return_logprob": True})
+    assert status == 200
+    gen = [t[1] for t in out["meta_info"]["output_token_logprobs"]]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:-1]
+    # SGLang reports log softmax(z / T) at the sampled token (before top-k/top-p).
+    ref = torch.log_softmax(logits / T, dim=-1).gather(1, torch.tensor(gen)[:, None])[:, 0]
+    got = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, ref, atol=1e-4)
+
+
+def test_greedy_matches_transformers_generate_and_stop_string(engine, hf):
+    model, tok = hf
+    prompt = tok("3+4=", add_special_tokens=False).input_ids
+    status, out = call(engine, "/generate", {"input_ids": [prompt, prompt[:2]], "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}})
+    assert status == 200
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=None)[0, len(prompt):].tolist()
+    assert out[0]["output_ids"] == ref
+    text = out[0]["text"]
+    stop = text[3:5]
+    if stop and text.find(stop) == 3:
+        status, cut = call(engine, "/generate", {"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 10, "temperature": 0.0, "stop": [stop], "ignore_eos": True}})
+        assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert cut["text"] == text[:3]
+
+
+def test_max_new_tokens_and_stop_token_ids(engine):
+    status, out = call(engine, "/generate", {"input_ids": [4, 5], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}})
+    first = out["output_ids"][0]
+    status, out2 = call(engine, "/generate", {"input_ids": [4, 5], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0.0, "stop_token_ids": [first], "ignore_eos": True},
+        "return_logprob": True})
+    assert out2["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    assert out2["output_ids"] == []  # the matched stop token is trimmed, as in SGLang
+    assert [t[1] for t in out2["meta_info"]["output_token_logprobs"]] == [first]
+
+
+def test_api_key_and_bad_requests(engine):
+    assert call(engine, "/health", key=None)[0] == 200
+    assert call(engine, "/model_info", key=None)[0] == 401
+    assert call(engine, "/model_info", key="wrong")[0] == 401
+    status, info = call(engine, "/model_info")
+    assert status == 200 and info["weight_version"] == "7"
+    assert call(engine, "/generate", raw=b"{not json")[0] == 400
+    assert call(engine, "/generate", {"text": "1", "temprature": 1.0})[0] == 400
+    assert call(engine, "/generate", {"text": "1", "sampling_params": {"temprature": 1.0}})[0] == 400
+    assert call(engine, "/generate", {"text": "1", "input_ids": [1]})[0] == 400
+    assert call(engine, "/update_weight_version", {"new_version": "8", "bogus": 1})[0] == 400
+    assert call(engine, "/pause_generation", {"mode": "sideways"})[0] == 400
+
+
+def test_wrong_weight_names_and_shapes_rejected_state_unchanged(engine, hf):
+    model, _ = hf
+    name = "model.layers.0.mlp.up_proj.weight"
+    before = call(engine, "/get_weights_by_name", {"name": name, "truncate_size": 10**6})[1]
+    assert torch.equal(torch.tensor(before), model.state_dict()[name])
+    status, out = call(engine, "/update_weights_from_distributed", {
+        "names": ["model.layers.0.mlp.up_proj.weight", "model.nope.weight"], "dtypes": ["float32"] * 2,
+        "shapes": [list(model.state_dict()[name].shape), [3]]})
+    assert status == 400 and "model.nope.weight" in out["message"] and out["success"] is False
+    status, out = call(engine, "/update_weights_from_distributed", {
+        "names": [name], "dtypes": ["float32"], "shapes": [[1, 2]]})
+    assert status == 400 and name in out["message"] and "shape" in out["message"]
+    after = call(engine, "/get_weights_by_name", {"name": name, "truncate_size": 10**6})[1]
+    assert after == before
+    assert call(engine, "/model_info")[1]["weight_version"] == "7"
+
+
+def wait_tokens(engine, base, more, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if call(engine, "/server_info")[1]["num_generated_tokens"] >= base + more:
+            return
+        time.sleep(0.002)
+    raise AssertionError("engine generated nothing")
+
+
+def test_pause_in_place_splits_version_spans(engine):
+    import threading
+
+    result = {}
+    base = call(engine, "/server_info")[1]["num_generated_tokens"]
+
+    def long_request():
+        result["out"] = call(engine, "/generate", {"input_ids": [4, 5, 6], "sampling_params": {
+            "max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_tokens(engine, base, 3)
+    assert call(engine, "/pause_generation", {"mode": "in_place"})[0] == 200
+    assert call(engine, "/update_weight_version", {"new_version": "8", "abort_all_requests": False})[0] == 200
+    assert call(engine, "/continue_generation", {})[0] == 200
+    t.join(timeout=120)
+    status, out = result["out"]
+    spans = out["meta_info"]["weight_versions"]
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 200
+    assert [s["version"] for s in spans] == ["7", "8"], spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 200
+    call(engine, "/update_weight_version", {"new_version": "7"})
+
+
+def test_pause_abort_finishes_requests_with_abort(engine):
+    import threading
+
+    result = {}
+    base = call(engine, "/server_info")[1]["num_generated_tokens"]
+    t = threading.Thread(target=lambda: result.setdefault("out", call(engine, "/generate", {
+        "input_ids": [4, 5], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}})))
+    t.start()
+    wait_tokens(engine, base, 3)
+    call(engine, "/pause_generation", {"mode": "abort"})
+    t.join(timeout=60)
+    call(engine, "/continue_generation", {})
+    assert result["out"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["out"][1]["meta_info"]["completion_tokens"] < 240
