@@ -437,8 +437,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--mode", choices=("colocated", "disaggregated"), default=None,
                         help="prepare: the sbatch script calling (checked against cluster.mode)")
     parser.add_argument("--engine-nodes", type=int, required=True, help="nodes that run engines in this job")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.overrides = argv[split + 1:]  # Hydra overrides, after `--`
     cfg = load_config(args.overrides)
     env = os.environ
     if args.role == "prepare":

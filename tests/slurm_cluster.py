@@ -122,6 +122,8 @@ class LocalSlurmCluster:
         for sub in ("etc", "log", "state", "spool", "run", "munge"):
             (w / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(w / "munge", 0o700)
+        for node in ("n1", "n2"):
+            (w / "spool" / node).mkdir(exist_ok=True)
         self._start_munge()
         ctld_port = _free_ports(1)[0]
         slurmd_base = _free_consecutive_ports(2)
