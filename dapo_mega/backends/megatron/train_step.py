@@ -1,0 +1,311 @@
+"""The Megatron learner: old log-probs, DAPO updates over mini-batches, SFT warm start.
+
+    learner = MegatronLearner(cfg, hf_config, layout)     # layout.initialize() already ran
+    metrics = learner.train_step(samples)                 # one rollout batch
+    log_probs = learner.compute_log_probs(samples)        # per-sample [R] tensors, every rank
+
+`train_step` on a rollout batch (samples ordered group by group, G per prompt):
+
+1. old log-probs π_old of every response token, once, before the first update (forward
+   only; or the engine's log-probs when `algo.use_engine_logprobs`);
+2. for each mini-batch of `algo.mini_batch_size` prompts × G samples:
+   N = loss tokens of the whole mini-batch over all DP ranks (before any forward);
+   each DP rank takes its block of the mini-batch, pads it into micro-batches of at most
+   `megatron.micro_batch_tokens`, and runs megatron's `get_forward_backward_func`
+   (no-pipelining, 1F1B or interleaved) with loss
+   `compute_policy_loss(..., global_num_tokens=N)` per micro-batch; gradients add up over
+   micro-batches and DP ranks to the exact whole-mini-batch token mean (optimizer.py);
+   a NaN/Inf loss or gradient skips the update (or raises NonFiniteError);
+   clip, AdamW step, LR schedule.
+
+Every rank receives the same full sample list and returns the same metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from dapo_mega.algo import compute_policy_loss, compute_tis_weights
+from dapo_mega.backends.megatron.batch import (
+    MicroBatch,
+    TrainSample,
+    collate_micro_batch,
+    count_loss_tokens,
+    plan_micro_batches,
+    response_values,
+    shard_for_data_parallel,
+)
+from dapo_mega.backends.megatron.layout import ParallelLayout
+from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
+from dapo_mega.backends.megatron.model import build_model
+from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
+from dapo_mega.config import ConfigError, DapoConfig
+
+_POLICY_METRICS = ("loss/clip_frac_low", "loss/clip_frac_high", "loss/dual_clip_frac", "loss/approx_kl",
+                   "loss/ratio_mean")
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient with `algo.on_nonfinite=stop`."""
+
+
+class MegatronLearner:
+    """Megatron-core policy model, optimizer and the DAPO train step on one rank."""
+
+    def __init__(self, cfg: DapoConfig, hf_config: Any, layout: ParallelLayout):
+        if layout.cp != 1:
+            raise ConfigError("megatron.context_parallel_size: the learner does not split sequences over CP yet; "
+                              "use 1")
+        self.cfg = cfg
+        self.layout = layout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model_chunks, self.info = build_model(hf_config, cfg.megatron, layout)
+        self.config = self.model_chunks[0].config
+        self.ddp_chunks = wrap_with_ddp(self.model_chunks, cfg.megatron)
+        self.optimizer = build_optimizer(self.ddp_chunks, cfg.algo, cfg.megatron, bf16=self.info.params_dtype == "bfloat16")
+        self.scheduler = WarmupConstantLR(cfg.algo.lr, cfg.algo.lr_warmup_steps)
+        self.skipped_updates = 0
+        # Sequence parallel splits the sequence over TP ranks: columns must divide by TP.
+        self._seq_multiple = layout.tp if layout.sequence_parallel else 1
+
+    # ------------------------------------------------------------------ plumbing
+    def _is_loss_rank(self) -> bool:
+        """Last pipeline stage, TP rank 0: counts each micro-batch's metrics exactly once."""
+        return self.layout.is_last_stage and self.layout.tp_rank == 0
+
+    def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> List[MicroBatch]:
+        uniform = self.layout.pp > 1
+        groups = plan_micro_batches(samples, indices, self.cfg.megatron.micro_batch_tokens, uniform=uniform,
+                                    seq_multiple=self._seq_multiple)
+        seq_len = None
+        if uniform:
+            longest = max((samples[i].length for g in groups for i in g if i >= 0), default=2)
+            seq_len = -(-max(longest, 2) // self._seq_multiple) * self._seq_multiple
+        return [collate_micro_batch(samples, g, seq_len=seq_len, seq_multiple=self._seq_multiple) for g in groups]
+
+    def _to_device(self, mb: MicroBatch) -> MicroBatch:
+        if self.device.type == "cpu":
+            return mb
+        fields = {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                  for k, v in mb.__dict__.items()}
+        return MicroBatch(**fields)
+
+    def _run_schedule(self, micro_batches: List[MicroBatch], loss_func: Callable, forward_only: bool) -> List[Dict]:
+        """One pass of megatron's forward(-backward) schedule; returns the loss_func outputs (last stage)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = self._to_device(next(data_iterator))
+            output = model(mb.tokens, mb.position_ids, None)
+            return output, partial(loss_func, mb)
+
+        num_chunks = len(self.ddp_chunks)
+        iterators = [iter(micro_batches) for _ in range(num_chunks)]
+        first = micro_batches[0]
+        forward_backward = get_forward_backward_func()
+        return forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if num_chunks > 1 else iterators[0],
+            model=self.ddp_chunks if num_chunks > 1 else self.ddp_chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=first.tokens.shape[1],
+            micro_batch_size=first.tokens.shape[0],
+            forward_only=forward_only,
+        )
+
+    def _all_reduce_sum(self, values: List[float]) -> List[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(tensor)
+        return tensor.tolist()
+
+    # ------------------------------------------------------------------ log-probs
+    def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
+        """Forward only over `indices`; {sample index: [R] log-probs} on loss ranks, {} elsewhere."""
+        temperature, vocab = self.cfg.algo.temperature, self.info.vocab_size
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            log_probs, _ = compute_token_log_probs(logits, mb.labels, temperature, vocab, with_entropy=False)
+            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {"mb": mb, "log_probs": log_probs.detach()}
+
+        for chunk in self.ddp_chunks:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._run_schedule(self._micro_batches(samples, indices), loss_func, forward_only=True)
+        for chunk in self.ddp_chunks:
+            chunk.train()
+        result: Dict[int, torch.Tensor] = {}
+        if self.layout.is_last_stage:
+            for out in outputs:
+                mb, log_probs = out["mb"], out["log_probs"].float().cpu()
+                for row, index in enumerate(mb.sample_indices):
+                    if index >= 0:
+                        result[index] = response_values(log_probs, mb, row).clone()
+        return result
+
+    def compute_log_probs(self, samples: Sequence[TrainSample]) -> List[torch.Tensor]:
+        """Per-sample [R] log-probs (float32, CPU) of the response tokens, on every rank."""
+        indices = shard_for_data_parallel(range(len(samples)), self.layout.dp_rank, self.layout.dp)
+        local = self._local_log_probs(samples, indices)
+        local = local if self._is_loss_rank() else {}
+        gathered: List[Optional[Dict[int, torch.Tensor]]] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+        merged: Dict[int, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part or {})
+        return [merged[i] for i in range(len(samples))]
+
+    # ------------------------------------------------------------------ updates
+    def _grads_finite(self) -> bool:
+        local_bad = 0.0
+        for chunk in self.ddp_chunks:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is not None and not torch.isfinite(grad).all():
+                    local_bad = 1.0
+                    break
+        return self._all_reduce_sum([local_bad])[0] == 0.0
+
+    def _zero_grads(self) -> None:
+        for chunk in self.ddp_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _update(self, micro_batches: List[MicroBatch], loss_func: Callable, lr: Optional[float]) -> Dict[str, Any]:
+        """Forward/backward over the micro-batches, non-finite check, clip + step. Returns step info."""
+        self._zero_grads()
+        outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
+        local = [0.0] * (3 + len(_POLICY_METRICS))  # loss, tokens, entropy·n, metric·n...
+        if self._is_loss_rank():
+            for out in outputs:
+                n = float(out["num_tokens"])
+                local[0] += float(out["loss"])
+                local[1] += n
+                local[2] += float(out["entropy_sum"])
+                for k, key in enumerate(_POLICY_METRICS):
+                    local[3 + k] += float(out.get(key, 0.0)) * n
+        totals = self._all_reduce_sum(local)
+        loss, tokens = totals[0], totals[1]
+        finite = bool(torch.isfinite(torch.tensor(loss))) and self._grads_finite()
+        info: Dict[str, Any] = {"loss": loss, "tokens": tokens, "entropy": totals[2] / max(tokens, 1.0),
+                                "finite": finite}
+        for k, key in enumerate(_POLICY_METRICS):
+            info[key] = totals[3 + k] / max(tokens, 1.0)
+        if not finite:
+            self._zero_grads()
+            self.skipped_updates += 1
+            if self.cfg.algo.on_nonfinite == "stop":
+                raise NonFiniteError(f"non-finite loss ({loss}) or gradient at update {self.scheduler.num_updates}; "
+                                     "algo.on_nonfinite=stop")
+            info.update(grad_norm=float("nan"), lr=self.scheduler.current_lr)
+            return info
+        info["lr"] = self.scheduler.apply(self.optimizer, lr)
+        _, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None:
+            grad_norm = self.optimizer.get_grad_norm()
+        info["grad_norm"] = float(grad_norm)
+        if lr is None:
+            self.scheduler.advance()
+        return info
+
+    def _policy_loss_func(self, global_tokens: float, mb: MicroBatch, logits: torch.Tensor):
+        algo = self.cfg.algo
+        log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.vocab_size)
+        mask = mb.response_mask
+        tis = None
+        if algo.tis_cap is not None and mb.engine_log_probs is not None and not algo.use_engine_logprobs:
+            tis = compute_tis_weights(mb.old_log_probs, mb.engine_log_probs, algo.tis_cap, mask)
+        loss, metrics = compute_policy_loss(
+            log_probs, mb.old_log_probs, mb.advantages, mask, clip_ratio_low=algo.clip_ratio_low,
+            clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
+            global_num_tokens=global_tokens, tis_weights=tis)
+        num_tokens = mask.sum().to(torch.int)
+        reduced = {key: metrics[key] for key in _POLICY_METRICS}
+        reduced.update(loss=loss.detach(), num_tokens=num_tokens.detach(), entropy_sum=(entropy * mask).sum())
+        return loss, num_tokens, reduced
+
+    def train_step(self, samples: Sequence[TrainSample]) -> Dict[str, float]:
+        """DAPO updates on one rollout batch (ordered group by group); returns slash-keyed metrics."""
+        algo = self.cfg.algo
+        if algo.loss_agg_mode != "token-mean":
+            # Seq modes need the global sequence count too; the learner implements DAPO's mode.
+            raise ConfigError(f"algo.loss_agg_mode: the Megatron learner implements token-mean, got "
+                              f"{algo.loss_agg_mode!r}")
+        start = time.perf_counter()
+        samples = list(samples)
+        per_update = algo.mini_batch_size * algo.n_samples_per_prompt
+        mini_batches = [list(range(k, min(k + per_update, len(samples)))) for k in range(0, len(samples), per_update)]
+        shards = [shard_for_data_parallel(mb, self.layout.dp_rank, self.layout.dp) for mb in mini_batches]
+
+        # 1. old log-probs, once, before the first update.
+        if algo.use_engine_logprobs:
+            missing = [i for i, s in enumerate(samples) if s.engine_log_probs is None]
+            if missing:
+                raise ValueError(f"algo.use_engine_logprobs=true but {len(missing)} samples have no engine_log_probs")
+            old = {i: torch.tensor(s.engine_log_probs) for i, s in enumerate(samples)}
+        else:
+            old = self._local_log_probs(samples, [i for shard in shards for i in shard])
+        for i, log_probs in old.items():
+            samples[i] = _with_old_log_probs(samples[i], log_probs)
+
+        # 2. one optimizer update per mini-batch.
+        totals = {"loss/pg": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0, **{k: 0.0 for k in _POLICY_METRICS}}
+        applied, tokens_trained = 0, 0.0
+        lr = self.scheduler.current_lr
+        for mini_batch, shard in zip(mini_batches, shards):
+            global_tokens = float(count_loss_tokens(samples, mini_batch))
+            info = self._update(self._micro_batches(samples, shard),
+                                partial(self._policy_loss_func, max(global_tokens, 1.0)), lr=None)
+            tokens_trained += sum(samples[i].length for i in mini_batch)
+            if not info["finite"]:
+                continue
+            applied += 1
+            lr = info["lr"]
+            totals["loss/pg"] += info["loss"]
+            totals["actor/entropy"] += info["entropy"]
+            totals["actor/grad_norm"] += info["grad_norm"]
+            for key in _POLICY_METRICS:
+                totals[key] += info[key]
+        elapsed = time.perf_counter() - start
+        metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
+        metrics.update({
+            "actor/lr": lr,
+            "perf/train_tokens_per_s": tokens_trained / max(elapsed, 1e-9),
+            "perf/train_seconds": elapsed,
+            "train/num_updates": float(applied),
+            "train/skipped_updates": float(len(mini_batches) - applied),
+        })
+        return metrics
+
+    def sft_step(self, samples: Sequence[TrainSample], lr: float) -> Dict[str, float]:
+        """One supervised update: cross-entropy on response tokens, mean over all of them, at `lr`."""
+        start = time.perf_counter()
+        samples = list(samples)
+        indices = list(range(len(samples)))
+        global_tokens = max(float(count_loss_tokens(samples, indices)), 1.0)
+        temperature_free = 1.0  # supervised targets: no sampling temperature
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            log_probs, entropy = compute_token_log_probs(logits, mb.labels, temperature_free, self.info.vocab_size)
+            mask = mb.response_mask
+            loss = -(log_probs * mask).sum() / global_tokens
+            num_tokens = mask.sum().to(torch.int)
+            return loss, num_tokens, {"loss": loss.detach(), "num_tokens": num_tokens, "entropy_sum": (entropy * mask).sum()}
+
+        shard = shard_for_data_parallel(indices, self.layout.dp_rank, self.layout.dp)
+        info = self._update(self._micro_batches(samples, shard), loss_func, lr=lr)
+        elapsed = time.perf_counter() - start
+        return {"sft/loss": info["loss"], "sft/grad_norm": info["grad_norm"], "sft/lr": lr,
+                "sft/skipped": float(not info["finite"]),
+                "perf/sft_tokens_per_s": sum(s.length for s in samples) / max(elapsed, 1e-9)}
+
+
+def _with_old_log_probs(sample: TrainSample, log_probs: torch.Tensor) -> TrainSample:
+    """A copy of `sample` carrying old log-probs (the caller's objects are not modified)."""
+    return TrainSample(prompt_ids=sample.prompt_ids, response_ids=sample.response_ids, advantage=sample.advantage,
+                       old_log_probs=[float(x) for x in log_probs], engine_log_probs=sample.engine_log_probs,
+                       loss_mask=sample.loss_mask)
