@@ -138,7 +138,9 @@ def test_reference_loss_is_token_level_over_micro_batches(reference):
     assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(reference["before"], reference["after"]))
 
 
-@pytest.mark.parametrize("tp,pp,world", [(2, 1, 2), (1, 2, 2), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("tp,pp,world", [(2, 1, 2), (1, 2, 2), (1, 1, 2),
+                                         pytest.param(2, 2, 4, marks=pytest.mark.slow)],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2"])
 def test_parallel_layout_matches_single_process(reference, tp, pp, world):
     got = run_distributed(_learner_run, world, args=(tp, pp), timeout_s=240)
     for rank in range(world):
