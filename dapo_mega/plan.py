@@ -1,0 +1,267 @@
+"""`dapo-mega plan`: layout and memory of a config on a cluster shape, before any GPU is used.
+
+    dapo-mega plan +experiment=dapo_qwen2.5_32b            a table
+    dapo-mega plan +experiment=dapo_qwen2.5_32b --json     the same as JSON
+
+Memory per learner GPU (bytes), for TP=t, PP=p, CP=c, DP=d = W/(t·p·c), the parameters
+Φ_s held by one GPU of pipeline stage s (linear weights, QKV bias and embedding/output
+split over t; norms replicated):
+
+    model state  M_s = Φ_s · (2 + 4 + 12/d)       bf16 params (2) + fp32 main grads (4)
+                                                  + fp32 master params, Adam m, Adam v (12)
+                                                  sharded over DP by Megatron's
+                                                  distributed optimizer (ZeRO-1);
+                                                  without it: Φ_s · 18
+    activations  per transformer layer, s = micro_batch_tokens / c tokens, hidden h
+                 (Korthikanti et al. 2022, Eq. 2, flash attention: no a·s/h term, b = 1):
+                 A = s·h·34/t with sequence parallelism, s·h·(10 + 24/t) without;
+                 full recompute keeps only the layer input, 2·s·h/t (SP) or 2·s·h, plus
+                 one layer's A while recomputing. 1F1B keeps p micro-batches in flight on
+                 stage 0 (p − s on stage s); the last stage adds fp32 logits 4·s·V/t.
+
+KV cache per engine (TP=e GPUs, mem_fraction_static f, GPU memory G):
+    room = e · (f·G − R) − 2·Φ,  R = learner model state left on the GPU in colocated
+    mode (0 disaggregated), Φ all parameters; bytes per token 2 (K,V) · L · n_kv · d_head · 2.
+Weight sync per step: 2·Φ bytes (bf16) to every engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from dapo_mega.config import DapoConfig
+
+GIB = 1024 ** 3
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs of a decoder-only transformer (Qwen2 / Llama family)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    source: str = "table"
+    """Where the shape came from: hf_config (config.json), table (KNOWN_MODELS) or tiny."""
+
+
+KNOWN_MODELS: Dict[str, ModelShape] = {
+    "qwen2.5-32b": ModelShape("qwen2.5-32b", 64, 5120, 27648, 40, 8, 128, 152064, False, True),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, False, True),
+}
+
+
+def resolve_model_shape(cfg: DapoConfig) -> ModelShape:
+    """config.json at model.hf_path if present, else KNOWN_MODELS[model.name], else the tiny model."""
+    config_json = Path(cfg.model.hf_path) / "config.json" if cfg.model.hf_path else None
+    if config_json is not None and config_json.exists():
+        hf = json.loads(config_json.read_text())
+        heads = hf["num_attention_heads"]
+        return ModelShape(
+            name=cfg.model.name, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab_size=hf["vocab_size"],
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)), source="hf_config")
+    if cfg.model.name.lower() in KNOWN_MODELS:
+        return KNOWN_MODELS[cfg.model.name.lower()]
+    m = cfg.model
+    from dapo_mega.models.tiny import build_char_vocab
+
+    return ModelShape(m.name, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_intermediate_size,
+                      m.tiny_num_attention_heads, m.tiny_num_key_value_heads,
+                      m.tiny_hidden_size // m.tiny_num_attention_heads, len(build_char_vocab()),
+                      m.tiny_tie_word_embeddings, True, source="tiny")
+
+
+def layer_params(shape: ModelShape) -> Dict[str, int]:
+    """Parameters of one transformer layer, split into what TP shards and what it replicates."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q_out, kv_out = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    attention = h * q_out + 2 * h * kv_out + q_out * h
+    bias = (q_out + 2 * kv_out) if shape.qkv_bias else 0
+    mlp = 3 * h * shape.ffn_hidden_size  # SwiGLU: gate, up, down
+    return {"sharded": attention + bias + mlp, "replicated": 2 * h}  # 2 RMSNorm weights
+
+
+def total_params(shape: ModelShape) -> int:
+    per_layer = layer_params(shape)
+    embedding = shape.vocab_size * shape.hidden_size
+    output = 0 if shape.tie_word_embeddings else embedding
+    return shape.num_layers * (per_layer["sharded"] + per_layer["replicated"]) + embedding + output + shape.hidden_size
+
+
+def stage_params_per_gpu(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
+    """Φ_s: parameters one GPU of pipeline stage `stage` holds (layers split evenly)."""
+    per_layer = layer_params(shape)
+    layers = shape.num_layers // pp + (1 if stage < shape.num_layers % pp else 0)
+    params = layers * (math.ceil(per_layer["sharded"] / tp) + per_layer["replicated"])
+    embedding = math.ceil(shape.vocab_size / tp) * shape.hidden_size
+    if stage == 0:
+        params += embedding
+    if stage == pp - 1:
+        params += shape.hidden_size  # final norm
+        if not shape.tie_word_embeddings or pp > 1:  # tied + pp>1: Megatron keeps a copy on the last stage
+            params += embedding
+    return params
+
+
+def activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> int:
+    """Activation memory of pipeline stage `stage` (formula in the module docstring)."""
+    m = cfg.megatron
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    s, h = m.micro_batch_tokens / cp, shape.hidden_size
+    full_layer = s * h * 34 / tp if m.sequence_parallel else s * h * (10 + 24 / tp)
+    layers = shape.num_layers // pp + (1 if stage < shape.num_layers % pp else 0)
+    in_flight = pp - stage
+    if m.recompute_granularity == "full":
+        kept = 2 * s * h / tp if m.sequence_parallel else 2 * s * h
+        total = layers * in_flight * kept + full_layer
+    else:
+        total = layers * in_flight * full_layer
+    if stage == pp - 1:
+        total += 4 * s * math.ceil(shape.vocab_size / tp)
+    return int(total)
+
+
+def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
+    """K and V of every layer for one token on one engine GPU (bf16; KV heads split by TP)."""
+    kv_heads = max(1, math.ceil(shape.num_key_value_heads / engine_tp))
+    return 2 * shape.num_layers * kv_heads * shape.head_dim * 2
+
+
+def compute_plan(cfg: DapoConfig) -> dict:
+    """The layout, memory and warnings of `cfg` on its cluster.* shape (pure; no I/O but config.json)."""
+    c, m, r, a = cfg.cluster, cfg.megatron, cfg.rollout, cfg.algo
+    shape = resolve_model_shape(cfg)
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    gpus_per_node = c.gpus_per_node
+    disagg = c.mode == "disaggregated"
+    engine_nodes = c.engine_nodes if disagg else c.num_nodes
+    learner_nodes = c.num_nodes - c.engine_nodes if disagg else c.num_nodes
+    world = learner_nodes * gpus_per_node
+    warnings: List[str] = []
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        warnings.append(f"learner GPUs {world} not divisible by tp*pp*cp = {model_parallel}")
+    dp = max(1, world // model_parallel)
+    if tp > gpus_per_node:
+        warnings.append(f"TP {tp} crosses nodes ({gpus_per_node} GPUs per node): TP all-reduces go over the network")
+    if r.engine_tp_size > gpus_per_node:
+        warnings.append(f"engine TP {r.engine_tp_size} crosses nodes ({gpus_per_node} GPUs per node)")
+    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp and tp % shape.num_key_value_heads:
+        warnings.append(f"{shape.num_attention_heads} heads / {shape.num_key_value_heads} KV heads do not split over TP {tp}")
+    if shape.num_layers % pp:
+        warnings.append(f"{shape.num_layers} layers do not split evenly over PP {pp}")
+
+    gpu_bytes = c.gpu_memory_gib * GIB
+    optimizer_factor = 2 + 4 + (12 / dp if m.use_distributed_optimizer else 12)
+    stages = []
+    for stage in range(pp):
+        params = stage_params_per_gpu(shape, tp, pp, stage)
+        state = params * optimizer_factor
+        acts = activation_bytes(cfg, shape, stage)
+        stages.append({"stage": stage, "params": params, "param_bytes": params * 2, "grad_bytes": params * 4,
+                       "optimizer_bytes": params * (12 / dp if m.use_distributed_optimizer else 12),
+                       "model_state_bytes": state, "activation_bytes": acts, "total_bytes": state + acts})
+    worst = max(stages, key=lambda st: st["total_bytes"])
+    if worst["total_bytes"] > 0.9 * gpu_bytes:
+        warnings.append(f"learner does not fit: stage {worst['stage']} needs {worst['total_bytes'] / GIB:.1f} GiB of "
+                        f"{c.gpu_memory_gib:.0f} GiB (keep 10% for the CUDA context and fragmentation); raise TP/PP, "
+                        "enable megatron.recompute_granularity=full or lower micro_batch_tokens")
+
+    phi = total_params(shape)
+    e = r.engine_tp_size * r.engine_dp_size
+    resident = max(st["model_state_bytes"] for st in stages) if not disagg else 0
+    engine_room = e * (min(r.mem_fraction_static * gpu_bytes, gpu_bytes - resident)) - 2 * phi
+    per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
+    seq_tokens = a.max_prompt_length + a.max_response_length
+    kv_tokens = max(0, int(engine_room // per_token))
+    if engine_room <= 0:
+        warnings.append(f"engines have no KV-cache room: {e} GPUs x mem_fraction_static {r.mem_fraction_static} "
+                        f"cannot hold {2 * phi / GIB:.1f} GiB of weights"
+                        + (" next to the resident learner state" if not disagg else ""))
+    engine_gpus = engine_nodes * gpus_per_node
+    used_engine_gpus = r.num_engines * e
+    if used_engine_gpus > engine_gpus:
+        warnings.append(f"{r.num_engines} engines x {e} GPUs need {used_engine_gpus} GPUs, the engine nodes have {engine_gpus}")
+    elif used_engine_gpus < engine_gpus:
+        warnings.append(f"engines idle GPUs: {engine_gpus - used_engine_gpus} of {engine_gpus} engine GPUs run no engine")
+    if disagg and c.max_staleness == 0:
+        warnings.append("engines idle while learners train: disaggregated with cluster.max_staleness=0 is synchronous")
+
+    layout = []
+    for node in range(c.num_nodes):
+        is_engine_node = disagg and node >= learner_nodes
+        roles = []
+        if not is_engine_node:
+            first = node * gpus_per_node
+            roles.append(f"learner ranks {first}-{first + gpus_per_node - 1}")
+        if not disagg or is_engine_node:
+            index = node - (learner_nodes if disagg else 0)
+            per_node = math.ceil(r.num_engines / max(1, engine_nodes))
+            engines = [i for i in range(index * per_node, (index + 1) * per_node) if i < r.num_engines]
+            if engines:
+                roles.append(f"engines {engines[0]}-{engines[-1]} (TP {r.engine_tp_size})")
+        layout.append({"node": node, "roles": roles})
+
+    sync_bytes = 2 * phi
+    return {
+        "model": asdict(shape), "total_params": phi,
+        "cluster": {"mode": c.mode, "num_nodes": c.num_nodes, "gpus_per_node": gpus_per_node,
+                    "learner_nodes": learner_nodes, "engine_nodes": engine_nodes, "gpu_memory_gib": c.gpu_memory_gib},
+        "parallel": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world,
+                     "sequence_parallel": m.sequence_parallel, "recompute": m.recompute_granularity,
+                     "distributed_optimizer": m.use_distributed_optimizer, "fp8": m.fp8.enabled},
+        "learner_memory": {"stages": stages, "worst_stage": worst["stage"], "worst_total_gib": worst["total_bytes"] / GIB},
+        "engines": {"num_engines": r.num_engines, "gpus_per_engine": e, "kv_room_bytes": max(0.0, engine_room),
+                    "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens,
+                    "max_full_length_sequences": kv_tokens // seq_tokens if seq_tokens else 0},
+        "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
+                        "seconds_at_400gbps": sync_bytes * 8 / 400e9},
+        "layout": layout, "warnings": warnings,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as a fixed-width table."""
+    p, mdl = plan["parallel"], plan["model"]
+    lines = [f"model {mdl['name']} ({mdl['source']}): {plan['total_params'] / 1e9:.2f} B params, "
+             f"{mdl['num_layers']} layers, hidden {mdl['hidden_size']}",
+             f"cluster {plan['cluster']['mode']}: {plan['cluster']['num_nodes']} nodes x "
+             f"{plan['cluster']['gpus_per_node']} GPUs ({plan['cluster']['gpu_memory_gib']:.0f} GiB)",
+             f"learners: TP {p['tp']} PP {p['pp']} CP {p['cp']} DP {p['dp']} (world {p['world_size']}), "
+             f"SP {p['sequence_parallel']}, recompute {p['recompute']}, fp8 {p['fp8']}", "",
+             "stage  params/GPU   params   grads    optim    state    activ    total  (GiB)"]
+    for st in plan["learner_memory"]["stages"]:
+        lines.append(f"{st['stage']:>5}  {st['params'] / 1e9:8.3f}B  " + "  ".join(
+            f"{st[k] / GIB:7.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes",
+                                            "activation_bytes", "total_bytes")))
+    eng = plan["engines"]
+    lines += ["", f"engines: {eng['num_engines']} x {eng['gpus_per_engine']} GPUs, KV room "
+              f"{eng['kv_room_bytes'] / GIB:.1f} GiB per engine = {eng['kv_tokens']:,} tokens "
+              f"= {eng['max_full_length_sequences']} full-length sequences",
+              f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
+              f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)", "", "layout:"]
+    lines += [f"  node {n['node']:>3}: " + "; ".join(n["roles"]) for n in plan["layout"]]
+    lines += [""] + [f"WARNING: {w}" for w in plan["warnings"]] if plan["warnings"] else ["", "no warnings"]
+    return "\n".join(lines)
+
+
+def run_plan_command(cfg: DapoConfig, as_json: bool) -> int:
+    """`dapo-mega plan`: print the plan; exit 1 when the learner does not fit."""
+    plan = compute_plan(cfg)
+    print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
+    return 1 if any(w.startswith("learner does not fit") for w in plan["warnings"]) else 0
