@@ -1,0 +1,71 @@
+"""tools/prepare_data.py on small generated DAPO-Math / AIME parquet files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dapo_mega.data import compute_dataset_revision, read_problems
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the "
+            "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+            "Remember to put your answer on its own line after \"Answer:\".")
+
+
+def _write(path: Path, problems, repeats: int, source: str) -> None:
+    rows = {"data_source": [], "prompt": [], "ability": [], "reward_model": [], "extra_info": []}
+    for _ in range(repeats):
+        for index, (question, answer) in enumerate(problems):
+            rows["data_source"].append(source)
+            rows["prompt"].append([{"role": "user", "content": TEMPLATE.format(problem=question)}])
+            rows["ability"].append("MATH")
+            rows["reward_model"].append({"ground_truth": answer, "style": "rule-lean"})
+            rows["extra_info"].append({"index": f"{source}-{index}"})
+    pq.write_table(pa.table(rows), path)
+
+
+def test_prepare_dedups_drops_eval_overlap_and_records_revision(tmp_path):
+    train = [(f"What is {i} + {i}?", str(2 * i)) for i in range(12)]
+    aime = [(f"AIME problem {k}: compute {k} squared.", str(k * k)) for k in range(30)]
+    train.append(aime[3])  # a leaked eval problem in the training set
+    _write(tmp_path / "dapo.parquet", train, repeats=5, source="math_dapo")  # published file repeats prompts
+    _write(tmp_path / "aime.parquet", aime, repeats=32, source="aime")       # 30 x 32 = 960 rows
+    out = tmp_path / "data"
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--dapo-math",
+                             str(tmp_path / "dapo.parquet"), "--aime", str(tmp_path / "aime.parquet"),
+                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "writing dapo_math_17k.parquet" in result.stderr  # tqdm progress
+
+    prepared, report = read_problems(out / "dapo_math_17k.parquet", dedup=False)
+    assert report.num_rows == 12  # 13 distinct prompts, 1 eval overlap dropped, 65 rows in
+    assert [p.ground_truth for p in prepared] == [str(2 * i) for i in range(12)]
+    record = json.loads((out / "dapo_math_17k.revision.json").read_text())
+    assert (record["source_rows"], record["duplicates_dropped"], record["eval_overlap_dropped"]) == (65, 52, 1)
+    assert record["revision"] == compute_dataset_revision(prepared)
+    assert f"revision {record['revision']}" in result.stdout
+
+    eval_problems, eval_report = read_problems(out / "aime_2024.parquet", dedup=False)
+    assert eval_report.num_rows == 30 and eval_problems[5].ground_truth == "25"
+    aime_record = json.loads((out / "aime_2024.revision.json").read_text())
+    assert aime_record["source_rows"] == 960 and aime_record["num_problems"] == 30
+    # the prepared file reads back to the same problems (and revision) as the source
+    source_problems, _ = read_problems(tmp_path / "aime.parquet", dedup=True)
+    assert aime_record["revision"] == compute_dataset_revision(source_problems)
+
+
+def test_prepare_reports_a_bad_row_and_exits_nonzero(tmp_path):
+    _write(tmp_path / "dapo.parquet", [("What is 1 + 1?", "2"), ("What is 2 + 2?", "")], 1, "math_dapo")
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--dapo-math",
+                             str(tmp_path / "dapo.parquet"), "--out", str(tmp_path / "data")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "prepare_data: error:" in result.stderr and "row 1" in result.stderr
+    assert not (tmp_path / "data" / "dapo_math_17k.parquet").exists()
