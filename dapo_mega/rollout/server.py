@@ -136,6 +136,9 @@ class EngineServer:
         r.add_post("/update_weights_from_tensor", self.update_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        # Not SGLang: receive-and-discard one flat broadcast, the raw-transport baseline of
+        # bench/bench_weight_sync.py.
+        r.add_post("/debug/receive_flat", self.debug_receive_flat)
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler):
@@ -348,16 +351,17 @@ class EngineServer:
                              "Please call `init_weights_update_group` first.")
         if self.engine.weights_released:
             raise BadRequest("weights are released; call /resume_memory_occupation first")
-        async with self._update_lock:
-            await self._maybe_abort(b["abort_all_requests"])
-            pg = self.groups[b["group_name"]]
-            try:
+        try:
+            # Receives are serialised (they must match the sender's broadcast order); the
+            # load runs outside the lock so bucket k loads while bucket k+1 is received.
+            async with self._update_lock:
+                await self._maybe_abort(b["abort_all_requests"])
                 named = await asyncio.to_thread(
-                    receive_broadcast, pg, names, [transport.parse_dtype(d) for d in dtypes], shapes,
-                    b["load_format"], self.engine.device)
-                await asyncio.to_thread(self.engine.load_named_tensors, named, b["weight_version"])
-            except Exception as exc:
-                return _fail(f"Failed to update parameter online: {exc}. The weights may be partially updated.")
+                    receive_broadcast, self.groups[b["group_name"]], names,
+                    [transport.parse_dtype(d) for d in dtypes], shapes, b["load_format"], self.engine.device)
+            await asyncio.to_thread(self.engine.load_named_tensors, named, b["weight_version"])
+        except Exception as exc:
+            return _fail(f"Failed to update parameter online: {exc}. The weights may be partially updated.")
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
@@ -407,6 +411,19 @@ class EngineServer:
             return web.json_response({"error": {"message": f"Get parameter by name failed: {exc}"}}, status=400)
         rows = w.to(torch.float32).cpu().numpy().tolist()
         return web.json_response(rows[: int(b["truncate_size"])] if isinstance(rows, list) else rows)
+
+
+    async def debug_receive_flat(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if not isinstance(body, dict) or set(body) != {"group_name", "nbytes"} or body["group_name"] not in self.groups:
+            raise BadRequest("body must be {group_name (an initialised group), nbytes}")
+        pg = self.groups[body["group_name"]]
+
+        def _recv():
+            buf = torch.empty(int(body["nbytes"]), dtype=torch.uint8)
+            torch.distributed.broadcast(buf, src=0, group=pg)
+        await asyncio.to_thread(_recv)
+        return web.json_response({"success": True, "message": "received"})
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -22,7 +22,8 @@ load_format "shared_memory_json") or CUDA IPC handles (GPU, SGLang's pickled for
 are sent with /update_weights_from_tensor; engines release their memory while the learner
 trains (`release_engine_memory` / `resume_engine_memory`).
 
-Memory beyond the model is bounded by one bucket (plus the one tensor that does not fit).
+Memory beyond the model is bounded by two buckets (the one being broadcast and the one the
+engines are still loading; a tensor larger than a bucket is a bucket of its own).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class WeightSyncer:
         self.clients = [EngineClient(u, api_key=api_key, timeout_s=timeout_s) for u in self.engine_urls]
         self.group = None
         self.group_name: Optional[str] = None
+        self._flat: Optional[torch.Tensor] = None
 
     def close(self) -> None:
         async def _close():
@@ -197,16 +199,22 @@ class WeightSyncer:
         total, count, buckets = 0, 0, 0
         if pause:
             self.pause_engines()
+        pending = []  # replies of buckets already broadcast (engines may still be loading them)
         try:
             for bucket, is_last in iter_buckets(named_tensors, self.bucket_bytes):
                 version = weight_version if (is_last and is_last_stage) else None
                 if self.mode == "distributed":
-                    self._send_bucket_distributed(bucket, version)
+                    pending.append(self._send_bucket_distributed(bucket, version))
+                    # At most two buckets in flight: bounds engine-side memory.
+                    while len(pending) > 1:
+                        pending.pop(0).result(self.timeout_s)
                 else:
                     self._send_bucket_colocated(bucket, version)
                 total += sum(t.numel() * t.element_size() for _, t in bucket)
                 count += len(bucket)
                 buckets += 1
+            for fut in pending:
+                fut.result(self.timeout_s)
         finally:
             if pause:
                 self.continue_engines()
@@ -221,12 +229,23 @@ class WeightSyncer:
         posts = self._io.submit(self._all(lambda c: c.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self.group_name, weight_version=version,
             load_format=FLATTENED_BUCKET, flush_cache=False, timeout_s=self.timeout_s)))
-        flat = transport.flatten_bucket([t for _, t in bucket])
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        if self._flat is None or self._flat.numel() < nbytes:
+            self._flat = torch.empty(nbytes, dtype=torch.uint8)  # reused: no page faults per bucket
+        flat = transport.flatten_bucket([t for _, t in bucket], out=self._flat)
         work = torch.distributed.broadcast(flat, src=0, group=self.group, async_op=True)
-        # Engines reply only after receiving, so a successful reply means the broadcast is
-        # done; a 400 arrives before they join and must not leave us waiting on the broadcast.
-        posts.result(self.timeout_s)
+        # A 400 (bad name/shape) arrives before the engine joins the broadcast: watch for
+        # it instead of blocking in work.wait() until the group times out.
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if posts.done() and posts.exception() is not None:
+                raise WeightSyncError(f"engine refused bucket {names[0]}..{names[-1]}: {posts.exception()}; "
+                                      "destroy and re-create the weight-update group before retrying")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"broadcast of bucket {names[0]}.. timed out after {self.timeout_s} s")
+            time.sleep(0.001)
         work.wait()
+        return posts
 
     def _send_bucket_colocated(self, bucket, version: Optional[str]) -> None:
         if bucket[0][1].is_cuda:

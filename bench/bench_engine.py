@@ -1,0 +1,78 @@
+"""Rollout throughput: the embedded engine (HTTP, batched, KV cache) vs transformers `generate`.
+
+Same tiny model, same prompts, same number of samples and new tokens (EOS ignored so both
+produce exactly the same token count), same torch thread count. The engine is measured end
+to end through its HTTP API (one batched /generate with n samples per prompt); transformers
+runs `model.generate(do_sample=True, num_return_sequences=n)` on the left-padded batch
+in this process. JSON to bench/results/engine.json.
+
+    python bench/bench_engine.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dapo_mega.rollout.client import EngineClient
+from dapo_mega.rollout.processes import EngineProcess
+
+RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
+
+
+def run(quick: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    num_prompts, n, new_tokens, threads = (4, 4, 32, 2) if quick else (16, 8, 96, 2)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model_dir(tmp, seed=0)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        prompts = [tok(f"{a}+{b}=", add_special_tokens=False).input_ids for a, b in
+                   zip(range(10, 10 + num_prompts), range(37, 37 + num_prompts))]
+        engine = EngineProcess(tmp, num_threads=threads).wait_healthy()
+        try:
+            async def engine_rollout():
+                async with EngineClient(engine.url) as c:
+                    await c.generate(prompts[:1], {"max_new_tokens": 2, "n": 1})  # warm-up
+                    t0 = time.perf_counter()
+                    out = await c.generate(prompts, {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
+                                                     "ignore_eos": True})
+                    return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
+            engine_s, engine_tokens = asyncio.run(engine_rollout())
+        finally:
+            engine.kill()
+
+        torch.set_num_threads(threads)
+        model = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        with torch.no_grad():
+            model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=True,
+                           pad_token_id=tok.pad_token_id)
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=True, num_return_sequences=n, pad_token_id=tok.pad_token_id)
+            hf_s = time.perf_counter() - t0
+        hf_tokens = (out.shape[1] - width) * out.shape[0]
+    result = {"quick": quick, "num_prompts": num_prompts, "n": n, "max_new_tokens": new_tokens, "threads": threads,
+              "engine_seconds": engine_s, "engine_tokens": engine_tokens, "engine_tokens_per_s": engine_tokens / engine_s,
+              "hf_generate_seconds": hf_s, "hf_tokens": hf_tokens, "hf_tokens_per_s": hf_tokens / hf_s,
+              "ratio_engine_over_hf": (engine_tokens / engine_s) / (hf_tokens / hf_s)}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    print(json.dumps(run(ap.parse_args().quick), indent=2))
