@@ -1,0 +1,423 @@
+"""Training checkpoints of a run: model + optimizer (Megatron distributed checkpoint) and
+the trainer state, written atomically.
+
+Layout of a run directory:
+
+    <run_dir>/checkpoints/
+        step_000040/                  a complete checkpoint (only complete ones have this name)
+            model_optim/              megatron.core.dist_checkpointing (torch_dist): model chunks
+                                      ("model" or "model0", "model1", … with virtual PP),
+                                      "optimizer", "opt_param_scheduler"; loadable at another
+                                      TP/PP for the model (`convert_checkpoint.py export`)
+            rng/rank_00000.pt         per-rank RNG states (python, numpy, torch, CUDA, megatron
+                                      tracker) as tensors/ints, loaded with weights_only=True
+            dapo_mega_model.json      ModelInfo + HF config (so export can rebuild the model)
+            trainer_state.json        step, policy_version, data cursor, dynamic-sampling
+                                      carry-over, wandb run id, … (whatever the trainer passes)
+        step_000045.tmp-1234/         a save in progress or interrupted: always ignored
+        latest                        text file "step_000045", replaced last
+
+Atomicity (a crash at any point leaves the previous checkpoint usable):
+1. rank 0 creates `step_<N>.tmp-<pid>/`; every rank writes its part into it;
+2. rank 0 writes trainer_state.json, fsyncs the files and directories, renames the tmp
+   directory to `step_<N>/` (atomic on POSIX), then replaces `latest` (tmp file + fsync +
+   os.replace), then deletes checkpoints beyond the newest `keep_last_k`.
+An error during 1–2 (ENOSPC included) removes the tmp directory and raises
+CheckpointSaveError; `latest` and older checkpoints are untouched. `find_latest_checkpoint`
+trusts `latest` only if it names a complete checkpoint, else takes the highest complete
+`step_<N>`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+MODEL_OPTIM_DIR = "model_optim"
+TRAINER_STATE_FILE = "trainer_state.json"
+MODEL_META_FILE = "dapo_mega_model.json"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous one and `latest` are intact."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint where one was expected."""
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def checkpoints_root(run_dir: Path | str) -> Path:
+    """`<run_dir>/checkpoints` (or `run_dir` itself when it already is a checkpoints dir)."""
+    run_dir = Path(run_dir)
+    if run_dir.name == CHECKPOINTS_DIR or (run_dir / LATEST_FILE).is_file():
+        return run_dir
+    return run_dir / CHECKPOINTS_DIR
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def is_complete_checkpoint(path: Path | str) -> bool:
+    """A `step_<N>` directory with its trainer state and a finished distributed checkpoint."""
+    path = Path(path)
+    return (bool(_STEP_DIR.match(path.name)) and path.is_dir() and (path / TRAINER_STATE_FILE).is_file()
+            and (path / MODEL_OPTIM_DIR / "metadata.json").is_file())
+
+
+def list_complete_checkpoints(run_dir: Path | str) -> List[Path]:
+    """Complete checkpoints of a run, oldest step first (tmp and partial dirs skipped)."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if is_complete_checkpoint(p)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def find_latest_checkpoint(run_dir: Path | str) -> Optional[Path]:
+    """The checkpoint to resume from, or None.
+
+    `latest` is followed when it names a complete checkpoint; a dangling or corrupt
+    `latest` (crash between rename and pointer update, a deleted dir) falls back to the
+    highest complete `step_<N>`. Interrupted `*.tmp-*` directories are never chosen.
+    """
+    root = checkpoints_root(run_dir)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if name and "/" not in name and is_complete_checkpoint(root / name):
+            return root / name
+    complete = list_complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for fn in filenames:
+            _fsync_path(Path(dirpath) / fn)
+        _fsync_path(Path(dirpath))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via `<path>.tmp-<pid>`, fsync, os.replace: readers see old or new, never half."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+# --------------------------------------------------------------------------- dist_checkpointing
+
+
+def ensure_dist_checkpoint_writer() -> None:
+    """Let megatron's torch_dist writer run without psutil.
+
+    megatron-core 0.16.1's `FileSystemWriterAsync.write_preloaded_data` calls
+    `_process_memory()` (psutil RSS) only for a debug log line, and raises when psutil is
+    not installed, which makes every `dist_checkpointing.save` fail. psutil is not a
+    declared dependency of megatron-core; when it is absent we answer 0 for that log line.
+    Idempotent; does nothing when psutil is importable.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        filesystem_async._process_memory = lambda: 0
+
+
+def save_dist_checkpoint(state: Dict[str, Any], ckpt_dir: Path | str) -> None:
+    """`dist_checkpointing.save(state, ckpt_dir)` (torch_dist backend; the dir must exist)."""
+    from megatron.core import dist_checkpointing
+
+    ensure_dist_checkpoint_writer()
+    dist_checkpointing.save(state, str(ckpt_dir))
+
+
+# --------------------------------------------------------------------------- model state
+
+
+def model_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, Any]:
+    """{"model": sd} (one chunk) or {"model0": sd0, …} (virtual PP), as Megatron-LM nests them.
+
+    ShardedTensor keys carry global layer numbers, so the file layout does not depend on
+    TP/PP/VPP; only the nesting key differs, which dist_checkpointing ignores for tensors.
+    """
+    from dapo_mega.weights.stream import unwrap_chunk
+
+    models = [unwrap_chunk(c) for c in model_chunks]
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def load_model_state(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
+    """Copy a loaded {"model"…} dict into the chunks (strict: every parameter present)."""
+    from dapo_mega.weights.stream import unwrap_chunk
+
+    models = [unwrap_chunk(c) for c in model_chunks]
+    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for key, model in zip(keys, models):
+        model.load_state_dict(loaded[key], strict=False)
+
+
+def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_dir: Path | str) -> None:
+    """Load only the model part of a distributed checkpoint (converted or training one)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(ckpt_dir))
+    load_model_state(model_chunks, loaded)
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state() -> Dict[str, Any]:
+    """This rank's RNG states as tensors/ints/tuples (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gauss": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        from megatron.core import tensor_parallel
+
+        state["megatron_tracker"] = {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+    except Exception:  # tracker not initialised (no model built): nothing to save
+        pass
+    return state
+
+
+def restore_rng_state(state: Dict[str, Any]) -> None:
+    """Inverse of `capture_rng_state`."""
+    random.setstate(_tuplify(state["python"]))
+    nps = state["numpy"]
+    np.random.set_state((nps["kind"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"],
+                         nps["cached_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "megatron_tracker" in state:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+def _tuplify(x: Any) -> Any:
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def _dist():
+    return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+
+
+def _rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def _barrier() -> None:
+    d = _dist()
+    if d:
+        d.barrier()
+
+
+def _broadcast_obj(obj: Any) -> Any:
+    d = _dist()
+    if not d:
+        return obj
+    box = [obj]
+    d.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    d = _dist()
+    if not d:
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    d.all_reduce(flag)
+    return bool(flag.item())
+
+
+def _full_state(learner, is_loading: bool) -> Dict[str, Any]:
+    state = model_sharded_state_dict(learner.model_chunks)
+    optimizer = getattr(learner, "optimizer", None)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+    scheduler = getattr(learner, "scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "state_dict"):
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def _model_meta(learner) -> Dict[str, Any]:
+    info = getattr(learner, "info", None)
+    meta: Dict[str, Any] = {"format_version": FORMAT_VERSION,
+                            "model_info": info.to_dict() if hasattr(info, "to_dict") else None}
+    hf_config = getattr(learner, "hf_config", None)
+    if hf_config is not None:
+        from dapo_mega.backends.megatron.hf_arch import hf_config_to_dict
+
+        meta["hf_config"] = hf_config_to_dict(hf_config)
+    return meta
+
+
+def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict[str, Any],
+                    keep_last_k: int = 2) -> Path:
+    """Save model, optimizer, scheduler, RNG and `trainer_state` as `step_<N>` (collective).
+
+    Every learner rank calls it. `trainer_state` must be JSON-serialisable (checked before
+    anything is written); "step" is set to `step`. Returns the final checkpoint directory.
+    Raises CheckpointSaveError (ENOSPC named) after removing the partial tmp directory.
+    """
+    state_json = json.dumps({**trainer_state, "step": step, "format_version": FORMAT_VERSION,
+                             "saved_at": time.time()}, indent=2, sort_keys=True)
+    root = checkpoints_root(run_dir)
+    final = root / step_dir_name(step)
+    tmp: Optional[Path] = None
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{step_dir_name(step)}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / MODEL_OPTIM_DIR).mkdir(parents=True)
+        (tmp / RNG_DIR).mkdir()
+    tmp = Path(_broadcast_obj(str(tmp) if tmp else None))
+    error: Optional[BaseException] = None
+    try:
+        save_dist_checkpoint(_full_state(learner, is_loading=False), tmp / MODEL_OPTIM_DIR)
+        rng_path = tmp / RNG_DIR / f"rank_{_rank():05d}.pt"
+        torch.save(capture_rng_state(), rng_path)
+        _fsync_path(rng_path)
+    except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
+        error = exc
+    failed = _any_rank_failed(error is not None)
+    if not failed and _rank() == 0:
+        try:
+            (tmp / MODEL_META_FILE).write_text(json.dumps(_model_meta(learner), indent=2))
+            (tmp / TRAINER_STATE_FILE).write_text(state_json)
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving a step (e.g. after resuming from an older one)
+                old = root / f"{final.name}.old-{os.getpid()}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_path(root)
+            write_text_atomic(root / LATEST_FILE, final.name + "\n")
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+    failed = _any_rank_failed(error is not None)
+    if failed:
+        if _rank() == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        if error is None:
+            raise CheckpointSaveError(f"checkpoint step {step} failed on another rank; {tmp} removed, "
+                                      "the previous checkpoint is intact")
+        why = "disk full (ENOSPC)" if isinstance(error, OSError) and error.errno == errno.ENOSPC else repr(error)
+        raise CheckpointSaveError(f"could not save checkpoint step {step} to {final}: {why}; the partial "
+                                  f"directory was removed and the previous checkpoint and 'latest' are intact") from error
+    if _rank() == 0 and keep_last_k > 0:
+        prune_checkpoints(root, keep_last_k)
+    _barrier()
+    return final
+
+
+def prune_checkpoints(run_dir: Path | str, keep_last_k: int) -> List[Path]:
+    """Delete all but the newest `keep_last_k` complete checkpoints, and stale tmp dirs.
+
+    The checkpoint `latest` points to is never deleted. Returns what was deleted.
+    """
+    root = checkpoints_root(run_dir)
+    complete = list_complete_checkpoints(root)
+    latest = find_latest_checkpoint(root)
+    doomed = [p for p in complete[: max(len(complete) - keep_last_k, 0)] if p != latest]
+    doomed += [p for p in root.iterdir() if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def resolve_checkpoint_dir(path: Path | str) -> Path:
+    """A step dir as given, or the latest complete checkpoint of a run / checkpoints dir."""
+    path = Path(path)
+    if is_complete_checkpoint(path):
+        return path
+    if path.is_file() and path.name == LATEST_FILE:
+        path = path.parent
+    found = find_latest_checkpoint(path)
+    if found is None:
+        raise CheckpointNotFoundError(f"no complete checkpoint under {path} (looked for "
+                                      f"{checkpoints_root(path)}/step_<N>/ with {TRAINER_STATE_FILE})")
+    return found
+
+
+def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
+                    load_rng: bool = True) -> Dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG from `ckpt_dir`; return the trainer state.
+
+    ckpt_dir: a `step_<N>` directory, or a run / checkpoints directory (its latest complete
+    checkpoint). Collective: every learner rank calls it. The model may be loaded at a
+    different TP/PP than it was saved with; the optimizer state (fully_sharded_model_space)
+    likewise. RNG states are per rank: restored only when this rank's file exists.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = resolve_checkpoint_dir(ckpt_dir)
+    trainer_state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    if load_optimizer:
+        state = _full_state(learner, is_loading=True)
+    else:
+        state = model_sharded_state_dict(learner.model_chunks)
+    loaded = dist_checkpointing.load(state, str(ckpt / MODEL_OPTIM_DIR))
+    load_model_state(learner.model_chunks, loaded)
+    if load_optimizer and getattr(learner, "optimizer", None) is not None:
+        learner.optimizer.load_state_dict(loaded["optimizer"])
+        scheduler = getattr(learner, "scheduler", None)
+        if scheduler is not None and "opt_param_scheduler" in loaded and hasattr(scheduler, "load_state_dict"):
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    elif getattr(learner, "optimizer", None) is not None:
+        learner.optimizer.reload_model_params()
+    rng_path = ckpt / RNG_DIR / f"rank_{_rank():05d}.pt"
+    if load_rng and rng_path.is_file():
+        restore_rng_state(torch.load(rng_path, weights_only=True))
+    _barrier()
+    trainer_state["checkpoint_dir"] = str(ckpt)
+    return trainer_state

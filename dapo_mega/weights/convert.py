@@ -1,0 +1,443 @@
+"""HF ⇄ Megatron checkpoint conversion and verification (the logic of convert_checkpoint.py).
+
+    import_hf_checkpoint(hf_path, megatron_path, tp, pp, dtype)      HF safetensors → Megatron
+    export_megatron_checkpoint(megatron_path, hf_path, ...)          Megatron → HF safetensors
+    verify_conversion(hf_path, megatron_path, ...)                   logits of both, compared
+    export_learner_to_hf(model_chunks, info, layout, out_dir, ...)   live learner → HF dir
+                                                                     (the trainer at start-up)
+
+A converted Megatron checkpoint directory:
+
+    <megatron_path>/model/               megatron.core.dist_checkpointing (torch_dist) of
+                                         {"model": GPTModel.sharded_state_dict()}; loadable at
+                                         any TP/PP (ShardedTensors keyed by global layer)
+    <megatron_path>/dapo_mega_model.json ModelInfo, the HF config.json dict, source, dtype
+    <megatron_path>/hf_config/           config.json, generation_config.json, tokenizer files
+
+`export` also accepts a training checkpoint: a `step_<N>` directory, a run's
+`checkpoints/` directory or `latest` file, or the run directory (its latest complete
+checkpoint is used; only the model part of `model_optim/` is read).
+
+The top-level functions run the work in `tp·pp` spawned gloo processes (CPU) unless
+torch.distributed is already initialised with that world size (torchrun / srun), in which
+case they run on the calling ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from dapo_mega.weights import mapping as M
+from dapo_mega.weights.hf_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HFCheckpointReader,
+    ShardedSafetensorsWriter,
+    dtype_from_name,
+    write_index,
+)
+
+MODEL_SUBDIR = "model"
+HF_CONFIG_SUBDIR = "hf_config"
+MODEL_META_FILE = "dapo_mega_model.json"
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json")
+"""Files copied next to exported weights when a source directory is known."""
+
+
+@dataclass
+class ConversionSummary:
+    """What a conversion did, for the tool's final report."""
+
+    action: str
+    source: str
+    destination: str
+    num_tensors: int = 0
+    total_bytes: int = 0
+    seconds: float = 0.0
+    tp: int = 1
+    pp: int = 1
+    dtype: str = ""
+    notes: List[str] = field(default_factory=list)
+    max_abs_diff: Optional[float] = None
+    mean_abs_diff: Optional[float] = None
+    tolerance: Optional[float] = None
+    passed: Optional[bool] = None
+
+    def lines(self) -> List[str]:
+        out = [f"{self.action}: {self.source} -> {self.destination}",
+               f"  tensors: {self.num_tensors}  size: {self.total_bytes / 1e6:.1f} MB  dtype: {self.dtype}  "
+               f"TP={self.tp} PP={self.pp}  time: {self.seconds:.1f} s"]
+        if self.max_abs_diff is not None:
+            out.append(f"  logits max |diff| = {self.max_abs_diff:.3e}  mean |diff| = {self.mean_abs_diff:.3e}  "
+                       f"tolerance = {self.tolerance:.1e}  -> {'PASS' if self.passed else 'FAIL'}")
+        out += [f"  note: {n}" for n in self.notes]
+        return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def read_hf_config_dict(hf_dir: Path | str) -> Dict[str, Any]:
+    """config.json of an HF directory, with the architecture checked."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise M.WeightMappingError(f"{hf_dir}: no config.json")
+    cfg = json.loads(path.read_text())
+    M.check_architecture(cfg)
+    return cfg
+
+
+def copy_hf_side_files(src: Path | str, dst: Path | str, include_config: bool = True) -> List[str]:
+    """Copy config / generation config / tokenizer files that exist in `src` to `dst`."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in HF_SIDE_FILES:
+        if (src / name).is_file() and (include_config or name != "config.json"):
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _target_dtype(name: Optional[str], hf_cfg: Dict[str, Any]) -> torch.dtype:
+    """--dtype, else the HF config's dtype (torch_dtype / dtype), else float32."""
+    explicit = dtype_from_name(name)
+    if explicit is not None:
+        return explicit
+    from_cfg = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
+    return dtype_from_name(from_cfg) if from_cfg in ("bfloat16", "float32", "float16") else torch.float32
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _build(hf_cfg: Dict[str, Any], tp: int, pp: int, world_size: int):
+    """Initialise the layout on this rank and build the model chunks (fp32 on CPU)."""
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.model import build_model
+    from dapo_mega.config import MegatronConfig
+
+    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          params_dtype="float32" if not torch.cuda.is_available() else "auto")
+    layout = ParallelLayout.from_config(mcfg, world_size, hf_cfg).initialize()
+    chunks, info = build_model(hf_cfg, mcfg, layout)
+    for chunk in chunks:
+        chunk.eval()
+    return layout, chunks, info
+
+
+def _is_rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _progress(iterable, total: Optional[int], desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="tensor")
+
+
+_ERROR_TYPES = {cls.__name__: cls for cls in (M.WeightMappingError, M.MissingHFTensorError,
+                                                M.UnsupportedArchitectureError, FileNotFoundError)}
+
+
+def run_on_ranks(fn, world_size: int, args: Sequence[Any]) -> List[Any]:
+    """Run `fn(rank, world_size, *args)` on the current ranks (already distributed) or spawned ones.
+
+    Errors of spawned ranks are re-raised with their original type when it is one of the
+    conversion errors, so callers and tests see e.g. MissingHFTensorError naming the tensor.
+    """
+    if torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() != world_size:
+            raise ValueError(f"torch.distributed has {torch.distributed.get_world_size()} ranks, conversion "
+                             f"needs tp*pp = {world_size}")
+        return [fn(torch.distributed.get_rank(), world_size, *args)]
+    from dapo_mega.weights.spawn import SpawnedRankError, spawn_gloo
+
+    try:
+        return spawn_gloo(fn, world_size, args)
+    except SpawnedRankError as exc:
+        cls = _ERROR_TYPES.get(exc.exc_type)
+        if cls is None and exc.exc_type == "ConfigError":
+            from dapo_mega.config import ConfigError as cls  # noqa: N813
+        if cls is not None:
+            raise cls(exc.message) from exc
+        raise
+
+
+# --------------------------------------------------------------------------- import
+
+
+def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, pp: int = 1,
+                         dtype: Optional[str] = None, progress: bool = True) -> ConversionSummary:
+    """HF safetensors directory → Megatron distributed checkpoint (see the module docstring)."""
+    start = time.time()
+    hf_cfg = read_hf_config_dict(hf_path)
+    HFCheckpointReader(hf_path)  # fail fast, in this process, on a missing shard
+    out = Path(megatron_path)
+    (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
+    results = run_on_ranks(_import_worker, tp * pp, (str(hf_path), str(out), tp, pp, dtype, progress))
+    summary = results[0]
+    summary.seconds = time.time() - start
+    return summary
+
+
+def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, pp: int,
+                   dtype_name: Optional[str], progress: bool) -> Optional[ConversionSummary]:
+    from dapo_mega.backends.megatron.checkpoint import model_sharded_state_dict, save_dist_checkpoint
+    from dapo_mega.weights.stream import load_hf_into_megatron
+
+    hf_cfg = read_hf_config_dict(hf_path)
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size)
+    reader = HFCheckpointReader(hf_path)
+    used = load_hf_into_megatron(chunks, info, layout, reader)
+    dtype = _target_dtype(dtype_name, hf_cfg)
+    for chunk in chunks:
+        chunk.to(dtype)
+    all_used = [None] * world_size
+    torch.distributed.all_gather_object(all_used, sorted(used))
+    save_dist_checkpoint(model_sharded_state_dict(chunks), Path(out) / MODEL_SUBDIR)
+    if rank != 0:
+        return None
+    used_all = set().union(*map(set, all_used))
+    unused = sorted(set(reader.keys()) - used_all)
+    info_dict = info.to_dict()
+    info_dict["params_dtype"] = _dtype_str(dtype)
+    meta = {"format_version": 1, "model_info": info_dict, "hf_config": hf_cfg, "source": str(hf_path),
+            "saved_with": {"tp": tp, "pp": pp}, "dtype": _dtype_str(dtype)}
+    (Path(out) / MODEL_META_FILE).write_text(json.dumps(meta, indent=2))
+    copy_hf_side_files(hf_path, Path(out) / HF_CONFIG_SUBDIR)
+    notes = [f"HF tensors not used: {', '.join(unused)}"] if unused else []
+    return ConversionSummary(action="import", source=hf_path, destination=out, num_tensors=len(used_all),
+                             total_bytes=_bytes_of(reader, used_all, dtype),
+                             tp=tp, pp=pp, dtype=_dtype_str(dtype), notes=notes)
+
+
+def _bytes_of(reader: HFCheckpointReader, names, dtype: torch.dtype) -> int:
+    from safetensors import safe_open
+
+    total, item = 0, torch.empty((), dtype=dtype).element_size()
+    by_file: Dict[str, List[str]] = {}
+    for n in names:
+        by_file.setdefault(reader.weight_map[n], []).append(n)
+    for file_name, tensor_names in by_file.items():
+        with safe_open(str(reader.hf_dir / file_name), framework="pt") as f:
+            for n in tensor_names:
+                numel = 1
+                for s in f.get_slice(n).get_shape():
+                    numel *= s
+                total += numel * item
+    return total
+
+
+# --------------------------------------------------------------------------- export
+
+
+def resolve_megatron_source(megatron_path: Path | str) -> Dict[str, Any]:
+    """Where the model tensors and metadata of a converted or training checkpoint are.
+
+    Returns {"ckpt_dir": dist checkpoint dir, "meta": dapo_mega_model.json dict or {},
+    "side_dir": directory with config/tokenizer files or None, "kind": "converted"|"training"}.
+    """
+    from dapo_mega.backends.megatron import checkpoint as C
+
+    path = Path(megatron_path)
+    if (path / MODEL_SUBDIR / "metadata.json").is_file():
+        meta = json.loads((path / MODEL_META_FILE).read_text()) if (path / MODEL_META_FILE).is_file() else {}
+        side = path / HF_CONFIG_SUBDIR
+        return {"ckpt_dir": path / MODEL_SUBDIR, "meta": meta, "side_dir": side if side.is_dir() else None,
+                "kind": "converted"}
+    step_dir = C.resolve_checkpoint_dir(path)
+    meta = json.loads((step_dir / C.MODEL_META_FILE).read_text()) if (step_dir / C.MODEL_META_FILE).is_file() else {}
+    run_dir = step_dir.parent.parent
+    side = run_dir / "base_model"
+    return {"ckpt_dir": step_dir / C.MODEL_OPTIM_DIR, "meta": meta, "side_dir": side if side.is_dir() else None,
+            "kind": "training", "step_dir": str(step_dir)}
+
+
+def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
+                               hf_config_from: Optional[Path | str] = None, tp: int = 1, pp: int = 1,
+                               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: Optional[str] = None,
+                               progress: bool = True) -> ConversionSummary:
+    """Megatron (converted or training) checkpoint → HF directory loadable by from_pretrained."""
+    start = time.time()
+    src = resolve_megatron_source(megatron_path)
+    hf_cfg = (read_hf_config_dict(hf_config_from) if hf_config_from else src["meta"].get("hf_config"))
+    if hf_cfg is None and src["side_dir"] is not None and (Path(src["side_dir"]) / "config.json").is_file():
+        hf_cfg = read_hf_config_dict(src["side_dir"])
+    if hf_cfg is None:
+        raise M.WeightMappingError(f"{megatron_path}: no HF config recorded with this checkpoint; pass "
+                                   "--hf-config-from DIR (the HF directory the run started from)")
+    M.check_architecture(hf_cfg)
+    side_dir = Path(hf_config_from) if hf_config_from else src["side_dir"]
+    saved_dtype = src["meta"].get("dtype") or (src["meta"].get("model_info") or {}).get("params_dtype")
+    out = Path(hf_path)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_on_ranks(_export_worker, tp * pp, (str(src["ckpt_dir"]), str(out), hf_cfg, tp, pp,
+                                                      max_shard_bytes, dtype or saved_dtype, progress))
+    summary: ConversionSummary = results[0]
+    copied = copy_hf_side_files(side_dir, out, include_config=False) if side_dir else []
+    _write_hf_config(out, hf_cfg, summary.dtype)
+    if not (out / "generation_config.json").is_file():
+        _write_generation_config(out, hf_cfg)
+    summary.source = str(megatron_path) + (f" ({src['step_dir']})" if "step_dir" in src else "")
+    summary.notes.append(f"copied from {side_dir}: {', '.join(copied)}" if copied else
+                         "no tokenizer source given (--hf-config-from): tokenizer files not copied")
+    summary.seconds = time.time() - start
+    return summary
+
+
+def _write_hf_config(out: Path, hf_cfg: Dict[str, Any], dtype: str) -> None:
+    cfg = dict(hf_cfg)
+    cfg["dtype"] = dtype
+    cfg.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _write_generation_config(out: Path, hf_cfg: Dict[str, Any]) -> None:
+    gen = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_cfg.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: Dict[str, Any], tp: int, pp: int,
+                   max_shard_bytes: int, dtype_name: Optional[str], progress: bool) -> Optional[ConversionSummary]:
+    from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint
+
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size)
+    load_model_from_dist_checkpoint(chunks, ckpt_dir)
+    dtype = dtype_from_name(dtype_name) or torch.float32
+    summary = export_learner_to_hf(chunks, info, layout, out, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                                   progress=progress)
+    if rank != 0:
+        return None
+    summary.tp, summary.pp = tp, pp
+    return summary
+
+
+def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
+                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: Optional[torch.dtype] = None,
+                         progress: bool = False, hf_side_dir: Optional[Path | str] = None,
+                         hf_config: Optional[Dict[str, Any]] = None) -> Optional[ConversionSummary]:
+    """Write the live model's weights as HF safetensors shards + index into `out_dir`.
+
+    Collective over all learner ranks (each pipeline stage streams its layers through
+    `iter_megatron_to_hf`; the TP-0/DP-0/CP-0 rank of each stage writes them). Rank 0
+    then renames the shards and writes the index; with `hf_config` (dict) it also writes
+    config.json / generation_config.json, and copies tokenizer files from `hf_side_dir`.
+    The trainer calls this at start-up so engines load the initial weights from an HF dir.
+    Returns the summary on rank 0, None elsewhere.
+    """
+    from megatron.core import parallel_state as ps
+
+    from dapo_mega.weights.stream import iter_megatron_to_hf
+
+    out = Path(out_dir)
+    if _is_rank0():
+        out.mkdir(parents=True, exist_ok=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    writes = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+              and ps.get_context_parallel_rank() == 0)
+    writer = ShardedSafetensorsWriter(out, max_shard_bytes, prefix=f"stage{pp_rank:03d}") if writes else None
+    stream = iter_megatron_to_hf(model_chunks, info, layout)
+    for name, tensor in _progress(stream, None, f"export stage {pp_rank}", progress and writes and pp_rank == 0):
+        if writer is not None:
+            writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
+    part = (pp_rank, writer.finalize()) if writer is not None else None
+    parts = [part]
+    if torch.distributed.is_initialized():
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, part)
+    summary = None
+    if _is_rank0():
+        ordered = [p for _, p in sorted((p for p in parts if p is not None), key=lambda x: x[0])]
+        weight_map = write_index(out, ordered)
+        if hf_config is not None:
+            _write_hf_config(out, hf_config, _dtype_str(dtype or torch.float32))
+            if hf_side_dir:
+                copy_hf_side_files(hf_side_dir, out, include_config=False)
+            if not (out / "generation_config.json").is_file():
+                _write_generation_config(out, hf_config)
+        summary = ConversionSummary(action="export", source="megatron", destination=str(out),
+                                    num_tensors=len(weight_map), total_bytes=sum(b for _, _, b in ordered),
+                                    dtype=_dtype_str(dtype or torch.float32))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return summary
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, tolerance: float = 1e-3,
+                      num_tokens: int = 32, batch_size: int = 2, seed: int = 0,
+                      text: Optional[str] = None) -> ConversionSummary:
+    """Logits of the HF model and the Megatron checkpoint on the same tokens.
+
+    Both run in float32. Pass when max |Δlogit| ≤ tolerance · max(1, max |HF logit|).
+    Tokens: `text` through the HF tokenizer, else `batch_size × num_tokens` ids drawn from
+    `seed`. Pipeline parallelism is not used here (the forward runs on one stage).
+    """
+    start = time.time()
+    hf_cfg = read_hf_config_dict(hf_path)
+    src = resolve_megatron_source(megatron_path)
+    if text is not None:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(hf_path))(text, return_tensors="pt")["input_ids"]
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, hf_cfg["vocab_size"], (batch_size, num_tokens), generator=g)
+    results = run_on_ranks(_verify_worker, tp, (str(hf_path), str(src["ckpt_dir"]), hf_cfg, tp, ids, tolerance))
+    summary: ConversionSummary = results[0]
+    summary.source, summary.destination = str(hf_path), str(megatron_path)
+    summary.seconds = time.time() - start
+    return summary
+
+
+@torch.no_grad()
+def megatron_logits(chunks, info, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [b, s, vocab_size] of a one-stage Megatron model (TP gathered)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = input_ids.shape
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    causal_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+    logits = chunks[0](input_ids, position_ids, causal_mask)
+    logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., : info.vocab_size].float()
+
+
+def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: Dict[str, Any], tp: int,
+                   input_ids: torch.Tensor, tolerance: float) -> Optional[ConversionSummary]:
+    from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint
+
+    layout, chunks, info = _build(hf_cfg, tp, 1, world_size)
+    load_model_from_dist_checkpoint(chunks, ckpt_dir)
+    for chunk in chunks:
+        chunk.float()
+    meg = megatron_logits(chunks, info, input_ids)
+    if rank != 0:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf_model(input_ids).logits.float()
+    diff = (meg - ref).abs()
+    bound = tolerance * max(1.0, ref.abs().max().item())
+    return ConversionSummary(action="verify", source=hf_path, destination=ckpt_dir, num_tensors=0, tp=tp, pp=1,
+                             dtype="float32", max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(),
+                             tolerance=bound, passed=bool(diff.max().item() <= bound),
+                             notes=[f"tokens: {tuple(input_ids.shape)}"])
