@@ -320,6 +320,12 @@ class EvalConfig:
     """Null: the training max_response_length, so scores compare."""
     max_problems: int = 0
     """Evaluate only the first N problems (0 = all)."""
+    checkpoint: str = ""
+    """`dapo-mega eval`: the model to evaluate (HF dir, Megatron checkpoint or run dir)."""
+    compare_checkpoint: str = ""
+    """`dapo-mega eval`: a second model compared on the same problems."""
+    output: str = ""
+    """`dapo-mega eval`: where to write per-problem pass rates (default <run_dir>/eval/)."""
 
 
 @dataclass

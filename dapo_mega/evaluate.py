@@ -1,0 +1,171 @@
+"""Held-out evaluation: avg@k with the training verifier and length limit.
+
+avg@k = mean over problems of (correct samples / k), k samples per problem at the
+configured temperature / top-p (AIME protocol: k = 32, T = 1.0, top-p 0.7). The trainer
+calls `evaluate_problems` through its own engines; `dapo-mega eval` starts engines for one
+or two checkpoints (HF directories, or Megatron checkpoints exported to HF first) and
+compares them on the same problems, length limit and verifier:
+
+    dapo-mega eval eval.checkpoint=outputs/run/checkpoints/latest
+    dapo-mega eval eval.checkpoint=A eval.compare_checkpoint=B eval.output=cmp.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from dapo_mega.config import DapoConfig
+
+
+@dataclass
+class EvalResult:
+    """Per-problem pass rates of one model."""
+
+    k: int
+    problems: List[Dict[str, Any]] = field(default_factory=list)
+    """[{id, ground_truth, correct: int, k, pass_rate, truncated, sample_answers}]"""
+    settings: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def avg_at_k(self) -> float:
+        return sum(p["pass_rate"] for p in self.problems) / max(len(self.problems), 1)
+
+    @property
+    def pass_at_k(self) -> float:
+        return sum(1 for p in self.problems if p["correct"] > 0) / max(len(self.problems), 1)
+
+    def metrics(self) -> Dict[str, float]:
+        return {"eval/avg_at_k": self.avg_at_k, "eval/pass_at_k": self.pass_at_k,
+                "eval/num_problems": float(len(self.problems)), "eval/k": float(self.k)}
+
+    def write(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, "k": self.k,
+                                   "settings": self.settings, "problems": self.problems}, indent=1))
+        os.replace(tmp, path)
+        return path
+
+
+def evaluate_problems(engine_urls: Sequence[str], problems: Sequence[Any], cfg: DapoConfig,
+                      prompt_to_input: Callable[[Any], Any], verifier, api_key: str = "") -> EvalResult:
+    """k samples per problem on the engines, scored by `verifier` with the training length limit."""
+    from dapo_mega.data import verification_prefix
+    from dapo_mega.reward import compute_rewards
+    from dapo_mega.rollout.client import build_sampling_params
+    from dapo_mega.rollout.manager import RolloutManager
+
+    e = cfg.eval
+    max_len = e.max_response_length or cfg.algo.max_response_length
+    params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
+    manager = RolloutManager(engine_urls, e.n_samples, params, api_key=api_key,
+                             request_timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
+                             run_id=cfg.trainer.run_name, return_logprob=False, prompt_to_input=prompt_to_input)
+    groups = asyncio.run(manager.generate_groups(list(problems)))
+    samples = [(g, s) for g in groups for s in g.samples]
+    scored = compute_rewards(verifier, [s.text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
+                             [len(s.token_ids) for _, s in samples], cfg.algo,
+                             answer_prefixes=[verification_prefix(g.prompt, cfg.data.prompt_template)
+                                              for g, _ in samples])
+    result = EvalResult(k=e.n_samples, settings={"temperature": e.temperature, "top_p": e.top_p,
+                                                 "max_response_length": max_len, "verifier": verifier.name,
+                                                 "verifier_version": verifier.version})
+    k = 0
+    for g in groups:
+        correct = truncated = 0
+        answers = []
+        for s in g.samples:
+            correct += int(bool(scored.correct[k]))
+            truncated += int(s.truncated)
+            answers.append(scored.extracted[k])
+            k += 1
+        result.problems.append({"id": g.prompt.id, "ground_truth": g.prompt.ground_truth, "correct": correct,
+                                "k": len(g.samples), "pass_rate": correct / max(len(g.samples), 1),
+                                "truncated": truncated, "sample_answers": answers[:4]})
+    return result
+
+
+def _hf_dir_of(checkpoint: str, workdir: Path) -> Path:
+    """An HF directory for `checkpoint`: itself, or a Megatron checkpoint exported to HF."""
+    path = Path(checkpoint)
+    if (path / "config.json").exists():
+        return path
+    from dapo_mega.weights.convert import export_megatron_checkpoint
+
+    out = workdir / f"hf_{abs(hash(str(path.resolve()))) % 10**8}"
+    export_megatron_checkpoint(path, out)
+    return out
+
+
+def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> EvalResult:
+    """Start engines serving `checkpoint`, evaluate, stop them."""
+    from transformers import AutoTokenizer
+
+    from dapo_mega.data import build_datasets, format_prompt
+    from dapo_mega.reward import build_verifier
+    from dapo_mega.rollout.processes import EngineProcess
+
+    hf_dir = _hf_dir_of(checkpoint, workdir)
+    _, problems, _ = build_datasets(cfg.data)
+    if cfg.eval.max_problems:
+        problems = problems[:cfg.eval.max_problems]
+    if not problems:
+        raise ValueError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+
+    def prompt_ids(p):
+        return list(tokenizer(format_prompt(p, cfg.data.prompt_template), add_special_tokens=False).input_ids)
+
+    engines = [EngineProcess(str(hf_dir), api_key=cfg.rollout.api_key, num_threads=max(1, (os.cpu_count() or 2)),
+                             log_path=str(workdir / f"engine-{i}.log"), health_timeout_s=cfg.rollout.health_timeout_s)
+               for i in range(cfg.rollout.num_engines)]
+    try:
+        for engine in engines:
+            engine.wait_healthy()
+        result = evaluate_problems([e.url for e in engines], problems, cfg, prompt_ids,
+                                   build_verifier(cfg.algo.verifier), api_key=cfg.rollout.api_key)
+    finally:
+        for engine in engines:
+            engine.kill()
+    result.settings["checkpoint"] = str(checkpoint)
+    return result
+
+
+def compare_results(a: EvalResult, b: EvalResult) -> str:
+    """A side-by-side table: overall avg@k and the problems where the two differ most."""
+    by_id = {p["id"]: p for p in b.problems}
+    lines = [f"{'':30s} {'A':>10s} {'B':>10s}",
+             f"{'avg@' + str(a.k):30s} {a.avg_at_k:10.4f} {b.avg_at_k:10.4f}",
+             f"{'pass@' + str(a.k):30s} {a.pass_at_k:10.4f} {b.pass_at_k:10.4f}", "", "largest differences:"]
+    diffs = sorted(((by_id[p["id"]]["pass_rate"] - p["pass_rate"], p["id"]) for p in a.problems if p["id"] in by_id),
+                   key=lambda t: -abs(t[0]))
+    for delta, pid in diffs[:10]:
+        lines.append(f"  {pid:28s} {by_id[pid]['pass_rate'] - delta:10.3f} {by_id[pid]['pass_rate']:10.3f}")
+    return "\n".join(lines)
+
+
+def run_eval_command(cfg: DapoConfig, overrides: Optional[List[str]] = None) -> int:
+    """`dapo-mega eval`: one checkpoint's avg@k, or two compared on the same problems."""
+    if not cfg.eval.checkpoint:
+        print("dapo-mega eval: set eval.checkpoint=PATH (an HF directory, a Megatron checkpoint, or a run "
+              "directory), and optionally eval.compare_checkpoint=PATH")
+        return 2
+    out = Path(cfg.eval.output or (cfg.run_dir / "eval" / "eval_result.json"))
+    with tempfile.TemporaryDirectory(prefix="dapo_mega_eval_") as tmp:
+        a = evaluate_checkpoint(cfg, cfg.eval.checkpoint, Path(tmp))
+        a.write(out)
+        print(f"avg@{a.k} = {a.avg_at_k:.4f} (pass@{a.k} = {a.pass_at_k:.4f}) on {len(a.problems)} problems "
+              f"-> {out}")
+        if cfg.eval.compare_checkpoint:
+            b = evaluate_checkpoint(cfg, cfg.eval.compare_checkpoint, Path(tmp))
+            b_out = out.with_name(out.stem + "_compare" + out.suffix)
+            b.write(b_out)
+            print(compare_results(a, b))
+    return 0

@@ -1,0 +1,71 @@
+"""Per-step rollout metrics from ledger records (DESIGN.md "Records").
+
+Computed from the same records that go into the ledger, so a metric and the ledger can
+never disagree. Rewards, accuracy and lengths are over every sample generated in the step
+(kept or not); the `rollout/kept_*` variants are over the samples the learner trains on.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+
+# Age buckets of asynchronous training: 0, 1, 2, 3+ versions behind the learner.
+AGE_BUCKETS = (0, 1, 2, 3)
+
+
+def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, float]:
+    """Reward, accuracy, length distribution, truncation, reject reasons, tokens/s."""
+    if not records:
+        return {"rollout/num_samples": 0.0}
+    rewards = np.array([r.reward for r in records], dtype=np.float64)
+    correct = np.array([r.correct for r in records], dtype=np.float64)
+    lengths = np.array([r.response_length for r in records], dtype=np.float64)
+    truncated = np.array([r.truncated for r in records], dtype=np.float64)
+    kept = [r for r in records if r.reject_reason in ("kept", "verifier_error")]
+    out = {
+        "rollout/num_samples": float(len(records)),
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/accuracy": float(correct.mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_p50": float(np.percentile(lengths, 50)),
+        "rollout/response_length_p90": float(np.percentile(lengths, 90)),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/clip_rate": float(truncated.mean()),
+        "rollout/generated_tokens": float(lengths.sum()),
+        "rollout/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+        "rollout/verifier_errors": float(sum(1 for r in records if r.reject_reason == "verifier_error")),
+        "rollout/kept_samples": float(len(kept)),
+        "rollout/samples_per_trained_sample": float(len(records) / max(len(kept), 1)),
+    }
+    if kept:
+        out["rollout/kept_reward_mean"] = float(np.mean([r.reward for r in kept]))
+        out["rollout/kept_accuracy"] = float(np.mean([r.correct for r in kept]))
+    for reason in sorted({r.reject_reason for r in records}):
+        out[f"rollout/reject/{reason}"] = float(sum(1 for r in records if r.reject_reason == reason))
+    # kept-group fraction of this step's generation (DESIGN.md), from the records themselves
+    groups = {}
+    for r in records:
+        groups.setdefault((r.prompt_id, r.gen_round), r.reject_reason)
+    informative = sum(1 for reason in groups.values() if reason in ("kept", "verifier_error", "surplus_carried"))
+    out["rollout/kept_group_frac"] = informative / max(len(groups), 1)
+    return out
+
+
+def compute_age_metrics(records: Sequence, num_stale_groups: int) -> Dict[str, float]:
+    """Reward and accuracy by sample age (versions behind the consuming learner)."""
+    out: Dict[str, float] = {"rollout/stale_groups": float(num_stale_groups)}
+    trained = [r for r in records if r.reject_reason in ("kept", "verifier_error", "stale")]
+    if trained:
+        out["rollout/age_mean"] = float(np.mean([r.age for r in trained]))
+        out["rollout/age_max"] = float(max(r.age for r in trained))
+    for bucket in AGE_BUCKETS:
+        rows = [r for r in trained if (r.age == bucket if bucket < AGE_BUCKETS[-1] else r.age >= bucket)]
+        if not rows:
+            continue
+        label = f"{bucket}+" if bucket == AGE_BUCKETS[-1] else str(bucket)
+        out[f"age/{label}/num_samples"] = float(len(rows))
+        out[f"age/{label}/reward_mean"] = float(np.mean([r.reward for r in rows]))
+        out[f"age/{label}/accuracy"] = float(np.mean([r.correct for r in rows]))
+    return out

@@ -1,0 +1,100 @@
+"""The DAPO driver loop: `dapo-mega train`.
+
+    generate -> reward -> dynamic sampling -> advantages -> train (mini-batches)
+             -> sync weights (policy_version += 1) -> save -> evaluate
+
+Every learner rank runs `train`. Global rank 0 is also the driver: it owns the rollout
+engines, the verifier, the data cursor, the ledger and the records, and hands each step's
+samples to the other ranks. The components live elsewhere (see the README's package map);
+`dapo_mega/session.py` builds them, and this file is the loop.
+
+How it departs from the textbook: no critic and no KL (DAPO); the loss is token-level
+over the whole mini-batch; groups with uniform rewards are dropped and refilled; in
+disaggregated mode with `cluster.max_staleness = k > 0` generation of step s+1.. runs on a
+background thread while step s trains, and a sample more than k versions older than the
+learner is dropped as `stale`.
+
+Run it with no arguments for the embedded CPU default; `python -m dapo_mega.trainer
+--config RUN_DIR/config.yaml` is how spawned learner ranks start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Dict, Optional
+
+from dapo_mega.config import DapoConfig, from_yaml
+
+
+def train(cfg: DapoConfig) -> int:
+    """The loop. Returns a process exit code."""
+    from dapo_mega.session import Session
+
+    s = Session.start(cfg)                      # process groups, learner, engines, resume
+    try:
+        if s.state.step == 0 and cfg.trainer.sft_warmup_steps > 0 and not s.resumed:
+            s.warm_start()                      # supervised warm start (embedded default)
+        s.sync_weights()                        # engines serve the learner's weights at v
+        if s.state.step == 0 and cfg.trainer.eval_interval > 0:
+            s.log_step(0, s.evaluate(), {})     # held-out accuracy before any RL step
+        s.start_async_rollouts()                # no-op unless disaggregated with staleness > 0
+        for step in range(s.state.step + 1, cfg.trainer.total_steps + 1):
+            timings: Dict[str, float] = {}
+
+            t = time.perf_counter()
+            batch = s.next_rollout_batch(step)  # generate + reward + dynamic sampling (rank 0)
+            samples = s.build_train_samples(batch)       # advantages, tokens, masks
+            samples = s.share_with_learners(samples)     # every learner rank gets the list
+            timings["time/rollout_s"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            s.engines_release_memory()          # colocated: engines free memory
+            train_metrics = s.learner.train_step(samples)
+            s.engines_resume_memory()
+            timings["time/train_s"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            s.state.policy_version += 1
+            sync_metrics = s.sync_weights()     # engines now serve version policy_version
+            timings["time/sync_s"] = time.perf_counter() - t
+
+            s.state.step = step
+            s.write_ledger(step, batch)
+            eval_metrics: Dict[str, float] = {}
+            if s.should_eval(step):
+                t = time.perf_counter()
+                eval_metrics = s.evaluate()
+                timings["time/eval_s"] = time.perf_counter() - t
+            if s.should_save(step):
+                t = time.perf_counter()
+                s.save_checkpoint(step)
+                timings["time/save_s"] = time.perf_counter() - t
+            s.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, timings)
+        return 0
+    finally:
+        s.close()
+
+
+def run_training(cfg: DapoConfig) -> int:
+    """`dapo-mega train`: spawn learner ranks when asked for several, else run here."""
+    from dapo_mega.session import maybe_spawn_learners
+
+    code = maybe_spawn_learners(cfg)
+    if code is not None:
+        return code
+    return train(cfg)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description="one learner rank of `dapo-mega train`")
+    parser.add_argument("--config", required=True, help="a resolved config.yaml (written by the parent)")
+    args = parser.parse_args(argv)
+    with open(args.config) as f:
+        cfg = from_yaml(f.read())
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
