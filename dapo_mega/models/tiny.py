@@ -80,7 +80,7 @@ def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, arc
         bos_token_id=vocab[BOS_TOKEN],
         eos_token_id=vocab[EOS_TOKEN],
         pad_token_id=vocab[PAD_TOKEN],
-        torch_dtype="float32",
+        dtype="float32",
     )
     if architecture == "qwen2":
         from transformers import Qwen2Config
@@ -110,7 +110,7 @@ def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] =
     tokenizer.save_pretrained(out)
     if with_weights:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         model.save_pretrained(out, safe_serialization=True)
     else:
         hf_config.save_pretrained(out)
