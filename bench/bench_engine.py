@@ -67,6 +67,10 @@ def run(quick: bool = False) -> dict:
               "engine_seconds": engine_s, "engine_tokens": engine_tokens, "engine_tokens_per_s": engine_tokens / engine_s,
               "hf_generate_seconds": hf_s, "hf_tokens": hf_tokens, "hf_tokens_per_s": hf_tokens / hf_s,
               "ratio_engine_over_hf": (engine_tokens / engine_s) / (hf_tokens / hf_s)}
+    # the keys bench/run.py tabulates
+    result.update(name="engine", metric="rollout tokens/s", ours=result["engine_tokens_per_s"],
+                  baseline=result["hf_tokens_per_s"], baseline_name="transformers generate",
+                  ratio=result["ratio_engine_over_hf"], higher_is_better=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return result

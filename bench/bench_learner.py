@@ -210,6 +210,10 @@ def run(quick: bool) -> Dict[str, Any]:
             run_result["mfu"] = run_result["tokens_per_s"] * flops / peak
         result.update(runs, pytorch=pytorch, megatron=runs["megatron_bf16"], peak_tflops=peak / 1e12)
     result["ratio_megatron_over_pytorch"] = result["megatron"]["tokens_per_s"] / result["pytorch"]["tokens_per_s"]
+    # the keys bench/run.py tabulates
+    result.update(name="learner", metric="train tokens/s", ours=result["megatron"]["tokens_per_s"],
+                  baseline=result["pytorch"]["tokens_per_s"], baseline_name="HF transformers + AdamW",
+                  ratio=result["ratio_megatron_over_pytorch"], higher_is_better=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return result
