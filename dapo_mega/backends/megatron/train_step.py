@@ -212,7 +212,7 @@ class MegatronLearner:
             self.scheduler.advance()
         return info
 
-    def _policy_loss_func(self, global_tokens: float, mb: MicroBatch, logits: torch.Tensor):
+    def _policy_loss_func(self, global_tokens: float, global_seqs: float, mb: MicroBatch, logits: torch.Tensor):
         algo = self.cfg.algo
         log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.vocab_size)
         mask = mb.response_mask
@@ -222,7 +222,7 @@ class MegatronLearner:
         loss, metrics = compute_policy_loss(
             log_probs, mb.old_log_probs, mb.advantages, mask, clip_ratio_low=algo.clip_ratio_low,
             clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
-            global_num_tokens=global_tokens, tis_weights=tis)
+            global_num_tokens=global_tokens, global_num_seqs=global_seqs, tis_weights=tis)
         num_tokens = mask.sum().to(torch.int)
         reduced = {key: metrics[key] for key in _POLICY_METRICS}
         reduced.update(loss=loss.detach(), num_tokens=num_tokens.detach(), entropy_sum=(entropy * mask).sum())
@@ -231,10 +231,6 @@ class MegatronLearner:
     def train_step(self, samples: Sequence[TrainSample]) -> Dict[str, float]:
         """DAPO updates on one rollout batch (ordered group by group); returns slash-keyed metrics."""
         algo = self.cfg.algo
-        if algo.loss_agg_mode != "token-mean":
-            # Seq modes need the global sequence count too; the learner implements DAPO's mode.
-            raise ConfigError(f"algo.loss_agg_mode: the Megatron learner implements token-mean, got "
-                              f"{algo.loss_agg_mode!r}")
         start = time.perf_counter()
         samples = list(samples)
         per_update = algo.mini_batch_size * algo.n_samples_per_prompt
@@ -257,9 +253,13 @@ class MegatronLearner:
         applied, tokens_trained = 0, 0.0
         lr = self.scheduler.current_lr
         for mini_batch, shard in zip(mini_batches, shards):
+            # Denominators of the whole mini-batch (all micro-batches, all DP ranks):
+            # tokens for token-mean, non-empty responses for the seq-mean ablation modes.
             global_tokens = float(count_loss_tokens(samples, mini_batch))
+            global_seqs = float(sum(1 for i in mini_batch if any(samples[i].response_loss_mask())))
             info = self._update(self._micro_batches(samples, shard),
-                                partial(self._policy_loss_func, max(global_tokens, 1.0)), lr=None)
+                                partial(self._policy_loss_func, max(global_tokens, 1.0), max(global_seqs, 1.0)),
+                                lr=None)
             tokens_trained += sum(samples[i].length for i in mini_batch)
             if not info["finite"]:
                 continue
