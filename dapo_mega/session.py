@@ -290,7 +290,10 @@ class Session:
         self.syncer = WeightSyncer(urls, api_key=self.cfg.rollout.api_key, bucket_mb=self.cfg.rollout.weight_sync_bucket_mb,
                                    mode="colocated" if colocated else "distributed",
                                    backend="nccl" if torch.cuda.is_available() else "gloo",
-                                   master_address="127.0.0.1" if local else socket.gethostbyname(socket.gethostname()),
+                                   # DAPO_MEGA_SYNC_ADDR: this node's Slurm NodeAddr (dapo_mega.launch);
+                                   # the hostname can resolve to a loopback alias
+                                   master_address="127.0.0.1" if local else (os.environ.get("DAPO_MEGA_SYNC_ADDR")
+                                                                             or socket.gethostbyname(socket.gethostname())),
                                    engine_tp_size=self.cfg.rollout.engine_tp_size,
                                    timeout_s=self.cfg.rollout.request_timeout_s)
         if not colocated and self.layout.is_weight_source:
