@@ -1,0 +1,14 @@
+"""Diagnostics of a run from its rollout ledger: group rates, lengths, truncation, verifier
+exceptions, age buckets, reject reasons, and high-reward responses to read for exploits.
+
+    python tools/ledger_report.py outputs/tiny_cpu [--out DIR]
+
+The logic lives in `dapo_mega/ledger_report.py` (importable, tested); this is its CLI.
+"""
+
+import sys
+
+from dapo_mega.ledger_report import main
+
+if __name__ == "__main__":
+    sys.exit(main())
