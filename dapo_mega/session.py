@@ -342,7 +342,8 @@ class Session:
                                 [len(s.token_ids) for _, s in samples], self.cfg.algo,
                                 answer_prefixes=[verification_prefix(g.prompt, self.cfg.data.prompt_template)
                                                  for g, _ in samples])
-        self._verifier_stats = batch.stats
+        prev = getattr(self, "_verifier_stats", None)
+        self._verifier_stats = batch.stats if prev is None else _sum_verify_stats(prev, batch.stats)
         out: List[List[Dict[str, Any]]] = []
         k = 0
         for g in groups:
@@ -390,9 +391,13 @@ class Session:
         """Generate, score and filter one step's groups (driver only)."""
         a = self.cfg.algo
         t = time.perf_counter()
+        self._verifier_stats = None  # this step's rounds only (score_groups sums them)
+        # Surplus groups carried from an older version obey max_staleness too: in the
+        # synchronous modes (0) they are dropped as `stale`, so every trained sample is on-policy.
         groups, records = self.manager.collect_step(
             step, learner_version, self._next_prompts, self.score_groups, a.train_batch_size, a.gen_batch_size,
-            dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches)
+            dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
+            max_staleness=self.cfg.cluster.max_staleness)
         seconds = time.perf_counter() - t
         from dapo_mega.rollout.metrics import compute_rollout_metrics
 
@@ -620,6 +625,14 @@ def _wait_for_registry(directory: Path, count: int, timeout_s: float) -> List[st
             raise TimeoutError(f"rollout.engine_registry={directory}: {len(files)} of {count} engines announced "
                                f"after {timeout_s:.0f} s. Fix: check the engine role's log")
         time.sleep(0.5)
+
+
+def _sum_verify_stats(a, b):
+    """Verifier counts of two scoring rounds of one step (max of the per-item maximum)."""
+    from dataclasses import fields, replace
+
+    summed = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)}
+    return replace(a, **{**summed, "max_item_seconds": max(a.max_item_seconds, b.max_item_seconds)})
 
 
 def _problem_fields(d: Dict[str, Any]) -> Dict[str, Any]:
