@@ -7,14 +7,21 @@ per node, containers); they call this module once per role with the user's Hydra
         one task, before the roles start: compose + validate the config, create the run
         directory and this job's log directory, clear the engine registry of the previous
         job, build the tiny model if the engines need it; prints shell assignments
-        (RUN_DIR, LOG_DIR, NUM_ENGINES, ...) for the sbatch script to `eval`.
+        (RUN_DIR, LOG_DIR, NUM_ENGINES, RUN_COMPLETE, ...) for the sbatch script to `eval`.
+        RUN_COMPLETE=1 when the latest checkpoint is already at trainer.total_steps: the
+        sbatch script then exits 0 without starting any role (the tail of a job chain).
     python -m dapo_mega.launch engines  --engine-nodes N -- [overrides]
         one task per engine node: starts this node's engines (embedded on CPU, SGLang on
-        GPU), waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
-        (atomically), then watches them; any engine exiting ends the task non-zero.
+        GPU; command lines from `dapo_mega.backends.sglang.launch.build_engine_command`),
+        waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
+        (atomically), then watches them; any engine exiting ends the task non-zero. With
+        `rollout.use_router` on SGLang, the first engine node also starts sglang-router
+        in front of all engines (`build_router_command`) and announces it as
+        `<run_dir>/engines/router.json`.
     python -m dapo_mega.launch learner  --engine-nodes N -- [overrides]
         one task per learner GPU: sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-        MASTER_PORT from Slurm and execs `dapo-mega train` with the registry overrides.
+        MASTER_PORT from Slurm (and DAPO_MEGA_SYNC_ADDR, the address engines reach this
+        node's weight source at) and execs `dapo-mega train` with the registry overrides.
 
 Why a module of the package rather than scripts in `launch/`: the sbatch scripts run it
 with `python -m dapo_mega.launch`, which works from any working directory and from a
@@ -26,13 +33,16 @@ MASTER_PORT, DAPO_MEGA_NODE_ADDRS). Teardown: every srun uses `--kill-on-bad-exi
 engines task exits non-zero as soon as one of its engines dies, and the sbatch script's
 wait loop stops the other role when one role ends (slurm/lib.sh).
 
-Tests replace the role commands with stand-ins through DAPO_MEGA_LEARNER_CMD and
-DAPO_MEGA_ENGINE_CMD (shell-split, the usual arguments appended).
+The router: the trainer itself spreads prompt groups over the engines and must address
+every engine for the weight sync, so it always reads the `engine-<i>.json` files; the
+router is for other clients of the live policy (evaluation, inspection). On the embedded
+CPU backend `rollout.use_router` is ignored (logged): the engines are used directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -48,13 +58,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from dapo_mega.config import DapoConfig, load_config, save_config, validate_config
+from dapo_mega.config import DapoConfig, RolloutConfig, load_config, validate_config
 
-LEARNER_CMD_ENV = "DAPO_MEGA_LEARNER_CMD"
-ENGINE_CMD_ENV = "DAPO_MEGA_ENGINE_CMD"
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
 API_KEY_ENV = "DAPO_MEGA_ENGINE_API_KEY"
 BIND_HOST_ENV = "DAPO_MEGA_ENGINE_BIND_HOST"
+SYNC_ADDR_ENV = "DAPO_MEGA_SYNC_ADDR"
+"""Address the engines reach a learner's weight-sync rendezvous at (session.py reads it)."""
+ROUTER_FILE = "router.json"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -228,12 +239,28 @@ def learner_overrides(cfg: DapoConfig, env: Mapping[str, str]) -> List[str]:
     return out
 
 
+def completed_steps(cfg: DapoConfig) -> int:
+    """Step of the checkpoint a resumed job would start from (0: none, or resume off)."""
+    if not cfg.trainer.resume:
+        return 0
+    from dapo_mega.backends.megatron.checkpoint import find_latest_checkpoint
+
+    latest = find_latest_checkpoint(cfg.run_dir.resolve())
+    return int(latest.name.split("_")[-1]) if latest is not None else 0
+
+
 def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> int:
     """Validate, create the run/log dirs, clear the stale registry; print shell assignments."""
     if cfg.cluster.mode != mode:
         raise RuntimeError(f"cluster.mode={cfg.cluster.mode} but this is slurm/{mode}.sbatch; "
                            f"pass cluster.mode={mode} or submit slurm/{cfg.cluster.mode}.sbatch")
     run_dir = cfg.run_dir.resolve()
+    done = completed_steps(cfg)
+    if done >= cfg.trainer.total_steps:  # a chain's tail job: nothing left, start nothing
+        for key, value in {"RUN_DIR": str(run_dir), "RUN_COMPLETE": "1", "COMPLETED_STEPS": str(done),
+                           "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
+            print(f"{key}={shlex.quote(value)}")
+        return 0
     log_dir = run_dir / "logs" / f"job-{job_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
     registry = registry_dir(cfg)
@@ -242,6 +269,7 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
         stale.unlink()
     model_path = engine_model_path(cfg)
     if not cfg.rollout.model_path and not cfg.model.hf_path and not (model_path / "config.json").exists():
+        # the engines load it at start; the learners find it built and use it as is
         from dapo_mega.models.tiny import build_tiny_model_dir
 
         tmp = model_path.with_name(model_path.name + f".tmp-{job_id}")
@@ -250,34 +278,30 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
     engines_per = engines_per_node(cfg.rollout.num_engines, engine_nodes)
     assignments = {"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir), "REGISTRY_DIR": str(registry),
                    "NUM_ENGINES": str(cfg.rollout.num_engines), "ENGINES_PER_NODE": str(engines_per),
-                   "TOTAL_STEPS": str(cfg.trainer.total_steps)}
+                   "RUN_COMPLETE": "0", "COMPLETED_STEPS": str(done), "TOTAL_STEPS": str(cfg.trainer.total_steps)}
     for key, value in assignments.items():
         print(f"{key}={shlex.quote(value)}")
     return 0
 
 
-def build_engine_command(cfg: DapoConfig, model_path: Path, host: str, port: int, api_key: str) -> List[str]:
-    """`python -m dapo_mega.rollout.server` (embedded) or `python -m sglang.launch_server`.
+def engine_threads(env: Mapping[str, str], engines_on_node: int) -> int:
+    """CPU threads per embedded engine: the node's CPUs given to this task, shared evenly."""
+    cpus = int(env.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+    return max(1, cpus // max(1, engines_on_node))
 
-    Both take the same flags; SGLang also gets its parallel and memory settings.
-    """
-    if os.environ.get(ENGINE_CMD_ENV):
-        cmd = shlex.split(os.environ[ENGINE_CMD_ENV])
-    elif cfg.rollout.backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server"]
-    else:
-        cmd = [sys.executable, "-m", "dapo_mega.rollout.server"]
-    cmd += ["--model-path", str(model_path), "--host", host, "--port", str(port)]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    if cfg.rollout.backend == "sglang" and not os.environ.get(ENGINE_CMD_ENV):
-        r = cfg.rollout
-        dtype = "bfloat16" if r.dtype == "auto" else r.dtype
-        cmd += ["--tp-size", str(r.engine_tp_size), "--dp-size", str(r.engine_dp_size),
-                "--mem-fraction-static", str(r.mem_fraction_static), "--dtype", dtype,
-                "--max-running-requests", str(r.max_running_requests)]
-    cmd += list(cfg.rollout.extra_server_args)
-    return cmd
+
+def engine_rollout_config(cfg: DapoConfig, api_key: str, num_threads: int = 0) -> RolloutConfig:
+    """The rollout config each engine of this job starts from: the job's API key filled in,
+    and for the embedded CPU engine `--num-threads` (unless the user passed one)."""
+    extra = list(cfg.rollout.extra_server_args)
+    if cfg.rollout.backend != "sglang" and num_threads > 0 and "--num-threads" not in extra:
+        extra += ["--num-threads", str(num_threads)]
+    return dataclasses.replace(cfg.rollout, api_key=api_key, extra_server_args=extra)
+
+
+def router_wanted(cfg: DapoConfig, node_index: int) -> bool:
+    """sglang-router runs on the first engine node, in front of SGLang engines only."""
+    return cfg.rollout.use_router and cfg.rollout.backend == "sglang" and node_index == 0
 
 
 def _free_port(host: str) -> int:
@@ -319,7 +343,10 @@ class _Terminated(Exception):
 
 
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
-    """Start, health-check, announce and watch this node's engines. Returns the exit status."""
+    """Start, health-check, announce and watch this node's engines (and the router on the
+    first engine node when `router_wanted`). Returns the exit status."""
+    from dapo_mega.backends.sglang.launch import build_engine_command
+
     use_gpu = _use_gpu(cfg)
     slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu)
     advertise = parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).get(task.node_name) or socket.gethostname()
@@ -329,41 +356,46 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
     if bind_host not in LOOPBACK and not api_key:
         raise RuntimeError(f"engines bind to {bind_host} without an API key: set rollout.api_key or "
                            f"{API_KEY_ENV} (slurm/lib.sh generates one per job)")
+    rollout = engine_rollout_config(cfg, api_key, 0 if use_gpu else engine_threads(env, len(slots)))
     registry = registry_dir(cfg)
     log_dir = Path(env.get("DAPO_MEGA_LOG_DIR") or cfg.run_dir.resolve() / "logs" / f"job-{task.job_id}")
     log_dir.mkdir(parents=True, exist_ok=True)
     model_path = engine_model_path(cfg)
+    if cfg.rollout.use_router and not router_wanted(cfg, 0):
+        _log(f"rollout.use_router ignored with rollout.backend={cfg.rollout.backend}: sglang-router fronts SGLang "
+             "engines only; the trainer uses the embedded engines directly")
 
     def on_sigterm(signum, frame):
         raise _Terminated()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    procs: Dict[int, subprocess.Popen] = {}
-    logs: Dict[int, Path] = {}
+    procs: Dict[str, subprocess.Popen] = {}  # "engine 3" / "router" -> process
+    logs: Dict[str, Path] = {}
     try:
         urls: Dict[int, str] = {}
         for slot in slots:
+            name = f"engine {slot.index}"
             port = cfg.rollout.base_port + slot.index if cfg.rollout.base_port else _free_port(bind_host)
-            cmd = build_engine_command(cfg, model_path, bind_host, port, api_key)
+            cmd = build_engine_command(rollout, str(model_path), port, host=bind_host)
             child_env = dict(os.environ, DAPO_MEGA_ENGINE_INDEX=str(slot.index))
             if slot.gpu_ids:
                 child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpu_ids))
-            logs[slot.index] = log_dir / f"engine-{slot.index}.log"
-            with open(logs[slot.index], "ab") as log_file:
-                procs[slot.index] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
+            logs[name] = log_dir / f"engine-{slot.index}.log"
+            with open(logs[name], "ab") as log_file:
+                procs[name] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
             urls[slot.index] = f"http://{advertise}:{port}"
-            _log(f"engine {slot.index} on {task.node_name}: {shlex.join(cmd[:2] + cmd[2:3])} ... -> {urls[slot.index]} "
-                 f"(log {logs[slot.index]})")
+            _log(f"{name} on {task.node_name} (pid {procs[name].pid}): {shlex.join(cmd[:3])} ... -> "
+                 f"{urls[slot.index]} (log {logs[name]})")
         pending = set(urls)
         deadline = time.monotonic() + cfg.rollout.health_timeout_s
         while pending:
             for index in sorted(pending):
-                rc = procs[index].poll()
+                rc = procs[f"engine {index}"].poll()
                 if rc is not None:
-                    return _engine_failed(index, rc, logs[index], procs)
+                    return _role_process_failed(f"engine {index}", rc, logs[f"engine {index}"])
                 if _healthy(urls[index], api_key):
                     announce_engine(registry, index, {"url": urls[index], "engine_id": index, "node": task.node_name,
-                                                      "pid": procs[index].pid, "job_id": task.job_id,
+                                                      "pid": procs[f"engine {index}"].pid, "job_id": task.job_id,
                                                       "time": time.time()})
                     _log(f"engine {index} healthy, announced in {registry}")
                     pending.discard(index)
@@ -371,15 +403,19 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
                 _log(f"engines {sorted(pending)} not healthy after rollout.health_timeout_s="
                      f"{cfg.rollout.health_timeout_s}s")
                 for index in sorted(pending):
-                    print(f"--- last lines of {logs[index]}\n{_tail(logs[index])}", flush=True)
+                    print(f"--- last lines of {logs[f'engine {index}']}\n{_tail(logs[f'engine {index}'])}", flush=True)
                 return 1
             time.sleep(0.5)
-        while True:  # watch: any engine ending while the job runs is a failure
-            for index, proc in procs.items():
+        if router_wanted(cfg, task.node_id):
+            failed = _start_router(cfg, registry, advertise, bind_host, api_key, log_dir, procs, logs, task)
+            if failed is not None:
+                return failed
+        while True:  # watch: any engine (or the router) ending while the job runs is a failure
+            for name, proc in procs.items():
                 rc = proc.poll()
                 if rc is not None:
-                    return _engine_failed(index, rc, logs[index], procs)
-            time.sleep(1.0)
+                    return _role_process_failed(name, rc, logs[name])
+            time.sleep(0.25)
     except _Terminated:
         _log("SIGTERM: stopping engines")
         return 143
@@ -387,13 +423,53 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
         _stop_all(procs)
 
 
-def _engine_failed(index: int, rc: int, log: Path, procs: Mapping[int, subprocess.Popen]) -> int:
-    _log(f"engine {index} exited with status {rc}; stopping the other engines of this node")
+def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: str, api_key: str, log_dir: Path,
+                  procs: Dict[str, subprocess.Popen], logs: Dict[str, Path], task: SlurmTask) -> Optional[int]:
+    """sglang-router in front of every engine of the job (all nodes): waits until all are
+    announced, starts it, waits for its /health, announces it as router.json. Returns a
+    failure status, or None when the router runs."""
+    from dapo_mega.backends.sglang.launch import build_router_command
+
+    deadline = time.monotonic() + cfg.rollout.health_timeout_s
+    while len(list(registry.glob("engine-*.json"))) < cfg.rollout.num_engines:
+        if time.monotonic() > deadline:
+            _log(f"router: only {len(list(registry.glob('engine-*.json')))} of {cfg.rollout.num_engines} engines "
+                 f"announced after rollout.health_timeout_s={cfg.rollout.health_timeout_s}s")
+            return 1
+        time.sleep(0.5)
+    workers = [json.loads(p.read_text())["url"] for p in sorted(registry.glob("engine-*.json"))]
+    port = cfg.rollout.base_port + cfg.rollout.num_engines if cfg.rollout.base_port else _free_port(bind_host)
+    cmd = build_router_command(workers, port, host=bind_host)
+    logs["router"] = log_dir / "router.log"
+    with open(logs["router"], "ab") as log_file:
+        procs["router"] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://{advertise}:{port}"
+    _log(f"router (pid {procs['router'].pid}) in front of {len(workers)} engines -> {url} (log {logs['router']})")
+    while not _healthy(url, ""):
+        rc = procs["router"].poll()
+        if rc is not None:
+            return _role_process_failed("router", rc, logs["router"])
+        if time.monotonic() > deadline:
+            _log("router not healthy in time")
+            return 1
+        time.sleep(0.5)
+    (registry / ROUTER_FILE).write_text(json.dumps({"url": url, "workers": workers, "node": task.node_name,
+                                                    "job_id": task.job_id}))
+    return None
+
+
+def _role_process_failed(name: str, rc: int, log: Path) -> int:
+    """Log which process of the role died and how; returns the task's exit status
+    (128 + signal for a process killed by a signal, as a shell reports it)."""
+    how = f"signal {-rc}" if rc < 0 else f"status {rc}"
+    _log(f"{name} exited with {how}; stopping the other processes of this node")
     print(f"--- last lines of {log}\n{_tail(log)}", flush=True)
-    return rc if rc not in (0, None) else 1
+    if rc < 0:
+        return 128 + (-rc)
+    return rc if rc != 0 else 1
 
 
-def _stop_all(procs: Mapping[int, subprocess.Popen], grace_s: float = 10.0) -> None:
+def _stop_all(procs: Mapping[str, subprocess.Popen], grace_s: float = 10.0) -> None:
     for proc in procs.values():
         if proc.poll() is None:
             proc.terminate()
@@ -406,13 +482,23 @@ def _stop_all(procs: Mapping[int, subprocess.Popen], grace_s: float = 10.0) -> N
             proc.wait(timeout=5)
 
 
-def build_learner_command(overrides: Sequence[str]) -> List[str]:
-    """`dapo-mega train <user overrides> <launcher overrides>` (or the test stand-in)."""
-    if os.environ.get(LEARNER_CMD_ENV):
-        base = shlex.split(os.environ[LEARNER_CMD_ENV])
-    else:
-        base = [sys.executable, "-m", "dapo_mega.cli", "train"]
-    return base + list(overrides)
+def build_learner_command(overrides: Sequence[str], python: str = sys.executable) -> List[str]:
+    """`dapo-mega train <user overrides> <launcher overrides>`."""
+    return [python, "-m", "dapo_mega.cli", "train", *overrides]
+
+
+def learner_env(rank: LearnerRank, task: SlurmTask, env: Mapping[str, str]) -> Dict[str, str]:
+    """The trainer's environment: the Slurm task's, plus its torch.distributed identity,
+    the address engines reach this node's weight-sync rendezvous at (its NodeAddr; the
+    hostname's address can be a loopback alias on some images), and OMP_NUM_THREADS=1
+    unless set (as torchrun does: several ranks share a node's cores)."""
+    out = dict(env)
+    out.update(rank.env())
+    node_addr = parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).get(task.node_name)
+    if node_addr and SYNC_ADDR_ENV not in env:
+        out[SYNC_ADDR_ENV] = node_addr
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
 
 
 def run_learner(cfg: DapoConfig, user_overrides: Sequence[str], task: SlurmTask, env: Mapping[str, str]) -> int:
@@ -420,8 +506,9 @@ def run_learner(cfg: DapoConfig, user_overrides: Sequence[str], task: SlurmTask,
     rank = compute_learner_rank(task, env)
     validate_config(cfg, world_size=rank.world_size)
     cmd = build_learner_command(list(user_overrides) + learner_overrides(cfg, env))
-    child_env = dict(os.environ)
-    child_env.update(rank.env())
+    child_env = learner_env(rank, task, env)
+    # exec keeps this pid: the line names the trainer process of this rank
+    _log(f"learner rank {rank.rank} of {rank.world_size} on {task.node_name} (pid {os.getpid()})")
     if rank.rank == 0:
         _log(f"learner world {rank.world_size} ({task.num_nodes} nodes), master {rank.master_addr}:"
              f"{rank.master_port}: {shlex.join(cmd)}")
