@@ -407,7 +407,7 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
                 return 1
             time.sleep(0.5)
         if router_wanted(cfg, task.node_id):
-            failed = _start_router(cfg, registry, advertise, bind_host, api_key, log_dir, procs, logs, task)
+            failed = _start_router(cfg, registry, advertise, bind_host, log_dir, procs, logs, task)
             if failed is not None:
                 return failed
         while True:  # watch: any engine (or the router) ending while the job runs is a failure
@@ -423,11 +423,14 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
         _stop_all(procs)
 
 
-def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: str, api_key: str, log_dir: Path,
+def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: str, log_dir: Path,
                   procs: Dict[str, subprocess.Popen], logs: Dict[str, Path], task: SlurmTask) -> Optional[int]:
     """sglang-router in front of every engine of the job (all nodes): waits until all are
     announced, starts it, waits for its /health, announces it as router.json. Returns a
-    failure status, or None when the router runs."""
+    failure status, or None when the router runs. Its flags are the pinned ones of
+    `build_router_command`, which has no flag for the engines' API key (not in the
+    pinned sglang-router 0.3.2 table): the router's requests to key-protected engines are
+    not authenticated by this launcher. The trainer never depends on the router."""
     from dapo_mega.backends.sglang.launch import build_router_command
 
     deadline = time.monotonic() + cfg.rollout.health_timeout_s
