@@ -404,36 +404,33 @@ class GenerationEngine:
 
 def sample_tokens(logits: torch.Tensor, specs: Sequence[SamplingSpec],
                   generators: Sequence[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row as SGLang does (module docstring).
+    """Sample one token per row as SGLang does (module docstring), the whole batch at once.
+
+    Filters (top-k, then top-p over the top-k survivors, then min-p) are applied to the
+    rows sorted by probability; each row then draws one uniform number from its own
+    generator (so a seeded sequence samples the same tokens whatever batch it is in) and
+    picks its token by inverse CDF.
 
     Args:
         logits: [B, V] float32 next-token logits.
     Returns:
         tokens [B] long, logprobs [B] float32: log softmax(z/T)[y] (greedy: log softmax(z)[y]).
     """
-    B = logits.shape[0]
-    tokens = torch.empty(B, dtype=torch.long)
-    logprobs = torch.empty(B, dtype=torch.float32)
-    for i in range(B):
-        z, spec = logits[i], specs[i]
-        if spec.temperature < GREEDY_EPS:
-            y = int(torch.argmax(z))
-            tokens[i], logprobs[i] = y, torch.log_softmax(z, dim=-1)[y]
-            continue
-        logp = torch.log_softmax(z / spec.temperature, dim=-1)
-        probs = logp.exp()
-        filtered = probs.clone()
-        if 0 < spec.top_k < filtered.numel():
-            kth = torch.topk(filtered, spec.top_k).values[-1]
-            filtered[filtered < kth] = 0.0
-        if spec.top_p < 1.0:
-            sorted_p, order = torch.sort(filtered, descending=True)
-            cum = sorted_p.cumsum(0)
-            # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
-            drop_sorted = (cum - sorted_p) > spec.top_p
-            filtered[order[drop_sorted]] = 0.0
-        if spec.min_p > 0.0:
-            filtered[filtered < spec.min_p * filtered.max()] = 0.0
-        y = int(torch.multinomial(filtered / filtered.sum(), 1, generator=generators[i]))
-        tokens[i], logprobs[i] = y, logp[y]
-    return tokens, logprobs
+    B, V = logits.shape
+    temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype)
+    greedy = temps < GREEDY_EPS
+    logp = torch.log_softmax(logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None], dim=-1)
+    sorted_p, order = torch.sort(logp.exp(), dim=-1, descending=True)
+    top_k = torch.tensor([s.top_k if 0 < s.top_k < V else V for s in specs])
+    top_p = torch.tensor([s.top_p for s in specs], dtype=logits.dtype)
+    min_p = torch.tensor([s.min_p for s in specs], dtype=logits.dtype)
+    keep = torch.arange(V)[None, :] < top_k[:, None]
+    kept_p = sorted_p * keep
+    # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
+    keep &= (kept_p.cumsum(-1) - kept_p) <= top_p[:, None]
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    cdf = (sorted_p * keep).cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=logits.dtype) for g in generators]) * cdf[:, -1]
+    pick = torch.searchsorted(cdf, u[:, None]).clamp_(max=V - 1)
+    tokens = torch.where(greedy, logits.argmax(-1), order.gather(1, pick).squeeze(1))
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1).float()
