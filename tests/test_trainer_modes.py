@@ -140,6 +140,13 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
         assert row["rollout/response_length_max"] == max(r.response_length for r in recs)
         assert row["rollout/clip_rate"] == pytest.approx(sum(r.truncated for r in recs) / len(recs))
 
+    # every weight of the model goes to the engine once per step, whatever the learner's TP
+    from safetensors import safe_open
+
+    with safe_open(str(run_dir / "base_model" / "model.safetensors"), "pt") as f:
+        model_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert all(row["sync/bytes"] == model_bytes for row in rows)
+
     cfg = from_yaml((run_dir / "config.yaml").read_text())
     assert cfg.trainer.total_steps == total_steps and cfg.cluster.max_staleness == max_staleness
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -194,3 +201,16 @@ def test_disaggregated_async_staleness_one(tmp_path):
             label = "3+" if age == 3 else str(age)
             assert rows[step][f"age/{label}/num_samples"] == len(recs)
             assert rows[step][f"age/{label}/accuracy"] == pytest.approx(sum(r.correct for r in recs) / len(recs))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_learners(tmp_path):
+    """`cluster.num_learner_processes=2`: the trainer spawns two torchrun ranks (TP = 2);
+    rank 0 drives the engine, both ranks train and send their weight shards."""
+    output = run_train(tmp_path, "cluster.num_learner_processes=2", "megatron.tensor_model_parallel_size=2",
+                       "trainer.total_steps=2", "trainer.sft_warmup_steps=10", timeout_s=400)
+    run_dir = tmp_path / RUN_NAME
+    check_records_of_run(run_dir, total_steps=2, max_staleness=0)
+    assert sum(line.startswith("step ") for line in output.splitlines()) == 2   # rank 0 logs, once per step
+    rows = read_rows(run_dir)
+    assert all(math.isfinite(r["actor/grad_norm"]) for r in rows)
