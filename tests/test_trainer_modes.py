@@ -170,6 +170,18 @@ def test_colocated_sync_end_to_end(tmp_path):
         result = json.loads((run_dir / "eval" / f"step_{r['step']:06d}.json").read_text())
         assert len(result["problems"]) == 8 and result["k"] == 2
         assert r["eval/avg_at_k"] == pytest.approx(sum(p["correct"] / 2 for p in result["problems"]) / 8)
+    # the ledger report reads the same run back: its per-step numbers are the trainer's
+    from dapo_mega.ledger_report import build_report
+
+    report = build_report(run_dir)
+    by_row = {r["step"]: r for r in rows}
+    assert [d.step for d in report.steps] == [1, 2, 3]
+    for d in report.steps:
+        assert d.num_samples == by_row[d.step]["rollout/num_samples"]
+        assert d.reward_mean == pytest.approx(by_row[d.step]["rollout/reward_mean"])
+        assert d.length_p90 == pytest.approx(by_row[d.step]["rollout/response_length_p90"])
+        assert d.metrics_verifier_errors == by_row[d.step]["verifier/num_errors"]
+    assert {a.label for a in report.ages} == {"0", "1"}       # age 1: only the stale surplus
     # the console line: one fixed-format line per step
     lines = [line for line in output.splitlines() if line.startswith("step ")]
     assert len(lines) == 4 and lines[-1].startswith("step     3 | v3 ")
