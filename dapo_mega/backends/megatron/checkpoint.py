@@ -389,6 +389,23 @@ def resolve_checkpoint_dir(path: Path | str) -> Path:
     return found
 
 
+def _unshare_adam_steps(optimizer) -> None:
+    """Give every parameter's torch-Adam state its own `step` tensor after a load.
+
+    Without Apex/TE, megatron-core 0.16.1's DistributedOptimizer.load_state_dict puts one
+    shared `step` tensor into the state of every parameter; torch AdamW increments `step` in
+    place once per parameter, so after a resume each update advanced it by the number of
+    parameters and the bias correction (and so every later update) differed from an
+    uninterrupted run.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for param_state in (inner.state.values() if isinstance(inner, torch.optim.Optimizer) else ()):
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor):
+                param_state["step"] = step.clone()
+
+
 def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
                     load_rng: bool = True) -> Dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `ckpt_dir`; return the trainer state.
@@ -410,6 +427,7 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     load_model_state(learner.model_chunks, loaded)
     if load_optimizer and getattr(learner, "optimizer", None) is not None:
         learner.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(learner.optimizer)
         scheduler = getattr(learner, "scheduler", None)
         if scheduler is not None and "opt_param_scheduler" in loaded and hasattr(scheduler, "load_state_dict"):
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
