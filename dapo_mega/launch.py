@@ -373,7 +373,9 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
     logs: Dict[str, Path] = {}
     try:
         urls: Dict[int, str] = {}
-        for slot in slots:
+        port_retries: Dict[int, int] = {}
+
+        def spawn(slot: EngineSlot) -> None:
             name = f"engine {slot.index}"
             port = cfg.rollout.base_port + slot.index if cfg.rollout.base_port else _free_port(bind_host)
             cmd = build_engine_command(rollout, str(model_path), port, host=bind_host)
@@ -386,16 +388,26 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
             urls[slot.index] = f"http://{advertise}:{port}"
             _log(f"{name} on {task.node_name} (pid {procs[name].pid}): {shlex.join(cmd[:3])} ... -> "
                  f"{urls[slot.index]} (log {logs[name]})")
+
+        for slot in slots:
+            spawn(slot)
         pending = set(urls)
         deadline = time.monotonic() + cfg.rollout.health_timeout_s
         while pending:
             for index in sorted(pending):
-                rc = procs[f"engine {index}"].poll()
+                name = f"engine {index}"
+                rc = procs[name].poll()
+                if rc is not None and _lost_port_race(cfg, logs[name], port_retries.get(index, 0)):
+                    # the free port picked at start was taken before the engine bound it
+                    port_retries[index] = port_retries.get(index, 0) + 1
+                    _log(f"{name}: its port was taken meanwhile; restarting it on another port")
+                    spawn(next(s for s in slots if s.index == index))
+                    continue
                 if rc is not None:
-                    return _role_process_failed(f"engine {index}", rc, logs[f"engine {index}"])
+                    return _role_process_failed(name, rc, logs[name])
                 if _healthy(urls[index], api_key):
                     announce_engine(registry, index, {"url": urls[index], "engine_id": index, "node": task.node_name,
-                                                      "pid": procs[f"engine {index}"].pid, "job_id": task.job_id,
+                                                      "pid": procs[name].pid, "job_id": task.job_id,
                                                       "time": time.time()})
                     _log(f"engine {index} healthy, announced in {registry}")
                     pending.discard(index)
@@ -459,6 +471,14 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     (registry / ROUTER_FILE).write_text(json.dumps({"url": url, "workers": workers, "node": task.node_name,
                                                     "job_id": task.job_id}))
     return None
+
+
+def _lost_port_race(cfg: DapoConfig, log: Path, retries: int, max_retries: int = 3) -> bool:
+    """An engine that died at start because its (free when picked) port was taken."""
+    if cfg.rollout.base_port or retries >= max_retries:
+        return False
+    tail = _tail(log, 15).lower()
+    return "address already in use" in tail or "errno 98" in tail
 
 
 def _role_process_failed(name: str, rc: int, log: Path) -> int:

@@ -164,3 +164,16 @@ def test_router_gives_up_when_engines_never_all_announce(tmp_path):
     procs = {}
     assert launch._start_router(cfg, tmp_path / "engines", "h", "h", tmp_path, procs, {}, _task()) == 1
     assert procs == {} and not (tmp_path / "engines" / "router.json").exists()
+
+
+def test_an_engine_that_lost_its_port_is_restarted_a_bounded_number_of_times(tmp_path):
+    log = tmp_path / "engine-0.log"
+    log.write_text("Traceback (most recent call last):\nOSError: [Errno 98] error while attempting to bind on "
+                   "address ('127.0.0.1', 45747): address already in use\n")
+    free_ports = load_config(["+experiment=tiny_cpu_slurm"])
+    assert launch._lost_port_race(free_ports, log, retries=0)
+    assert not launch._lost_port_race(free_ports, log, retries=3)  # bounded
+    # a fixed port taken is the user's to fix, and any other death is a real failure
+    assert not launch._lost_port_race(load_config(["+experiment=tiny_cpu_slurm", "rollout.base_port=30000"]), log, 0)
+    log.write_text("RuntimeError: CUDA error: out of memory\n")
+    assert not launch._lost_port_race(free_ports, log, retries=0)

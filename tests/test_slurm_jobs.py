@@ -184,7 +184,8 @@ def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster
 
 
 def test_cancel_mid_run_resubmit_resumes_then_complete_chain_exits_early(cluster, tmp_path):
-    overrides = ["trainer.total_steps=20"]
+    steps = 14
+    overrides = [f"trainer.total_steps={steps}"]
     run_dir = tmp_path / "resume"
     job = _submit(cluster, "colocated.sbatch", tmp_path, "resume", COLOCATED, overrides)
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -195,7 +196,7 @@ def test_cancel_mid_run_resubmit_resumes_then_complete_chain_exits_early(cluster
     info = cluster.wait_job(job, 60)
     assert info["JobState"] == "CANCELLED"
     saved = _checkpoint_steps(run_dir)[-1]
-    assert saved < 20, "the first job finished before it was cancelled"
+    assert saved < steps, "the first job finished before it was cancelled"
 
     job2 = _submit(cluster, "colocated.sbatch", tmp_path, "resume", COLOCATED, overrides)
     info2 = cluster.wait_job(job2, JOB_TIMEOUT_S)
@@ -204,14 +205,14 @@ def test_cancel_mid_run_resubmit_resumes_then_complete_chain_exits_early(cluster
     # the second job loaded the first job's last checkpoint and did not warm-start again
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{saved:06d}'} at step {saved}" in learner0
     assert "[warm start]" not in learner0
-    assert re.findall(r"^step\s+(\d+) \|", learner0, re.M) == [str(s) for s in range(saved + 1, 21)]
+    assert re.findall(r"^step\s+(\d+) \|", learner0, re.M) == [str(s) for s in range(saved + 1, steps + 1)]
     # records: every step exactly once (rows after the checkpoint were dropped and redone)
     metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == list(range(1, 21))
-    assert [m["policy_version"] for m in metrics] == list(range(1, 21))
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
     ledger = _ledger(run_dir)
-    assert sorted(ledger) == list(range(1, 21))
-    _check_engine_versions(ledger, range(saved + 1, 21))
+    assert sorted(ledger) == list(range(1, steps + 1))
+    _check_engine_versions(ledger, range(saved + 1, steps + 1))
     # the registry holds only the second job's engines (the first job's were cleared)
     assert {json.loads(p.read_text())["job_id"] for p in (run_dir / "engines").glob("engine-*.json")} == {str(job2)}
 
@@ -228,9 +229,9 @@ def test_cancel_mid_run_resubmit_resumes_then_complete_chain_exits_early(cluster
         tail = cluster.wait_job(tail_job, 90)
         log = _batch_log(tmp_path, tail_job)
         assert tail["JobState"] == "COMPLETED" and tail["ExitCode"] == "0:0", log
-        assert "already complete (checkpoint at step 20 of 20); nothing to do" in log
+        assert f"already complete (checkpoint at step {steps} of {steps}); nothing to do" in log
         assert not (run_dir / "logs" / f"job-{tail_job}").exists()  # no role was started
-    assert len(_metrics(run_dir)) == 20
+    assert len(_metrics(run_dir)) == steps
 
 
 def test_learner_error_fails_job_promptly_with_error_in_log(cluster, tmp_path):
