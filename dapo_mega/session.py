@@ -225,7 +225,7 @@ class Session:
         self.manager = RolloutManager(self.engine_urls, cfg.algo.n_samples_per_prompt, sampling,
                                       api_key=cfg.rollout.api_key, request_timeout_s=cfg.rollout.request_timeout_s,
                                       max_retries=cfg.rollout.max_retries, run_id=cfg.trainer.run_name,
-                                      prompt_to_input=self.prompt_input_ids)
+                                      prompt_to_input=self.prompt_input_ids, seed=cfg.trainer.seed)
         if self.resumed:
             if self.state.data_cursor:
                 self.prompts.load_state_dict(self.state.data_cursor)
@@ -453,7 +453,20 @@ class Session:
     def share_with_learners(self, samples: Optional[list]) -> list:
         return _broadcast(samples)
 
+    def drop_dead_engines(self) -> None:
+        """Engines the rollout manager found dead (no reply within rollout.request_timeout_s,
+        connection refused) leave the weight sync too, so a lost engine costs the run its share
+        of generation and nothing else. Collective: every learner rank calls it."""
+        dead = _broadcast(sorted(self.manager.dead) if self.is_driver and self.manager is not None else [])
+        if self.syncer is None or not dead:
+            return
+        for url in self.syncer.drop_engines(dead):
+            if self.is_driver:
+                print(f"[trainer] engine {url} dropped from rollouts and weight sync: {self.manager.dead[url]}",
+                      file=sys.stderr, flush=True)
+
     def engines_release_memory(self) -> None:
+        self.drop_dead_engines()
         if self.is_driver and self.cfg.cluster.mode == "colocated" and self.syncer is not None:
             self.syncer.release_engine_memory()
 
@@ -465,9 +478,13 @@ class Session:
         """Push the learner's weights into every engine as version `state.policy_version`."""
         from dapo_mega.weights.sync import sync_learner_weights
 
+        self.drop_dead_engines()
         stats = sync_learner_weights(self.syncer, self.learner.model_chunks, self.learner.info, self.layout,
                                      str(self.state.policy_version))
-        return stats.as_metrics() if stats is not None else {}
+        metrics = stats.as_metrics() if stats is not None else {}
+        if self.is_driver and self.syncer is not None:
+            metrics["sync/engines"] = len(self.syncer.clients)
+        return metrics
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
         if self.is_driver:
@@ -490,7 +507,7 @@ class Session:
             return {}
         from dapo_mega.evaluate import evaluate_problems
 
-        result = evaluate_problems(self.engine_urls, self.eval_problems, self.cfg, self.prompt_input_ids,
+        result = evaluate_problems(self.manager.alive_engines(), self.eval_problems, self.cfg, self.prompt_input_ids,
                                    self.verifier, api_key=self.cfg.rollout.api_key)
         result.write(self.run_dir / "eval" / f"step_{self.state.step:06d}.json")
         self._last_eval = result.metrics()

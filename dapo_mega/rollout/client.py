@@ -154,12 +154,16 @@ class EngineClient:
             return data
 
     # ---------------------------------------------------------------- generation
-    async def generate(self, prompts: Sequence, sampling_params: Dict[str, Any], return_logprob: bool = True,
+    async def generate(self, prompts: Sequence, sampling_params: Any, return_logprob: bool = True,
                        timeout_s: Optional[float] = None) -> List[SampleResult]:
-        """Batched /generate; returns len(prompts) * n SampleResults, prompt-major."""
+        """Batched /generate; returns len(prompts) * n SampleResults, prompt-major.
+
+        `sampling_params`: one dict for every prompt, or a list of one dict per prompt (same n).
+        """
         body = build_generate_body(prompts, sampling_params, return_logprob)
         reply = await self._request("POST", "/generate", body, timeout_s=timeout_s)
-        return parse_generate_reply(reply, len(prompts), int(sampling_params.get("n", 1)))
+        first = sampling_params[0] if isinstance(sampling_params, list) else sampling_params
+        return parse_generate_reply(reply, len(prompts), int(first.get("n", 1)))
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:

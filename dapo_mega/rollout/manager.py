@@ -11,6 +11,9 @@
   scored by `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups` (Eq. 11),
   until `train_batch_size` groups are kept; the surplus is carried to the next step
   (`state_dict`). `max_num_gen_batches` bounds the rounds (0 = no limit).
+* With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
+  `sampling_seed` made from (seed, step, round, prompt id): a step redone after a resume,
+  or a chunk retried on another engine, samples the same tokens.
 * Every sample (kept or rejected, with the reason) becomes a ledger record.
 * Policy versions come from the engine's `weight_versions` spans, never assumed;
   `drop_stale_groups` enforces `max_staleness`.
@@ -97,7 +100,7 @@ class RolloutManager:
     def __init__(self, engine_urls: Sequence[str], n_samples: int, sampling_params: Dict[str, Any],
                  api_key: str = "", request_timeout_s: float = 600.0, max_retries: int = 3,
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
-                 prompt_to_input: Optional[Callable[[Any], Any]] = None):
+                 prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None):
         self.engine_urls = list(engine_urls)
         self.n_samples = n_samples
         self.sampling_params = {**sampling_params, "n": n_samples}
@@ -108,6 +111,8 @@ class RolloutManager:
         self.run_id = run_id
         self.return_logprob = return_logprob
         self.prompt_to_input = prompt_to_input or (lambda p: p.prompt)
+        self.seed = seed
+        self._step = 0
         self.dead: Dict[str, str] = {}
         self.carry: List[Group] = []
         self.metrics: Dict[str, float] = {}
@@ -155,7 +160,8 @@ class RolloutManager:
                     t0 = time.monotonic()
                     try:
                         samples = await client.generate([self.prompt_to_input(prompts[i]) for i in idx],
-                                                        self.sampling_params, return_logprob=self.return_logprob,
+                                                        self._params_for([prompts[i] for i in idx], gen_round),
+                                                        return_logprob=self.return_logprob,
                                                         timeout_s=self.request_timeout_s)
                         if any(s.aborted for s in samples):
                             raise _Retry(f"{url}: request aborted by the engine")
@@ -195,6 +201,15 @@ class RolloutManager:
                                f"dead engines: {self.dead}; failures: {failures[-5:]}")
         return [results[i] for i in range(len(prompts))]
 
+    def _params_for(self, prompts: Sequence[Any], gen_round: int) -> Any:
+        """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
+        `sampling_seed` depends only on (seed, step, round, prompt id) — so a step redone after a
+        resume, or a request retried on another engine, samples the same tokens."""
+        if self.seed is None:
+            return self.sampling_params
+        return [{**self.sampling_params, "sampling_seed": request_seed(self.seed, self._step, gen_round,
+                                                                       str(getattr(p, "id", "")))} for p in prompts]
+
     def _requeue(self, queue, c, attempts, failures, message, fatal) -> None:
         attempts[c] += 1
         if fatal or attempts[c] > self.max_retries:
@@ -216,6 +231,7 @@ class RolloutManager:
         """
         kept: List[Group] = []
         records: List[LedgerRecord] = []
+        self._step = step
         carried, self.carry = self.carry, []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
@@ -286,6 +302,14 @@ class RolloutManager:
                 prompt_text=str(g.prompt.prompt if isinstance(getattr(g.prompt, "prompt", None), str) else ""),
                 gen_round=g.gen_round))
         return out
+
+
+def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:
+    """A 56-bit sampling seed of one prompt's request (the engine adds the sample index)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}:{step}:{gen_round}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
 
 
 class _Retry(Exception):

@@ -139,6 +139,30 @@ class WeightSyncer:
         self._io.run(_close(), timeout=10)
         self._io.close()
 
+    def drop_engines(self, urls: Sequence[str]) -> List[str]:
+        """Stop syncing into engines found dead (by the rollout manager); returns those dropped.
+
+        Colocated mode: each engine loads its own copy of a bucket, so the others carry on.
+        A distributed weight-update group has the dead engine as a member, and a broadcast
+        would wait for it until the group times out: raise instead, naming the engine.
+        """
+        wanted = {u.rstrip("/") for u in urls}
+        gone = [c for c in self.clients if c.url in wanted]
+        if not gone:
+            return []
+        names = [c.url for c in gone]
+        if self.mode == "distributed" and self.group is not None:
+            raise WeightSyncError(f"engine(s) {names} died and belong to weight-update group {self.group_name}; a "
+                                  "broadcast would wait for them. Restart the run (it resumes from its last "
+                                  "checkpoint) with the engines healthy")
+        self.clients = [c for c in self.clients if c not in gone]
+        self.engine_urls = [c.url for c in self.clients]
+        for c in gone:
+            self._io.run(c.close(), timeout=10)
+        if not self.clients:
+            raise WeightSyncError(f"every engine is dead ({names}); nothing left to sync into")
+        return names
+
     async def _all(self, fn):
         results = await asyncio.gather(*(fn(c) for c in self.clients), return_exceptions=True)
         errors = [f"{c.url}: {r}" for c, r in zip(self.clients, results) if isinstance(r, BaseException)]
