@@ -1,0 +1,280 @@
+"""Fault injection for the trainer fault tests (test-only; holds no tests itself).
+
+    python tests/test_faults_common.py --fault kill:train:3 [--fault ...] -- <hydra overrides>
+
+runs `dapo-mega train <overrides>` in this process after patching the named phase, so the
+fault hits a deterministic point of a real run without any hook in the product code:
+
+    kill:generate:N       SIGKILL this process after the first /generate reply of step N
+    kill:train:N          SIGKILL after the first optimizer update of step N (half-trained)
+    kill:save:N           SIGKILL after checkpoint step N's model/optimizer files are written,
+                          before the checkpoint is renamed into place
+    nan:N                 every advantage of step N is NaN (NaN loss and gradients)
+    enospc:N              checkpoint step N's writer raises OSError(ENOSPC)
+    engine:SIG:K:N        send SIG (KILL or STOP) to engine K just before the first /generate
+                          request of step N that goes to it
+    verifier:RAISE:HANG   the verifier raises on ground truths in RAISE and never returns on
+                          those in HANG (comma-separated; it runs in the verifier pool)
+
+The trainer runs with one learner process, so everything it does happens in this process
+(engines and verifier workers are children). `run_trainer` starts this script with a
+bounded wall time and returns the finished process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+
+# A run small enough for 2 cores: 4 prompts x 4 samples per step, 2 optimizer updates per
+# step, 16-token responses, no warm start, no eval, no wandb, no plot.
+TINY_OVERRIDES = [
+    "trainer.sft_warmup_steps=0", "trainer.eval_interval=0", "trainer.wandb_mode=disabled", "trainer.plot=false",
+    "algo.n_samples_per_prompt=4", "algo.train_batch_size=4", "algo.gen_batch_size=4", "algo.mini_batch_size=2",
+    "algo.dynamic_sampling=false", "algo.max_response_length=12", "algo.overlong_buffer_length=4",
+    "megatron.micro_batch_tokens=512",
+]
+
+
+def run_trainer(output_dir: Path, run_name: str, overrides: Sequence[str] = (), faults: Sequence[str] = (),
+                timeout_s: float = 240.0) -> subprocess.CompletedProcess:
+    """`dapo-mega train` with TINY_OVERRIDES + overrides and the given faults; never hangs."""
+    argv = [sys.executable, str(HERE / "test_faults_common.py")]
+    for fault in faults:
+        argv += ["--fault", fault]
+    argv += ["--", f"trainer.output_dir={output_dir}", f"trainer.run_name={run_name}", *TINY_OVERRIDES,
+             *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get(
+        "PYTHONPATH", "")]), "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("RANK", None)
+    log_path = Path(output_dir) / f"{run_name}.{len(list(Path(output_dir).glob(run_name + '.*.log')))}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # Output to a file, not a pipe: children of a SIGKILLed trainer (engines, megatron's
+    # checkpoint helpers) would hold a pipe open. Its own session, so all of them can be ended.
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_orphans(proc.pid)
+            proc.wait()
+            raise AssertionError(f"trainer did not finish within {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+        finally:
+            _kill_orphans(proc.pid)
+    return subprocess.CompletedProcess(argv, proc.returncode, log_path.read_text(), "")
+
+
+def _kill_orphans(pgid: int) -> None:
+    """Engines and verifier workers of a SIGKILLed trainer outlive it: end its process group."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def read_metric_rows(run_dir: Path) -> List[Dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def load_checkpoint_tensors(step_dir: Path, prefix: str = "") -> Dict[str, "object"]:
+    """Every tensor of a `step_<N>/model_optim` torch_dist checkpoint, read without megatron
+    (torch.distributed.checkpoint's own reader: an independent view of what was saved)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(step_dir) / "model_optim"))
+    meta = reader.read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=reader)
+    return state
+
+
+def model_tensors(step_dir: Path) -> Dict[str, "object"]:
+    return {k: v for k, v in load_checkpoint_tensors(step_dir).items() if not k.startswith("optimizer.")}
+
+
+# --------------------------------------------------------------------------- the faults
+
+_current_step = [0]
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install(fault: str) -> None:
+    from dapo_mega import session as S
+
+    kind, _, rest = fault.partition(":")
+    if kind == "kill":
+        phase, step = rest.split(":")
+        _install_kill(phase, int(step))
+    elif kind == "nan":
+        step = int(rest)
+        original = S.Session.build_train_samples
+
+        def build_train_samples(self, batch):
+            samples = original(self, batch)
+            if samples and batch.step == step:
+                for s in samples:
+                    s.advantage = float("nan")
+            return samples
+        S.Session.build_train_samples = build_train_samples
+    elif kind == "enospc":
+        from dapo_mega.backends.megatron import checkpoint as C
+
+        step = int(rest)
+        original = C.save_dist_checkpoint
+
+        def save_dist_checkpoint(state, ckpt_dir):
+            if C.step_dir_name(step) in str(ckpt_dir):
+                raise OSError(errno.ENOSPC, "No space left on device", str(ckpt_dir))
+            return original(state, ckpt_dir)
+        C.save_dist_checkpoint = save_dist_checkpoint
+    elif kind == "engine":
+        sig, k, step = rest.split(":")
+        _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step))
+    elif kind == "verifier":
+        raise_on, hang_on = rest.split(":")
+        import dapo_mega.reward as R
+        from test_faults_common import FaultyVerifier  # by module name: the pool's workers unpickle it
+
+        R.VERIFIERS["dapo"] = lambda: FaultyVerifier(raise_on.split(","), hang_on.split(","))
+    else:
+        raise SystemExit(f"unknown fault {fault!r}")
+
+
+def _track_steps() -> None:
+    from dapo_mega import session as S
+
+    if getattr(S.Session.collect, "_tracked", False):
+        return
+    original = S.Session.collect
+
+    def collect(self, step, learner_version):
+        _current_step[0] = step
+        return original(self, step, learner_version)
+    collect._tracked = True
+    S.Session.collect = collect
+
+
+def _install_kill(phase: str, step: int) -> None:
+    _track_steps()
+    if phase == "generate":
+        from dapo_mega.rollout.client import EngineClient
+
+        original = EngineClient.generate
+
+        async def generate(self, *args, **kwargs):
+            out = await original(self, *args, **kwargs)
+            if _current_step[0] == step:
+                print(f"[fault] SIGKILL during generation of step {step}", flush=True)
+                _die()
+            return out
+        EngineClient.generate = generate
+    elif phase == "train":
+        from dapo_mega.backends.megatron.train_step import MegatronLearner
+
+        original = MegatronLearner._update
+
+        def _update(self, *args, **kwargs):
+            info = original(self, *args, **kwargs)
+            if _current_step[0] == step:
+                print(f"[fault] SIGKILL after the first update of step {step}", flush=True)
+                _die()
+            return info
+        MegatronLearner._update = _update
+    elif phase == "save":
+        from dapo_mega.backends.megatron import checkpoint as C
+
+        original = C.save_dist_checkpoint
+
+        def save_dist_checkpoint(state, ckpt_dir):
+            original(state, ckpt_dir)
+            if C.step_dir_name(step) in str(ckpt_dir):
+                print(f"[fault] SIGKILL while saving checkpoint step {step}", flush=True)
+                _die()
+        C.save_dist_checkpoint = save_dist_checkpoint
+    else:
+        raise SystemExit(f"unknown phase {phase!r}")
+
+
+def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
+    from dapo_mega import session as S
+    from dapo_mega.rollout.client import EngineClient
+
+    _track_steps()
+    sessions: List = []
+    original_start = S.Session._start_engines
+
+    def _start_engines(self):
+        sessions.append(self)
+        return original_start(self)
+    S.Session._start_engines = _start_engines
+    original = EngineClient.generate
+    done = [False]
+
+    async def generate(self, *args, **kwargs):
+        engine = sessions[0].engines[engine_index]
+        if _current_step[0] == step and not done[0] and self.url == engine.url:
+            done[0] = True
+            print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid "
+                  f"{engine.proc.pid} at step {step}", flush=True)
+            os.kill(engine.proc.pid, sig)
+        return await original(self, *args, **kwargs)
+    EngineClient.generate = generate
+
+
+class FaultyVerifier:
+    """The DAPO verifier, except that it raises on some ground truths and hangs on others.
+
+    runs_in_process is False so that it is scored in the verifier pool, where a hang can be
+    killed at `algo.verifier_timeout_s`.
+    """
+
+    name, version, max_response_chars, runs_in_process = "faulty-dapo", "1", 300, False
+
+    def __init__(self, raise_on: Sequence[str], hang_on: Sequence[str]):
+        self.raise_on, self.hang_on = set(raise_on), set(hang_on)
+
+    def score(self, response: str, ground_truth: str):
+        from dapo_mega.reward import DapoVerifier
+
+        if ground_truth in self.raise_on:
+            raise RuntimeError(f"injected verifier failure on ground truth {ground_truth}")
+        if ground_truth in self.hang_on:
+            time.sleep(3600)
+        return DapoVerifier().score(response, ground_truth)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--")
+    options, overrides = argv[:split], argv[split + 1:]
+    faults = [options[i + 1] for i, a in enumerate(options) if a == "--fault"]
+    for fault in faults:
+        _install(fault)
+    from dapo_mega.cli import main as cli_main
+
+    return cli_main(["train", *overrides])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Rollout engines dying or hanging inside a real `dapo-mega train` run with 3 engines.
+
+Engine 1 is SIGKILLed just before its first /generate request of step 2 (connection
+refused); engine 2 is SIGSTOPped just before its first request of step 3 (it accepts the
+connection and never answers, so only `rollout.request_timeout_s` can tell). Each time the
+rollout manager marks the engine dead, its prompts go to the live engines, the step
+completes, and the engine leaves the weight sync (colocated: shared-memory buckets per
+engine), so later steps run on what is left. (The manager alone, without a trainer, is
+tested in test_rollout_manager.py.)
+"""
+
+from __future__ import annotations
+
+from dapo_mega.rollout.ledger import read_records
+from test_faults_common import read_metric_rows, run_trainer
+
+REQUEST_TIMEOUT_S = 15.0
+
+
+def test_engine_killed_then_engine_hung_run_completes_on_the_rest(tmp_path):
+    result = run_trainer(tmp_path, "engines", [
+        "trainer.total_steps=4", "trainer.save_interval=0", "rollout.num_engines=3",
+        f"rollout.request_timeout_s={REQUEST_TIMEOUT_S}", "rollout.max_retries=3",
+        # 3 requests of 4 prompts per step: each engine gets one
+        "algo.n_samples_per_prompt=2", "algo.train_batch_size=12", "algo.gen_batch_size=12", "algo.mini_batch_size=6",
+    ], faults=["engine:KILL:1:2", "engine:STOP:2:3"], timeout_s=400)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert "SIGKILL to engine 1" in out and "SIGSTOP to engine 2" in out
+    run_dir = tmp_path / "engines"
+    rows = read_metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/dead_engines"] for r in rows] == [0, 1, 2, 2]
+    assert [r["sync/engines"] for r in rows] == [3, 2, 1, 1]
+    # The hang is noticed after request_timeout_s, not never (bounded; slack for a busy machine).
+    assert REQUEST_TIMEOUT_S <= rows[2]["time/rollout_s"] < REQUEST_TIMEOUT_S + 90
+    dropped = [line for line in out.splitlines() if "dropped from rollouts and weight sync" in line]
+    assert len(dropped) == 2, dropped
+
+    urls = {}
+    for r in read_records(run_dir):
+        urls.setdefault(r.step, set()).add(r.engine_id)
+    assert len(urls[1]) == 3
+    assert len(urls[2]) == 2 and len(urls[3]) == 1 and urls[4] == urls[3]
+    assert urls[3] < urls[2] < urls[1]
+    for step in (1, 2, 3, 4):
+        recs = read_records(run_dir, steps=[step])
+        keys = [(r.prompt_id, r.sample_index) for r in recs]
+        assert len(keys) == len(set(keys)) == 24, f"step {step}: a sample lost or repeated"
+        # the survivors got every sync: samples of step s come from policy version s-1
+        assert {r.policy_version_min for r in recs} == {step - 1}
