@@ -89,7 +89,8 @@ def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool)
     samples = [_with_old_log_probs(s, old[i]) for i, s in enumerate(samples)]
     tokens = float(count_loss_tokens(samples, indices))
     micro = learner._micro_batches(samples, indices)
-    loss_func = partial(learner._policy_loss_func, tokens)
+    seqs = float(sum(1 for i in indices if any(samples[i].response_loss_mask())))  # seq-mean denominators
+    loss_func = partial(learner._policy_loss_func, tokens, seqs)
     learner._update(micro, loss_func, lr=None)  # warm-up (allocations, TE kernels)
     _sync()
     start = time.perf_counter()

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         try:
             module = importlib.import_module(module_name)
             result = module.run(quick=args.quick)
-            result["status"] = "ok"
+            result.setdefault("status", "ok")  # a benchmark may report itself "skipped"
         except Exception as exc:  # report and go on: one broken benchmark must not hide the others
             failures += 1
             result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
