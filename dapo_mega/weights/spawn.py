@@ -8,6 +8,7 @@ does not spawn (see `convert.run_on_ranks`).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -29,7 +30,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Tensors in a multiprocessing queue travel as shared-memory handles that need the
+        # sender alive; this process exits right after, so send plain bytes instead.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as exc:  # the parent re-raises with this rank's traceback
         queue.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
@@ -37,11 +42,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[
             torch.distributed.destroy_process_group()
 
 
+def _load_result(payload: bytes) -> Any:
+    import torch
+
+    # Our own child's return value (any picklable object), hence weights_only=False.
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
 class SpawnedRankError(RuntimeError):
     """A spawned rank failed; `.message` is its exception text, `.traceback` the full one."""
 
     def __init__(self, rank: int, exc_type: str, message: str, tb: str):
-        super().__init__(f"rank {rank}: {exc_type}: {message}")
+        super().__init__(f"rank {rank}: {exc_type}: {message}\n--- traceback of rank {rank} ---\n{tb}")
         self.rank, self.exc_type, self.message, self.traceback = rank, exc_type, message, tb
 
 
@@ -78,7 +90,7 @@ def spawn_gloo(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_
                 continue
             if status == "error":
                 raise SpawnedRankError(rank, *payload)
-            results[rank] = payload
+            results[rank] = _load_result(payload)
             received += 1
     finally:
         for proc in procs:

@@ -51,6 +51,12 @@ MODEL_META_FILE = "dapo_mega_model.json"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
+"""DistributedOptimizer state format (megatron `distrib_optim_sharding_type`): dp_reshardable
+saves each DP rank's buffers in parallel (resume at the same TP/PP, any DP);
+fully_reshardable gathers them per model-parallel shard on DP rank 0 (resume at any
+TP/PP, slower, more host memory). megatron-core 0.16.1 rejects its own default,
+fully_sharded_model_space ("ShardedTensor.flattened_range is not supported")."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -274,15 +280,68 @@ def _any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
-def _full_state(learner, is_loading: bool) -> Dict[str, Any]:
+def _full_state(learner, is_loading: bool, optimizer_sharding: str) -> Dict[str, Any]:
     state = model_sharded_state_dict(learner.model_chunks)
     optimizer = getattr(learner, "optimizer", None)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_sharding})
     scheduler = getattr(learner, "scheduler", None)
     if scheduler is not None and hasattr(scheduler, "state_dict"):
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
+
+
+def _prepare_optimizer_for_loading(optimizer) -> None:
+    """Give a fresh torch Adam the state entries megatron's load path reads.
+
+    Without Apex/TE, megatron-core 0.16.1's DistributedOptimizer.state_dict() (called by
+    `sharded_state_dict(is_loading=True)`) reads `state[p]["step"]` of every parameter and
+    asserts they agree, but a never-stepped torch Adam has no state, and megatron's own
+    `init_state_fn` sets only the moments. Zero moments and step 0 are what Adam's first
+    step would create; the load then overwrites all three.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p]["step"] = torch.zeros((), dtype=torch.float32)
+                    inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def _restore_adam_step(optimizer, loaded_optimizer_state: Any) -> None:
+    """Put the saved Adam step count back after a DistributedOptimizer load (no Apex/TE).
+
+    megatron-core 0.16.1 stores the step of a torch Adam in the param groups of the common
+    state and writes it into the inner state in `load_state_dict`, but the per-parameter
+    copy that follows (`_set_main_param_and_optimizer_states`) copies "step" too, from the
+    parameter-state template built before loading (step 0). The bias correction of the
+    next update would then restart. The param-group value is the saved one; reapply it.
+    Each parameter gets its own tensor: megatron's load puts one *shared* step tensor into
+    every parameter's state, and torch AdamW increments it in place once per parameter,
+    so a shared one would advance by the number of parameters per update.
+    """
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(chained) == 1:
+        states = [loaded_optimizer_state]
+    elif isinstance(loaded_optimizer_state, dict):
+        states = [v for _, v in sorted(loaded_optimizer_state.items())]
+    else:
+        states = list(loaded_optimizer_state)
+    for opt, state in zip(chained, states):
+        inner = getattr(opt, "optimizer", None)
+        groups = (state.get("optimizer") or {}).get("param_groups", []) if isinstance(state, dict) else []
+        steps = {g["step"] for g in groups if g.get("step") is not None}
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or len(steps) != 1:
+            continue
+        step = float(steps.pop())
+        for param_state in inner.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _model_meta(learner) -> Dict[str, Any]:
@@ -298,7 +357,7 @@ def _model_meta(learner) -> Dict[str, Any]:
 
 
 def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict[str, Any],
-                    keep_last_k: int = 2) -> Path:
+                    keep_last_k: int = 2, optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING) -> Path:
     """Save model, optimizer, scheduler, RNG and `trainer_state` as `step_<N>` (collective).
 
     Every learner rank calls it. `trainer_state` must be JSON-serialisable (checked before
@@ -306,7 +365,8 @@ def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict
     Raises CheckpointSaveError (ENOSPC named) after removing the partial tmp directory.
     """
     state_json = json.dumps({**trainer_state, "step": step, "format_version": FORMAT_VERSION,
-                             "saved_at": time.time()}, indent=2, sort_keys=True)
+                             "saved_at": time.time(), "optimizer_sharding": optimizer_sharding},
+                            indent=2, sort_keys=True)
     root = checkpoints_root(run_dir)
     final = root / step_dir_name(step)
     tmp: Optional[Path] = None
@@ -320,7 +380,7 @@ def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict
     tmp = Path(_broadcast_obj(str(tmp) if tmp else None))
     error: Optional[BaseException] = None
     try:
-        save_dist_checkpoint(_full_state(learner, is_loading=False), tmp / MODEL_OPTIM_DIR)
+        save_dist_checkpoint(_full_state(learner, False, optimizer_sharding), tmp / MODEL_OPTIM_DIR)
         rng_path = tmp / RNG_DIR / f"rank_{_rank():05d}.pt"
         torch.save(capture_rng_state(), rng_path)
         _fsync_path(rng_path)
@@ -389,23 +449,6 @@ def resolve_checkpoint_dir(path: Path | str) -> Path:
     return found
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """Give every parameter's torch-Adam state its own `step` tensor after a load.
-
-    Without Apex/TE, megatron-core 0.16.1's DistributedOptimizer.load_state_dict puts one
-    shared `step` tensor into the state of every parameter; torch AdamW increments `step` in
-    place once per parameter, so after a resume each update advanced it by the number of
-    parameters and the bias correction (and so every later update) differed from an
-    uninterrupted run.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for param_state in (inner.state.values() if isinstance(inner, torch.optim.Optimizer) else ()):
-            step = param_state.get("step")
-            if isinstance(step, torch.Tensor):
-                param_state["step"] = step.clone()
-
-
 def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
                     load_rng: bool = True) -> Dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `ckpt_dir`; return the trainer state.
@@ -420,14 +463,18 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     trainer_state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
     if load_optimizer:
-        state = _full_state(learner, is_loading=True)
+        sharding = trainer_state.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING)
+        if getattr(learner, "optimizer", None) is not None:
+            _prepare_optimizer_for_loading(learner.optimizer)
+        state = _full_state(learner, True, sharding)
     else:
         state = model_sharded_state_dict(learner.model_chunks)
     loaded = dist_checkpointing.load(state, str(ckpt / MODEL_OPTIM_DIR))
     load_model_state(learner.model_chunks, loaded)
     if load_optimizer and getattr(learner, "optimizer", None) is not None:
-        learner.optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(learner.optimizer)
+        with torch.no_grad():  # copies into fp32 main params, which require grad
+            learner.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_step(learner.optimizer, loaded["optimizer"])
         scheduler = getattr(learner, "scheduler", None)
         if scheduler is not None and "opt_param_scheduler" in loaded and hasattr(scheduler, "load_state_dict"):
             scheduler.load_state_dict(loaded["opt_param_scheduler"])

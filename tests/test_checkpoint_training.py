@@ -1,0 +1,180 @@
+"""Training checkpoints: directory mechanics, and save / stop / resume of a real learner.
+
+The resume test runs the MegatronLearner (2 gloo ranks, DP=2, distributed optimizer) in
+two separate process groups: the first trains 3 steps straight and saves after step 1;
+the second starts fresh, resumes from the run directory and trains steps 2–3. Losses and
+final weights must match the straight run, and the restored model + optimizer state must
+equal what was saved.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from dapo_mega.backends.megatron import checkpoint as C
+from dapo_mega.weights.spawn import spawn_gloo
+from test_megatron_parallel import make_config, make_samples
+
+
+def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    d = root / C.step_dir_name(step)
+    (d / C.MODEL_OPTIM_DIR).mkdir(parents=True)
+    if complete:
+        (d / C.MODEL_OPTIM_DIR / "metadata.json").write_text("{}")
+        (d / C.TRAINER_STATE_FILE).write_text(json.dumps({"step": step}))
+    return d
+
+
+def test_latest_pointer_tmp_dirs_and_dangling_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert C.find_latest_checkpoint(tmp_path) is None
+    _fake_checkpoint(root, 3)
+    _fake_checkpoint(root, 7)
+    (root / "step_000009.tmp-4242" / C.MODEL_OPTIM_DIR).mkdir(parents=True)  # interrupted save
+    _fake_checkpoint(root, 8, complete=False)  # renamed but missing trainer state: not trusted
+    assert C.find_latest_checkpoint(tmp_path).name == "step_000007"
+    (root / C.LATEST_FILE).write_text("step_000003\n")
+    assert C.find_latest_checkpoint(tmp_path).name == "step_000003", "latest is followed when valid"
+    (root / C.LATEST_FILE).write_text("step_000011\n")  # dangling
+    assert C.find_latest_checkpoint(tmp_path).name == "step_000007"
+    assert C.resolve_checkpoint_dir(root / C.LATEST_FILE).name == "step_000007"
+    with pytest.raises(C.CheckpointNotFoundError):
+        C.resolve_checkpoint_dir(tmp_path / "other_run")
+
+
+def test_prune_keeps_last_k_and_never_the_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(root, step)
+    (root / "step_000005.tmp-1").mkdir()
+    C.write_text_atomic(root / C.LATEST_FILE, "step_000004\n")
+    C.prune_checkpoints(tmp_path, keep_last_k=2)
+    assert sorted(p.name for p in root.iterdir()) == [C.LATEST_FILE, "step_000003", "step_000004"]
+    C.write_text_atomic(root / C.LATEST_FILE, "step_000003\n")
+    C.prune_checkpoints(tmp_path, keep_last_k=1)
+    assert sorted(p.name for p in root.iterdir()) == [C.LATEST_FILE, "step_000003", "step_000004"], \
+        "the newest K and the checkpoint `latest` names both survive pruning"
+
+
+# --------------------------------------------------------------------------- learner
+
+
+def _learner(world):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    cfg = make_config(train_batch_size=2, mini_batch_size=1, n=4, lr=1e-2)
+    cfg.megatron.use_distributed_optimizer = True
+    cfg.algo.lr_warmup_steps = 3  # the LR schedule position must survive the resume too
+    hf = tiny_hf_config(cfg.model)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
+    return MegatronLearner(cfg, hf, layout)
+
+
+def _snapshot(learner):
+    """Full HF weights (every rank, gathered) and this rank's Adam state tensors."""
+    import torch
+
+    from dapo_mega.weights.stream import iter_megatron_to_hf
+
+    weights = {n: t.clone() for n, t in iter_megatron_to_hf(learner.model_chunks, learner.info, learner.layout)}
+    adam = []
+    inner = learner.optimizer
+    for opt in getattr(inner, "chained_optimizers", [inner]):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                st = opt.optimizer.state.get(p, {})
+                adam.append([st[k].clone() for k in ("exp_avg", "exp_avg_sq") if k in st] + [p.detach().clone()]
+                            + [torch.as_tensor(st.get("step", -1.0)).clone()])
+    return {"weights": weights, "adam": adam, "sched": learner.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state()}
+
+
+def _straight_run(rank, world, run_dir):
+    import torch
+
+    learner = _learner(world)
+    losses, saved = [], None
+    for step in (1, 2, 3):
+        losses.append(learner.train_step(make_samples(seed=step))["loss/pg"])
+        if step == 1:
+            torch.manual_seed(123 + rank)  # an RNG state that must come back on resume
+            C.save_checkpoint(learner, run_dir, step, {"policy_version": 1, "data_cursor": {"epoch": 0, "index": 8},
+                                                       "dynamic_sampling_carry": [[1, 2], {"g": 3}],
+                                                       "wandb_run_id": "abc123"}, keep_last_k=2)
+            saved = _snapshot(learner)
+            torch.manual_seed(999)
+    # A later save that hits a full disk must leave step 1 and `latest` intact.
+    original = C.save_dist_checkpoint
+
+    def disk_full(state, ckpt_dir):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    C.save_dist_checkpoint = disk_full
+    try:
+        C.save_checkpoint(learner, run_dir, 3, {"policy_version": 3}, keep_last_k=2)
+        enospc = None
+    except C.CheckpointSaveError as exc:
+        enospc = str(exc)
+    finally:
+        C.save_dist_checkpoint = original
+    return {"losses": losses, "saved": saved, "final": _snapshot(learner)["weights"], "enospc": enospc}
+
+
+def _resumed_run(rank, world, run_dir):
+    import torch
+
+    learner = _learner(world)
+    state = C.load_checkpoint(learner, run_dir)
+    restored = _snapshot(learner)
+    losses = [learner.train_step(make_samples(seed=step))["loss/pg"] for step in range(state["step"] + 1, 4)]
+    return {"state": state, "restored": restored, "losses": losses, "final": _snapshot(learner)["weights"]}
+
+
+@pytest.mark.slow
+def test_save_stop_resume_equals_straight_training(tmp_path):
+    import torch
+
+    run_dir = str(tmp_path / "run")
+    # spawn_gloo, not dist_helpers.run_distributed: dist_checkpointing.save starts helper
+    # processes, which daemonic processes may not do.
+    straight = spawn_gloo(_straight_run, 2, args=(run_dir,), timeout_s=240)
+    ckpts = Path(run_dir) / "checkpoints"
+    assert (ckpts / C.LATEST_FILE).read_text().strip() == "step_000001"
+    assert sorted(p.name for p in ckpts.iterdir()) == [C.LATEST_FILE, "step_000001"], \
+        "the failed save left its tmp dir behind"
+    assert "ENOSPC" in straight[0]["enospc"] and "intact" in straight[0]["enospc"]
+    # An interrupted later save and a half-renamed dir must both be ignored on resume.
+    (ckpts / "step_000002.tmp-31337" / C.MODEL_OPTIM_DIR).mkdir(parents=True)
+    (ckpts / "step_000002.tmp-31337" / C.TRAINER_STATE_FILE).write_text("{")
+    (ckpts / "step_000003").mkdir()
+
+    resumed = spawn_gloo(_resumed_run, 2, args=(run_dir,), timeout_s=240)
+    for rank in range(2):
+        s, r = straight[rank], resumed[rank]
+        assert r["state"]["step"] == 1 and r["state"]["policy_version"] == 1
+        assert r["state"]["data_cursor"] == {"epoch": 0, "index": 8}
+        assert r["state"]["dynamic_sampling_carry"] == [[1, 2], {"g": 3}]
+        assert r["state"]["wandb_run_id"] == "abc123"
+        saved, restored = s["saved"], r["restored"]
+        assert saved["weights"].keys() == restored["weights"].keys()
+        for name in saved["weights"]:
+            assert torch.equal(saved["weights"][name], restored["weights"][name]), name
+        assert len(saved["adam"]) == len(restored["adam"]) > 0
+        for a, b in zip(saved["adam"], restored["adam"]):
+            assert len(a) == len(b) == 4, "Adam moments + fp32 main param + step per shard"
+            assert a[3].item() == b[3].item() == 2.0, "Adam step count (bias correction) restored"
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert restored["sched"] == saved["sched"] and saved["sched"]["num_updates"] > 0
+        assert torch.equal(restored["torch_rng"], saved["torch_rng"])
+        assert r["losses"] == pytest.approx(s["losses"][1:], abs=1e-6)
+        for name, tensor in s["final"].items():
+            assert torch.allclose(tensor, r["final"][name], atol=1e-6, rtol=0), name

@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Convert checkpoints between Hugging Face and Megatron formats, and check a conversion.
+
+    python tools/convert_checkpoint.py import --hf-path Qwen2.5-7B --megatron-path ckpt/qwen7b [--tp 2 --pp 2] [--dtype bf16]
+    python tools/convert_checkpoint.py export --megatron-path outputs/run [--hf-config-from Qwen2.5-7B] --hf-path out/hf
+    python tools/convert_checkpoint.py verify --hf-path Qwen2.5-7B --megatron-path ckpt/qwen7b [--tp 2]
+
+import   HF safetensors (single file or sharded with model.safetensors.index.json) → a
+         Megatron distributed checkpoint (megatron.core.dist_checkpointing, loadable at any
+         TP/PP) plus dapo_mega_model.json and the HF config/tokenizer files.
+export   A converted checkpoint, a training checkpoint (`step_<N>` dir) or a run directory
+         (its latest complete checkpoint) → sharded HF safetensors + index, config.json,
+         generation_config.json and tokenizer files; loads with
+         transformers.AutoModelForCausalLM.from_pretrained.
+verify   Logits of the HF model and the Megatron checkpoint on the same tokens; prints
+         max/mean |Δ| and exits 1 when max |Δ| > tolerance·max(1, max |HF logit|).
+
+--tp/--pp choose the parallel layout the conversion itself runs at: on a CPU machine the
+tool spawns tp·pp local processes joined by gloo; under torchrun/srun with that many ranks
+it runs on them. The result does not depend on it (distributed checkpoints reshard on load).
+Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5) and LlamaForCausalLM.
+The logic lives in dapo_mega/weights/convert.py; this file is only the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    imp = sub.add_parser("import", help="HF safetensors -> Megatron distributed checkpoint")
+    imp.add_argument("--hf-path", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    imp.add_argument("--megatron-path", required=True, help="output directory")
+    imp.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+                     help="stored dtype (default: the HF config's dtype)")
+
+    exp = sub.add_parser("export", help="Megatron (converted, training step or run dir) -> HF safetensors")
+    exp.add_argument("--megatron-path", required=True,
+                     help="converted checkpoint dir, checkpoints/step_<N>, checkpoints/latest, or a run directory")
+    exp.add_argument("--hf-path", required=True, help="output HF directory")
+    exp.add_argument("--hf-config-from", default=None,
+                     help="HF directory to take config.json and tokenizer files from (default: recorded with "
+                          "the checkpoint)")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 5GB, 500MB)")
+    exp.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
+                     help="exported dtype (default: the dtype the checkpoint was stored in)")
+
+    ver = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
+    ver.add_argument("--hf-path", required=True)
+    ver.add_argument("--megatron-path", required=True)
+    ver.add_argument("--tolerance", type=float, default=1e-3,
+                     help="pass when max |dlogit| <= tolerance * max(1, max |HF logit|)")
+    ver.add_argument("--num-tokens", type=int, default=32)
+    ver.add_argument("--batch-size", type=int, default=2)
+    ver.add_argument("--text", default=None, help="tokenize this text instead of random token ids")
+
+    for p in (imp, exp):
+        p.add_argument("--tp", type=int, default=1, help="tensor parallel size the conversion runs at")
+        p.add_argument("--pp", type=int, default=1, help="pipeline parallel size the conversion runs at")
+    ver.add_argument("--tp", type=int, default=1, help="tensor parallel size of the Megatron forward")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from dapo_mega.config import ConfigError
+    from dapo_mega.weights import convert
+    from dapo_mega.weights.hf_io import parse_size
+    from dapo_mega.weights.mapping import WeightMappingError
+
+    try:
+        if args.command == "import":
+            dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(args.dtype)
+            summary = convert.import_hf_checkpoint(args.hf_path, args.megatron_path, tp=args.tp, pp=args.pp,
+                                                   dtype=dtype)
+        elif args.command == "export":
+            dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(args.dtype)
+            summary = convert.export_megatron_checkpoint(
+                args.megatron_path, args.hf_path, hf_config_from=args.hf_config_from, tp=args.tp, pp=args.pp,
+                max_shard_bytes=parse_size(args.max_shard_size), dtype=dtype)
+        else:
+            summary = convert.verify_conversion(args.hf_path, args.megatron_path, tp=args.tp,
+                                                tolerance=args.tolerance, num_tokens=args.num_tokens,
+                                                batch_size=args.batch_size, text=args.text)
+    except (WeightMappingError, ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(summary.lines()))
+    return 0 if summary.passed in (None, True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
