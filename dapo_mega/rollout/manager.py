@@ -100,6 +100,7 @@ class RolloutManager:
     def __init__(self, engine_urls: Sequence[str], n_samples: int, sampling_params: Dict[str, Any],
                  api_key: str = "", request_timeout_s: float = 600.0, max_retries: int = 3,
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
+                 requests_per_engine: int = 8,
                  prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None):
         self.engine_urls = list(engine_urls)
         self.n_samples = n_samples
@@ -108,6 +109,9 @@ class RolloutManager:
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.prompts_per_request = max(1, prompts_per_request)
+        # Requests in flight per engine: an engine batches concurrent requests together, so
+        # one request at a time would leave it decoding prompts_per_request*G rows only.
+        self.requests_per_engine = max(1, requests_per_engine)
         self.run_id = run_id
         self.return_logprob = return_logprob
         self.prompt_to_input = prompt_to_input or (lambda p: p.prompt)
@@ -151,7 +155,7 @@ class RolloutManager:
 
         async def worker(url: str):
             async with EngineClient(url, api_key=self.api_key, timeout_s=self.request_timeout_s) as client:
-                while not done_event.is_set():
+                while not done_event.is_set() and url not in self.dead:
                     try:
                         c = await asyncio.wait_for(queue.get(), timeout=0.1)
                     except asyncio.TimeoutError:
@@ -185,7 +189,7 @@ class RolloutManager:
                     if remaining[0] == 0:
                         done_event.set()
 
-        workers = [asyncio.create_task(worker(u)) for u in self.alive_engines()]
+        workers = [asyncio.create_task(worker(u)) for u in self.alive_engines() for _ in range(self.requests_per_engine)]
         if not workers:
             raise RolloutError(f"no live engine (dead: {self.dead})")
         while not done_event.is_set():
