@@ -280,10 +280,9 @@ class RolloutManager:
         kept = kept[:train_batch_size]
         for g in kept:
             records += self.records_of(g, step, learner_version)
-        n_groups = max(seen, 1)
+        # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
+        # ledger records by rollout/metrics.py, so that they exist with dynamic sampling off.
         self.metrics = {"rollout/gen_batches": rounds, "rollout/groups_generated": seen,
-                        "rollout/all_correct_rate": all_correct / n_groups, "rollout/all_wrong_rate": all_wrong / n_groups,
-                        "rollout/kept_group_fraction": (len(kept) + len(self.carry) - len(carried)) / n_groups,
                         "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead)}
         return kept, records
 

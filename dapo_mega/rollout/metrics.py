@@ -44,12 +44,18 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
         out["rollout/kept_accuracy"] = float(np.mean([r.correct for r in kept]))
     for reason in sorted({r.reject_reason for r in records}):
         out[f"rollout/reject/{reason}"] = float(sum(1 for r in records if r.reject_reason == reason))
-    # kept-group fraction of this step's generation (DESIGN.md), from the records themselves
-    groups = {}
+    # Group-level rates of this step's generation (DESIGN.md), from the records themselves:
+    # a group is (prompt, generation round); all-correct / all-wrong by the verifier's
+    # verdict whether or not dynamic sampling filtered on it.
+    groups: Dict[tuple, list] = {}
     for r in records:
-        groups.setdefault((r.prompt_id, r.gen_round), r.reject_reason)
-    informative = sum(1 for reason in groups.values() if reason in ("kept", "verifier_error", "surplus_carried"))
-    out["rollout/kept_group_frac"] = informative / max(len(groups), 1)
+        groups.setdefault((r.prompt_id, r.gen_round), []).append(r)
+    n_groups = max(len(groups), 1)
+    out["rollout/num_groups"] = float(len(groups))
+    out["rollout/all_correct_rate"] = sum(all(r.correct for r in g) for g in groups.values()) / n_groups
+    out["rollout/all_wrong_rate"] = sum(not any(r.correct for r in g) for g in groups.values()) / n_groups
+    out["rollout/kept_group_frac"] = sum(
+        any(r.reject_reason in ("kept", "verifier_error") for r in g) for g in groups.values()) / n_groups
     return out
 
 

@@ -1,0 +1,44 @@
+"""Per-step rollout metrics computed from ledger records, against hand counts."""
+
+import math
+
+from dapo_mega.rollout.ledger import LedgerRecord
+from dapo_mega.rollout.metrics import compute_age_metrics, compute_rollout_metrics
+
+
+def rec(pid, correct, reason, length=3, truncated=False, age=0, rnd=0):
+    return LedgerRecord(run_id="r", step=1, prompt_id=pid, dataset_revision="x", sample_index=0, seed=None,
+                        policy_version_min=0, policy_version_max=0, learner_version=age, age=age, engine_id="e",
+                        queue_delay_s=0.0, generation_latency_s=0.0, response_length=length, truncated=truncated,
+                        reward=1.0 if correct else -1.0, correct=correct, reward_components="{}", verifier="dapo",
+                        verifier_version="1", reject_reason=reason, response_text="", prompt_text="", gen_round=rnd)
+
+
+def test_group_rates_lengths_and_reasons():
+    records = [rec("a", True, "all_correct_group"), rec("a", True, "all_correct_group"),
+               rec("b", False, "all_wrong_group", length=10, truncated=True), rec("b", False, "all_wrong_group"),
+               rec("c", True, "kept", length=1), rec("c", False, "kept", length=5),
+               rec("d", False, "kept"), rec("d", True, "verifier_error")]
+    m = compute_rollout_metrics(records, seconds=2.0)
+    # 4 groups: a all correct, b all wrong, c and d mixed -> kept.
+    assert m["rollout/all_correct_rate"] == 0.25 and m["rollout/all_wrong_rate"] == 0.25
+    assert m["rollout/kept_group_frac"] == 0.5
+    # 4 correct of 8; rewards +1 x4, -1 x4.
+    assert m["rollout/accuracy"] == 0.5 and m["rollout/reward_mean"] == 0.0
+    # lengths 3,3,10,3,1,5,3,3 -> sum 31, mean 3.875, max 10; one truncated of 8.
+    assert m["rollout/generated_tokens"] == 31 and math.isclose(m["rollout/response_length_mean"], 3.875)
+    assert m["rollout/response_length_max"] == 10 and m["rollout/clip_rate"] == 0.125
+    assert m["rollout/tokens_per_s"] == 15.5
+    # trained: 4 samples of c and d; generated per trained = 8 / 4.
+    assert m["rollout/kept_samples"] == 4 and m["rollout/samples_per_trained_sample"] == 2.0
+    assert m["rollout/reject/all_correct_group"] == 2 and m["rollout/verifier_errors"] == 1
+
+
+def test_age_buckets():
+    records = [rec("a", True, "kept", age=0), rec("a", False, "kept", age=0), rec("b", True, "kept", age=1),
+               rec("c", False, "stale", age=4), rec("d", True, "all_correct_group", age=1)]
+    m = compute_age_metrics(records, num_stale_groups=1)
+    assert m["age/0/num_samples"] == 2 and m["age/0/accuracy"] == 0.5
+    assert m["age/1/num_samples"] == 1 and m["age/1/reward_mean"] == 1.0
+    assert m["age/3+/num_samples"] == 1 and m["rollout/age_max"] == 4
+    assert m["rollout/stale_groups"] == 1
