@@ -145,6 +145,7 @@ def _assert_completed_run(cluster, out_dir: Path, run_dir: Path, job: int, info:
     return metrics
 
 
+@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
     job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED)
     info = cluster.wait_job(job, JOB_TIMEOUT_S)
@@ -164,6 +165,7 @@ def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
     assert served == {r["url"] for r in records}
 
 
+@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster, tmp_path):
     job = _submit(cluster, "disaggregated.sbatch", tmp_path, "disagg", DISAGGREGATED, DISAGG_OVERRIDES)
     info = cluster.wait_job(job, JOB_TIMEOUT_S)
@@ -183,6 +185,7 @@ def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster
     assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
 
 
+@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_cancel_mid_run_resubmit_resumes_then_complete_chain_exits_early(cluster, tmp_path):
     steps = 14
     overrides = [f"trainer.total_steps={steps}"]
