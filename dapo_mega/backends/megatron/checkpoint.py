@@ -198,7 +198,10 @@ def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_di
     """Load only the model part of a distributed checkpoint (converted or training one)."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(ckpt_dir))
+    verify_checkpoint_files(ckpt_dir)
+    state = model_sharded_state_dict(model_chunks)
+    verify_checkpoint_fits(state, ckpt_dir)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
     load_model_state(model_chunks, loaded)
 
 
@@ -449,6 +452,57 @@ def resolve_checkpoint_dir(path: Path | str) -> Path:
     return found
 
 
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint's shard files do not match its index; nothing was loaded."""
+
+
+def verify_checkpoint_files(model_optim_dir: Path | str) -> None:
+    """Every shard file named by a distributed checkpoint's index exists and is long enough.
+
+    dist_checkpointing loads straight into the live parameters, so a shard found missing
+    half-way would leave a half-loaded model; this check runs before anything is read and
+    raises CheckpointCorruptError naming the file and a tensor stored in it.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(model_optim_dir)).read_metadata().storage_data or {}
+    needed: Dict[str, Any] = {}
+    for index, info in storage.items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (0, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    for rel, (end, tensor) in sorted(needed.items()):
+        path = Path(model_optim_dir) / rel
+        size = path.stat().st_size if path.is_file() else None
+        if size is None or size < end:
+            found = "is missing" if size is None else f"has {size} bytes, the index needs {end}"
+            raise CheckpointCorruptError(f"{path} {found}; it holds tensor {tensor!r} (and maybe others). Nothing "
+                                         "was loaded: the model and optimizer are unchanged")
+
+
+def verify_checkpoint_fits(state: Dict[str, Any], model_optim_dir: Path | str) -> None:
+    """Every tensor of `state` (a sharded state dict about to be loaded) is in the checkpoint
+    with the same global shape; else raise CheckpointCorruptError naming the tensor, before
+    anything is read (a checkpoint of another size or architecture is refused whole)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(model_optim_dir)).read_metadata().state_dict_metadata
+    for sh in nested_values(state):
+        # optimizer buffers are laid out by megatron for the DP size it resumes at: not checked
+        if not isinstance(sh, ShardedTensor) or sh.allow_shape_mismatch or sh.key.startswith("optimizer."):
+            continue
+        if sh.key not in saved:
+            raise CheckpointCorruptError(f"tensor {sh.key!r} of the model is not in {model_optim_dir} (a checkpoint "
+                                         "of another architecture?). Nothing was loaded")
+        size = tuple(getattr(saved[sh.key], "size", ()))
+        if size != tuple(sh.global_shape):
+            raise CheckpointCorruptError(f"tensor {sh.key!r}: checkpoint shape {list(size)} != model shape "
+                                         f"{list(sh.global_shape)} in {model_optim_dir} (another model size or "
+                                         "architecture?). Nothing was loaded")
+
+
 def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
                     load_rng: bool = True) -> Dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `ckpt_dir`; return the trainer state.
@@ -469,6 +523,8 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
         state = _full_state(learner, True, sharding)
     else:
         state = model_sharded_state_dict(learner.model_chunks)
+    verify_checkpoint_files(ckpt / MODEL_OPTIM_DIR)
+    verify_checkpoint_fits(state, ckpt / MODEL_OPTIM_DIR)
     loaded = dist_checkpointing.load(state, str(ckpt / MODEL_OPTIM_DIR))
     load_model_state(learner.model_chunks, loaded)
     if load_optimizer and getattr(learner, "optimizer", None) is not None:
