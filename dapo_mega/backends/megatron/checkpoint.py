@@ -408,19 +408,35 @@ def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict
             error = exc
     failed = _any_rank_failed(error is not None)
     if failed:
+        free_bytes = shutil.disk_usage(tmp if tmp.exists() else root).free  # before the cleanup frees space
         if _rank() == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
         if error is None:
             raise CheckpointSaveError(f"checkpoint step {step} failed on another rank; {tmp} removed, "
                                       "the previous checkpoint is intact")
-        why = "disk full (ENOSPC)" if isinstance(error, OSError) and error.errno == errno.ENOSPC else repr(error)
+        why = _describe_save_error(error, free_bytes)
         raise CheckpointSaveError(f"could not save checkpoint step {step} to {final}: {why}; the partial "
                                   f"directory was removed and the previous checkpoint and 'latest' are intact") from error
     if _rank() == 0 and keep_last_k > 0:
         prune_checkpoints(root, keep_last_k)
     _barrier()
     return final
+
+
+def _describe_save_error(error: BaseException, free_bytes: int) -> str:
+    """Say "disk full" when it is, even when the writer lost the errno: torch's zip writer
+    reports a short write as "enforce fail ... unexpected pos", megatron wraps it again."""
+    cause: Optional[BaseException] = error
+    for _ in range(20):  # the exception chain, bounded
+        if cause is None:
+            break
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return f"disk full (ENOSPC, {free_bytes} bytes free)"
+        cause = cause.__cause__ or cause.__context__
+    if free_bytes < (1 << 20):
+        return f"disk full (ENOSPC: {free_bytes} bytes free when the write failed): {error!r}"
+    return repr(error)
 
 
 def prune_checkpoints(run_dir: Path | str, keep_last_k: int) -> List[Path]:
