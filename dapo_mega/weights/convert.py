@@ -260,7 +260,7 @@ def resolve_megatron_source(megatron_path: Path | str) -> Dict[str, Any]:
     step_dir = C.resolve_checkpoint_dir(path)
     meta = json.loads((step_dir / C.MODEL_META_FILE).read_text()) if (step_dir / C.MODEL_META_FILE).is_file() else {}
     run_dir = step_dir.parent.parent
-    side = run_dir / "base_model"
+    side = Path(meta["hf_source_dir"]) if meta.get("hf_source_dir") else run_dir / "base_model"
     return {"ckpt_dir": step_dir / C.MODEL_OPTIM_DIR, "meta": meta, "side_dir": side if side.is_dir() else None,
             "kind": "training", "step_dir": str(step_dir)}
 

@@ -195,9 +195,19 @@ def load_model_state(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]
 
 
 def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_dir: Path | str) -> None:
-    """Load only the model part of a distributed checkpoint (converted or training one)."""
+    """Load only the model part of a distributed checkpoint (converted or training one).
+
+    ckpt_dir: the dist-checkpoint directory itself, a converted checkpoint root
+    (`<megatron_path>` of `convert_checkpoint.py import`), a `step_<N>` directory or a run
+    directory. Fp32 main parameters of a bf16 optimizer are NOT refreshed here: call
+    `optimizer.reload_model_params()` afterwards when an optimizer already exists.
+    """
     from megatron.core import dist_checkpointing
 
+    if not (Path(ckpt_dir) / "metadata.json").is_file():
+        from dapo_mega.weights.convert import resolve_megatron_source
+
+        ckpt_dir = Path(resolve_megatron_source(ckpt_dir)["ckpt_dir"])
     verify_checkpoint_files(ckpt_dir)
     state = model_sharded_state_dict(model_chunks)
     verify_checkpoint_fits(state, ckpt_dir)
@@ -352,6 +362,11 @@ def _model_meta(learner) -> Dict[str, Any]:
     meta: Dict[str, Any] = {"format_version": FORMAT_VERSION,
                             "model_info": info.to_dict() if hasattr(info, "to_dict") else None}
     hf_config = getattr(learner, "hf_config", None)
+    hf_path = getattr(getattr(getattr(learner, "cfg", None), "model", None), "hf_path", "") or ""
+    if hf_path and Path(hf_path, "config.json").is_file():
+        meta["hf_source_dir"] = str(Path(hf_path).resolve())  # tokenizer files for `export`
+        if hf_config is None:
+            hf_config = Path(hf_path)
     if hf_config is not None:
         from dapo_mega.backends.megatron.hf_arch import hf_config_to_dict
 
