@@ -58,9 +58,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(to_yaml(cfg))
         return 0
     if command == "train":
+        from dapo_mega.data import DataError
         from dapo_mega.trainer import run_training
 
-        return run_training(cfg)
+        try:
+            return run_training(cfg)
+        except DataError as exc:  # the user's data, not a bug: the message names file, row and field
+            print(f"dapo-mega: data error: {exc}", file=sys.stderr)
+            return 2
     if command == "eval":
         from dapo_mega.evaluate import run_eval_command
 

@@ -213,7 +213,12 @@ class Session:
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.train_problems, self.eval_problems, self.revision = build_datasets(cfg.data)
+        data_report: Dict[str, Any] = {}
+        self.train_problems, self.eval_problems, self.revision = build_datasets(cfg.data, report=data_report)
+        skipped = {split: f"{r.num_skipped} {dict(r.skip_reasons)}" for split, r in data_report.items()
+                   if getattr(r, "num_skipped", 0)}
+        print(f"[data] {len(self.train_problems)} train / {len(self.eval_problems)} held-out problems, revision "
+              f"{self.revision}; bad rows skipped (data.on_bad_row=skip): {skipped or 'none'}", flush=True)
         if cfg.eval.max_problems:
             self.eval_problems = self.eval_problems[:cfg.eval.max_problems]
         self.prompts = PromptIterator(self.train_problems, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
