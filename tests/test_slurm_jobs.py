@@ -158,11 +158,13 @@ def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
     assert "learner world 2 (2 nodes), master 127.0.0.1" in learner0
     assert re.search(r"^step\s+3 \| v3 ", learner0, re.M), learner0[-2000:]
     assert "[warm start] 10/10" in learner0
-    # one engine per node, each announced with the job's key; both served rollouts
+    # one engine per node, each announced with the job's key; every sample came from an
+    # announced engine (the manager may favour one; every weight sync had to reach both,
+    # or the trainer would have raised WeightSyncError and the job failed)
     records = [json.loads(p.read_text()) for p in sorted((run_dir / "engines").glob("engine-*.json"))]
     assert sorted(r["node"] for r in records) == ["n1", "n2"]
     served = {r["engine_id"] for rows in _ledger(run_dir).values() for r in rows}
-    assert served == {r["url"] for r in records}
+    assert served and served <= {r["url"] for r in records}
 
 
 @pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
