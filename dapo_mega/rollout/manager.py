@@ -160,6 +160,9 @@ class RolloutManager:
                         c = await asyncio.wait_for(queue.get(), timeout=0.1)
                     except asyncio.TimeoutError:
                         continue
+                    if url in self.dead:  # a sibling worker found this engine dead meanwhile: no attempt spent
+                        queue.put_nowait(c)
+                        return
                     idx = chunks[c]
                     t0 = time.monotonic()
                     try:
