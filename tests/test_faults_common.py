@@ -11,8 +11,9 @@ fault hits a deterministic point of a real run without any hook in the product c
                           before the checkpoint is renamed into place
     nan:N                 every advantage of step N is NaN (NaN loss and gradients)
     enospc:N              checkpoint step N's writer raises OSError(ENOSPC)
-    engine:SIG:K:N        send SIG (KILL or STOP) to engine K just before the first /generate
-                          request of step N that goes to it
+    engine:SIG:K:N        send SIG (KILL or STOP) to engine K just before its first /generate
+                          request of step N (the other engines' first requests wait for it,
+                          up to 10 s, so that engine K surely takes a chunk)
     verifier:RAISE:HANG   the verifier raises on ground truths in RAISE and never returns on
                           those in HANG (comma-separated; it runs in the verifier pool)
 
@@ -232,12 +233,19 @@ def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
     done = [False]
 
     async def generate(self, *args, **kwargs):
+        import asyncio
+
         engine = sessions[0].engines[engine_index]
-        if _current_step[0] == step and not done[0] and self.url == engine.url:
-            done[0] = True
-            print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid "
-                  f"{engine.proc.pid} at step {step}", flush=True)
-            os.kill(engine.proc.pid, sig)
+        if _current_step[0] == step and not done[0]:
+            if self.url == engine.url:
+                done[0] = True
+                print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid "
+                      f"{engine.proc.pid} at step {step}", flush=True)
+                os.kill(engine.proc.pid, sig)
+            else:  # hold the other engines' first requests so that engine K surely gets a chunk
+                deadline = time.monotonic() + 10.0
+                while not done[0] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
         return await original(self, *args, **kwargs)
     EngineClient.generate = generate
 
