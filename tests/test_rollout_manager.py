@@ -43,7 +43,8 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_nothing(model_dir, tmp_p
         G = 4
         mgr = RolloutManager([e.url for e in engines], n_samples=G, run_id="t",
                              sampling_params={"max_new_tokens": 120, "temperature": 1.0, "ignore_eos": True},
-                             request_timeout_s=60, prompts_per_request=1, max_retries=3)
+                             request_timeout_s=60, prompts_per_request=1, max_retries=3,
+                             requests_per_engine=1)  # one at a time: engine 1 still has work queued at the kill
         killer = threading.Timer(0.8, engines[1].kill)
         killer.start()
         t0 = time.monotonic()
