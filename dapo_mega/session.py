@@ -192,6 +192,7 @@ class Session:
             from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint
 
             load_model_from_dist_checkpoint(self.learner.model_chunks, self.cfg.model.megatron_path)
+            self._refresh_main_params()
             return
         from dapo_mega.weights.hf_io import HFCheckpointReader
         from dapo_mega.weights.stream import load_hf_into_megatron
@@ -201,6 +202,14 @@ class Session:
             load_hf_into_megatron(self.learner.model_chunks, self.learner.info, self.layout, reader)
         finally:
             reader.close()
+        self._refresh_main_params()
+
+    def _refresh_main_params(self) -> None:
+        """Weights were copied into the model: the optimizer's fp32 main copies (bf16 params
+        on GPU) must follow, or the first step would write the old values back."""
+        reload = getattr(self.learner.optimizer, "reload_model_params", None)
+        if reload is not None:
+            reload()
 
     def _start_driver(self) -> None:
         from transformers import AutoTokenizer
