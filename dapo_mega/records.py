@@ -103,9 +103,20 @@ class RunRecorder(NullRecorder):
         os.environ.setdefault("WANDB_SILENT", "true")
         run_id = run_id or uuid.uuid4().hex[:8]
         self.wandb_run_id = run_id
-        run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
-                         dir=str(self.run_dir), config=config_dict, settings=wandb.Settings(console="off"))
-        return run
+        # After a SIGKILL the killed run's wandb service can hold the id for a while
+        # ("run ID ... is in use"): retry, then go on without wandb rather than die for a logger.
+        last_error: Optional[Exception] = None
+        for attempt in range(8):
+            try:
+                return wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
+                                  dir=str(self.run_dir), config=config_dict, settings=wandb.Settings(console="off"))
+            except Exception as exc:  # wandb raises its own error types for this
+                last_error = exc
+                if "in use" not in str(exc):
+                    break
+                time.sleep(min(2.0 * (attempt + 1), 8.0))
+        print(f"[records] wandb could not start ({last_error}); metrics go to metrics.jsonl only", flush=True)
+        return None
 
     def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}, "time/unix": time.time()}
