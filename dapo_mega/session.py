@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from dapo_mega.config import DapoConfig, save_config, validate_config
+from dapo_mega.rollout.processes import free_port
 
 DRIVER_RANK = 0
 
@@ -55,12 +56,6 @@ class RolloutBatch:
     rollout_carry: Optional[Dict[str, Any]] = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
     """Start `cluster.num_learner_processes` ranks with torchrun when not already a rank.
 
@@ -83,7 +78,7 @@ def _init_world_env() -> int:
     """Single process started by hand: make env:// work. Returns the world size."""
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     return int(os.environ["WORLD_SIZE"])
 
 
@@ -279,7 +274,7 @@ class Session:
 
         urls = []
         for i in range(self.cfg.rollout.num_engines):
-            port = self.cfg.rollout.base_port + i if self.cfg.rollout.base_port else _free_port()
+            port = self.cfg.rollout.base_port + i if self.cfg.rollout.base_port else free_port()
             argv = build_engine_command(self.cfg.rollout, model_path, port, weight_version=str(self.state.policy_version))
             log = open(logs / f"engine-{i}.log", "wb")
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -311,7 +306,7 @@ class Session:
                                    engine_tp_size=self.cfg.rollout.engine_tp_size,
                                    timeout_s=self.cfg.rollout.request_timeout_s)
         if not colocated and self.layout.is_weight_source:
-            self.syncer.init_group(_free_port(), stage=self.layout.pp_rank)
+            self.syncer.init_group(free_port(), stage=self.layout.pp_rank)
 
     # ================================================================== prompts and rewards
     def prompt_input_ids(self, problem) -> List[int]:
