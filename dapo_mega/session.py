@@ -111,7 +111,7 @@ class Session:
         self.recorder = None
         self.producer: Optional[AsyncRollouts] = None
         self._prompt_ids: Dict[str, List[int]] = {}
-        self._last_eval: Dict[str, float] = {}
+        self.prompts_too_long = 0
 
     # ================================================================== start-up
     @classmethod
@@ -332,7 +332,7 @@ class Session:
                 if len(self.prompt_input_ids(p)) <= self.cfg.algo.max_prompt_length:
                     out.append(p)
                 else:
-                    self._too_long = getattr(self, "_too_long", 0) + 1
+                    self.prompts_too_long += 1
             if len(out) == n:
                 return out
         raise RuntimeError(f"could not find {n} prompts within algo.max_prompt_length="
@@ -412,6 +412,7 @@ class Session:
 
         metrics = compute_rollout_metrics(records, seconds)
         metrics.update(self.manager.metrics)
+        metrics["data/prompts_too_long"] = float(self.prompts_too_long)
         stats = getattr(self, "_verifier_stats", None)
         if stats is not None:
             metrics.update(stats.as_metrics())
@@ -519,10 +520,9 @@ class Session:
         result = evaluate_problems(self.manager.alive_engines(), self.eval_problems, self.cfg, self.prompt_input_ids,
                                    self.verifier, api_key=self.cfg.rollout.api_key)
         result.write(self.run_dir / "eval" / f"step_{self.state.step:06d}.json")
-        self._last_eval = result.metrics()
         print(f"[eval] step {self.state.step}: avg@{result.k} = {result.avg_at_k:.4f} on "
               f"{len(result.problems)} problems", flush=True)
-        return self._last_eval
+        return result.metrics()
 
     def save_checkpoint(self, step: int) -> None:
         from dapo_mega.backends.megatron.checkpoint import save_checkpoint

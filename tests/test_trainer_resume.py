@@ -12,11 +12,7 @@ from test_trainer_modes import (RUN_NAME, check_records_of_run, kill_group, read
                                 train_command)
 
 TOTAL_STEPS = 4
-# TODO(checkpoint): drop use_distributed_optimizer=false once loading a distributed-optimizer
-# checkpoint on the CPU works (it failed with "a view of a leaf Variable that requires grad
-# is being used in an in-place operation" in DistributedOptimizer.load_state_dict).
-RESUME = ["trainer.total_steps=4", "trainer.save_interval=2", "trainer.keep_last_k=3",
-          "megatron.use_distributed_optimizer=false"]
+RESUME = ["trainer.total_steps=4", "trainer.save_interval=2", "trainer.keep_last_k=3"]
 
 
 @pytest.mark.slow
