@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dapo_mega.rollout.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.rollout.processes import EngineProcess
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"

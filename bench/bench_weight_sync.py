@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dapo_mega.config import ModelConfig
-from dapo_mega.rollout.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.rollout.processes import free_port, start_engines
 from dapo_mega.weights.sync import WeightSyncer
 

@@ -211,7 +211,7 @@ def part_sglang(args) -> Dict[str, Any]:
     """Start an SGLang server on a 7B-shaped model, sync into it, time a rollout."""
     from dapo_mega.backends.sglang.launch import build_engine_command, wait_for_health
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.client import EngineClient
+    from dapo_mega.backends.sglang.client import EngineClient
     from dapo_mega.rollout.processes import free_port
 
     shape = ModelShape(**{**asdict(QWEN25_7B), "num_layers": args.layers})

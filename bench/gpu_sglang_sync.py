@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from dapo_mega.rollout.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.rollout.processes import free_port
 from dapo_mega.weights.sync import WeightSyncer
 

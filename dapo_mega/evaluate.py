@@ -59,7 +59,7 @@ def evaluate_problems(engine_urls: Sequence[str], problems: Sequence[Any], cfg: 
     """k samples per problem on the engines, scored by `verifier` with the training length limit."""
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
-    from dapo_mega.rollout.client import build_sampling_params
+    from dapo_mega.backends.sglang.client import build_sampling_params
     from dapo_mega.rollout.manager import RolloutManager
 
     e = cfg.eval

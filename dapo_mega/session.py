@@ -212,7 +212,7 @@ class Session:
         from dapo_mega.data import PromptIterator, Problem, build_datasets
         from dapo_mega.records import RunRecorder
         from dapo_mega.reward import build_verifier
-        from dapo_mega.rollout.client import build_sampling_params
+        from dapo_mega.backends.sglang.client import build_sampling_params
         from dapo_mega.rollout.manager import RolloutManager
 
         cfg = self.cfg

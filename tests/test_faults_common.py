@@ -179,7 +179,7 @@ def _track_steps() -> None:
 def _install_kill(phase: str, step: int) -> None:
     _track_steps()
     if phase == "generate":
-        from dapo_mega.rollout.client import EngineClient
+        from dapo_mega.backends.sglang.client import EngineClient
 
         original = EngineClient.generate
 
@@ -219,7 +219,7 @@ def _install_kill(phase: str, step: int) -> None:
 
 def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
     from dapo_mega import session as S
-    from dapo_mega.rollout.client import EngineClient
+    from dapo_mega.backends.sglang.client import EngineClient
 
     _track_steps()
     sessions: List = []

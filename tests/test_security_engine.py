@@ -31,7 +31,7 @@ from dapo_mega.weights import transport
 
 API_KEY = "sec-key"
 PACKAGE = Path(dapo_mega.__file__).resolve().parent
-NETWORK_MODULES = ["rollout/server.py", "rollout/engine.py", "rollout/client.py", "rollout/manager.py",
+NETWORK_MODULES = ["rollout/server.py", "rollout/engine.py", "backends/sglang/client.py", "rollout/manager.py",
                    "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/launch.py"]
 # Reviewed exceptions: local pipes/queues between this package's own processes, no network.
 LOCAL_UNPICKLING = {

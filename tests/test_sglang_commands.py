@@ -7,7 +7,7 @@ import pytest
 from dapo_mega.backends.sglang import api
 from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout import client as C
+from dapo_mega.backends.sglang import client as C
 
 
 def flags_of(argv):

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from dapo_mega.rollout.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.rollout.processes import free_port, start_engines
 from dapo_mega.weights.sync import WeightSyncer, iter_buckets
 

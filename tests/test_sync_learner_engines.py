@@ -15,7 +15,7 @@ import torch
 from dist_helpers import run_distributed
 from test_megatron_parallel import make_config
 
-from dapo_mega.rollout.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.rollout.processes import free_port, start_engines
 
 

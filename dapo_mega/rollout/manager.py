@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import aiohttp
 import torch
 
-from dapo_mega.rollout.client import EngineClient, EngineError, SampleResult
+from dapo_mega.backends.sglang.client import EngineClient, EngineError, SampleResult
 from dapo_mega.rollout.ledger import LedgerRecord
 
 

@@ -40,7 +40,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
-from dapo_mega.rollout.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.weights import transport
 
 SHM_LOAD_FORMAT = "shared_memory_json"
