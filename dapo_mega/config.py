@@ -78,6 +78,9 @@ class AlgoConfig:
     """Prompts sent to the engines per dynamic-sampling round."""
     mini_batch_size: int = 32
     """Prompts per optimizer update: train_batch_size/mini_batch_size updates per step."""
+    shuffle_mini_batches: bool = True
+    """Shuffle the groups of a rollout batch (deterministically, seeded by the step) before
+    splitting it into mini-batches, so consecutive updates do not see correlated prompts."""
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal and refill the batch (DAPO §3.2)."""
     max_num_gen_batches: int = 10
@@ -232,7 +235,16 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     """EP size (dense models: 1)."""
     micro_batch_tokens: int = 8192
-    """Token budget of one micro-batch (prompt + response tokens after padding)."""
+    """Token budget of one micro-batch (prompt + response tokens after padding): with
+    sequence packing, the length of one packed (THD) row on the Transformer Engine spec, or
+    rows × row width on the local spec."""
+    sequence_packing: bool = True
+    """Pack several samples into one row (THD / cu_seqlens on Transformer Engine; a
+    per-sample causal mask on the local spec) instead of padding each sample to the longest
+    of its micro-batch. Results are equal either way; packing computes fewer pad tokens."""
+    balance_data_parallel: bool = True
+    """Split each mini-batch over data-parallel ranks by token count (Karmarkar–Karp)
+    instead of contiguous blocks; the loss denominator stays the whole mini-batch's."""
     params_dtype: str = "auto"
     """auto (float32 on CPU, bf16 on GPU), float32, bf16."""
     transformer_impl: str = "auto"
