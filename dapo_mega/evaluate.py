@@ -106,9 +106,7 @@ def _hf_dir_of(checkpoint: str, workdir: Path) -> Path:
 
 def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> EvalResult:
     """Start engines serving `checkpoint`, evaluate, stop them."""
-    from transformers import AutoTokenizer
-
-    from dapo_mega.data import build_datasets, format_prompt
+    from dapo_mega.data import PromptEncoder, build_datasets
     from dapo_mega.reward import build_verifier
     from dapo_mega.rollout.processes import EngineProcess
 
@@ -118,10 +116,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
         problems = problems[:cfg.eval.max_problems]
     if not problems:
         raise ValueError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-
-    def prompt_ids(p):
-        return list(tokenizer(format_prompt(p, cfg.data.prompt_template), add_special_tokens=False).input_ids)
+    encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
 
     engines = [EngineProcess(str(hf_dir), api_key=cfg.rollout.api_key, num_threads=max(1, (os.cpu_count() or 2)),
                              log_path=str(workdir / f"engine-{i}.log"), health_timeout_s=cfg.rollout.health_timeout_s)
@@ -129,7 +124,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
     try:
         for engine in engines:
             engine.wait_healthy()
-        result = evaluate_problems([e.url for e in engines], problems, cfg, prompt_ids,
+        result = evaluate_problems([e.url for e in engines], problems, cfg, encoder.encode,
                                    build_verifier(cfg.algo.verifier), api_key=cfg.rollout.api_key)
     finally:
         for engine in engines:

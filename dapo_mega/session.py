@@ -110,7 +110,6 @@ class Session:
         self.syncer = None
         self.recorder = None
         self.producer: Optional[AsyncRollouts] = None
-        self._prompt_ids: Dict[str, List[int]] = {}
         self.prompts_too_long = 0
 
     # ================================================================== start-up
@@ -209,7 +208,7 @@ class Session:
     def _start_driver(self) -> None:
         from transformers import AutoTokenizer
 
-        from dapo_mega.data import PromptIterator, Problem, build_datasets
+        from dapo_mega.data import PromptEncoder, PromptIterator, Problem, build_datasets
         from dapo_mega.records import RunRecorder
         from dapo_mega.reward import build_verifier
         from dapo_mega.backends.sglang.client import build_sampling_params
@@ -217,6 +216,7 @@ class Session:
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.encoder = PromptEncoder.from_config(self.tokenizer, cfg.data)
         data_report: Dict[str, Any] = {}
         self.train_problems, self.eval_problems, self.revision = build_datasets(cfg.data, report=data_report)
         skipped = {split: f"{r.num_skipped} {dict(r.skip_reasons)}" for split, r in data_report.items()
@@ -310,19 +310,9 @@ class Session:
 
     # ================================================================== prompts and rewards
     def prompt_input_ids(self, problem) -> List[int]:
-        """Token ids of a problem's prompt (cached): the engines and the learner see the same."""
-        ids = self._prompt_ids.get(problem.id)
-        if ids is None:
-            from dapo_mega.data import format_prompt
-
-            text = format_prompt(problem, self.cfg.data.prompt_template)
-            if self.cfg.data.apply_chat_template:
-                ids = list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                              add_generation_prompt=True, tokenize=True))
-            else:
-                ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
-            self._prompt_ids[problem.id] = ids
-        return ids
+        """Token ids of a problem's prompt (`data.PromptEncoder`, the one `dapo-mega eval` uses):
+        the engines and the learner see the same."""
+        return self.encoder.encode(problem)
 
     def _next_prompts(self, n: int) -> List[Any]:
         """n problems whose prompts fit max_prompt_length (longer ones are skipped, counted)."""
@@ -379,10 +369,9 @@ class Session:
         for k in range(cfg.sft_warmup_steps):
             samples = None
             if self.is_driver:
-                eos = self.tokenizer.eos_token_id
+                eos = self.encoder.eos_token_id
                 samples = [TrainSample(prompt_ids=self.prompt_input_ids(p),
-                                       response_ids=list(self.tokenizer(" " + p.ground_truth,
-                                                                        add_special_tokens=False).input_ids) + [eos])
+                                       response_ids=self.encoder.encode_text(" " + p.ground_truth) + [eos])
                            for p in it.next_batch(cfg.sft_batch_size)]
             samples = _broadcast(samples)
             metrics = self.learner.sft_step(samples, lr=cfg.sft_lr)

@@ -5,9 +5,11 @@ validation and deduplication, the synthetic arithmetic task, and a resumable ite
     PromptIterator(train, seed).next_batch(n)                  deterministic, resumable
     format_prompt(problem, template)                           "dapo" template or "raw"
     verification_prefix(problem, template)                     prepended to the response for the verifier
+    PromptEncoder.from_config(tokenizer, data_cfg).encode(p)   prompt token ids (training and evaluation)
 """
 
 from dapo_mega.data.build import build_datasets
+from dapo_mega.data.encoder import PromptEncoder, token_ids_of
 from dapo_mega.data.iterator import PromptIterator
 from dapo_mega.data.problem import (
     DAPO_PROMPT_TEMPLATE,
@@ -31,6 +33,7 @@ __all__ = [
     "DAPO_PROMPT_TEMPLATE",
     "DataError",
     "Problem",
+    "PromptEncoder",
     "PromptIterator",
     "ReadReport",
     "SYNTHETIC_SOURCE",
@@ -41,5 +44,6 @@ __all__ = [
     "generate_synthetic_problems",
     "make_arithmetic_problem",
     "read_problems",
+    "token_ids_of",
     "verification_prefix",
 ]

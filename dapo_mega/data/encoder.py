@@ -1,0 +1,121 @@
+"""One prompt encoder: a `Problem` becomes the token ids that engines and the learner see.
+
+Training (rollouts, the learner's prompt tokens, the supervised warm start) and evaluation
+(`dapo-mega eval`, the trainer's held-out evaluation) all encode through `PromptEncoder`, so
+the two cannot drift apart:
+
+    encoder = PromptEncoder.from_config(tokenizer, cfg.data)
+    ids = encoder.encode(problem)          # list[int], cached per problem
+
+With `data.apply_chat_template` the problem's chat list (its stored messages, with the last
+user message replaced by the formatted prompt) is rendered by the tokenizer's chat template
+with `add_generation_prompt=True`, as verl's DAPO recipe does, then tokenised without
+adding special tokens (the template writes them). Rendering to text first and tokenising
+that is what `apply_chat_template(..., tokenize=True)` does inside transformers 4.x and 5.x,
+and it sidesteps the return type that changed between them (5.x returns a `BatchEncoding`,
+whose `list()` is its keys). Without the chat template the formatted prompt text is
+tokenised as it is.
+
+The cache and the tokenizer are guarded by one lock: the asynchronous rollout thread and the
+main thread encode through the same object.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Sequence, Tuple
+
+from dapo_mega.config import ConfigError
+from dapo_mega.data.problem import Problem, format_prompt
+
+
+def token_ids_of(encoded: Any) -> List[int]:
+    """Plain `list[int]` from what a tokenizer call returns, in transformers 4.x or 5.x.
+
+    Accepts a list of ints, a `BatchEncoding` / dict with `input_ids`, or a tensor / array
+    (one row); `list(BatchEncoding)` would give its keys, so that is read by key.
+    """
+    if isinstance(encoded, dict) or (hasattr(encoded, "keys") and hasattr(encoded, "__getitem__")
+                                     and not isinstance(encoded, (list, tuple))):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    ids = list(encoded)
+    if ids and isinstance(ids[0], (list, tuple)):  # a batch of one
+        if len(ids) != 1:
+            raise ValueError(f"expected the ids of one prompt, got a batch of {len(ids)}")
+        ids = list(ids[0])
+    if not all(isinstance(i, int) for i in ids):
+        raise TypeError(f"token ids must be ints, got {[type(i).__name__ for i in ids[:3]]}")
+    return ids
+
+
+class PromptEncoder:
+    """Problem -> prompt token ids, with or without the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any, prompt_template: str = "dapo", apply_chat_template: bool = False):
+        self.tokenizer = tokenizer
+        self.prompt_template = prompt_template
+        self.apply_chat_template = apply_chat_template
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise ConfigError(f"data.apply_chat_template: true, but the tokenizer {name!r} has no chat template. "
+                              "Fix: set data.apply_chat_template=false, or use a model whose tokenizer_config.json "
+                              "has a chat_template")
+        self._cache: Dict[Tuple[str, str], List[int]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, tokenizer: Any, data_cfg: Any) -> "PromptEncoder":
+        """From a tokenizer and a DataConfig (prompt_template, apply_chat_template)."""
+        return cls(tokenizer, data_cfg.prompt_template, data_cfg.apply_chat_template)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Any, data_cfg: Any) -> "PromptEncoder":
+        """Load the tokenizer of an HF directory and build the encoder for `data_cfg`."""
+        from transformers import AutoTokenizer
+
+        return cls.from_config(AutoTokenizer.from_pretrained(str(model_dir)), data_cfg)
+
+    # ------------------------------------------------------------------ the prompt
+    def messages(self, problem: Problem) -> List[Dict[str, str]]:
+        """The chat list given to the chat template: the stored messages (system turns kept),
+        the last user message holding the formatted prompt."""
+        text = format_prompt(problem, self.prompt_template)
+        chat = [{"role": str(m["role"]), "content": str(m["content"])} for m in problem.messages]
+        users = [i for i, m in enumerate(chat) if m["role"] == "user"]
+        if not users:
+            return [{"role": "user", "content": text}]
+        chat[users[-1]]["content"] = text
+        return chat
+
+    def render(self, problem: Problem) -> str:
+        """The prompt as text: the chat template's rendering, or the formatted prompt."""
+        if not self.apply_chat_template:
+            return format_prompt(problem, self.prompt_template)
+        return self.tokenizer.apply_chat_template(self.messages(problem), tokenize=False, add_generation_prompt=True)
+
+    def encode(self, problem: Problem) -> List[int]:
+        """Token ids of the problem's prompt (cached; thread-safe)."""
+        key = (problem.id, problem.prompt)
+        with self._lock:
+            ids = self._cache.get(key)
+            if ids is None:
+                ids = self._tokenize(self.render(problem))
+                self._cache[key] = ids
+            return list(ids)
+
+    def encode_many(self, problems: Sequence[Problem]) -> List[List[int]]:
+        return [self.encode(p) for p in problems]
+
+    def encode_text(self, text: str) -> List[int]:
+        """Token ids of plain text (a reference answer), no special tokens added."""
+        with self._lock:
+            return self._tokenize(text)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    def _tokenize(self, text: str) -> List[int]:
+        return token_ids_of(self.tokenizer(text, add_special_tokens=False))

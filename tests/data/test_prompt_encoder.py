@@ -1,0 +1,180 @@
+"""One prompt encoder for training and evaluation, checked with a real BPE tokenizer that has
+Qwen2.5's chat template (see chat_tokenizer.py).
+
+The references are the tokenizer's own `apply_chat_template` and the ChatML text Qwen2.5
+renders (system turn by default, `<|im_start|>assistant\\n` as the generation prompt);
+`dapo-mega train`'s and `dapo-mega eval`'s own code paths must send the engines those ids.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chat_tokenizer import build_chat_tokenizer
+from dapo_mega.config import ConfigError, load_config
+from dapo_mega.data import DAPO_PROMPT_TEMPLATE, Problem, PromptEncoder, token_ids_of
+
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+PROBLEM = Problem(id="p1", prompt="What is 12 + 30?", ground_truth="42", data_source="math_dapo",
+                  messages=({"role": "user", "content": "What is 12 + 30?"},))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return build_chat_tokenizer(tmp_path_factory.mktemp("chat_tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _chat_ids(tokenizer, messages):
+    """The tokenizer's own answer, whatever its transformers version returns."""
+    return token_ids_of(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+
+def test_chat_template_ids_equal_the_tokenizers_own(tokenizer):
+    enc = PromptEncoder(tokenizer, prompt_template="dapo", apply_chat_template=True)
+    user = DAPO_PROMPT_TEMPLATE.format(problem=PROBLEM.prompt)
+    expected_text = (f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"
+                     f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+    assert enc.render(PROBLEM) == expected_text
+    ids = enc.encode(PROBLEM)
+    assert ids == _chat_ids(tokenizer, [{"role": "user", "content": user}])
+    assert all(isinstance(i, int) for i in ids)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tail = token_ids_of(tokenizer("<|im_start|>assistant\n", add_special_tokens=False))
+    assert ids.count(start) == 3 and tail[0] == start and ids[-len(tail):] == tail
+    assert tokenizer.decode(ids) == expected_text
+    assert enc.encode(PROBLEM) == ids  # cached copy, same ids
+
+
+def test_stored_system_turn_is_kept_and_raw_template_uses_the_stored_prompt(tokenizer):
+    chat = ({"role": "system", "content": "Think step by step."}, {"role": "user", "content": "What is 2+2?"})
+    p = Problem(id="s", prompt="What is 2+2?", ground_truth="4", data_source="math_dapo", messages=chat)
+    enc = PromptEncoder(tokenizer, prompt_template="raw", apply_chat_template=True)
+    assert enc.render(p) == ("<|im_start|>system\nThink step by step.<|im_end|>\n"
+                             "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert enc.encode(p) == _chat_ids(tokenizer, [dict(m) for m in chat])
+
+
+def test_without_chat_template_the_formatted_text_is_tokenized_alone(tokenizer):
+    enc = PromptEncoder(tokenizer, prompt_template="dapo", apply_chat_template=False)
+    text = DAPO_PROMPT_TEMPLATE.format(problem=PROBLEM.prompt)
+    assert enc.encode(PROBLEM) == list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert tokenizer.decode(enc.encode(PROBLEM)) == text
+
+
+def test_token_ids_of_reads_every_return_type(tokenizer):
+    batch = tokenizer("What is 12 + 30?", add_special_tokens=False)
+    ids = list(batch["input_ids"])
+    assert list(batch) != ids  # list(BatchEncoding) gives its keys: the bug this guards against
+    assert token_ids_of(batch) == ids
+    assert token_ids_of(ids) == ids
+    assert token_ids_of(torch.tensor([ids])) == ids
+    assert token_ids_of({"input_ids": [ids]}) == ids
+    with pytest.raises(TypeError):
+        token_ids_of(["input_ids", "attention_mask"])
+
+
+def test_chat_template_without_one_is_a_config_error(tmp_path):
+    from dapo_mega.models.tiny import build_char_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template:.*Fix:"):
+        PromptEncoder(build_char_tokenizer(), apply_chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny HF directory whose tokenizer is the chat BPE tokenizer."""
+    from transformers import AutoTokenizer
+
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    out = tmp_path_factory.mktemp("chat_model") / "hf"
+    build_tiny_model_dir(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt", "chat_template.jinja"):
+        (out / name).unlink(missing_ok=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return out
+
+
+def _eval_path_ids(cfg, model_dir, problems, monkeypatch, tmp_path):
+    """What `dapo-mega eval` would send: evaluate_checkpoint with engines and generation faked."""
+    import dapo_mega.evaluate as evaluate
+    import dapo_mega.rollout.processes as processes
+
+    class FakeEngine:
+        def __init__(self, *args, **kwargs):
+            self.url = "http://127.0.0.1:9"
+
+        def wait_healthy(self):
+            pass
+
+        def kill(self):
+            pass
+
+    seen = {}
+
+    def fake_evaluate_problems(urls, probs, cfg_, prompt_to_input, verifier, **kwargs):
+        seen.update({p.id: prompt_to_input(p) for p in probs})
+        return evaluate.EvalResult(k=1)
+
+    monkeypatch.setattr(processes, "EngineProcess", FakeEngine)
+    monkeypatch.setattr(evaluate, "evaluate_problems", fake_evaluate_problems)
+    evaluate.evaluate_checkpoint(cfg, str(model_dir), tmp_path)
+    return [seen[p.id] for p in problems]
+
+
+def _train_path_ids(cfg, problems, monkeypatch):
+    """What `dapo-mega train`'s rollout manager would send (the driver's components, engines faked)."""
+    from types import SimpleNamespace
+
+    import dapo_mega.rollout.manager as manager
+    from dapo_mega.session import Session
+
+    captured = {}
+
+    class CapturingManager:
+        def __init__(self, *args, **kwargs):
+            captured.update(kwargs)
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    def fake_start_engines(self):
+        self.fleet = SimpleNamespace(endpoints=["http://127.0.0.1:9"], engines=[], close=lambda: None)
+        return ["http://127.0.0.1:9"]
+
+    monkeypatch.setattr(Session, "_start_engines", fake_start_engines)
+    monkeypatch.setattr(manager, "RolloutManager", CapturingManager)
+    s = Session(cfg)
+    s.model_dir = s._model_dir()
+    try:
+        s._start_driver()
+        return [captured["prompt_to_input"](p) for p in problems]
+    finally:
+        if s.recorder is not None:
+            s.recorder.close()
+
+
+def test_train_and_eval_send_identical_chat_prompt_ids(model_dir, tokenizer, tmp_path, monkeypatch):
+    cfg = load_config([f"model.hf_path={model_dir}", "data.apply_chat_template=true", "data.prompt_template=raw",
+                       f"trainer.output_dir={tmp_path}", "trainer.wandb_mode=disabled", "trainer.plot=false",
+                       "data.synthetic_num_train=8", "data.synthetic_num_eval=4", "eval.max_problems=4",
+                       f"eval.checkpoint={model_dir}"])
+    from dapo_mega.data import build_datasets
+
+    _, held_out, _ = build_datasets(cfg.data)
+    held_out = held_out[:4]
+    eval_ids = _eval_path_ids(cfg, model_dir, held_out, monkeypatch, tmp_path / "eval")
+    train_ids = _train_path_ids(cfg, held_out, monkeypatch)
+    assert eval_ids == train_ids
+    for p, ids in zip(held_out, eval_ids):
+        assert ids == _chat_ids(tokenizer, [{"role": "user", "content": p.prompt}])
+        assert tokenizer.decode(ids).startswith(f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\n")
