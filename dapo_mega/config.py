@@ -112,7 +112,8 @@ class AlgoConfig:
     lr: float = 1e-6
     """AdamW learning rate after warm-up."""
     lr_warmup_steps: int = 20
-    """Linear warm-up, in optimizer updates counted from 0, then constant."""
+    """Linear warm-up, in ROLLOUT steps (the DAPO paper: 20), then constant. The scheduler
+    converts it to optimizer updates: lr_warmup_steps x train_batch_size / mini_batch_size."""
     weight_decay: float = 0.1
     """AdamW weight decay."""
     adam_beta1: float = 0.9

@@ -73,6 +73,8 @@ def build_optimizer(ddp_chunks: List[torch.nn.Module], algo: AlgoConfig, mcfg: M
 class WarmupConstantLR:
     """lr(k) = base_lr · min(1, (k+1)/warmup_steps) for update k = 0, 1, ...; constant after.
 
+    `warmup_steps` counts optimizer updates; `from_algo` converts `algo.lr_warmup_steps`
+    (rollout steps, as the DAPO paper counts them) into updates.
     `apply(optimizer)` writes lr(num_updates) into every param group before an update;
     `advance()` after a successful update. state_dict/load_state_dict for checkpoints.
     """
@@ -80,6 +82,13 @@ class WarmupConstantLR:
     base_lr: float
     warmup_steps: int
     num_updates: int = 0
+
+    @classmethod
+    def from_algo(cls, algo: AlgoConfig) -> "WarmupConstantLR":
+        """The schedule of `algo`: warm-up over `lr_warmup_steps` rollout steps, each of
+        train_batch_size / mini_batch_size optimizer updates (32B recipe: 20 x 16 = 320)."""
+        updates_per_rollout_step = max(1, algo.train_batch_size // algo.mini_batch_size)
+        return cls(algo.lr, algo.lr_warmup_steps * updates_per_rollout_step)
 
     def lr_at(self, update: int) -> float:
         if self.warmup_steps <= 0:

@@ -67,7 +67,7 @@ class MegatronLearner:
         self.config = self.model_chunks[0].config
         self.ddp_chunks = wrap_with_ddp(self.model_chunks, cfg.megatron)
         self.optimizer = build_optimizer(self.ddp_chunks, cfg.algo, cfg.megatron, bf16=self.info.params_dtype == "bfloat16")
-        self.scheduler = WarmupConstantLR(cfg.algo.lr, cfg.algo.lr_warmup_steps)
+        self.scheduler = WarmupConstantLR.from_algo(cfg.algo)  # warm-up counted in rollout steps
         self.skipped_updates = 0
         # Sequence parallel splits the sequence over TP ranks: columns must divide by TP.
         self._seq_multiple = layout.tp if layout.sequence_parallel else 1
