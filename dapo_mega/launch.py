@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import shlex
@@ -56,8 +55,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from dapo_mega.backends.placement import ClusterShape, engines_per_node, place, visible_devices
 from dapo_mega.config import DapoConfig, RolloutConfig, load_config, validate_config
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
@@ -157,35 +157,61 @@ class EngineSlot:
     """Global engine index (the registry file is engine-<index>.json)."""
     gpu_ids: List[int] = field(default_factory=list)
     """Devices of this engine on its node (CUDA_VISIBLE_DEVICES); empty on CPU."""
+    bind_host: str = ""
+    """Address the engine listens on (`placement.EnginePlacement.bind_host`)."""
+    announce_host: str = ""
+    """Address written into its registry file (equal to bind_host on a one-node job)."""
 
 
-def engines_per_node(num_engines: int, engine_nodes: int) -> int:
-    """Engines are spread evenly: node k hosts indices [k·per, (k+1)·per) ∩ [0, num_engines)."""
-    if engine_nodes < 1:
-        raise ValueError("engine_nodes must be >= 1")
-    return math.ceil(num_engines / engine_nodes)
+def job_shape(cfg: DapoConfig, engine_nodes: int, use_gpu: bool, env: Mapping[str, str] = {}) -> ClusterShape:
+    """The cluster shape of this Slurm job: its nodes (DAPO_MEGA_NODE_ADDRS, exported by
+    slurm/lib.sh for every node of the job, learner nodes first) or, without it, the
+    config's; colocated jobs run engines on every node."""
+    names = list(parse_node_addrs(env.get(NODE_ADDRS_ENV, "")))
+    if cfg.cluster.mode == "colocated":
+        num_nodes = len(names) or engine_nodes
+    else:
+        num_nodes = len(names) or max(cfg.cluster.num_nodes, engine_nodes + 1)
+    addrs = list(parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).values())
+    return ClusterShape.from_config(cfg, use_gpu, num_nodes=num_nodes, engine_nodes=engine_nodes, node_addrs=addrs)
 
 
-def compute_engine_slots(cfg: DapoConfig, node_index: int, engine_nodes: int, use_gpu: bool) -> List[EngineSlot]:
-    """The engines node `node_index` (of `engine_nodes`) runs, with their device ids.
+def compute_engine_slots(cfg: DapoConfig, node_index: int, engine_nodes: int, use_gpu: bool,
+                         env: Mapping[str, str] = {}) -> List[EngineSlot]:
+    """The engines the `node_index`-th engine node (of `engine_nodes`) runs, with their
+    GPUs, from the run's placement (`dapo_mega.backends.placement.place`).
 
-    Raises when the engines of one node need more devices than the node has.
+    Raises when the engines of one node need more devices than the node has, or when the
+    placement breaks a rule (two engines on one GPU, ...).
     """
+    shape = job_shape(cfg, engine_nodes, use_gpu, env)
     per_node = engines_per_node(cfg.rollout.num_engines, engine_nodes)
-    tp = cfg.rollout.engine_tp_size * cfg.rollout.engine_dp_size
-    if use_gpu and per_node * tp > cfg.cluster.gpus_per_node:
+    gpus = cfg.rollout.engine_tp_size * cfg.rollout.engine_dp_size
+    if use_gpu and per_node * gpus > cfg.cluster.gpus_per_node:
         raise RuntimeError(f"rollout.num_engines={cfg.rollout.num_engines} over {engine_nodes} engine nodes puts "
-                           f"{per_node} engines x {tp} GPUs on one node, more than cluster.gpus_per_node="
+                           f"{per_node} engines x {gpus} GPUs on one node, more than cluster.gpus_per_node="
                            f"{cfg.cluster.gpus_per_node}; lower num_engines or engine_tp_size, or add engine nodes")
-    first = node_index * per_node
-    slots = []
-    for local in range(per_node):
-        index = first + local
-        if index >= cfg.rollout.num_engines:
-            break
-        gpus = list(range(local * tp, (local + 1) * tp)) if use_gpu else []
-        slots.append(EngineSlot(index=index, gpu_ids=gpus))
-    return slots
+    placement = place(cfg, shape)
+    node = shape.first_engine_node + node_index
+    problems = placement.problems()
+    if problems:
+        raise RuntimeError("placement of this job breaks a rule: " + "; ".join(problems))
+    mine = placement.engines_on_node(node)
+    return [EngineSlot(index=e.index, gpu_ids=list(e.gpu_ids), bind_host=e.bind_host, announce_host=e.announce_host)
+            for e in mine]
+
+
+def engine_addresses(cfg: DapoConfig, engine_nodes: int, use_gpu: bool, env: Mapping[str, str],
+                     node_name: str) -> Tuple[str, str]:
+    """(bind, announce) addresses of this node's engines. A one-node job binds and
+    announces `rollout.host` (loopback by default: learners are on the same node);
+    otherwise engines bind and announce the node's Slurm address (NodeAddr). An explicit
+    DAPO_MEGA_ENGINE_BIND_HOST changes where they listen, never what a learner can reach."""
+    node_addr = parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).get(node_name) or socket.gethostname()
+    if job_shape(cfg, engine_nodes, use_gpu, env).num_nodes == 1:
+        bind_host = env.get(BIND_HOST_ENV) or cfg.rollout.host
+        return bind_host, cfg.rollout.host if bind_host in ("0.0.0.0", "::") else bind_host
+    return env.get(BIND_HOST_ENV) or node_addr, node_addr
 
 
 def parse_node_addrs(text: str) -> Dict[str, str]:
@@ -304,6 +330,22 @@ def router_wanted(cfg: DapoConfig, node_index: int) -> bool:
     return cfg.rollout.use_router and cfg.rollout.backend == "sglang" and node_index == 0
 
 
+def engine_command_and_env(cfg: DapoConfig, rollout: RolloutConfig, slot: EngineSlot, model_path: str, port: int,
+                           bind_host: str, parent_env: Mapping[str, str]) -> Tuple[List[str], Dict[str, str]]:
+    """argv and environment of one engine of this node: its own GPUs only
+    (CUDA_VISIBLE_DEVICES mapped through the task's, `--base-gpu-id 0`), and
+    `--enable-memory-saver` when colocated (else releasing its memory frees nothing)."""
+    from dapo_mega.backends.sglang.launch import build_engine_command
+
+    cmd = build_engine_command(rollout, model_path, port, host=bind_host,
+                               memory_saver=cfg.cluster.mode == "colocated",
+                               base_gpu_id=0 if slot.gpu_ids else None)
+    env = dict(parent_env, DAPO_MEGA_ENGINE_INDEX=str(slot.index))
+    if slot.gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(slot.gpu_ids, parent_env.get("CUDA_VISIBLE_DEVICES"))
+    return cmd, env
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
@@ -345,13 +387,9 @@ class _Terminated(Exception):
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
     """Start, health-check, announce and watch this node's engines (and the router on the
     first engine node when `router_wanted`). Returns the exit status."""
-    from dapo_mega.backends.sglang.launch import build_engine_command
-
     use_gpu = _use_gpu(cfg)
-    slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu)
-    advertise = parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).get(task.node_name) or socket.gethostname()
-    bind_host = env.get(BIND_HOST_ENV) or (cfg.rollout.host if engine_nodes == 1 and cfg.cluster.num_nodes == 1
-                                           else advertise)
+    slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu, env)
+    bind_host, advertise = engine_addresses(cfg, engine_nodes, use_gpu, env, task.node_name)
     api_key = cfg.rollout.api_key or env.get(API_KEY_ENV, "")
     if bind_host not in LOOPBACK and not api_key:
         raise RuntimeError(f"engines bind to {bind_host} without an API key: set rollout.api_key or "
@@ -378,10 +416,7 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
         def spawn(slot: EngineSlot) -> None:
             name = f"engine {slot.index}"
             port = cfg.rollout.base_port + slot.index if cfg.rollout.base_port else _free_port(bind_host)
-            cmd = build_engine_command(rollout, str(model_path), port, host=bind_host)
-            child_env = dict(os.environ, DAPO_MEGA_ENGINE_INDEX=str(slot.index))
-            if slot.gpu_ids:
-                child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpu_ids))
+            cmd, child_env = engine_command_and_env(cfg, rollout, slot, str(model_path), port, bind_host, os.environ)
             logs[name] = log_dir / f"engine-{slot.index}.log"
             with open(logs[name], "ab") as log_file:
                 procs[name] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import DapoConfig
 
 GIB = 1024 ** 3
@@ -202,20 +203,21 @@ def compute_plan(cfg: DapoConfig) -> dict:
     if disagg and c.max_staleness == 0:
         warnings.append("engines idle while learners train: disaggregated with cluster.max_staleness=0 is synchronous")
 
+    placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=c.device != "cpu"))
+    warnings.extend(f"placement: {problem}" for problem in placement.problems())
     layout = []
     for node in range(c.num_nodes):
-        is_engine_node = disagg and node >= learner_nodes
         roles = []
-        if not is_engine_node:
-            first = node * gpus_per_node
-            roles.append(f"learner ranks {first}-{first + gpus_per_node - 1}")
-        if not disagg or is_engine_node:
-            index = node - (learner_nodes if disagg else 0)
-            per_node = math.ceil(r.num_engines / max(1, engine_nodes))
-            engines = [i for i in range(index * per_node, (index + 1) * per_node) if i < r.num_engines]
-            if engines:
-                roles.append(f"engines {engines[0]}-{engines[-1]} (TP {r.engine_tp_size})")
-        layout.append({"node": node, "roles": roles})
+        ranks = [lp.rank for lp in placement.learners if lp.device.node == node]
+        if ranks:
+            roles.append(f"learner ranks {ranks[0]}-{ranks[-1]}")
+        engines = placement.engines_on_node(node)
+        if engines:
+            roles.append(f"engines {engines[0].index}-{engines[-1].index} (TP {r.engine_tp_size})")
+        layout.append({"node": node, "roles": roles,
+                       "engine_gpus": {e.index: list(e.gpu_ids) for e in engines}})
+    groups = [{"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size}
+              for g in placement.groups]
 
     sync_bytes = 2 * phi
     return {
@@ -232,6 +234,7 @@ def compute_plan(cfg: DapoConfig) -> dict:
         "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
                         "seconds_at_400gbps": sync_bytes * 8 / 400e9},
         "layout": layout, "warnings": warnings,
+        "sync": {"transport": placement.transport, "groups": groups},
     }
 
 
@@ -256,6 +259,9 @@ def format_plan(plan: dict) -> str:
               f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
               f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)", "", "layout:"]
     lines += [f"  node {n['node']:>3}: " + "; ".join(n["roles"]) for n in plan["layout"]]
+    kinds = sorted({g["kind"] for g in plan["sync"]["groups"]})
+    lines += [f"weight sync: {plan['sync']['transport']}, {len(plan['sync']['groups'])} process groups "
+              f"({', '.join(kinds) or 'none'})"]
     lines += [""] + [f"WARNING: {w}" for w in plan["warnings"]] if plan["warnings"] else ["", "no warnings"]
     return "\n".join(lines)
 

@@ -9,9 +9,6 @@ flags) everywhere else. Flag names come from `api.SERVER_FLAGS`, pinned from sgl
 from __future__ import annotations
 
 import sys
-import time
-import urllib.error
-import urllib.request
 from typing import List, Optional, Sequence
 
 from dapo_mega.backends.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
@@ -37,12 +34,21 @@ def build_engine_command(
     weight_version: str = "default",
     host: Optional[str] = None,
     python: str = sys.executable,
+    memory_saver: bool = False,
+    base_gpu_id: Optional[int] = None,
 ) -> List[str]:
     """argv of one engine: `[python, -m, <module>, --model-path, ..., *extra_server_args]`.
 
     The module is sglang.launch_server for `cfg.backend == "sglang"`, else the embedded
     engine. Memory flags (`--mem-fraction-static`, `--enable-memory-saver`) are passed to
     both; the embedded engine accepts and ignores what has no meaning on a CPU.
+
+    memory_saver: `--enable-memory-saver`, for colocated engines (cluster.mode=colocated):
+        without it SGLang's `/release_memory_occupation` frees nothing and the learner
+        trains next to a full KV cache (sglang 0.5.23 `ExecConfig.enable_memory_saver`).
+    base_gpu_id: SGLang `--base-gpu-id` (the first GPU the engine uses among those visible
+        to it); the placement narrows CUDA_VISIBLE_DEVICES per engine and passes 0.
+        SGLang only: the embedded CPU engine has no GPUs.
     """
     host = host or cfg.host
     if host not in LOOPBACK_HOSTS and not cfg.api_key:
@@ -62,6 +68,10 @@ def build_engine_command(
             f["weight_version"], str(weight_version)]
     if cfg.api_key:
         argv += [f["api_key"], cfg.api_key]
+    if memory_saver:
+        argv.append(f["enable_memory_saver"])
+    if base_gpu_id is not None and cfg.backend == "sglang":
+        argv += [f["base_gpu_id"], str(base_gpu_id)]
     argv += list(cfg.extra_server_args)
     return argv
 
@@ -81,31 +91,3 @@ def build_router_command(
     return [python, "-m", ROUTER_MODULE, ROUTER_FLAGS["worker_urls"], *worker_urls,
             ROUTER_FLAGS["host"], host, ROUTER_FLAGS["port"], str(port),
             ROUTER_FLAGS["policy"], policy]
-
-
-def wait_for_health(url: str, timeout_s: float, api_key: str = "", process=None,
-                    poll_s: float = 0.2) -> float:
-    """Poll GET `url`/health until 200; returns the seconds waited.
-
-    Raises TimeoutError after `timeout_s`, or RuntimeError at once when `process`
-    (a subprocess.Popen) has exited, with its return code.
-    """
-    start = time.monotonic()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    attempts = max(1, int(timeout_s / poll_s) + 1)
-    for _ in range(attempts):
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"engine process for {url} exited with code {process.returncode} before "
-                               "becoming healthy; see its log")
-        try:
-            req = urllib.request.Request(url.rstrip("/") + "/health", headers=headers)
-            with urllib.request.urlopen(req, timeout=max(poll_s, 1.0)) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - start
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        if time.monotonic() - start > timeout_s:
-            break
-        time.sleep(poll_s)
-    raise TimeoutError(f"engine at {url} not healthy after {timeout_s:.0f} s "
-                       "(raise rollout.health_timeout_s for large models)")
