@@ -548,15 +548,15 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
     if r.weight_sync_bucket_mb < 1:
         raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
     if r.engine_tp_size < 1:
-            raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")
-        if r.engine_dp_size != 1:
-            # sglang 0.5.23 asserts dp_size == 1 in init_weights_update_group and every
-            # update_weights_* call (tokenizer_control_mixin.py): the first sync would fail
-            raise err("rollout.engine_dp_size", f"is {r.engine_dp_size}, but SGLang refuses weight updates into an "
-                      "engine with data-parallel replicas (it asserts dp_size == 1)",
-                      f"set rollout.engine_dp_size=1 and rollout.num_engines={r.num_engines * r.engine_dp_size} "
-                      "(one engine per replica)")
-        if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")
+    if r.engine_dp_size != 1:
+        # sglang 0.5.23 asserts dp_size == 1 in init_weights_update_group and every
+        # update_weights_* call (tokenizer_control_mixin.py): the first sync would fail
+        raise err("rollout.engine_dp_size", f"is {r.engine_dp_size}, but SGLang refuses weight updates into an "
+                  "engine with data-parallel replicas (it asserts dp_size == 1)",
+                  f"set rollout.engine_dp_size=1 and rollout.num_engines={r.num_engines * r.engine_dp_size} "
+                  "(one engine per replica)")
+    if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise err("rollout.dtype", f"unknown {r.dtype!r}", "use auto, float32, bfloat16 or float16")
 
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
