@@ -14,7 +14,7 @@ processes never share an interpreter):
 1. warm start: `Session.start` + `Session.warm_start` (the supervised phase of
    `dapo-mega train`, `trainer.sft_warmup_steps` steps), exported with
    `export_learner_to_hf` to `WORK/warm_hf`; its held-out avg@k (the trainer's own
-   `Session.evaluate`) sets the target = warm-start avg@k + `delta`.
+   `DriverRole.evaluate`) sets the target = warm-start avg@k + `delta`.
 2. ours: `dapo-mega train model.hf_path=WORK/warm_hf trainer.sft_warmup_steps=0 ...`; its
    `metrics.jsonl` is followed while it runs and the process group is stopped once an
    eval row reaches the target (or the step budget ends).
@@ -161,7 +161,7 @@ def phase_warmstart(work: Path, overrides: Sequence[str]) -> Dict[str, Any]:
         export_learner_to_hf(s.learner.model_chunks, s.learner.info, s.layout, out,
                              hf_config=read_hf_config_dict(s.model_dir), hf_side_dir=s.model_dir)
         s.sync_weights()
-        metrics = s.evaluate()
+        metrics = s.role.evaluate()
     finally:
         s.close()
     result = {"hf_dir": str(out), "sft_steps": cfg.trainer.sft_warmup_steps, "sft_seconds": sft_s,
@@ -251,7 +251,7 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
     from dapo_mega.data import PromptIterator, build_datasets, format_prompt, verification_prefix
     from dapo_mega.evaluate import evaluate_problems
     from dapo_mega.reward import build_verifier, compute_rewards
-    from dapo_mega.rollout.processes import EngineProcess
+    from dapo_mega.rollout.fleet import EngineFleet
     from dapo_mega.weights.sync import WeightSyncer
 
     cfg = _load_cfg(overrides)
@@ -282,9 +282,9 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
                                 answer_prefixes=answer_prefix)
         return batch.reward.tolist()
 
-    engine = EngineProcess(hf_dir, num_threads=max(1, os.cpu_count() or 2),
-                           log_path=str(work / "trl_engine.log")).wait_healthy()
-    syncer = WeightSyncer([engine.url], mode="colocated", bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    fleet = EngineFleet(cfg.rollout, str(hf_dir), work / "trl_engine_logs", num_threads=max(1, os.cpu_count() or 2))
+    engine = fleet.start(1)[0]
+    syncer = WeightSyncer([engine], mode="colocated", bucket_mb=cfg.rollout.weight_sync_bucket_mb)
     curve: List[Dict[str, float]] = []
 
     class HeldOutEval(TrainerCallback):
@@ -297,7 +297,7 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
             t = time.perf_counter()
             state = {k: v.detach() for k, v in model_.state_dict().items()}
             syncer.sync(iter(state.items()), weight_version=str(step))
-            result = evaluate_problems([engine.url], held_out, cfg, prompt_ids, verifier)
+            result = evaluate_problems([engine], held_out, cfg, prompt_ids, verifier)
             train_s = t - self.start - self.excluded
             curve.append({"step": step, "train_s": max(train_s, 0.0), "avg_at_k": result.avg_at_k})
             print(f"[trl] step {step}: avg@{result.k} = {result.avg_at_k:.4f} after {train_s:.1f} s", flush=True)
@@ -335,7 +335,7 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
         trainer.train()
     finally:
         syncer.close()
-        engine.kill()
+        fleet.close()
     result = {"curve": curve, "trl_train_seconds": time.perf_counter() - t0,
               "updates_per_rollout_step": updates_per_step,
               "config": {"loss_type": args.loss_type, "beta": args.beta, "epsilon": args.epsilon,

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from dapo_mega.backends.sglang.client import EngineClient
-from dapo_mega.rollout.processes import EngineProcess
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
 
@@ -37,18 +38,17 @@ def run(quick: bool = False) -> dict:
         tok = AutoTokenizer.from_pretrained(tmp)
         prompts = [tok(f"{a}+{b}=", add_special_tokens=False).input_ids for a, b in
                    zip(range(10, 10 + num_prompts), range(37, 37 + num_prompts))]
-        engine = EngineProcess(tmp, num_threads=threads).wait_healthy()
-        try:
+        with EngineFleet(RolloutConfig(), tmp, Path(tmp) / "logs", num_threads=threads) as fleet:
+            engine = fleet.start(1)[0]
+
             async def engine_rollout():
-                async with EngineClient(engine.url) as c:
+                async with EngineClient(engine) as c:
                     await c.generate(prompts[:1], {"max_new_tokens": 2, "n": 1})  # warm-up
                     t0 = time.perf_counter()
                     out = await c.generate(prompts, {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
                                                      "ignore_eos": True})
                     return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
             engine_s, engine_tokens = asyncio.run(engine_rollout())
-        finally:
-            engine.kill()
 
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(tmp).eval()

@@ -75,12 +75,13 @@ def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool)
     from dapo_mega.backends.megatron.batch import count_loss_tokens
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.rollout.fleet import free_port
 
     cfg.megatron.transformer_impl = impl
     cfg.megatron.fp8.enabled = fp8
     cfg.megatron.fp8.recipe = "tensorwise" if fp8 else cfg.megatron.fp8.recipe
     layout = ParallelLayout.from_config(cfg.megatron, 1, hf_config).initialize(
-        init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0)
+        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0)
     learner = MegatronLearner(cfg, hf_config, layout)
     indices = list(range(len(samples)))
     old = learner._local_log_probs(samples, indices)
@@ -155,12 +156,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(quick: bool) -> Dict[str, Any]:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dapo_mega.config import ModelConfig
+from dapo_mega.config import ModelConfig, RolloutConfig
 from dapo_mega.backends.sglang.client import EngineClient
-from dapo_mega.rollout.processes import free_port, start_engines
+from dapo_mega.rollout.fleet import EngineFleet, free_port
 from dapo_mega.weights.sync import WeightSyncer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
@@ -43,8 +43,10 @@ def run(quick: bool = False) -> dict:
         build_tiny_model_dir(tmp, model_cfg=cfg, seed=0)
         state = {k: v.clone() + 1e-3 for k, v in AutoModelForCausalLM.from_pretrained(tmp).state_dict().items()}
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        engines = start_engines(tmp, 2, weight_version="0", health_timeout_s=300)
-        syncer = WeightSyncer([e.url for e in engines], bucket_mb=bucket_mb, backend="gloo", timeout_s=600)
+        fleet = EngineFleet(RolloutConfig(health_timeout_s=300, request_timeout_s=600), tmp, Path(tmp) / "logs",
+                            num_threads=1)
+        engines = fleet.start(2)
+        syncer = WeightSyncer(engines, bucket_mb=bucket_mb, backend="gloo", timeout_s=600)
         try:
             syncer.init_group(master_port=free_port())
             syncer.sync(iter(state.items()), weight_version="0")  # warm-up (first touches, allocator)
@@ -52,10 +54,10 @@ def run(quick: bool = False) -> dict:
 
             async def raw_receivers():
                 async def one(url):
-                    async with EngineClient(url, timeout_s=600) as c:
+                    async with EngineClient(url) as c:
                         return await c._request("POST", "/debug/receive_flat",
                                                 {"group_name": syncer.group_name, "nbytes": nbytes})
-                return await asyncio.gather(*(one(e.url) for e in engines))
+                return await asyncio.gather(*(one(e) for e in engines))
 
             flat = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
             raw_seconds = []
@@ -68,12 +70,11 @@ def run(quick: bool = False) -> dict:
             async def read_version(url):
                 async with EngineClient(url) as c:
                     return await c.weight_version()
-            versions = [asyncio.run(read_version(e.url)) for e in engines]
+            versions = [asyncio.run(read_version(e)) for e in engines]
         finally:
             syncer.destroy_group()
             syncer.close()
-            for e in engines:
-                e.kill()
+            fleet.close()
     raw_gbps = nbytes / raw_seconds[-1] / 1e9
     result = {"quick": quick, "model_bytes": nbytes, "num_tensors": stats.num_tensors, "bucket_mb": bucket_mb,
               "num_buckets": stats.num_buckets, "num_engines": 2, "sync_seconds": stats.seconds,

@@ -209,24 +209,23 @@ def _write_model_dir(shape: ModelShape, out: Path) -> Path:
 
 def part_sglang(args) -> Dict[str, Any]:
     """Start an SGLang server on a 7B-shaped model, sync into it, time a rollout."""
-    from dapo_mega.backends.sglang.launch import build_engine_command, wait_for_health
-    from dapo_mega.config import RolloutConfig
     from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.rollout.processes import free_port
+    from dapo_mega.config import RolloutConfig
+    from dapo_mega.rollout.fleet import EngineFleet
 
     shape = ModelShape(**{**asdict(QWEN25_7B), "num_layers": args.layers})
     result: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpu_node_model_") as tmp:
         t0 = time.perf_counter()
         model_dir = _write_model_dir(shape, Path(tmp) / "model")
-        port = free_port()
-        rollout_cfg = RolloutConfig(backend="sglang", mem_fraction_static=0.6, max_running_requests=512)
-        argv = build_engine_command(rollout_cfg, str(model_dir), port, weight_version="0")
-        log = open(Path(tmp) / "sglang.log", "wb")
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
+        rollout_cfg = RolloutConfig(backend="sglang", mem_fraction_static=0.6, max_running_requests=512,
+                                    health_timeout_s=600, request_timeout_s=900)
+        fleet = EngineFleet(rollout_cfg, str(model_dir), Path(tmp), device="cuda")
         try:
-            result["server_start_seconds"] = wait_for_health(url, 600, process=server)
+            started = time.perf_counter()
+            engine = fleet.start(1)[0]
+            url = engine.url
+            result["server_start_seconds"] = time.perf_counter() - started
             t = time.perf_counter()
             sync = subprocess.run([sys.executable, str(BENCH_DIR / "gpu_sglang_sync.py"), "--url", url,
                                    "--model-path", str(model_dir)], capture_output=True, text=True, timeout=600)
@@ -243,7 +242,7 @@ def part_sglang(args) -> Dict[str, Any]:
                 prompts = [[(7 * i + j) % 1000 + 3 for j in range(256)] for i in range(args.rollout_prompts)]
                 params = {"n": args.rollout_n, "max_new_tokens": args.rollout_tokens, "temperature": 1.0,
                           "ignore_eos": True}
-                async with EngineClient(url, timeout_s=900) as client:
+                async with EngineClient(engine) as client:
                     await client.generate(prompts[:1], {**params, "n": 1, "max_new_tokens": 8})  # warm-up
                     start = time.perf_counter()
                     out = await client.generate(prompts, params)
@@ -254,10 +253,7 @@ def part_sglang(args) -> Dict[str, Any]:
                                  "prompts": args.rollout_prompts, "n": args.rollout_n,
                                  "max_new_tokens": args.rollout_tokens}
         finally:
-            if server.poll() is None:
-                os.killpg(server.pid, 9)
-                server.wait(timeout=60)
-            log.close()
+            fleet.close(grace_s=60)
         result["seconds"] = time.perf_counter() - t0
     return result
 

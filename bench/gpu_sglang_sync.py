@@ -25,7 +25,8 @@ import json
 import torch
 
 from dapo_mega.backends.sglang.client import EngineClient
-from dapo_mega.rollout.processes import free_port
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+from dapo_mega.rollout.fleet import free_port
 from dapo_mega.weights.sync import WeightSyncer
 
 
@@ -57,7 +58,8 @@ def main() -> None:
         raise SystemExit("needs a GPU and a running SGLang server; see the docstring")
     state = load_hf_state(args.model_path)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    syncer = WeightSyncer([args.url], api_key=args.api_key, bucket_mb=args.bucket_mb, backend="nccl",
+    engine = EngineEndpoint(args.url, api_key=args.api_key, timeout_s=1800)
+    syncer = WeightSyncer([engine], bucket_mb=args.bucket_mb, backend="nccl",
                           master_address=args.master_address, engine_tp_size=args.engine_tp_size, timeout_s=1800)
     results = []
     try:
@@ -69,7 +71,7 @@ def main() -> None:
                             "buckets": stats.num_buckets})
 
         async def version():
-            async with EngineClient(args.url, api_key=args.api_key) as c:
+            async with EngineClient(engine) as c:
                 return await c.weight_version()
         reported = asyncio.run(version())
     finally:

@@ -2,9 +2,10 @@
 
 avg@k = mean over problems of (correct samples / k), k samples per problem at the
 configured temperature / top-p (AIME protocol: k = 32, T = 1.0, top-p 0.7). The trainer
-calls `evaluate_problems` through its own engines; `dapo-mega eval` starts engines for one
-or two checkpoints (HF directories, or Megatron checkpoints exported to HF first) and
-compares them on the same problems, length limit and verifier:
+calls `evaluate_problems` through its own engines; `dapo-mega eval` starts engines of the
+configured `rollout.backend` (through the engine fleet, as the trainer does) for one or two
+checkpoints (HF directories, or Megatron checkpoints exported to HF first) and compares them
+on the same problems, prompt encoding, length limit and verifier:
 
     dapo-mega eval eval.checkpoint=outputs/run/checkpoints/latest
     dapo-mega eval eval.checkpoint=A eval.compare_checkpoint=B eval.output=cmp.json
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import DapoConfig
 
 
@@ -54,8 +56,8 @@ class EvalResult:
         return path
 
 
-def evaluate_problems(engine_urls: Sequence[str], problems: Sequence[Any], cfg: DapoConfig,
-                      prompt_to_input: Callable[[Any], Any], verifier, api_key: str = "") -> EvalResult:
+def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any], cfg: DapoConfig,
+                      prompt_to_input: Callable[[Any], Any], verifier) -> EvalResult:
     """k samples per problem on the engines, scored by `verifier` with the training length limit."""
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
@@ -65,12 +67,11 @@ def evaluate_problems(engine_urls: Sequence[str], problems: Sequence[Any], cfg: 
     e = cfg.eval
     max_len = e.max_response_length or cfg.algo.max_response_length
     params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
-    manager = RolloutManager(engine_urls, e.n_samples, params, api_key=api_key,
-                             request_timeout_s=cfg.rollout.request_timeout_s, max_retries=cfg.rollout.max_retries,
+    manager = RolloutManager(engines, e.n_samples, params, max_retries=cfg.rollout.max_retries,
                              run_id=cfg.trainer.run_name, return_logprob=False, prompt_to_input=prompt_to_input)
     groups = asyncio.run(manager.generate_groups(list(problems)))
     samples = [(g, s) for g in groups for s in g.samples]
-    scored = compute_rewards(verifier, [s.text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
+    scored = compute_rewards(verifier, [s.response_text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
                              [len(s.token_ids) for _, s in samples], cfg.algo,
                              answer_prefixes=[verification_prefix(g.prompt, cfg.data.prompt_template)
                                               for g, _ in samples])
@@ -105,10 +106,11 @@ def _hf_dir_of(checkpoint: str, workdir: Path) -> Path:
 
 
 def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> EvalResult:
-    """Start engines serving `checkpoint`, evaluate, stop them."""
+    """Start `rollout.num_engines` engines of `rollout.backend` serving `checkpoint` (logs in
+    `<run_dir>/logs/eval/`), evaluate, stop them."""
     from dapo_mega.data import PromptEncoder, build_datasets
     from dapo_mega.reward import build_verifier
-    from dapo_mega.rollout.processes import EngineProcess
+    from dapo_mega.rollout.fleet import EngineFleet
 
     hf_dir = _hf_dir_of(checkpoint, workdir)
     _, problems, _ = build_datasets(cfg.data)
@@ -118,17 +120,9 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
         raise ValueError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
 
-    engines = [EngineProcess(str(hf_dir), api_key=cfg.rollout.api_key, num_threads=max(1, (os.cpu_count() or 2)),
-                             log_path=str(workdir / f"engine-{i}.log"), health_timeout_s=cfg.rollout.health_timeout_s)
-               for i in range(cfg.rollout.num_engines)]
-    try:
-        for engine in engines:
-            engine.wait_healthy()
-        result = evaluate_problems([e.url for e in engines], problems, cfg, encoder.encode,
-                                   build_verifier(cfg.algo.verifier), api_key=cfg.rollout.api_key)
-    finally:
-        for engine in engines:
-            engine.kill()
+    with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device) as fleet:
+        endpoints = fleet.start()
+        result = evaluate_problems(endpoints, problems, cfg, encoder.encode, build_verifier(cfg.algo.verifier))
     result.settings["checkpoint"] = str(checkpoint)
     return result
 

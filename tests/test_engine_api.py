@@ -7,7 +7,8 @@ import urllib.request
 import pytest
 import torch
 
-from dapo_mega.rollout.processes import EngineProcess
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet
 
 API_KEY = "test-key"
 
@@ -23,12 +24,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    e = EngineProcess(model_dir, api_key=API_KEY, weight_version="7",
-                      log_path=str(tmp_path_factory.mktemp("log") / "engine.log"))
-    try:
-        yield e.wait_healthy()
-    finally:
-        e.kill()
+    with EngineFleet(RolloutConfig(api_key=API_KEY), str(model_dir), tmp_path_factory.mktemp("log"),
+                     weight_version="7") as fleet:
+        fleet.start(1)
+        yield fleet.engines[0]
 
 
 @pytest.fixture(scope="module")

@@ -121,23 +121,23 @@ def _die() -> None:
 
 
 def _install(fault: str) -> None:
-    from dapo_mega import session as S
-
     kind, _, rest = fault.partition(":")
     if kind == "kill":
         phase, step = rest.split(":")
         _install_kill(phase, int(step))
     elif kind == "nan":
-        step = int(rest)
-        original = S.Session.build_train_samples
+        from dapo_mega.driver.roles import DriverRole
 
-        def build_train_samples(self, batch):
+        step = int(rest)
+        original = DriverRole.advantage_step
+
+        def advantage_step(self, batch):
             samples = original(self, batch)
             if samples and batch.step == step:
                 for s in samples:
                     s.advantage = float("nan")
             return samples
-        S.Session.build_train_samples = build_train_samples
+        DriverRole.advantage_step = advantage_step
     elif kind == "enospc":
         from dapo_mega.backends.megatron import checkpoint as C
 
@@ -163,17 +163,17 @@ def _install(fault: str) -> None:
 
 
 def _track_steps() -> None:
-    from dapo_mega import session as S
+    from dapo_mega.driver.rollouts import RolloutSource
 
-    if getattr(S.Session.collect, "_tracked", False):
+    if getattr(RolloutSource.collect, "_tracked", False):
         return
-    original = S.Session.collect
+    original = RolloutSource.collect
 
     def collect(self, step, learner_version):
         _current_step[0] = step
         return original(self, step, learner_version)
     collect._tracked = True
-    S.Session.collect = collect
+    RolloutSource.collect = collect
 
 
 def _install_kill(phase: str, step: int) -> None:
@@ -218,24 +218,24 @@ def _install_kill(phase: str, step: int) -> None:
 
 
 def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
-    from dapo_mega import session as S
     from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.rollout.fleet import EngineFleet
 
     _track_steps()
-    sessions: List = []
-    original_start = S.Session._start_engines
+    fleets: List = []  # the run's engine fleet, whoever in the trainer starts it
+    original_start = EngineFleet.start
 
-    def _start_engines(self):
-        sessions.append(self)
-        return original_start(self)
-    S.Session._start_engines = _start_engines
+    def start(self, *args, **kwargs):
+        fleets.append(self)
+        return original_start(self, *args, **kwargs)
+    EngineFleet.start = start
     original = EngineClient.generate
     done = [False]
 
     async def generate(self, *args, **kwargs):
         import asyncio
 
-        engine = sessions[0].engines[engine_index]
+        engine = fleets[0].engines[engine_index]
         if _current_step[0] == step and not done[0]:
             if self.url == engine.url:
                 done[0] = True

@@ -26,13 +26,15 @@ import pytest
 import torch
 
 import dapo_mega
-from dapo_mega.rollout.processes import EngineProcess
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.weights import transport
 
 API_KEY = "sec-key"
 PACKAGE = Path(dapo_mega.__file__).resolve().parent
 NETWORK_MODULES = ["rollout/server.py", "rollout/engine.py", "backends/sglang/client.py", "rollout/manager.py",
-                   "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/launch.py"]
+                   "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/launch.py",
+                   "backends/sglang/endpoint.py", "rollout/fleet.py", "rollout/engine_process.py"]
 # Reviewed exceptions: local pipes/queues between this package's own processes, no network.
 LOCAL_UNPICKLING = {
     ("reward/worker.py", "pickle.loads"): "the verifier, from the parent over an inherited pipe",
@@ -96,12 +98,10 @@ def engine(tmp_path_factory):
 
     model_dir = tmp_path_factory.mktemp("sec_model")
     build_tiny_model_dir(model_dir, seed=11)
-    e = EngineProcess(model_dir, api_key=API_KEY, weight_version="3",
-                      log_path=str(tmp_path_factory.mktemp("sec_log") / "engine.log"))
-    try:
-        yield e.wait_healthy()
-    finally:
-        e.kill()
+    with EngineFleet(RolloutConfig(api_key=API_KEY), str(model_dir), tmp_path_factory.mktemp("sec_log"),
+                     weight_version="3") as fleet:
+        fleet.start(1)
+        yield fleet.engines[0]
 
 
 def call(engine, path, body=None, key=API_KEY, raw=None, content_type="application/json"):

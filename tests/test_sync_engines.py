@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dapo_mega.backends.sglang.client import EngineClient
-from dapo_mega.rollout.processes import free_port, start_engines
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet, free_port
 from dapo_mega.weights.sync import WeightSyncer, iter_buckets
 
 
@@ -21,12 +22,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    procs = start_engines(model_dir, 2, weight_version="0")
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            p.kill()
+    with EngineFleet(RolloutConfig(), str(model_dir), num_threads=1) as fleet:
+        fleet.start(2)
+        yield fleet.engines
 
 
 def perturbed_state(model_dir, seed):

@@ -16,7 +16,8 @@ from dist_helpers import run_distributed
 from test_megatron_parallel import make_config
 
 from dapo_mega.backends.sglang.client import EngineClient
-from dapo_mega.rollout.processes import free_port, start_engines
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet, free_port
 
 
 def _learner_sync(rank, world, tp, pp, model_dir, engine_urls, ports, export_dir):
@@ -69,9 +70,8 @@ async def _engine_view(url, names):
 def test_learner_sync_bit_identical_to_export(model_dir, tmp_path, tp, pp):
     from safetensors.torch import load_file
 
-    engines = start_engines(str(model_dir), 2, weight_version="0")
-    try:
-        urls = [e.url for e in engines]
+    with EngineFleet(RolloutConfig(), str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
+        urls = [e.url for e in fleet.start(2)]
         export_dir = tmp_path / "export"
         stats = run_distributed(_learner_sync, 2, args=(tp, pp, str(model_dir), urls, [free_port(), free_port()],
                                                         str(export_dir)), timeout_s=400)
@@ -87,6 +87,3 @@ def test_learner_sync_bit_identical_to_export(model_dir, tmp_path, tp, pp):
             for name, tensor in exported.items():
                 assert torch.equal(weights[name], tensor), f"{url}: {name} differs from the HF export"
             assert version == "7" and sample.versions == ["7"]
-    finally:
-        for e in engines:
-            e.kill()

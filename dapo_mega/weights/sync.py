@@ -41,6 +41,7 @@ import torch
 
 from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
 from dapo_mega.backends.sglang.client import EngineClient
+from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 from dapo_mega.weights import transport
 
 SHM_LOAD_FORMAT = "shared_memory_json"
@@ -115,19 +116,22 @@ class _LoopThread:
 class WeightSyncer:
     """Pushes learner weights (HF names) into every engine; see the module docstring."""
 
-    def __init__(self, engine_urls: Sequence[str], api_key: str = "", bucket_mb: float = 512,
+    def __init__(self, engines: Sequence[EngineAddress], bucket_mb: float = 512,
                  mode: str = "distributed", backend: str = "gloo", master_address: str = "127.0.0.1",
                  group_prefix: str = "dapo_weight_sync", pause_mode: str = "retract",
-                 timeout_s: float = 600.0, engine_tp_size: int = 1):
+                 timeout_s: Optional[float] = None, engine_tp_size: int = 1):
         if mode not in ("distributed", "colocated"):
             raise ValueError(f"mode must be distributed or colocated, got {mode!r}")
-        self.engine_urls = list(engine_urls)
+        endpoints = [as_endpoint(e) for e in engines]
+        self.engine_urls = [e.url for e in endpoints]
+        # group rendezvous and broadcasts: the engines' request timeout unless given
+        timeout_s = timeout_s if timeout_s is not None else max((e.timeout_s for e in endpoints), default=600.0)
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.mode, self.backend, self.master_address = mode, backend, master_address
         self.group_prefix, self.pause_mode, self.timeout_s = group_prefix, pause_mode, timeout_s
         self.engine_tp_size = engine_tp_size
         self._io = _LoopThread()
-        self.clients = [EngineClient(u, api_key=api_key, timeout_s=timeout_s) for u in self.engine_urls]
+        self.clients = [EngineClient(e) for e in endpoints]
         self.group = None
         self.group_name: Optional[str] = None
         self._flat: Optional[torch.Tensor] = None

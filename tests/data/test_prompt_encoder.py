@@ -107,17 +107,8 @@ def model_dir(tmp_path_factory, tokenizer_dir):
 def _eval_path_ids(cfg, model_dir, problems, monkeypatch, tmp_path):
     """What `dapo-mega eval` would send: evaluate_checkpoint with engines and generation faked."""
     import dapo_mega.evaluate as evaluate
-    import dapo_mega.rollout.processes as processes
-
-    class FakeEngine:
-        def __init__(self, *args, **kwargs):
-            self.url = "http://127.0.0.1:9"
-
-        def wait_healthy(self):
-            pass
-
-        def kill(self):
-            pass
+    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.rollout.fleet import EngineFleet
 
     seen = {}
 
@@ -125,7 +116,7 @@ def _eval_path_ids(cfg, model_dir, problems, monkeypatch, tmp_path):
         seen.update({p.id: prompt_to_input(p) for p in probs})
         return evaluate.EvalResult(k=1)
 
-    monkeypatch.setattr(processes, "EngineProcess", FakeEngine)
+    monkeypatch.setattr(EngineFleet, "start", lambda self, *args, **kwargs: [EngineEndpoint("http://127.0.0.1:9")])
     monkeypatch.setattr(evaluate, "evaluate_problems", fake_evaluate_problems)
     evaluate.evaluate_checkpoint(cfg, str(model_dir), tmp_path)
     return [seen[p.id] for p in problems]
@@ -154,13 +145,13 @@ def _train_path_ids(cfg, problems, monkeypatch):
     monkeypatch.setattr(Session, "_start_engines", fake_start_engines)
     monkeypatch.setattr(manager, "RolloutManager", CapturingManager)
     s = Session(cfg)
-    s.model_dir = s._model_dir()
+    role = None
     try:
-        s._start_driver()
+        role = s._start_driver()
         return [captured["prompt_to_input"](p) for p in problems]
     finally:
-        if s.recorder is not None:
-            s.recorder.close()
+        if role is not None:
+            role.close()
 
 
 def test_train_and_eval_send_identical_chat_prompt_ids(model_dir, tokenizer, tmp_path, monkeypatch):

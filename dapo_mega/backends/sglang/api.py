@@ -126,7 +126,8 @@ SERVER_FLAGS: Dict[str, str] = {
     "enable_weights_cpu_backup": "--enable-weights-cpu-backup",
     "random_seed": "--random-seed", "trust_remote_code": "--trust-remote-code",
     "skip_server_warmup": "--skip-server-warmup", "log_level": "--log-level",
-    "served_model_name": "--served-model-name", "base_gpu_id": "--base-gpu-id",
+    "served_model_name": "--served-model-name",
+    "device": "--device", "base_gpu_id": "--base-gpu-id",
 }
 
 #: `python -m sglang_router.launch_router` flags (sglang-router 0.3.2 router_args.py).

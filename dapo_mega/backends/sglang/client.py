@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import aiohttp
 
 from dapo_mega.backends.sglang.api import DEFAULT_GROUP_NAME, PAUSE_MODES
+from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 
 
 class EngineError(RuntimeError):
@@ -116,12 +117,12 @@ def control_body(path: str, **fields: Any) -> Dict[str, Any]:
 
 
 class EngineClient:
-    """One engine at `url` (http://host:port). Use as `async with EngineClient(url) as c:`."""
+    """One engine. Use as `async with EngineClient(endpoint) as c:` (a bare URL works too)."""
 
-    def __init__(self, url: str, api_key: str = "", timeout_s: float = 600.0):
-        self.url = url.rstrip("/")
-        self.api_key = api_key
-        self.timeout_s = timeout_s
+    def __init__(self, engine: EngineAddress):
+        self.endpoint = as_endpoint(engine)
+        self.url = self.endpoint.url
+        self.timeout_s = self.endpoint.timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -135,13 +136,10 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
-    def _headers(self) -> Dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     async def _request(self, method: str, path: str, body: Any = None, timeout_s: Optional[float] = None,
                        expect_json: bool = True) -> Any:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers())
+            self._session = aiohttp.ClientSession(headers=self.endpoint.headers())
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         async with self._session.request(method, self.url + path, json=body, timeout=timeout) as resp:
             text = await resp.text()

@@ -1,0 +1,39 @@
+"""Where one engine listens and how to talk to it: URL, API key, request timeout.
+
+Every piece of code that talks to an engine (the HTTP client, the rollout manager, the
+weight syncer, evaluation, the fleet that starts engines) takes an `EngineEndpoint`, so
+the key and the timeout travel with the URL instead of beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Union
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """One engine (SGLang or the embedded engine) as its clients see it."""
+
+    url: str
+    """http://host:port, without a trailing slash."""
+    api_key: str = ""
+    """Bearer token the engine requires (SGLang --api-key); empty: none."""
+    timeout_s: float = 600.0
+    """A request without a reply after this long fails (rollout.request_timeout_s)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+    def headers(self) -> Dict[str, str]:
+        """HTTP headers every request to this engine carries."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+EngineAddress = Union[EngineEndpoint, str]
+"""An endpoint, or a bare URL (no API key, the default timeout): what call sites may pass."""
+
+
+def as_endpoint(engine: EngineAddress) -> EngineEndpoint:
+    """`engine` as an `EngineEndpoint` (a bare URL gets no key and the default timeout)."""
+    return engine if isinstance(engine, EngineEndpoint) else EngineEndpoint(str(engine))

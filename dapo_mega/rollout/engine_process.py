@@ -1,0 +1,128 @@
+"""One engine process and the operating-system plumbing of the fleet (`fleet.py`): a free
+port, one /health probe, stopping a process (SIGTERM, then SIGKILL), an engine's log tail,
+the registry file an engine is announced in.
+
+These are the only copies in the package: the trainer, the Slurm launcher, evaluation, the
+benchmarks and the tests all reach them through the fleet or import them from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+
+HEALTH_PROBE_TIMEOUT_S = 5.0
+"""Per-request timeout of one /health probe (SGLang answers after ~1 s of work)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now on `host` (the OS picks it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_healthy(endpoint: EngineEndpoint, timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+    """One GET /health: True on 200 within `timeout_s`."""
+    request = urllib.request.Request(endpoint.url + "/health", headers=endpoint.headers())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (at once when 0); waits until it is reaped."""
+    if proc.poll() is None:
+        proc.terminate() if grace_s > 0 else proc.kill()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def log_tail(path: Optional[Path], lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
+    except OSError:
+        return "(no log)"
+
+
+def lost_port_race(log_text: str) -> bool:
+    """The engine died because its port (free when picked) was taken before it bound it."""
+    text = log_text.lower()
+    return "address already in use" in text or "errno 98" in text
+
+
+def announce_engine(registry: Path, index: int, record: dict) -> Path:
+    """Write `engine-<index>.json` atomically (tmp + rename), so readers never see half a file."""
+    registry.mkdir(parents=True, exist_ok=True)
+    path = registry / f"engine-{index}.json"
+    tmp = registry / f".engine-{index}.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    return path
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited, or did not become healthy, at start; the message names its log."""
+
+
+@dataclass
+class EngineProcess:
+    """One engine process the fleet started."""
+
+    index: int
+    """Engine index within the run (its log is engine-<index>.log)."""
+    endpoint: EngineEndpoint
+    proc: subprocess.Popen
+    log_path: Path
+    argv: List[str]
+    env: Dict[str, str]
+    """Variables set for this engine on top of the fleet's environment."""
+    port: int
+    gpu_ids: List[int] = field(default_factory=list)
+    base_gpu_id: Optional[int] = None
+    port_retries: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; `kill(0)` is SIGKILL at once (a crash)."""
+        resume_process(self.proc)
+        stop_process(self.proc, grace_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+
+
+def resume_process(proc: subprocess.Popen) -> None:
+    """SIGCONT: an engine stopped with SIGSTOP (a fault test, a debugger) cannot act on SIGTERM."""
+    try:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,279 @@
+"""The engine fleet: the one place rollout engines are started, attached to, health-checked,
+killed and restarted.
+
+    fleet = EngineFleet(cfg.rollout, model_path, log_dir, device=cfg.cluster.device)
+    endpoints = fleet.start(2)                      # or EngineFleet.attach(urls, cfg.rollout)
+    ...                                             # or EngineFleet.from_registry(dir, cfg.rollout)
+    fleet.restart(1); fleet.close()
+
+An engine is `python -m dapo_mega.rollout.server` (the embedded CPU engine) or
+`python -m sglang.launch_server`, with the argv of `backends.sglang.launch.build_engine_command`,
+run by `rollout.engine_python` (default: this interpreter). The fleet adds what each kind
+needs to run: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses devices
+itself; the placement function does), `--base-gpu-id` when given, and on a machine without a
+GPU `--device cpu` with `SGLANG_USE_CPU_ENGINE=1` for SGLang (SGLang's `is_cpu()` reads that
+variable), `--num-threads` and OMP threads for the embedded engine. Each engine writes
+`engine-<i>.log`; an engine that dies before it is healthy raises `EngineStartError` naming
+that log and quoting its tail. SGLang's `/health` runs a one-token generation and sleeps
+1 s, so each probe waits several seconds (`HEALTH_PROBE_TIMEOUT_S`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+from dapo_mega.backends.sglang.api import SERVER_FLAGS
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+from dapo_mega.backends.sglang.launch import build_engine_command
+from dapo_mega.config import DapoConfig, RolloutConfig
+from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port,
+                                              is_healthy, log_tail, lost_port_race, resume_process, stop_process)
+
+__all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError", "announce_engine", "endpoint_of",
+           "free_port", "is_healthy", "open_fleet", "stop_process"]
+
+MAX_PORT_RETRIES = 3
+"""Restarts of an engine whose free port was taken between picking it and binding it."""
+
+
+def endpoint_of(url: str, rollout: RolloutConfig) -> EngineEndpoint:
+    """The endpoint of the engine at `url` with the run's API key and request timeout."""
+    return EngineEndpoint(url, api_key=rollout.api_key, timeout_s=rollout.request_timeout_s)
+
+
+def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: str = "0") -> "EngineFleet":
+    """The run's engines: `rollout.engine_urls` attached, or those announced in
+    `rollout.engine_registry`, or else `rollout.num_engines` started here serving `model_path`."""
+    r = cfg.rollout
+    if r.engine_urls:
+        return EngineFleet.attach(r.engine_urls, r)
+    if r.engine_registry:
+        return EngineFleet.from_registry(Path(r.engine_registry), r)
+    fleet = EngineFleet(r, model_path, log_dir, device=cfg.cluster.device, weight_version=weight_version,
+                        memory_saver=cfg.cluster.mode == "colocated")
+    fleet.start()
+    return fleet
+
+
+class EngineFleet:
+    """Engines of one run: started here, or attached to by URL or through a registry."""
+
+    def __init__(self, rollout: RolloutConfig, model_path: str = "", log_dir: Optional[Path] = None, *,
+                 device: str = "auto", bind_host: str = "", advertise_host: str = "", num_threads: int = 0,
+                 weight_version: str = "0", memory_saver: bool = False,
+                 extra_env: Optional[Dict[str, str]] = None):
+        """`device`: cluster.device (auto: CUDA when torch sees one). `bind_host`: where engines
+        listen (default rollout.host); `advertise_host`: the host in their URLs (default the bind
+        host). `num_threads`: CPU threads per embedded engine (0: this machine's CPUs shared).
+        `memory_saver`: `--enable-memory-saver` (colocated engines release memory in training)."""
+        self.rollout = rollout
+        self.model_path = str(model_path)
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dapo_mega_engines_"))
+        self.device = device
+        self.bind_host = bind_host or rollout.host
+        self.advertise_host = advertise_host or self.bind_host
+        self.num_threads = num_threads
+        self.weight_version = str(weight_version)
+        self.memory_saver = memory_saver
+        self.extra_env = dict(extra_env or {})
+        self.python = rollout.engine_python or sys.executable
+        self.engines: List[EngineProcess] = []
+        self.attached: List[EngineEndpoint] = []
+
+    # ---------------------------------------------------------------- attach
+    def endpoint(self, url: str) -> EngineEndpoint:
+        return endpoint_of(url, self.rollout)
+
+    @classmethod
+    def attach(cls, urls: Sequence[str], rollout: RolloutConfig) -> "EngineFleet":
+        """Engines someone else started; waits until each answers /health."""
+        fleet = cls(rollout)
+        fleet.attached = [fleet.endpoint(u) for u in urls]
+        fleet.wait_attached()
+        return fleet
+
+    @classmethod
+    def from_registry(cls, directory: Path, rollout: RolloutConfig, count: int = 0) -> "EngineFleet":
+        """The first `count` (default rollout.num_engines) engines announced as `engine-<i>.json`
+        files in `directory` (by the Slurm engines role), once each is healthy."""
+        count = count or rollout.num_engines
+        directory = Path(directory)
+        deadline = time.monotonic() + rollout.health_timeout_s
+        while True:
+            files = sorted(directory.glob("engine-*.json"), key=lambda p: int(p.stem.split("-")[1])) \
+                if directory.exists() else []
+            if len(files) >= count:
+                return cls.attach([json.loads(f.read_text())["url"] for f in files[:count]], rollout)
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"rollout.engine_registry={directory}: {len(files)} of {count} engines "
+                                       f"announced after {rollout.health_timeout_s:.0f} s. Fix: check the engine "
+                                       "role's log")
+            time.sleep(0.5)
+
+    def wait_attached(self) -> None:
+        deadline = time.monotonic() + self.rollout.health_timeout_s
+        pending = list(self.attached)
+        while pending:
+            pending = [e for e in pending if not is_healthy(e)]
+            if pending and time.monotonic() > deadline:
+                raise EngineStartError(f"engines {[e.url for e in pending]} not healthy after rollout.health_timeout_s="
+                                       f"{self.rollout.health_timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.5)
+
+    @property
+    def endpoints(self) -> List[EngineEndpoint]:
+        """Every engine of the fleet, started here or attached, in index order."""
+        return self.attached + [e.endpoint for e in self.engines]
+
+    # ---------------------------------------------------------------- start
+    def on_gpu(self) -> bool:
+        if self.device in ("cpu", "cuda"):
+            return self.device == "cuda"
+        import torch
+
+        return torch.cuda.is_available()
+
+    def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
+        """argv of one engine on `port`: the shared command line plus what this machine needs."""
+        r = self.rollout
+        argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
+                                    host=self.bind_host, python=self.python, memory_saver=self.memory_saver,
+                                    base_gpu_id=base_gpu_id)
+        if r.backend == "sglang":
+            if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
+                argv += [SERVER_FLAGS["device"], "cpu"]
+        elif "--num-threads" not in r.extra_server_args:
+            argv += ["--num-threads", str(self._threads())]
+        return argv
+
+    def child_env(self, index: int, gpu_ids: Sequence[int] = ()) -> Dict[str, str]:
+        """Variables one engine gets on top of this process's environment."""
+        env = {"DAPO_MEGA_ENGINE_INDEX": str(index), **self.extra_env}
+        if gpu_ids:  # ids among the GPUs this process sees
+            from dapo_mega.backends.placement import visible_devices
+
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if self.rollout.backend == "sglang":
+            if not self.on_gpu():
+                env["SGLANG_USE_CPU_ENGINE"] = "1"
+        else:
+            env.update(OMP_NUM_THREADS=str(self._threads()), TOKENIZERS_PARALLELISM="false")
+        return env
+
+    def _threads(self) -> int:
+        return self.num_threads or max(1, (os.cpu_count() or 2) // max(1, self.rollout.num_engines))
+
+    def spawn(self, index: int, gpu_ids: Sequence[int] = (), base_gpu_id: Optional[int] = None,
+              port: int = 0) -> EngineProcess:
+        """Start engine `index` without waiting for it (see `wait_healthy`)."""
+        r = self.rollout
+        port = port or (r.base_port + index if r.base_port else free_port(self.bind_host))
+        argv = self.command(port, base_gpu_id)
+        env = self.child_env(index, gpu_ids)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"engine-{index}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        engine = EngineProcess(index=index, endpoint=self.endpoint(f"http://{self.advertise_host}:{port}"), proc=proc,
+                               log_path=log_path, argv=argv, env=env, port=port, gpu_ids=list(gpu_ids),
+                               base_gpu_id=base_gpu_id)
+        self.engines = sorted([e for e in self.engines if e.index != index] + [engine], key=lambda e: e.index)
+        return engine
+
+    def start(self, count: int = 0, gpu_ids: Sequence[Sequence[int]] = (),
+              base_gpu_ids: Sequence[Optional[int]] = ()) -> List[EngineEndpoint]:
+        """Start `count` engines (default rollout.num_engines) at once, engine i on `gpu_ids[i]`
+        (and `--base-gpu-id base_gpu_ids[i]`) when given; wait until all are healthy. Kills
+        them all when one fails."""
+        count = count or self.rollout.num_engines
+        first = len(self.engines)
+        if not self.num_threads:  # this machine's CPUs shared by the embedded engines
+            self.num_threads = max(1, (os.cpu_count() or 2) // (first + count))
+        try:
+            started = [self.spawn(first + i, gpu_ids[i] if i < len(gpu_ids) else (),
+                                  base_gpu_ids[i] if i < len(base_gpu_ids) else None) for i in range(count)]
+            self.wait_healthy(started)
+        except BaseException:
+            self.close()
+            raise
+        return [e.endpoint for e in started]
+
+    def wait_healthy(self, engines: Optional[Sequence[EngineProcess]] = None,
+                     on_healthy: Optional[Callable[[EngineProcess], None]] = None) -> None:
+        """Poll until each engine answers /health (`on_healthy` is called for each as it does).
+
+        An engine that lost its free port to another process is restarted on a new one
+        (at most MAX_PORT_RETRIES times); any other exit raises `EngineStartError`."""
+        pending = {e.index for e in (engines if engines is not None else self.engines)}
+        deadline = time.monotonic() + self.rollout.health_timeout_s
+        while pending:
+            for index in sorted(pending):
+                engine = self.get(index)
+                rc = engine.proc.poll()
+                if rc is not None and not self.rollout.base_port and engine.port_retries < MAX_PORT_RETRIES \
+                        and lost_port_race(log_tail(engine.log_path, 15)):
+                    retries = engine.port_retries + 1
+                    self.spawn(index, engine.gpu_ids, engine.base_gpu_id).port_retries = retries
+                    continue
+                if rc is not None:
+                    how = f"signal {-rc}" if rc < 0 else f"code {rc}"
+                    raise EngineStartError(f"engine {index} ({engine.url}) exited with {how} before becoming "
+                                           f"healthy; log {engine.log_path}:\n{log_tail(engine.log_path)}")
+                if is_healthy(engine.endpoint):
+                    pending.discard(index)
+                    if on_healthy is not None:
+                        on_healthy(engine)
+            if pending and time.monotonic() > deadline:
+                logs = ", ".join(str(self.get(i).log_path) for i in sorted(pending))
+                raise EngineStartError(f"engines {sorted(pending)} not healthy after rollout.health_timeout_s="
+                                       f"{self.rollout.health_timeout_s:.0f} s (raise it for large models); "
+                                       f"logs: {logs}")
+            if pending:
+                time.sleep(0.2)
+
+    # ---------------------------------------------------------------- stop
+    def get(self, index: int) -> EngineProcess:
+        return next(e for e in self.engines if e.index == index)
+
+    def kill(self, index: int, grace_s: float = 10.0) -> None:
+        self.get(index).kill(grace_s)
+
+    def restart(self, index: int, weight_version: Optional[str] = None) -> EngineEndpoint:
+        """Stop engine `index` and start it again on the same devices (and port, when it was
+        fixed by rollout.base_port); returns its endpoint once healthy."""
+        old = self.get(index)
+        old.kill()
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        engine = self.spawn(index, old.gpu_ids, old.base_gpu_id)
+        self.wait_healthy([engine])
+        return engine.endpoint
+
+    def dead(self) -> List[EngineProcess]:
+        """Started engines whose process has exited."""
+        return [e for e in self.engines if not e.alive()]
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop every engine this fleet started (attached engines are left alone)."""
+        for engine in self.engines:
+            resume_process(engine.proc)
+            if engine.alive():
+                engine.proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for engine in self.engines:
+            stop_process(engine.proc, max(0.1, deadline - time.monotonic()))
+
+    def __enter__(self) -> "EngineFleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

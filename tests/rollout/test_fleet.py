@@ -1,0 +1,187 @@
+"""The engine fleet: start embedded engines, attach to them by URL and through a registry,
+health, kill, restart; a failing engine's error names its log; the SGLang command line and
+environment on a machine without a GPU; `dapo-mega eval` starts the configured backend.
+
+SGLang itself is not needed: a stand-in interpreter records the argv and environment the
+fleet would run SGLang with (`-m sglang.launch_server ...`) and serves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from dapo_mega.backends.sglang.launch import build_engine_command
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import (EngineEndpoint, EngineFleet, EngineStartError, announce_engine, endpoint_of,
+                                     is_healthy)
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "fleet-key"
+RECORDER = """#!{python}
+import json, os, sys
+with open({out!r}, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ)}}) + "\\n")
+print("stand-in engine: recorded argv, serving nothing", flush=True)
+sys.exit(3)
+"""
+
+
+def stand_in(tmp_path: Path, body: str, name: str = "python") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def recorder(tmp_path: Path) -> tuple:
+    out = tmp_path / "recorded.jsonl"
+    return stand_in(tmp_path, RECORDER.format(python=sys.executable, out=str(out))), out
+
+
+def model_info(endpoint: EngineEndpoint) -> dict:
+    req = urllib.request.Request(endpoint.url + "/model_info", headers=endpoint.headers())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    d = tmp_path_factory.mktemp("tiny")
+    build_tiny_model_dir(d, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    rollout = RolloutConfig(api_key=API_KEY, request_timeout_s=77.0, health_timeout_s=120.0)
+    with EngineFleet(rollout, str(model_dir), tmp_path_factory.mktemp("logs"), num_threads=1,
+                     weight_version="4") as f:
+        f.start(2)
+        yield f
+
+
+def test_started_engines_run_the_shared_command_and_answer(fleet, model_dir):
+    assert [e.index for e in fleet.engines] == [0, 1]
+    for e in fleet.engines:
+        expected = build_engine_command(fleet.rollout, str(model_dir), e.port, weight_version="4",
+                                        python=sys.executable) + ["--num-threads", "1"]
+        assert e.argv == expected
+        assert e.env["OMP_NUM_THREADS"] == "1" and "CUDA_VISIBLE_DEVICES" not in e.env
+        assert e.log_path.name == f"engine-{e.index}.log" and e.log_path.exists()
+        assert e.endpoint == EngineEndpoint(f"http://127.0.0.1:{e.port}", API_KEY, 77.0)
+        assert is_healthy(e.endpoint)
+        assert str(model_info(e.endpoint)["weight_version"]) == "4"
+    with pytest.raises(urllib.error.HTTPError) as err:  # the key is required, and the endpoint carries it
+        model_info(EngineEndpoint(fleet.engines[0].url))
+    assert err.value.code == 401
+
+
+def test_attach_by_url_and_by_registry(fleet, tmp_path):
+    urls = [e.url for e in fleet.engines]
+    attached = EngineFleet.attach(urls, fleet.rollout)
+    assert attached.endpoints == fleet.endpoints == [endpoint_of(u, fleet.rollout) for u in urls]
+    attached.close()  # attached engines belong to someone else: closing leaves them running
+    assert all(e.alive() for e in fleet.engines)
+
+    registry = tmp_path / "engines"
+    announce_engine(registry, 10, {"url": urls[1]})  # index order, not file-name order
+    announce_engine(registry, 2, {"url": urls[0]})
+    assert [e.url for e in EngineFleet.from_registry(registry, fleet.rollout, count=2).endpoints] == urls
+
+    impatient = RolloutConfig(api_key=API_KEY, health_timeout_s=1.0)
+    with pytest.raises(EngineStartError, match="2 of 3 engines announced"):
+        EngineFleet.from_registry(registry, impatient, count=3)
+    with pytest.raises(EngineStartError, match="not healthy"):
+        EngineFleet.attach([urls[0], "http://127.0.0.1:9"], impatient)
+
+
+def test_kill_and_restart_one_engine(fleet):
+    first = fleet.engines[1]
+    fleet.kill(1)
+    assert not first.alive() and fleet.dead() == [first] and not is_healthy(first.endpoint, timeout_s=2)
+    assert is_healthy(fleet.engines[0].endpoint)  # the other one is untouched
+    endpoint = fleet.restart(1, weight_version="5")
+    again = fleet.get(1)
+    assert again is not first and again.alive() and fleet.dead() == []
+    assert endpoint == again.endpoint and endpoint in fleet.endpoints and is_healthy(endpoint)
+    assert str(model_info(endpoint)["weight_version"]) == "5"
+
+
+def test_a_failing_engine_names_its_log(tmp_path):
+    python, recorded = recorder(tmp_path)
+    rollout = RolloutConfig(engine_python=str(python), health_timeout_s=60.0)
+    fleet = EngineFleet(rollout, "/no/model", tmp_path / "logs")
+    with pytest.raises(EngineStartError) as err:
+        fleet.start(1)
+    message = str(err.value)
+    assert str(tmp_path / "logs" / "engine-0.log") in message and "exited with code 3" in message
+    assert "stand-in engine: recorded argv" in message  # the log's tail is quoted
+    assert json.loads(recorded.read_text().splitlines()[0])["argv"][:2] == ["-m", "dapo_mega.rollout.server"]
+
+
+def test_an_engine_that_lost_its_port_is_started_again(tmp_path, model_dir):
+    """The port picked free was taken before the engine bound it: it starts again on another."""
+    marker = tmp_path / "first-start-done"
+    python = stand_in(tmp_path, f"""#!{sys.executable}
+import os, sys
+if not os.path.exists({str(marker)!r}):
+    open({str(marker)!r}, "w").close()
+    print("OSError: [Errno 98] error while attempting to bind: address already in use", flush=True)
+    sys.exit(1)
+os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
+""")
+    rollout = RolloutConfig(engine_python=str(python), health_timeout_s=120.0)
+    with EngineFleet(rollout, str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
+        engine = fleet.spawn(0)
+        first_port = engine.port
+        fleet.wait_healthy()
+        again = fleet.get(0)
+        assert again.port_retries == 1 and again.port != first_port and is_healthy(again.endpoint)
+
+
+def test_sglang_command_and_environment_per_machine(tmp_path):
+    python = tmp_path / "sglang-venv-python"
+    rollout = RolloutConfig(backend="sglang", engine_python=str(python), extra_server_args=["--max-total-tokens", "64"])
+    cpu = EngineFleet(rollout, "/m", tmp_path, device="cpu")
+    argv = cpu.command(30001)
+    assert argv[:3] == [str(python), "-m", "sglang.launch_server"]
+    assert argv[argv.index("--device") + 1] == "cpu" and "--num-threads" not in argv
+    assert argv[argv.index("--model-path") + 1] == "/m" and argv[argv.index("--port") + 1] == "30001"
+    assert argv[argv.index("--max-total-tokens") + 1] == "64"
+    env = cpu.child_env(0)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "OMP_NUM_THREADS" not in env
+
+    gpu = EngineFleet(rollout, "/m", tmp_path, device="cuda")
+    argv = gpu.command(30002, base_gpu_id=0)
+    assert "--device" not in argv and argv[argv.index("--base-gpu-id") + 1] == "0"
+    env = gpu.child_env(3, gpu_ids=[4, 5])
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and "SGLANG_USE_CPU_ENGINE" not in env
+    assert env["DAPO_MEGA_ENGINE_INDEX"] == "3"
+
+
+def test_eval_starts_the_configured_backend(tmp_path, model_dir):
+    python, recorded = recorder(tmp_path)
+    cmd = [sys.executable, "-m", "dapo_mega.cli", "eval", f"eval.checkpoint={model_dir}", "eval.max_problems=2",
+           "rollout.backend=sglang", f"rollout.engine_python={python}", "cluster.device=cpu",
+           "rollout.health_timeout_s=60", f"trainer.output_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode != 0
+    assert "engine-0.log" in proc.stdout + proc.stderr
+    run = json.loads(recorded.read_text().splitlines()[0])
+    argv = run["argv"]
+    assert argv[:2] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == str(model_dir)
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert run["env"]["SGLANG_USE_CPU_ENGINE"] == "1"
