@@ -29,62 +29,39 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Tuple
 
 from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import DapoConfig
+from dapo_mega.models.shape import ModelShape
 
 GIB = 1024 ** 3
 
 
-@dataclass
-class ModelShape:
-    """What the plan needs of a decoder-only transformer (Qwen2 / Llama family)."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    source: str = "table"
-    """Where the shape came from: hf_config (config.json), table (KNOWN_MODELS) or tiny."""
-
-
 KNOWN_MODELS: Dict[str, ModelShape] = {
-    "qwen2.5-32b": ModelShape("qwen2.5-32b", 64, 5120, 27648, 40, 8, 128, 152064, False, True),
-    "qwen2.5-7b": ModelShape("qwen2.5-7b", 28, 3584, 18944, 28, 4, 128, 152064, False, True),
+    # The sizes of the published config.json files; `plan` reads no other field.
+    "qwen2.5-32b": ModelShape(model_type="qwen2", vocab_size=152064, hidden_size=5120, ffn_hidden_size=27648,
+                              num_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                              tie_word_embeddings=False, qkv_bias=True),
+    "qwen2.5-7b": ModelShape(model_type="qwen2", vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944,
+                             num_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                             tie_word_embeddings=False, qkv_bias=True),
 }
 
 
-def resolve_model_shape(cfg: DapoConfig) -> ModelShape:
-    """config.json at model.hf_path if present, else KNOWN_MODELS[model.name], else the tiny model."""
+def resolve_model_shape(cfg: DapoConfig) -> Tuple[ModelShape, str]:
+    """(shape, source): config.json at model.hf_path if present ("hf_config"), else
+    KNOWN_MODELS[model.name] ("table"), else the tiny model of the model config ("tiny")."""
     config_json = Path(cfg.model.hf_path) / "config.json" if cfg.model.hf_path else None
     if config_json is not None and config_json.exists():
-        hf = json.loads(config_json.read_text())
-        heads = hf["num_attention_heads"]
-        return ModelShape(
-            name=cfg.model.name, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-            ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab_size=hf["vocab_size"],
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias", False)), source="hf_config")
+        return ModelShape.from_hf_config(config_json), "hf_config"
     if cfg.model.name.lower() in KNOWN_MODELS:
-        return KNOWN_MODELS[cfg.model.name.lower()]
-    m = cfg.model
-    from dapo_mega.models.tiny import build_char_vocab
+        return KNOWN_MODELS[cfg.model.name.lower()], "table"
+    from dapo_mega.models.tiny import tiny_hf_config
 
-    return ModelShape(m.name, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_intermediate_size,
-                      m.tiny_num_attention_heads, m.tiny_num_key_value_heads,
-                      m.tiny_hidden_size // m.tiny_num_attention_heads, len(build_char_vocab()),
-                      m.tiny_tie_word_embeddings, True, source="tiny")
+    return ModelShape.from_hf_config(tiny_hf_config(cfg.model)), "tiny"
 
 
 def layer_params(shape: ModelShape) -> Dict[str, int]:
@@ -146,7 +123,7 @@ def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
 def compute_plan(cfg: DapoConfig) -> dict:
     """The layout, memory and warnings of `cfg` on its cluster.* shape (pure; no I/O but config.json)."""
     c, m, r, a = cfg.cluster, cfg.megatron, cfg.rollout, cfg.algo
-    shape = resolve_model_shape(cfg)
+    shape, source = resolve_model_shape(cfg)
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     gpus_per_node = c.gpus_per_node
     disagg = c.mode == "disaggregated"
@@ -221,7 +198,7 @@ def compute_plan(cfg: DapoConfig) -> dict:
 
     sync_bytes = 2 * phi
     return {
-        "model": asdict(shape), "total_params": phi,
+        "model": {"name": cfg.model.name, "source": source, **asdict(shape)}, "total_params": phi,
         "cluster": {"mode": c.mode, "num_nodes": c.num_nodes, "gpus_per_node": gpus_per_node,
                     "learner_nodes": learner_nodes, "engine_nodes": engine_nodes, "gpu_memory_gib": c.gpu_memory_gib},
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world,

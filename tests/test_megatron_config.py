@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_mega.backends.megatron.hf_arch import read_hf_arch
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.megatron.model import LOCAL_SPEC, TE_SPEC, pad_vocab_size, plan_transformer_config
 from dapo_mega.config import ConfigError, MegatronConfig, ModelConfig
+from dapo_mega.models.shape import ModelShape
 from dapo_mega.models.tiny import tiny_hf_config
 
 
@@ -51,13 +51,13 @@ def test_world_size_must_equal_product():
 def test_rope_theta_read_from_transformers5_and_config_json_forms():
     hf = _hf()
     hf_dict = hf.to_dict()
-    assert read_hf_arch(hf).rope_theta == 10000.0
+    assert ModelShape.from_hf_config(hf).rope_theta == 10000.0
     legacy = {k: v for k, v in hf_dict.items() if k != "rope_parameters"}
     legacy.update(rope_theta=1e6)
-    assert read_hf_arch(legacy).rope_theta == 1e6
+    assert ModelShape.from_hf_config(legacy).rope_theta == 1e6
     llama = tiny_hf_config(ModelConfig(), architecture="llama")
-    arch = read_hf_arch(llama)
-    assert arch.model_type == "llama" and not arch.qkv_bias and read_hf_arch(hf).qkv_bias
+    arch = ModelShape.from_hf_config(llama)
+    assert arch.model_type == "llama" and not arch.qkv_bias and ModelShape.from_hf_config(hf).qkv_bias
 
 
 def test_vocab_padding():
@@ -73,7 +73,7 @@ def _layout():
 
 
 def test_cpu_plan_is_local_spec_fp32_without_fusions():
-    arch = read_hf_arch(_hf())
+    arch = ModelShape.from_hf_config(_hf())
     plan = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=False, te_available=False)
     kw = plan.config_kwargs
     assert plan.layer_spec == LOCAL_SPEC and plan.params_dtype == "float32"
@@ -88,7 +88,7 @@ def test_cpu_plan_is_local_spec_fp32_without_fusions():
 
 
 def test_gpu_plan_te_bf16_and_fp8_recipes():
-    arch = read_hf_arch(_hf(tiny_num_layers=4))
+    arch = ModelShape.from_hf_config(_hf(tiny_num_layers=4))
     bf16 = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=True, te_available=True)
     assert bf16.layer_spec == TE_SPEC and bf16.params_dtype == "bfloat16" and bf16.config_kwargs["bf16"]
     assert not bf16.config_kwargs["use_cpu_initialization"]
@@ -119,7 +119,7 @@ def test_plan_kwargs_are_accepted_by_megatron_transformer_config():
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    arch = read_hf_arch(_hf(tiny_num_layers=4))
+    arch = ModelShape.from_hf_config(_hf(tiny_num_layers=4))
     mcfg = MegatronConfig(transformer_impl="transformer_engine")
     mcfg.fp8.enabled, mcfg.fp8.recipe = True, "tensorwise"
     plan = plan_transformer_config(arch, mcfg, ParallelLayout(world_size=1), has_gpu=True, te_available=True)

@@ -94,7 +94,7 @@ def _loss_split_checks(learner, samples):
             for g in groups:
                 mb = collate_micro_batch(perturbed, g)
                 logits = model(mb.tokens, mb.position_ids, None)
-                lp, _ = compute_token_log_probs(logits, mb.labels, a.temperature, learner.info.vocab_size, False)
+                lp, _ = compute_token_log_probs(logits, mb.labels, a.temperature, learner.info.shape.vocab_size, False)
                 loss, _ = compute_policy_loss(lp, mb.old_log_probs, mb.advantages, mb.response_mask,
                                               a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c,
                                               global_num_tokens=global_tokens)

@@ -3,15 +3,16 @@
 import pytest
 import torch
 
+from dapo_mega.models.shape import ModelShape
 from dapo_mega.weights import mapping as M
 
 
 def _dims(**kw):
-    base = dict(architecture="Qwen2ForCausalLM", num_layers=2, hidden_size=8, num_attention_heads=4,
-                num_query_groups=2, head_dim=2, ffn_hidden_size=6, vocab_size=10, padded_vocab_size=12,
-                tie_word_embeddings=False)
+    base = dict(model_type="qwen2", num_layers=2, hidden_size=8, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=2, ffn_hidden_size=6, vocab_size=10, padded_vocab_size=12,
+                tie_word_embeddings=False, qkv_bias=True)
     base.update(kw)
-    return M.TransformerDims(**base)
+    return ModelShape(**base)
 
 
 def test_fuse_qkv_matches_megatron_group_layout_by_hand():

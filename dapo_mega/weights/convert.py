@@ -416,7 +416,7 @@ def megatron_logits(chunks, info, input_ids: torch.Tensor) -> torch.Tensor:
     causal_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     logits = chunks[0](input_ids, position_ids, causal_mask)
     logits = gather_from_tensor_model_parallel_region(logits)
-    return logits[..., : info.vocab_size].float()
+    return logits[..., : info.shape.vocab_size].float()
 
 
 def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: Dict[str, Any], tp: int,

@@ -1,6 +1,7 @@
 """The one Megatron ⇄ Hugging Face name/shape mapping (Qwen2 / Qwen2.5 and Llama).
 
-Pure functions over tensors: no process groups here (the distributed streaming that uses
+Pure functions over tensors and the model's `ModelShape` (`dapo_mega/models/shape.py`,
+with Megatron's padded vocabulary): no process groups here (the distributed streaming that uses
 this table is in `dapo_mega/weights/stream.py`). Offline conversion
 (`tools/convert_checkpoint.py`) and the live weight sync to the rollout engines both go
 through this module, so a fused-tensor bug shows up in the conversion tests against
@@ -48,11 +49,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+from dapo_mega.models.shape import HF_ARCHITECTURES, ModelShape
+
+SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES.values())
 """HF `config.architectures[0]` values this mapping knows. Anything else is refused."""
 
 
@@ -64,27 +67,7 @@ class WeightMappingError(ValueError):
     """A tensor is missing, has the wrong shape, or has no mapping. The message names it."""
 
 
-# --------------------------------------------------------------------------- dims
-
-
-@dataclass(frozen=True)
-class TransformerDims:
-    """The sizes the mapping needs (taken from the HF config, or from ModelInfo)."""
-
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    padded_vocab_size: int
-    tie_word_embeddings: bool
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_attention_heads // self.num_query_groups
+# --------------------------------------------------------------------------- architectures
 
 
 def check_architecture(hf_config) -> str:
@@ -106,25 +89,6 @@ def check_architecture(hf_config) -> str:
             f"{names[0]} with attention_bias/mlp_bias is not supported (Megatron would need "
             "add_bias_linear on every linear layer)")
     return names[0]
-
-
-def dims_from_hf_config(hf_config, padded_vocab_size: Optional[int] = None) -> TransformerDims:
-    """TransformerDims from a transformers config (Qwen2Config / LlamaConfig)."""
-    arch = check_architecture(hf_config)
-    nh = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
-    return TransformerDims(
-        architecture=arch,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=nh,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or nh,
-        head_dim=head_dim,
-        ffn_hidden_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        padded_vocab_size=padded_vocab_size or hf_config.vocab_size,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-    )
 
 
 # --------------------------------------------------------------------------- the table
@@ -214,20 +178,6 @@ def hf_names_of(global_name: str) -> Tuple[str, ...]:
     """HF names held by one global Megatron tensor."""
     spec, layer = lookup(global_name)
     return tuple(n.format(layer=layer) for n in spec.hf_names)
-
-
-def megatron_global_names(dims: TransformerDims, with_qkv_bias: bool) -> List[str]:
-    """Every global Megatron parameter name of a dense model (local-spec spelling)."""
-    names = [EMBEDDING_NAME]
-    for i in range(dims.num_layers):
-        for suffix in _LAYER_TABLE:
-            if suffix == "self_attention.linear_qkv.bias" and not with_qkv_bias:
-                continue
-            names.append(f"decoder.layers.{i}.{suffix}")
-    names.append("decoder.final_layernorm.weight")
-    if not dims.tie_word_embeddings:
-        names.append(OUTPUT_LAYER_NAME)
-    return names
 
 
 # --------------------------------------------------------------------------- fused tensors
@@ -324,7 +274,7 @@ def merge_tp_shards(shards: Sequence[torch.Tensor], spec: ParamSpec) -> torch.Te
 
 
 def megatron_to_hf_tensors(global_name: str, full: torch.Tensor,
-                           dims: TransformerDims) -> Iterator[Tuple[str, torch.Tensor]]:
+                           shape: ModelShape) -> Iterator[Tuple[str, torch.Tensor]]:
     """One full (TP-merged) Megatron tensor → its (hf_name, tensor) pairs.
 
     Vocab-parallel tensors lose their padding rows here.
@@ -332,11 +282,11 @@ def megatron_to_hf_tensors(global_name: str, full: torch.Tensor,
     spec, layer = lookup(global_name)
     names = [n.format(layer=layer) for n in spec.hf_names]
     if spec.fuse == QKV:
-        yield from zip(names, split_qkv(full, dims.num_attention_heads, dims.num_query_groups, dims.head_dim))
+        yield from zip(names, split_qkv(full, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim))
     elif spec.fuse == GATE_UP:
         yield from zip(names, split_gate_up(full))
     elif spec.tp_split == VOCAB:
-        yield names[0], unpad_vocab(full, dims.vocab_size)
+        yield names[0], unpad_vocab(full, shape.vocab_size)
     else:
         yield names[0], full
 
@@ -348,7 +298,7 @@ class MissingHFTensorError(WeightMappingError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def hf_to_megatron_tensor(global_name: str, get_hf_tensor, dims: TransformerDims) -> torch.Tensor:
+def hf_to_megatron_tensor(global_name: str, get_hf_tensor, shape: ModelShape) -> torch.Tensor:
     """The full Megatron tensor `global_name` built from HF tensors (vocab padded).
 
     get_hf_tensor(hf_name) -> torch.Tensor returns the full HF tensor (e.g. lazily from
@@ -356,40 +306,40 @@ def hf_to_megatron_tensor(global_name: str, get_hf_tensor, dims: TransformerDims
     """
     spec, layer = lookup(global_name)
     names = [n.format(layer=layer) for n in spec.hf_names]
-    if canonical_megatron_name(global_name) == OUTPUT_LAYER_NAME and dims.tie_word_embeddings:
+    if canonical_megatron_name(global_name) == OUTPUT_LAYER_NAME and shape.tie_word_embeddings:
         # A pipeline stage that holds its own copy of a tied output layer.
         names = ["lm_head.weight"] if _has(get_hf_tensor, "lm_head.weight") else ["model.embed_tokens.weight"]
     tensors = [_fetch(get_hf_tensor, n) for n in names]
     for n, t in zip(names, tensors):
-        _check_hf_shape(n, t, dims)
+        _check_hf_shape(n, t, shape)
     if spec.fuse == QKV:
-        return fuse_qkv(*tensors, dims.num_attention_heads, dims.num_query_groups, dims.head_dim)
+        return fuse_qkv(*tensors, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim)
     if spec.fuse == GATE_UP:
         return fuse_gate_up(*tensors)
     if spec.tp_split == VOCAB:
-        return pad_vocab(tensors[0], dims.padded_vocab_size)
+        return pad_vocab(tensors[0], shape.padded_vocab_size)
     return tensors[0]
 
 
-def expected_hf_shape(hf_name: str, dims: TransformerDims) -> Optional[Tuple[int, ...]]:
-    """The shape an HF tensor must have for these dims (None for names not in the table)."""
-    h, d = dims.hidden_size, dims.head_dim
+def expected_hf_shape(hf_name: str, shape: ModelShape) -> Optional[Tuple[int, ...]]:
+    """The shape an HF tensor must have for this model shape (None for names not in the table)."""
+    h, d = shape.hidden_size, shape.head_dim
     leaf = hf_name.split(".")[-2] + "." + hf_name.split(".")[-1]
     shapes = {
-        "embed_tokens.weight": (dims.vocab_size, h), "lm_head.weight": (dims.vocab_size, h),
+        "embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
         "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "q_proj.weight": (dims.num_attention_heads * d, h), "q_proj.bias": (dims.num_attention_heads * d,),
-        "k_proj.weight": (dims.num_query_groups * d, h), "k_proj.bias": (dims.num_query_groups * d,),
-        "v_proj.weight": (dims.num_query_groups * d, h), "v_proj.bias": (dims.num_query_groups * d,),
-        "o_proj.weight": (h, dims.num_attention_heads * d),
-        "gate_proj.weight": (dims.ffn_hidden_size, h), "up_proj.weight": (dims.ffn_hidden_size, h),
-        "down_proj.weight": (h, dims.ffn_hidden_size),
+        "q_proj.weight": (shape.num_attention_heads * d, h), "q_proj.bias": (shape.num_attention_heads * d,),
+        "k_proj.weight": (shape.num_key_value_heads * d, h), "k_proj.bias": (shape.num_key_value_heads * d,),
+        "v_proj.weight": (shape.num_key_value_heads * d, h), "v_proj.bias": (shape.num_key_value_heads * d,),
+        "o_proj.weight": (h, shape.num_attention_heads * d),
+        "gate_proj.weight": (shape.ffn_hidden_size, h), "up_proj.weight": (shape.ffn_hidden_size, h),
+        "down_proj.weight": (h, shape.ffn_hidden_size),
     }
     return shapes.get(leaf)
 
 
-def _check_hf_shape(hf_name: str, t: torch.Tensor, dims: TransformerDims) -> None:
-    want = expected_hf_shape(hf_name, dims)
+def _check_hf_shape(hf_name: str, t: torch.Tensor, shape: ModelShape) -> None:
+    want = expected_hf_shape(hf_name, shape)
     if want is not None and tuple(t.shape) != want:
         raise WeightMappingError(
             f"shape mismatch for {hf_name}: checkpoint has {tuple(t.shape)}, the model config "

@@ -34,15 +34,8 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from dapo_mega.backends.megatron.model import ModelInfo, unwrap_chunk
 from dapo_mega.weights import mapping as M
-
-
-def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers (whatever has `.decoder`)."""
-    module = chunk
-    while not hasattr(module, "decoder") and hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def global_param_name(model: torch.nn.Module, local_name: str) -> str:
@@ -57,23 +50,6 @@ def global_param_name(model: torch.nn.Module, local_name: str) -> str:
         return name
     layer = model.decoder.layers[int(m.group(1))]
     return f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
-
-
-def dims_from_info(info) -> M.TransformerDims:
-    """TransformerDims from the learner's ModelInfo (dapo_mega.backends.megatron.model)."""
-    arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(info.architecture, info.architecture)
-    return M.TransformerDims(
-        architecture=arch,
-        num_layers=info.num_layers,
-        hidden_size=info.hidden_size,
-        num_attention_heads=info.num_attention_heads,
-        num_query_groups=info.num_key_value_heads,
-        head_dim=info.head_dim,
-        ffn_hidden_size=info.ffn_hidden_size,
-        vocab_size=info.vocab_size,
-        padded_vocab_size=info.padded_vocab_size,
-        tie_word_embeddings=info.tie_word_embeddings,
-    )
 
 
 def _tp_group_size_rank(layout) -> Tuple[Optional[object], int, int]:
@@ -96,17 +72,18 @@ def _named_weights(chunk: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Modul
 
 
 @torch.no_grad()
-def iter_megatron_to_hf(model_chunks: List[torch.nn.Module], info, layout) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_megatron_to_hf(model_chunks: List[torch.nn.Module], info: ModelInfo,
+                        layout) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every weight this pipeline stage holds.
 
     See the module docstring for who calls it and what it guarantees. TP shards are
     all-gathered per parameter over the TP group (gloo on CPU, NCCL on GPU).
     """
-    dims = dims_from_info(info)
+    shape = info.shape
     group, tp_size, _ = _tp_group_size_rank(layout)
     for chunk in model_chunks:
         for name, _, param in _named_weights(chunk):
-            if name == M.OUTPUT_LAYER_NAME and dims.tie_word_embeddings:
+            if name == M.OUTPUT_LAYER_NAME and shape.tie_word_embeddings:
                 continue  # HF ties lm_head to embed_tokens
             spec, _ = M.lookup(name)
             local = param.detach()
@@ -118,11 +95,11 @@ def iter_megatron_to_hf(model_chunks: List[torch.nn.Module], info, layout) -> It
                 del shards
             else:
                 full = local
-            yield from M.megatron_to_hf_tensors(name, full, dims)
+            yield from M.megatron_to_hf_tensors(name, full, shape)
 
 
 @torch.no_grad()
-def load_hf_into_megatron(model_chunks: List[torch.nn.Module], info, layout,
+def load_hf_into_megatron(model_chunks: List[torch.nn.Module], info: ModelInfo, layout,
                           get_hf_tensor: Callable[[str], torch.Tensor]) -> Set[str]:
     """Copy HF weights into this rank's Megatron parameters; returns the HF names used.
 
@@ -130,7 +107,7 @@ def load_hf_into_megatron(model_chunks: List[torch.nn.Module], info, layout,
     and raises KeyError when absent (→ MissingHFTensorError naming it). A TP slice whose
     shape differs from the parameter raises WeightMappingError naming both names.
     """
-    dims = dims_from_info(info)
+    shape = info.shape
     _, tp_size, tp_rank = _tp_group_size_rank(layout)
     used: Set[str] = set()
 
@@ -142,7 +119,7 @@ def load_hf_into_megatron(model_chunks: List[torch.nn.Module], info, layout,
     for chunk in model_chunks:
         for name, _, param in _named_weights(chunk):
             spec, _ = M.lookup(name)
-            full = M.hf_to_megatron_tensor(name, getter, dims)
+            full = M.hf_to_megatron_tensor(name, getter, shape)
             shard = M.split_for_tp(full, spec, tp_size, tp_rank)
             if tuple(shard.shape) != tuple(param.shape):
                 raise M.WeightMappingError(

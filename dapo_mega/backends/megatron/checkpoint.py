@@ -176,7 +176,7 @@ def model_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, A
     ShardedTensor keys carry global layer numbers, so the file layout does not depend on
     TP/PP/VPP; only the nesting key differs, which dist_checkpointing ignores for tensors.
     """
-    from dapo_mega.weights.stream import unwrap_chunk
+    from dapo_mega.backends.megatron.model import unwrap_chunk
 
     models = [unwrap_chunk(c) for c in model_chunks]
     if len(models) == 1:
@@ -186,7 +186,7 @@ def model_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, A
 
 def load_model_state(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
     """Copy a loaded {"model"…} dict into the chunks (strict: every parameter present)."""
-    from dapo_mega.weights.stream import unwrap_chunk
+    from dapo_mega.backends.megatron.model import unwrap_chunk
 
     models = [unwrap_chunk(c) for c in model_chunks]
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
@@ -368,7 +368,7 @@ def _model_meta(learner) -> Dict[str, Any]:
         if hf_config is None:
             hf_config = Path(hf_path)
     if hf_config is not None:
-        from dapo_mega.backends.megatron.hf_arch import hf_config_to_dict
+        from dapo_mega.models.shape import hf_config_to_dict
 
         meta["hf_config"] = hf_config_to_dict(hf_config)
     return meta

@@ -2,6 +2,10 @@
 
     build_model(hf_config, mcfg, layout) -> ([GPTModel chunk per virtual stage], ModelInfo)
 
+The model's numbers come from the one shape record, `dapo_mega.models.shape.ModelShape`;
+`ModelInfo` adds what this build decided (layer spec, dtype, FP8) and carries the shape
+with Megatron's padded vocabulary.
+
 Architecture mapping (HF -> megatron TransformerConfig / GPTModel):
 
     num_key_value_heads   -> num_query_groups (GQA)
@@ -11,7 +15,7 @@ Architecture mapping (HF -> megatron TransformerConfig / GPTModel):
     rope θ                -> position_embedding_type="rope", rotary_base (llama3 scaling ->
                              rope_scaling=True, rope_scaling_factor)
     tie_word_embeddings   -> share_embeddings_and_output_weights
-    vocab_size            -> padded to a multiple of 128·TP (ModelInfo keeps both, so
+    vocab_size            -> padded to a multiple of 128·TP (the shape keeps both, so
                              conversion can strip the padding rows)
 
 Layer spec: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`) when TE and a
@@ -35,14 +39,14 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from dapo_mega.backends.megatron.hf_arch import HFArch, read_hf_arch
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.config import ConfigError, MegatronConfig
+from dapo_mega.models.shape import ModelShape
 
 VOCAB_PAD_MULTIPLE = 128
 INIT_STD = 0.02
@@ -53,27 +57,13 @@ _FP8_FORMATS = {"e4m3": "e4m3", "hybrid": "hybrid"}
 _FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
-    """What the conversion / weight-sync code needs to know about a built model."""
+    """A built model: its shape (with the padded vocabulary) and what the build decided."""
 
-    architecture: str
-    """HF model_type: qwen2 or llama."""
-    vocab_size: int
-    """HF vocabulary size (rows of embed_tokens / lm_head)."""
-    padded_vocab_size: int
-    """Megatron vocabulary size: vocab_size rounded up to a multiple of 128·TP. Rows
-    [vocab_size, padded_vocab_size) are padding: zero at init, masked out of log-probs."""
-    tie_word_embeddings: bool
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    qkv_bias: bool
-    rms_norm_eps: float
-    rope_theta: float
+    shape: ModelShape
+    """The architecture; `shape.padded_vocab_size` is Megatron's vocabulary (a multiple of
+    128·TP); rows [vocab_size, padded_vocab_size) are padding."""
     layer_spec: str
     """"local" or "transformer_engine" (TE fuses the pre-norms into linear_qkv / linear_fc1:
     `...linear_qkv.layer_norm_weight` instead of `...input_layernorm.weight`)."""
@@ -83,7 +73,9 @@ class ModelInfo:
     """None, "e4m3" or "hybrid"."""
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """Flat JSON form (the shape's fields, then the build's), as written to dapo_mega_model.json."""
+        return {**self.shape.to_dict(), "layer_spec": self.layer_spec, "params_dtype": self.params_dtype,
+                "fp8": self.fp8}
 
 
 @dataclass
@@ -132,7 +124,7 @@ def choose_layer_spec(transformer_impl: str, has_gpu: bool, te_available: bool) 
     raise ConfigError(f"megatron.transformer_impl: unknown {transformer_impl!r}; use auto, local or transformer_engine")
 
 
-def plan_transformer_config(arch: HFArch, mcfg: MegatronConfig, layout: ParallelLayout, has_gpu: bool,
+def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: ParallelLayout, has_gpu: bool,
                             te_available: bool) -> TransformerPlan:
     """Pure mapping config -> TransformerConfig kwargs + layer spec + dtype (no imports of TE).
 
@@ -155,7 +147,7 @@ def plan_transformer_config(arch: HFArch, mcfg: MegatronConfig, layout: Parallel
     kwargs: Dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.intermediate_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_key_value_heads,
         kv_channels=arch.head_dim,
@@ -246,7 +238,7 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    arch = read_hf_arch(hf_config)
+    arch = ModelShape.from_hf_config(hf_config)
     has_gpu = torch.cuda.is_available()
     plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_available())
     kwargs = dict(plan.config_kwargs)
@@ -277,14 +269,17 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
             model = model.to(device)
         chunks.append(model)
     initialize_weights(chunks, arch, layout.tp, padded_vocab, seed=mcfg.seed)
-    info = ModelInfo(
-        architecture=arch.model_type, vocab_size=arch.vocab_size, padded_vocab_size=padded_vocab,
-        tie_word_embeddings=arch.tie_word_embeddings, num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim, ffn_hidden_size=arch.intermediate_size, qkv_bias=arch.qkv_bias,
-        rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, layer_spec=plan.layer_spec,
-        params_dtype=plan.params_dtype, fp8=kwargs.get("fp8"))
+    info = ModelInfo(shape=arch.with_padded_vocab(padded_vocab), layer_spec=plan.layer_spec,
+                     params_dtype=plan.params_dtype, fp8=kwargs.get("fp8"))
     return chunks, info
+
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (whatever has `.decoder`)."""
+    module = chunk
+    while not hasattr(module, "decoder") and hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -307,7 +302,7 @@ def global_param_names(chunk: torch.nn.Module) -> Dict[str, str]:
 
 
 @torch.no_grad()
-def initialize_weights(chunks: List[torch.nn.Module], arch: HFArch, tp: int, padded_vocab: int, seed: int) -> None:
+def initialize_weights(chunks: List[torch.nn.Module], arch: ModelShape, tp: int, padded_vocab: int, seed: int) -> None:
     """Layout-independent init: full tensor from (seed, global name), then this rank's shard.
 
     Norm weights are 1; every other tensor (weights and QKV biases) is N(0, INIT_STD²).

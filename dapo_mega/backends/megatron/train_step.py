@@ -126,7 +126,7 @@ class MegatronLearner:
     # ------------------------------------------------------------------ log-probs
     def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
         """Forward only over `indices`; {sample index: [R] log-probs} on loss ranks, {} elsewhere."""
-        temperature, vocab = self.cfg.algo.temperature, self.info.vocab_size
+        temperature, vocab = self.cfg.algo.temperature, self.info.shape.vocab_size
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             log_probs, _ = compute_token_log_probs(logits, mb.labels, temperature, vocab, with_entropy=False)
@@ -214,7 +214,7 @@ class MegatronLearner:
 
     def _policy_loss_func(self, global_tokens: float, global_seqs: float, mb: MicroBatch, logits: torch.Tensor):
         algo = self.cfg.algo
-        log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.vocab_size)
+        log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.shape.vocab_size)
         mask = mb.response_mask
         tis = None
         if algo.tis_cap is not None and mb.engine_log_probs is not None and not algo.use_engine_logprobs:
@@ -290,7 +290,7 @@ class MegatronLearner:
         temperature_free = 1.0  # supervised targets: no sampling temperature
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            log_probs, entropy = compute_token_log_probs(logits, mb.labels, temperature_free, self.info.vocab_size)
+            log_probs, entropy = compute_token_log_probs(logits, mb.labels, temperature_free, self.info.shape.vocab_size)
             mask = mb.response_mask
             loss = -(log_probs * mask).sum() / global_tokens
             num_tokens = mask.sum().to(torch.int)

@@ -1,0 +1,142 @@
+"""The one record of a model's shape, read from a Hugging Face config (Qwen2 / Qwen2.5 / Llama).
+
+    shape = ModelShape.from_hf_config("/models/Qwen2.5-32B")   # or a config object or dict
+
+Every part of the project that needs a number of the architecture reads it here: the
+Megatron model provider (`backends/megatron/model.py`), the HF ⇄ Megatron weight mapping
+and streaming (`weights/mapping.py`, `weights/stream.py`), conversion and `dapo-mega plan`.
+Field names follow megatron-core where HF and Megatron disagree on a size
+(`ffn_hidden_size` for HF's `intermediate_size`, `num_layers` for `num_hidden_layers`) and
+HF's `num_key_value_heads` for Megatron's `num_query_groups`.
+
+Accepts a transformers `PretrainedConfig`, a dict (the parsed config.json) or a path to a
+checkpoint directory / config.json. Nothing here imports torch or megatron.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from dapo_mega.config import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+"""HF `config.architectures[0]` of each supported `model_type`."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers of a decoder-only transformer (Qwen2 / Llama family)."""
+
+    model_type: str
+    """HF `model_type`: "qwen2" or "llama"."""
+    vocab_size: int
+    """HF vocabulary size: rows of embed_tokens / lm_head."""
+    hidden_size: int
+    ffn_hidden_size: int
+    """SwiGLU inner size (HF `intermediate_size`); gate, up and down projections."""
+    num_layers: int
+    """Transformer layers (HF `num_hidden_layers`)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    """KV heads (GQA); megatron-core calls them `num_query_groups`."""
+    head_dim: int
+    tie_word_embeddings: bool
+    """HF stores only embed_tokens; lm_head is the same tensor."""
+    qkv_bias: bool
+    """Qwen2 always has a bias on q/k/v; Llama follows `attention_bias`."""
+    mlp_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling_factor: Optional[float] = None
+    """Llama-3.1 style RoPE scaling factor (rope_type "llama3"); None = plain RoPE."""
+    max_position_embeddings: int = 4096
+    padded_vocab_size: int = 0
+    """Megatron's vocabulary: `vocab_size` rounded up for the tensor-parallel split (rows
+    [vocab_size, padded_vocab_size) are padding, zero at init, masked out of log-probs and
+    never written to HF). Equal to `vocab_size` until `with_padded_vocab` sets it."""
+
+    def __post_init__(self) -> None:
+        if not self.padded_vocab_size:
+            object.__setattr__(self, "padded_vocab_size", self.vocab_size)
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
+
+    @property
+    def hf_architecture(self) -> str:
+        """`Qwen2ForCausalLM` or `LlamaForCausalLM`."""
+        return HF_ARCHITECTURES[self.model_type]
+
+    def with_padded_vocab(self, padded_vocab_size: int) -> "ModelShape":
+        """The same shape with Megatron's padded vocabulary (set by the model provider)."""
+        return replace(self, padded_vocab_size=padded_vocab_size)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelShape":
+        """Parse a Qwen2/Qwen2.5/Llama config; raises ConfigError for other model types."""
+        cfg = hf_config_to_dict(hf_config)
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model.hf_path: model_type {model_type!r} is not supported; "
+                              f"use one of {SUPPORTED_MODEL_TYPES}")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        theta, factor = _rope(cfg)
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has QKV bias (there is no config switch); Llama follows attention_bias.
+            qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        )
+
+
+def hf_config_to_dict(hf_config: Any) -> Dict[str, Any]:
+    """A config object, dict, directory or config.json path -> the config.json dict."""
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    if isinstance(hf_config, (str, Path)):
+        path = Path(hf_config)
+        if path.is_dir():
+            path = path / "config.json"
+        return json.loads(path.read_text())
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"cannot read a Hugging Face config from {type(hf_config).__name__}")
+
+
+def _rope(cfg: Dict[str, Any]) -> tuple[float, Optional[float]]:
+    """RoPE θ and Llama-3 scaling factor.
+
+    transformers 5 stores RoPE as `rope_parameters = {"rope_theta": θ, "rope_type": ...,
+    (scaling fields)}`; transformers 4 config.json files have top-level `rope_theta` and an
+    optional `rope_scaling` dict with `rope_type` (or the older key `type`).
+    """
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        factor = params.get("factor", scaling.get("factor", 8.0))
+        return float(theta), float(factor)
+    raise ConfigError(f"model.hf_path: rope_type {rope_type!r} is not supported by the Megatron learner; "
+                      "supported: default, llama3")
