@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -45,6 +45,7 @@ from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 from dapo_mega.weights import transport
 
 SHM_LOAD_FORMAT = "shared_memory_json"
+T = TypeVar("T")
 
 
 class WeightSyncError(RuntimeError):
@@ -291,9 +292,31 @@ class WeightSyncer:
             transport.remove_shm_bucket(handle)
 
 
+def run_stages_in_turn(num_stages: int, my_stage: int, send: Callable[[], T],
+                       barrier: Callable[[], None]) -> Optional[T]:
+    """Pipeline stages send their weights one after the other: stage s calls `send` while
+    the others wait, and `barrier` (every learner rank) closes each turn.
+
+    Why: each engine serves update requests in arrival order, and every stage's source
+    broadcasts on its own group; if two stages sent at once, engine A could enter stage 0's
+    broadcast while engine B entered stage 1's, and each broadcast would wait for the
+    engine stuck in the other one, forever. `send` returns only after every engine
+    answered every bucket of the stage (`WeightSyncer.sync` waits for all replies), so
+    after the barrier no engine is still inside stage s. Returns this rank's `send()`
+    result (None on ranks of no stage that sent).
+    """
+    result: Optional[T] = None
+    for stage in range(num_stages):
+        if stage == my_stage:
+            result = send()
+        barrier()
+    return result
+
+
 def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weight_version: str) -> Optional[SyncStats]:
     """Sync a Megatron learner: every TP rank of DP rank 0 drains `iter_megatron_to_hf`
-    (its TP gathers are collective); only each stage's weight source sends.
+    (its TP gathers are collective); only each stage's weight source sends, and the
+    stages take turns (`run_stages_in_turn`).
 
     Pausing / continuing is done here by the global rank 0 around a barrier on the
     default group so that every stage streams into paused engines.
@@ -305,17 +328,24 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
     if is_rank0:
         syncer.pause_engines()
     dist.barrier()
-    stats = None
+
+    def send() -> Optional[SyncStats]:
+        if layout.dp_rank != 0:
+            return None
+        stream = iter_megatron_to_hf(model_chunks, info, layout)
+        if layout.is_weight_source:
+            return syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False)
+        for _ in stream:
+            pass
+        return None
+
     try:
-        if layout.dp_rank == 0:
-            stream = iter_megatron_to_hf(model_chunks, info, layout)
-            if layout.is_weight_source:
-                stats = syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False)
-            else:
-                for _ in stream:
-                    pass
-    finally:
+        # the last turn's barrier is the one every rank passes before generation continues
+        stats = run_stages_in_turn(layout.pp, layout.pp_rank, send, dist.barrier)
+    except BaseException:
         dist.barrier()
+        raise
+    finally:
         if is_rank0:
             syncer.continue_engines()
     return stats
