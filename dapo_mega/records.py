@@ -15,11 +15,18 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-CONSOLE_FORMAT = (
-    "step {step:>5d} | v{policy_version:<4d} | reward {reward:+.3f} | acc {acc:.3f} | kept {kept:.2f} "
-    "| len {length:6.1f} | loss {loss:+.4f} | gnorm {gnorm:.3f} | gen {gen:5.1f}s train {train:5.1f}s "
-    "sync {sync:4.1f}s | eval {eval}"
+CONSOLE_COLUMNS = (
+    # (metric key, column format); a column whose metric the row lacks is left out
+    ("rollout/reward_mean", "reward {:+.3f}"),
+    ("rollout/accuracy", "acc {:.3f}"),
+    ("rollout/kept_group_frac", "kept {:.2f}"),
+    ("rollout/response_length_mean", "len {:6.1f}"),
+    ("loss/pg", "loss {:+.4f}"),
+    ("actor/grad_norm", "gnorm {:.3f}"),
 )
+TIME_COLUMNS = (("time/rollout_s", "gen {:5.1f}s"), ("time/train_s", "train {:5.1f}s"), ("time/sync_s", "sync {:4.1f}s"))
+"""A training row prints every column (the fixed format in the README); the step-0 row, which
+holds only the evaluation, prints the step, the version and the evaluation."""
 
 PLOT_PANELS = [
     ("reward", ["rollout/reward_mean"]),
@@ -137,20 +144,20 @@ class RunRecorder(NullRecorder):
 
 
 def format_console_line(row: Dict[str, Any]) -> str:
-    """The fixed-format line rank 0 prints per step."""
+    """The fixed-format line rank 0 prints per step (columns the row lacks are left out; a
+    NaN the row holds is printed as nan)."""
 
-    def num(key: str) -> float:
-        value = row.get(key)
-        return float(value) if isinstance(value, (int, float)) else float("nan")
+    def has(key: str) -> bool:
+        return isinstance(row.get(key), (int, float))
 
+    parts = [f"step {int(row['step']):>5d}", f"v{int(row.get('policy_version', 0)):<4d}"]
+    parts += [fmt.format(float(row[key])) for key, fmt in CONSOLE_COLUMNS if has(key)]
+    times = [fmt.format(float(row[key])) for key, fmt in TIME_COLUMNS if has(key)]
+    if times:
+        parts.append(" ".join(times))
     eval_value = row.get("eval/avg_at_k")
-    return CONSOLE_FORMAT.format(
-        step=int(row["step"]), policy_version=int(row.get("policy_version", 0)),
-        reward=num("rollout/reward_mean"), acc=num("rollout/accuracy"), kept=num("rollout/kept_group_frac"),
-        length=num("rollout/response_length_mean"), loss=num("loss/pg"), gnorm=num("actor/grad_norm"),
-        gen=num("time/rollout_s"), train=num("time/train_s"), sync=num("time/sync_s"),
-        eval=f"{eval_value:.3f}" if isinstance(eval_value, (int, float)) else "  -  ",
-    )
+    parts.append(f"eval {eval_value:.3f}" if isinstance(eval_value, (int, float)) else "eval   -  ")
+    return " | ".join(parts)
 
 
 def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:

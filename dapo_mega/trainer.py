@@ -5,8 +5,10 @@
 
 Every learner rank runs `train`. Global rank 0 is also the driver: it owns the rollout
 engines, the verifier, the data cursor, the ledger and the records, and hands each step's
-samples to the other ranks. The components live elsewhere (see the README's package map);
-`dapo_mega/session.py` builds them, and this file is the loop.
+samples to the other ranks; `role` is that part on each rank (`driver/roles.py`: the driver,
+or a learner rank that receives), so the loop never tests the rank. The components live in
+`dapo_mega/driver/` (see the README's package map); `dapo_mega/session.py` wires them,
+and this file is the loop.
 
 How it departs from the textbook: no critic and no KL (DAPO); the loss is token-level
 over the whole mini-batch; groups with uniform rewards are dropped and refilled; in
@@ -33,20 +35,20 @@ def train(cfg: DapoConfig) -> int:
     from dapo_mega.session import Session
 
     s = Session.start(cfg)                      # process groups, learner, engines, resume
+    role, run = s.role, s.run                   # this rank's part (driver or not), counters
     try:
-        if s.state.step == 0 and cfg.trainer.sft_warmup_steps > 0 and not s.resumed:
+        if run.state.step == 0 and cfg.trainer.sft_warmup_steps > 0 and not run.resumed:
             s.warm_start()                      # supervised warm start (embedded default)
         s.sync_weights()                        # engines serve the learner's weights at v
-        if s.state.step == 0 and cfg.trainer.eval_interval > 0:
-            s.log_step(0, s.evaluate(), {})     # held-out accuracy before any RL step
-        s.start_async_rollouts()                # no-op unless disaggregated with staleness > 0
-        for step in range(s.state.step + 1, cfg.trainer.total_steps + 1):
+        if run.state.step == 0 and cfg.trainer.eval_interval > 0:
+            role.log_step(0, role.evaluate(), {})  # held-out accuracy before any RL step
+        role.start_rollouts(run.state.step + 1)  # a thread, when disaggregated with staleness > 0
+        for step in range(run.state.step + 1, cfg.trainer.total_steps + 1):
             timings: Dict[str, float] = {}
 
             t = time.perf_counter()
-            batch = s.next_rollout_batch(step)  # generate + reward + dynamic sampling (rank 0)
-            samples = s.build_train_samples(batch)       # advantages, tokens, masks
-            samples = s.share_with_learners(samples)     # every learner rank gets the list
+            batch = role.next_rollout_batch(step, run.state.policy_version)  # generate, reward, filter
+            samples = role.train_samples(batch)  # advantages; every learner rank gets the list
             timings["time/rollout_s"] = time.perf_counter() - t
 
             t = time.perf_counter()
@@ -56,22 +58,22 @@ def train(cfg: DapoConfig) -> int:
             timings["time/train_s"] = time.perf_counter() - t
 
             t = time.perf_counter()
-            s.state.policy_version += 1
+            run.state.policy_version += 1
             sync_metrics = s.sync_weights()     # engines now serve version policy_version
             timings["time/sync_s"] = time.perf_counter() - t
 
-            s.state.step = step
-            s.write_ledger(step, batch)
+            run.state.step = step
+            role.write_ledger(step, batch)      # one row per sample, kept or rejected
             eval_metrics: Dict[str, float] = {}
-            if s.should_eval(step):
+            if run.should_eval(step):
                 t = time.perf_counter()
-                eval_metrics = s.evaluate()
+                eval_metrics = role.evaluate()
                 timings["time/eval_s"] = time.perf_counter() - t
-            if s.should_save(step):
+            if run.should_save(step):
                 t = time.perf_counter()
                 s.save_checkpoint(step)
                 timings["time/save_s"] = time.perf_counter() - t
-            s.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, timings)
+            role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, timings)
         return 0
     finally:
         s.close()

@@ -35,8 +35,20 @@ def test_torn_line_ignored(tmp_path):
 
 
 def test_console_line_missing_values():
-    line = format_console_line({"step": 4, "eval/avg_at_k": 0.25})
-    assert line.startswith("step     4 | v0") and "eval 0.250" in line and "reward +nan" in line
+    # the step-0 row holds only the evaluation: no column of nans
+    assert format_console_line({"step": 0, "eval/avg_at_k": 0.25}) == "step     0 | v0    | eval 0.250"
+    line = format_console_line({"step": 4, "policy_version": 4, "rollout/reward_mean": float("nan")})
+    assert line == "step     4 | v4    | reward +nan | eval   -  "  # a NaN the run produced is shown
+
+
+def test_console_line_of_a_training_step():
+    row = {"step": 20, "policy_version": 20, "rollout/reward_mean": -0.484, "rollout/accuracy": 0.258,
+           "rollout/kept_group_frac": 0.51, "rollout/response_length_mean": 4.2, "loss/pg": 0.0005,
+           "actor/grad_norm": 3.618, "time/rollout_s": 0.3, "time/train_s": 0.3, "time/sync_s": 0.0,
+           "eval/avg_at_k": 0.318}
+    # the line the README shows
+    assert format_console_line(row) == ("step    20 | v20   | reward -0.484 | acc 0.258 | kept 0.51 | len    4.2 | "
+                                        "loss +0.0005 | gnorm 3.618 | gen   0.3s train   0.3s sync  0.0s | eval 0.318")
 
 
 def test_wandb_offline_resume_same_id(tmp_path):

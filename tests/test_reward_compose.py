@@ -3,7 +3,7 @@
 import torch
 
 from dapo_mega.config import AlgoConfig
-from dapo_mega.reward import build_verifier, compute_rewards
+from dapo_mega.reward import SampleReward, build_verifier, compute_rewards
 
 
 def test_correctness_plus_overlong_penalty():
@@ -20,10 +20,12 @@ def test_correctness_plus_overlong_penalty():
     torch.testing.assert_close(batch.reward, torch.tensor([1.0, -1.0, 0.5, -2.0]))
     assert batch.correct.tolist() == [True, False, True, False]
     assert batch.verifier_error == [None] * 4
-    rec = batch.record(3)
-    assert rec == {"correctness": -1.0, "overlong_penalty": -1.0, "reward": -2.0, "correct": False,
-                   "verifier_error": None, "extracted": "45andonandon", "verifier_name": "dapo",
-                   "verifier_version": batch.verifier_version}
+    rec = batch.item(3)
+    assert rec == SampleReward(reward=-2.0, correct=False, correctness=-1.0, overlong_penalty=-1.0,
+                               verifier="dapo", verifier_version=batch.verifier_version, verifier_error=None,
+                               extracted="45andonandon")
+    assert rec.components() == {"correctness": -1.0, "overlong_penalty": -1.0}
+    assert [r.reward for r in batch.items()] == [1.0, -1.0, 0.5, -2.0]
     assert batch.stats.num_responses == 4
 
 

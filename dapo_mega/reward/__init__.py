@@ -14,7 +14,7 @@ from dapo_mega.reward.scoring import (
     get_verifier_pool,
     score_responses,
 )
-from dapo_mega.reward.types import Verifier, VerifyResult, VerifyStats, verifier_error_result
+from dapo_mega.reward.types import UNSCORED, SampleReward, Verifier, VerifyResult, VerifyStats, verifier_error_result
 
 
 def __getattr__(name: str):
@@ -42,6 +42,8 @@ __all__ = [
     "DapoVerifier",
     "MathVerifyVerifier",
     "RewardBatch",
+    "SampleReward",
+    "UNSCORED",
     "VERIFIERS",
     "Verifier",
     "VerifierPool",

@@ -9,13 +9,13 @@ reward on the last response token (it is an outcome reward; advantages spread it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from dapo_mega.algo.overlong import compute_overlong_penalty
 from dapo_mega.reward.scoring import Text, VerifierPool, score_responses
-from dapo_mega.reward.types import Verifier, VerifyStats
+from dapo_mega.reward.types import SampleReward, Verifier, VerifyStats
 
 
 @dataclass
@@ -41,18 +41,15 @@ class RewardBatch:
     verifier_name: str
     verifier_version: str
 
-    def record(self, i: int) -> Dict[str, Any]:
-        """The ledger fields of sample i."""
-        return {
-            "correctness": float(self.correctness[i]),
-            "overlong_penalty": float(self.overlong_penalty[i]),
-            "reward": float(self.reward[i]),
-            "correct": bool(self.correct[i]),
-            "verifier_error": self.verifier_error[i],
-            "extracted": self.extracted[i],
-            "verifier_name": self.verifier_name,
-            "verifier_version": self.verifier_version,
-        }
+    def item(self, i: int) -> SampleReward:
+        """The typed reward of sample i (what the rollout manager stores on the sample)."""
+        return SampleReward(reward=float(self.reward[i]), correct=bool(self.correct[i]),
+                            correctness=float(self.correctness[i]), overlong_penalty=float(self.overlong_penalty[i]),
+                            verifier=self.verifier_name, verifier_version=self.verifier_version,
+                            verifier_error=self.verifier_error[i], extracted=self.extracted[i])
+
+    def items(self) -> List[SampleReward]:
+        return [self.item(i) for i in range(len(self.verifier_error))]
 
 
 def compute_rewards(

@@ -28,6 +28,37 @@ class VerifyResult:
     error: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class SampleReward:
+    """The reward of one response and its parts, as the ledger and the learner see them.
+
+    reward: correctness + overlong_penalty (DAPO Eq. 7 + Eq. 13).
+    correct: the verifier's verdict.
+    correctness: +1.0 correct / −1.0 wrong (or verifier error).
+    overlong_penalty: in [−factor, 0]; 0 when shaping is off.
+    verifier / verifier_version: who graded it (stamped in the ledger).
+    verifier_error: None, or "verifier_error: ..." when the verifier raised or timed out.
+    extracted: the answer the verifier read (normalised), None if none.
+    """
+
+    reward: float
+    correct: bool
+    correctness: float = 0.0
+    overlong_penalty: float = 0.0
+    verifier: str = ""
+    verifier_version: str = ""
+    verifier_error: Optional[str] = None
+    extracted: Optional[str] = None
+
+    def components(self) -> Dict[str, float]:
+        """The parts that add up to `reward` (the ledger's `reward_components`)."""
+        return {"correctness": self.correctness, "overlong_penalty": self.overlong_penalty}
+
+
+UNSCORED = SampleReward(reward=0.0, correct=False)
+"""The reward of a sample no verifier has seen yet."""
+
+
 def verifier_error_result(message: str) -> VerifyResult:
     """The result recorded for a response the verifier could not score."""
     return VerifyResult(correct=False, reward=-1.0, extracted=None, error=f"verifier_error: {message}")

@@ -4,10 +4,14 @@
 12 (kept or rejected, with the reason), with the fields of DESIGN.md "Records". A shard is
 written to a temporary file and renamed, so a crash never leaves half a shard, and
 rewriting a step after a resume replaces its shard instead of duplicating rows.
+
+A row is read off a `ScoredSample` (rollout/samples.py) by `ledger_record`, field by field
+under the same names.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -15,6 +19,8 @@ from typing import List, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dapo_mega.rollout.samples import ScoredSample
 
 REJECT_REASONS = ("kept", "all_correct_group", "all_wrong_group", "stale", "verifier_error",
                   "surplus_carried", "aborted")
@@ -28,6 +34,8 @@ class LedgerRecord:
     dataset_revision: str
     sample_index: int
     seed: Optional[int]
+    """`sampling_seed` of the request that produced the sample (the embedded engine seeds
+    sample j of a request with seed + j); None when the run sets no seed."""
     policy_version_min: int
     """Oldest weight version that produced a token of this sample (engine spans)."""
     policy_version_max: int
@@ -56,6 +64,20 @@ _TYPES = {int: pa.int64(), float: pa.float64(), bool: pa.bool_(), str: pa.string
           "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string(),
           "Optional[int]": pa.int64()}
 SCHEMA = pa.schema([(f.name, _TYPES[f.type]) for f in fields(LedgerRecord)])
+
+
+def ledger_record(sample: ScoredSample, run_id: str) -> LedgerRecord:
+    """The ledger row of a sample that has been scored and stamped by its consumer."""
+    return LedgerRecord(
+        run_id=run_id, step=sample.step, prompt_id=sample.prompt_id, dataset_revision=sample.dataset_revision,
+        sample_index=sample.sample_index, seed=sample.seed, policy_version_min=sample.policy_version_min,
+        policy_version_max=sample.policy_version_max, learner_version=sample.learner_version, age=sample.age,
+        engine_id=sample.engine_id, queue_delay_s=sample.queue_delay_s,
+        generation_latency_s=sample.generation_latency_s, response_length=sample.response_length,
+        truncated=sample.truncated, reward=sample.reward, correct=sample.correct,
+        reward_components=json.dumps(sample.score.components()), verifier=sample.score.verifier,
+        verifier_version=sample.score.verifier_version, reject_reason=sample.reject_reason,
+        response_text=sample.response_text, prompt_text=sample.prompt_text, gen_round=sample.gen_round)
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:

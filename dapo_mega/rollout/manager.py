@@ -3,7 +3,7 @@
 * The G samples of a prompt are one request (`sampling_params.n = G`) on one engine.
 * Each live engine has a worker pulling chunks of prompts from one queue, so faster
   engines take more. A chunk whose request fails (connection refused, reset, timeout after
-  `request_timeout_s`, HTTP 5xx) marks the engine dead and goes back to the queue for the
+  the endpoint's `timeout_s`, HTTP 5xx) marks the engine dead and goes back to the queue for the
   others; an aborted reply (the engine was paused with mode abort) is retried without
   marking the engine. A chunk's samples are taken only from a complete reply, so a killed
   engine loses no prompt and duplicates none.
@@ -14,7 +14,9 @@
 * With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
   `sampling_seed` made from (seed, step, round, prompt id): a step redone after a resume,
   or a chunk retried on another engine, samples the same tokens.
-* Every sample (kept or rejected, with the reason) becomes a ledger record.
+* Every sample is a typed `ScoredSample` (rollout/samples.py) from the engine's reply on:
+  scored by `reward_fn`, given its reject reason, stamped with the consuming step and
+  learner version; every one (kept or rejected) becomes a ledger row.
 * Policy versions come from the engine's `weight_versions` spans, never assumed;
   `drop_stale_groups` enforces `max_staleness`.
 """
@@ -22,16 +24,20 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 import torch
 
 from dapo_mega.backends.sglang.client import EngineClient, EngineError, SampleResult
-from dapo_mega.rollout.ledger import LedgerRecord
+from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
+from dapo_mega.reward.types import SampleReward
+from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, parse_version
+
+__all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample",
+           "drop_stale_groups", "parse_version", "request_seed"]
 
 
 class RolloutError(RuntimeError):
@@ -42,71 +48,28 @@ class DynamicSamplingExhausted(RuntimeError):
     """max_num_gen_batches rounds did not fill the batch."""
 
 
-def parse_version(version: Any) -> int:
-    """Engine weight versions are strings; ours are integers ("default" = 0)."""
-    try:
-        return int(str(version))
-    except ValueError:
-        return 0
-
-
-@dataclass
-class Group:
-    """The G samples of one prompt, with where/when they were generated."""
-
-    prompt: Any
-    """The prompt item (an object with `.id` and `.prompt`, e.g. data.Problem)."""
-    samples: List[SampleResult]
-    engine_id: str
-    queue_delay_s: float
-    latency_s: float
-    gen_round: int = 0
-    rewards: List[Dict[str, Any]] = field(default_factory=list)
-    reasons: List[str] = field(default_factory=list)
-
-    @property
-    def prompt_id(self) -> str:
-        return str(getattr(self.prompt, "id", ""))
-
-    def version_range(self) -> Tuple[int, int]:
-        versions = [parse_version(s["version"]) for smp in self.samples for s in smp.weight_versions]
-        return (min(versions), max(versions)) if versions else (0, 0)
-
-
-def drop_stale_groups(groups: Sequence[Group], learner_version: int, max_staleness: int
-                      ) -> Tuple[List[Group], List[Group]]:
-    """(fresh, stale): a group is stale when its oldest token's version < learner_version - k."""
-    fresh, stale = [], []
-    for g in groups:
-        (stale if g.version_range()[0] < learner_version - max_staleness else fresh).append(g)
-    for g in stale:
-        g.reasons = ["stale"] * len(g.samples)
-    return fresh, stale
-
-
 def _select(groups: Sequence[Group]):
     """Per-sample reasons through the algo package's group filter (Eq. 11)."""
     from dapo_mega.algo import select_informative_groups
 
-    rewards = torch.tensor([r["reward"] for g in groups for r in g.rewards], dtype=torch.float32)
-    correct = torch.tensor([bool(r.get("correct", r["reward"] > 0)) for g in groups for r in g.rewards])
-    index = torch.tensor([i for i, g in enumerate(groups) for _ in g.rewards])
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
+    correct = torch.tensor([s.correct for g in groups for s in g.samples])
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
     return select_informative_groups(rewards, index, correct=correct)
 
 
 class RolloutManager:
     """Generates groups on several engines; see the module docstring."""
 
-    def __init__(self, engine_urls: Sequence[str], n_samples: int, sampling_params: Dict[str, Any],
-                 api_key: str = "", request_timeout_s: float = 600.0, max_retries: int = 3,
+    def __init__(self, engines: Sequence[EngineAddress], n_samples: int, sampling_params: Dict[str, Any],
+                 max_retries: int = 3,
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
                  requests_per_engine: int = 8,
                  prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None):
-        self.engine_urls = list(engine_urls)
+        self.endpoints = {e.url: e for e in map(as_endpoint, engines)}
+        self.engine_urls = list(self.endpoints)
         self.n_samples = n_samples
         self.sampling_params = {**sampling_params, "n": n_samples}
-        self.api_key = api_key
-        self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.prompts_per_request = max(1, prompts_per_request)
         # Requests in flight per engine: an engine batches concurrent requests together, so
@@ -118,23 +81,31 @@ class RolloutManager:
         self.seed = seed
         self._step = 0
         self.dead: Dict[str, str] = {}
+        """url -> why the engine was found dead (written by the generating thread; read
+        copies with `dead_engines()`)."""
+        self._dead_lock = threading.Lock()
         self.carry: List[Group] = []
         self.metrics: Dict[str, float] = {}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
         """Carried groups (plain data) for checkpoints."""
-        return {"carry": [{"prompt": _plain(g.prompt), "engine_id": g.engine_id, "queue_delay_s": g.queue_delay_s,
-                           "latency_s": g.latency_s, "gen_round": g.gen_round, "rewards": g.rewards,
-                           "samples": [s.__dict__ for s in g.samples]} for g in self.carry]}
+        return {"carry": [g.to_dict() for g in self.carry]}
 
     def load_state_dict(self, state: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> None:
-        self.carry = [Group(prompt=prompt_factory(d["prompt"]), samples=[SampleResult(**s) for s in d["samples"]],
-                            engine_id=d["engine_id"], queue_delay_s=d["queue_delay_s"], latency_s=d["latency_s"],
-                            gen_round=d["gen_round"], rewards=d["rewards"]) for d in state["carry"]]
+        self.carry = [Group.from_dict(d, prompt_factory) for d in state["carry"]]
 
-    def alive_engines(self) -> List[str]:
-        return [u for u in self.engine_urls if u not in self.dead]
+    def dead_engines(self) -> Dict[str, str]:
+        """A copy of `dead` (safe to read while another thread generates)."""
+        with self._dead_lock:
+            return dict(self.dead)
+
+    def _mark_dead(self, url: str, reason: str) -> None:
+        with self._dead_lock:
+            self.dead[url] = reason
+
+    def alive_engines(self) -> List[EngineEndpoint]:
+        return [self.endpoints[u] for u in self.engine_urls if u not in self.dead]
 
     # ---------------------------------------------------------------- generation
     async def generate_groups(self, prompts: Sequence[Any], gen_round: int = 0) -> List[Group]:
@@ -154,7 +125,7 @@ class RolloutManager:
             return []
 
         async def worker(url: str):
-            async with EngineClient(url, api_key=self.api_key, timeout_s=self.request_timeout_s) as client:
+            async with EngineClient(self.endpoints[url]) as client:
                 while not done_event.is_set() and url not in self.dead:
                     try:
                         c = await asyncio.wait_for(queue.get(), timeout=0.1)
@@ -164,35 +135,38 @@ class RolloutManager:
                         queue.put_nowait(c)
                         return
                     idx = chunks[c]
+                    inputs = [self.prompt_to_input(prompts[i]) for i in idx]
+                    params = self._params_for([prompts[i] for i in idx], gen_round)
                     t0 = time.monotonic()
                     try:
-                        samples = await client.generate([self.prompt_to_input(prompts[i]) for i in idx],
-                                                        self._params_for([prompts[i] for i in idx], gen_round),
-                                                        return_logprob=self.return_logprob,
-                                                        timeout_s=self.request_timeout_s)
+                        samples = await client.generate(inputs, params, return_logprob=self.return_logprob)
                         if any(s.aborted for s in samples):
                             raise _Retry(f"{url}: request aborted by the engine")
                     except (_Retry, EngineError) as exc:
                         fatal = isinstance(exc, EngineError) and exc.status < 500
                         self._requeue(queue, c, attempts, failures, f"{exc}", fatal)
                         if isinstance(exc, EngineError) and exc.status >= 500:
-                            self.dead[url] = str(exc)
+                            self._mark_dead(url, str(exc))
                             return
                         continue
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        self.dead[url] = f"{type(exc).__name__}: {exc}"
+                        self._mark_dead(url, f"{type(exc).__name__}: {exc}")
                         self._requeue(queue, c, attempts, failures, f"{url}: {self.dead[url]}", False)
                         return
                     latency = time.monotonic() - t0
                     for k, i in enumerate(idx):
-                        results[i] = Group(prompt=prompts[i], samples=samples[k * self.n_samples:(k + 1) * self.n_samples],
-                                           engine_id=url, queue_delay_s=t0 - start, latency_s=latency,
-                                           gen_round=gen_round)
+                        seed = params[k]["sampling_seed"] if isinstance(params, list) else params.get("sampling_seed")
+                        replies = samples[k * self.n_samples:(k + 1) * self.n_samples]
+                        results[i] = Group(prompt=prompts[i], prompt_input=inputs[k], engine_id=url,
+                                           queue_delay_s=t0 - start, latency_s=latency, gen_round=gen_round,
+                                           samples=[_scored_sample(r, prompts[i], seed, url, t0 - start, latency,
+                                                                   gen_round) for r in replies])
                     remaining[0] -= 1
                     if remaining[0] == 0:
                         done_event.set()
 
-        workers = [asyncio.create_task(worker(u)) for u in self.alive_engines() for _ in range(self.requests_per_engine)]
+        workers = [asyncio.create_task(worker(e.url)) for e in self.alive_engines()
+                   for _ in range(self.requests_per_engine)]
         if not workers:
             raise RolloutError(f"no live engine (dead: {self.dead})")
         while not done_event.is_set():
@@ -227,22 +201,22 @@ class RolloutManager:
 
     # ---------------------------------------------------------------- dynamic sampling
     def collect_step(self, step: int, learner_version: int, prompt_source: Callable[[int], List[Any]],
-                     reward_fn: Callable[[List[Group]], List[List[Dict[str, Any]]]], train_batch_size: int,
+                     reward_fn: Callable[[List[Group]], List[List[SampleReward]]], train_batch_size: int,
                      gen_batch_size: int, dynamic_sampling: bool = True, max_num_gen_batches: int = 0,
-                     max_staleness: Optional[int] = None) -> Tuple[List[Group], List[LedgerRecord]]:
-        """Groups to train on at `step` (exactly train_batch_size of them) and the ledger records.
+                     max_staleness: Optional[int] = None) -> Tuple[List[Group], List[ScoredSample]]:
+        """Groups to train on at `step` (exactly train_batch_size of them) and every sample
+        the step generated or dropped (kept or not, each with its reject reason), stamped with
+        `step` and `learner_version`: the step's ledger rows.
 
-        `reward_fn(groups)` returns, per group, per sample, a dict with `reward` (float),
-        `correct` (bool) and optionally `components` (dict), `verifier`, `verifier_version`
-        and `error` (a verifier exception message).
+        `reward_fn(groups)` returns, per group, per sample, its `SampleReward`.
         """
         kept: List[Group] = []
-        records: List[LedgerRecord] = []
+        samples: List[ScoredSample] = []
         self._step = step
         carried, self.carry = self.carry, []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
-            records += [r for g in stale for r in self.records_of(g, step, learner_version)]
+            samples += [s for g in stale for s in g.stamp(step, learner_version)]
         kept += carried
         rounds = seen = all_correct = all_wrong = 0
         while len(kept) < train_batch_size:
@@ -259,55 +233,49 @@ class RolloutManager:
             rounds += 1
             seen += len(groups)
             for g, rewards in zip(groups, reward_fn(groups)):
-                g.rewards = list(rewards)
+                for s, reward in zip(g.samples, rewards):
+                    s.score = reward
             if dynamic_sampling:
                 sel = _select(groups)
                 all_correct += sel.num_all_correct
                 all_wrong += sel.num_all_wrong
                 offset = 0
                 for g in groups:
-                    g.reasons = list(sel.sample_reasons[offset:offset + len(g.samples)])
+                    g.set_reasons(sel.sample_reasons[offset:offset + len(g.samples)])
                     offset += len(g.samples)
             else:
                 for g in groups:
-                    g.reasons = ["kept"] * len(g.samples)
+                    g.set_reasons(["kept"] * len(g.samples))
             for g in groups:
-                for k, r in enumerate(g.rewards):
-                    if r.get("error"):
-                        g.reasons[k] = "verifier_error" if g.reasons[k] == "kept" else g.reasons[k]
-                if all(reason != "kept" and reason != "verifier_error" for reason in g.reasons):
-                    records += self.records_of(g, step, learner_version)
+                for s in g.samples:
+                    if s.score.verifier_error and s.reject_reason == "kept":
+                        s.reject_reason = "verifier_error"
+                if all(s.reject_reason not in ("kept", "verifier_error") for s in g.samples):
+                    samples += g.stamp(step, learner_version)
                 else:
                     kept.append(g)
         self.carry = kept[train_batch_size:]
         kept = kept[:train_batch_size]
         for g in kept:
-            records += self.records_of(g, step, learner_version)
+            samples += g.stamp(step, learner_version)
         # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
-        # ledger records by rollout/metrics.py, so that they exist with dynamic sampling off.
+        # samples by rollout/metrics.py, so that they exist with dynamic sampling off.
         self.metrics = {"rollout/gen_batches": rounds, "rollout/groups_generated": seen,
                         "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead)}
-        return kept, records
+        return kept, samples
 
-    def records_of(self, g: Group, step: int, learner_version: int) -> List[LedgerRecord]:
-        out = []
-        for k, s in enumerate(g.samples):
-            versions = [parse_version(sp["version"]) for sp in s.weight_versions] or [0]
-            r = g.rewards[k] if k < len(g.rewards) else {"reward": 0.0, "correct": False}
-            out.append(LedgerRecord(
-                run_id=self.run_id, step=step, prompt_id=g.prompt_id,
-                dataset_revision=str(getattr(g.prompt, "dataset_revision", "") or ""),
-                sample_index=s.sample_index, seed=None, policy_version_min=min(versions),
-                policy_version_max=max(versions), learner_version=learner_version,
-                age=learner_version - min(versions), engine_id=g.engine_id, queue_delay_s=g.queue_delay_s,
-                generation_latency_s=float(s.meta_info.get("e2e_latency", g.latency_s)),
-                response_length=len(s.token_ids), truncated=s.truncated, reward=float(r["reward"]),
-                correct=bool(r.get("correct", False)), reward_components=json.dumps(r.get("components", {})),
-                verifier=str(r.get("verifier", "")), verifier_version=str(r.get("verifier_version", "")),
-                reject_reason=g.reasons[k] if k < len(g.reasons) else "kept", response_text=s.text,
-                prompt_text=str(g.prompt.prompt if isinstance(getattr(g.prompt, "prompt", None), str) else ""),
-                gen_round=g.gen_round))
-        return out
+
+def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
+                   latency_s: float, gen_round: int) -> ScoredSample:
+    """A ScoredSample (not scored yet) from one sample of an engine's reply."""
+    text = getattr(prompt, "prompt", None)
+    return ScoredSample(
+        prompt_id=str(getattr(prompt, "id", "")), sample_index=reply.sample_index, token_ids=list(reply.token_ids),
+        logprobs=reply.logprobs, weight_versions=list(reply.weight_versions), response_text=reply.text,
+        truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
+        generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
+        dataset_revision=str(getattr(prompt, "dataset_revision", "") or ""),
+        prompt_text=text if isinstance(text, str) else "")
 
 
 def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:
@@ -320,10 +288,3 @@ def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:
 
 class _Retry(Exception):
     pass
-
-
-def _plain(obj: Any) -> Any:
-    if hasattr(obj, "__dataclass_fields__"):
-        from dataclasses import asdict
-        return asdict(obj)
-    return obj

@@ -1,7 +1,8 @@
-"""Per-step rollout metrics from ledger records (DESIGN.md "Records").
+"""Per-step rollout metrics from the step's samples (DESIGN.md "Records").
 
-Computed from the same records that go into the ledger, so a metric and the ledger can
-never disagree. Rewards, accuracy and lengths are over every sample generated in the step
+Computed from the same `ScoredSample`s whose rows go into the ledger (or from the ledger's
+`LedgerRecord`s: the fields read here have the same names in both), so a metric and the
+ledger can never disagree. Rewards, accuracy and lengths are over every sample generated in the step
 (kept or not); the `rollout/kept_*` variants are over the samples the learner trains on.
 """
 

@@ -1,0 +1,183 @@
+"""Rank roles, expressed once: the driver (global rank 0) and every other learner rank.
+
+Every learner rank runs the same loop. Global rank 0 is also the driver: it owns the data,
+the rollout source (and through it the engines' rollout manager), the ledger, the records
+and the held-out evaluation, and hands each step's samples to the other ranks. Each rank
+holds one role object with the same methods: `DriverRole` does the work and broadcasts
+what the others need; `LearnerRankRole` does nothing, or receives the broadcast. The loop
+calls them without testing the rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from dapo_mega.driver import advantages
+from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
+from dapo_mega.driver.run_state import RunState, prune_records_after, write_ledger
+
+DRIVER_RANK = 0
+
+
+def broadcast_from_driver(obj: Any) -> Any:
+    """Driver -> all learner ranks (inside the trusted learner group only)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=DRIVER_RANK)
+    return box[0]
+
+
+class LearnerRankRole:
+    """A learner rank other than the driver: no data, engines or records of its own."""
+
+    is_driver = False
+
+    def say(self, message: str, error: bool = False) -> None:
+        """A line on the run's console (the driver's); nothing elsewhere."""
+
+    def sft_samples(self, batch_size: int) -> list:
+        """The warm start's next supervised batch, as the driver built it."""
+        return broadcast_from_driver(None)
+
+    def start_rollouts(self, first_step: int) -> None:
+        """Start generating ahead of training when the mode asks for it."""
+
+    def next_rollout_batch(self, step: int, learner_version: int) -> RolloutBatch:
+        return RolloutBatch(step=step)
+
+    def train_samples(self, batch: RolloutBatch) -> list:
+        """The step's TrainSamples (advantages computed on the driver), on every rank."""
+        return broadcast_from_driver(None)
+
+    def dead_engines(self) -> Dict[str, str]:
+        """Engines the rollout manager found dead (url -> why), on every rank. Collective."""
+        return broadcast_from_driver(None)
+
+    def engines_serve(self, version: int) -> None:
+        """The engines now serve `version` (after a weight sync)."""
+
+    def release_engine_memory(self, syncer: Any) -> None:
+        """Colocated: the engines free their memory for the learner's step (the driver asks)."""
+
+    def resume_engine_memory(self, syncer: Any) -> None:
+        """Colocated: the engines take their memory back after the learner's step."""
+
+    def write_ledger(self, step: int, batch: RolloutBatch) -> None:
+        pass
+
+    def evaluate(self) -> Dict[str, float]:
+        """Held-out avg@k through the engines: metrics on the driver, {} elsewhere."""
+        return {}
+
+    def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
+        pass
+
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """What only the driver adds to a checkpoint's trainer state."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class DriverRole(LearnerRankRole):
+    """Global rank 0: data, rollouts, ledger, records and evaluation; see the module docstring."""
+
+    is_driver = True
+
+    def __init__(self, cfg: Any, run: RunState, rollouts: RolloutSource, sft_prompts: Any, eval_problems: List[Any],
+                 recorder: Any):
+        self.cfg = cfg
+        self.run = run
+        self.rollouts = rollouts
+        self.sft_prompts = sft_prompts
+        self.eval_problems = eval_problems
+        self.recorder = recorder
+        self.producer: Optional[AsyncRollouts] = None
+        self.last_batch: Optional[RolloutBatch] = None
+        """The last batch whose ledger shard was written: its cursor and carry go into the checkpoint."""
+        if run.resumed:
+            s = run.state
+            self.say(f"[trainer] resumed from {run.checkpoint} at step {s.step}, policy version {s.policy_version}")
+            prune_records_after(run.run_dir, s.step)
+
+    def say(self, message: str, error: bool = False) -> None:
+        print(message, file=sys.stderr if error else sys.stdout, flush=True)
+
+    def sft_samples(self, batch_size: int) -> list:
+        from dapo_mega.backends.megatron.batch import TrainSample
+
+        encoder = self.rollouts.encoder
+        samples = [TrainSample(prompt_ids=encoder.encode(p),
+                               response_ids=encoder.encode_text(" " + p.ground_truth) + [encoder.eos_token_id])
+                   for p in self.sft_prompts.next_batch(batch_size)]
+        return broadcast_from_driver(samples)
+
+    def start_rollouts(self, first_step: int) -> None:
+        c = self.cfg.cluster
+        if c.mode == "disaggregated" and c.max_staleness > 0:
+            self.producer = AsyncRollouts(self.rollouts, first_step, self.cfg.trainer.total_steps, c.max_staleness,
+                                          engine_version=self.run.state.policy_version)
+
+    def next_rollout_batch(self, step: int, learner_version: int) -> RolloutBatch:
+        if self.producer is None:
+            return self.rollouts.collect(step, learner_version)
+        return self.producer.take(step, learner_version)
+
+    def advantage_step(self, batch: RolloutBatch) -> list:
+        """Group-relative advantages and token lists of the kept groups."""
+        return advantages.build_train_samples(batch.groups, self.cfg.algo)
+
+    def train_samples(self, batch: RolloutBatch) -> list:
+        return broadcast_from_driver(self.advantage_step(batch))
+
+    def dead_engines(self) -> Dict[str, str]:
+        return broadcast_from_driver(self.rollouts.manager.dead_engines())
+
+    def engines_serve(self, version: int) -> None:
+        if self.producer is not None:
+            self.producer.engines_serve(version)
+
+    def release_engine_memory(self, syncer: Any) -> None:
+        if self.cfg.cluster.mode == "colocated" and syncer is not None:
+            syncer.release_engine_memory()
+
+    def resume_engine_memory(self, syncer: Any) -> None:
+        if self.cfg.cluster.mode == "colocated" and syncer is not None:
+            syncer.resume_engine_memory()
+
+    def write_ledger(self, step: int, batch: RolloutBatch) -> None:
+        write_ledger(self.run.run_dir, self.cfg.trainer.run_name, step, batch.samples)
+        self.last_batch = batch
+
+    def evaluate(self) -> Dict[str, float]:
+        if not self.eval_problems:
+            return {}
+        from dapo_mega.evaluate import evaluate_problems
+
+        step = self.run.state.step
+        result = evaluate_problems(self.rollouts.manager.alive_engines(), self.eval_problems, self.cfg,
+                                   self.rollouts.encoder.encode, self.rollouts.verifier)
+        result.write(self.run.run_dir / "eval" / f"step_{step:06d}.json")
+        self.say(f"[eval] step {step}: avg@{result.k} = {result.avg_at_k:.4f} on {len(result.problems)} problems")
+        return result.metrics()
+
+    def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
+        row = {"policy_version": self.run.state.policy_version, **metrics, **timings}
+        if "time/train_s" in timings and "perf/train_tokens" in metrics:
+            row["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / max(timings["time/train_s"], 1e-9)
+        self.recorder.log_step(step, row)
+
+    def checkpoint_state(self) -> Dict[str, Any]:
+        if self.last_batch is None:
+            return self.rollouts.state_dict()
+        return {"data_cursor": self.last_batch.data_cursor, "rollout_carry": self.last_batch.rollout_carry}
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+        self.recorder.close()

@@ -1,0 +1,158 @@
+"""Typed records of generated samples: from the engine's reply to the ledger and the learner.
+
+A `ScoredSample` is made once, from one sample of a `/generate` reply, and keeps the
+names of the reply (`token_ids`, `logprobs`, `weight_versions`) and of the ledger
+(`seed`, `engine_id`, `queue_delay_s`, `generation_latency_s`, `truncated`,
+`response_text`, `reward`, `correct`, `reject_reason`, ...). Scoring adds its typed
+`SampleReward`; dynamic sampling sets `reject_reason`; the consumer stamps `step` and
+`learner_version`. The ledger row (`rollout.ledger.ledger_record`) and the learner's
+`TrainSample` (`driver.advantages`) are read off it field by field.
+
+A `Group` is the G samples of one prompt, with the prompt item and the input ids the
+engine was given (the learner trains on the same ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from dapo_mega.reward.types import UNSCORED, SampleReward
+
+
+def parse_version(version: Any) -> int:
+    """Engine weight versions are strings; ours are integers ("default" = 0)."""
+    try:
+        return int(str(version))
+    except ValueError:
+        return 0
+
+
+@dataclass
+class ScoredSample:
+    """One generated response, its provenance, its reward and its fate."""
+
+    prompt_id: str
+    sample_index: int
+    """Index of the sample within its prompt's group (the engine's `index` % n)."""
+    token_ids: List[int]
+    """Every generated token, a matched stop token included: what the learner trains on."""
+    logprobs: Optional[List[float]]
+    """[len(token_ids)] log p(token) under the engine's sampling distribution, or None."""
+    weight_versions: List[Dict[str, Any]]
+    """The engine's `{"version", "start", "end"}` spans over token_ids."""
+    response_text: str
+    truncated: bool
+    """Stopped by the length limit (finish_reason "length")."""
+    seed: Optional[int]
+    """`sampling_seed` of the request that produced it (the embedded engine seeds sample j
+    with seed + j); None when the run sets no seed."""
+    engine_id: str
+    queue_delay_s: float
+    """Seconds from the start of the generation round to the request's start."""
+    generation_latency_s: float
+    gen_round: int = 0
+    """Dynamic-sampling round of its step that generated it."""
+    dataset_revision: str = ""
+    prompt_text: str = ""
+    score: SampleReward = UNSCORED
+    reject_reason: str = "kept"
+    """kept, or why the learner does not train on it (rollout.ledger.REJECT_REASONS)."""
+    step: int = 0
+    """Step that consumed or rejected it."""
+    learner_version: int = 0
+    """Policy version of the learner that consumed or rejected it."""
+
+    @property
+    def response_length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def reward(self) -> float:
+        return self.score.reward
+
+    @property
+    def correct(self) -> bool:
+        return self.score.correct
+
+    @property
+    def policy_version_min(self) -> int:
+        """Oldest weight version that produced a token of it (0 when the engine gave none)."""
+        return min(self._versions())
+
+    @property
+    def policy_version_max(self) -> int:
+        return max(self._versions())
+
+    @property
+    def age(self) -> int:
+        """Versions between the oldest token and the learner that consumed it."""
+        return self.learner_version - self.policy_version_min
+
+    def _versions(self) -> List[int]:
+        return [parse_version(span["version"]) for span in self.weight_versions] or [0]
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "ScoredSample":
+        return cls(**{**d, "score": SampleReward(**d["score"])})
+
+
+@dataclass
+class Group:
+    """The G samples of one prompt, with where and when they were generated."""
+
+    prompt: Any
+    """The prompt item (an object with `.id` and `.prompt`, e.g. data.Problem)."""
+    prompt_input: Any
+    """What the engine was given for it (token ids, or text): the learner's prompt ids."""
+    samples: List[ScoredSample]
+    engine_id: str
+    queue_delay_s: float
+    latency_s: float
+    gen_round: int = 0
+
+    @property
+    def prompt_id(self) -> str:
+        return str(getattr(self.prompt, "id", ""))
+
+    @property
+    def reasons(self) -> List[str]:
+        return [s.reject_reason for s in self.samples]
+
+    def set_reasons(self, reasons: Sequence[str]) -> None:
+        for s, reason in zip(self.samples, reasons):
+            s.reject_reason = reason
+
+    def stamp(self, step: int, learner_version: int) -> List[ScoredSample]:
+        """Its samples, marked as consumed (or rejected) at `step` by `learner_version`."""
+        for s in self.samples:
+            s.step, s.learner_version = step, learner_version
+        return list(self.samples)
+
+    def version_range(self) -> Tuple[int, int]:
+        versions = [parse_version(span["version"]) for s in self.samples for span in s.weight_versions]
+        return (min(versions), max(versions)) if versions else (0, 0)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data (checkpoints carry the groups dynamic sampling kept for later)."""
+        prompt = asdict(self.prompt) if hasattr(self.prompt, "__dataclass_fields__") else self.prompt
+        return {"prompt": prompt, "prompt_input": self.prompt_input, "engine_id": self.engine_id,
+                "queue_delay_s": self.queue_delay_s, "latency_s": self.latency_s, "gen_round": self.gen_round,
+                "samples": [asdict(s) for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> "Group":
+        return cls(prompt=prompt_factory(d["prompt"]), prompt_input=d["prompt_input"],
+                   samples=[ScoredSample.from_dict(s) for s in d["samples"]], engine_id=d["engine_id"],
+                   queue_delay_s=d["queue_delay_s"], latency_s=d["latency_s"], gen_round=d["gen_round"])
+
+
+def drop_stale_groups(groups: Sequence[Group], learner_version: int, max_staleness: int
+                      ) -> Tuple[List[Group], List[Group]]:
+    """(fresh, stale): a group is stale when its oldest token's version < learner_version - k."""
+    fresh, stale = [], []
+    for g in groups:
+        (stale if g.version_range()[0] < learner_version - max_staleness else fresh).append(g)
+    for g in stale:
+        g.set_reasons(["stale"] * len(g.samples))
+    return fresh, stale

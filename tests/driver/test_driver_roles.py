@@ -1,0 +1,51 @@
+"""Rank roles: the driver computes and broadcasts, another learner rank receives (2 gloo ranks)."""
+
+from types import SimpleNamespace
+
+from dist_helpers import run_distributed
+from helpers_driver import group
+
+from dapo_mega.config import DapoConfig
+from dapo_mega.driver.roles import DriverRole, LearnerRankRole
+from dapo_mega.driver.rollouts import RolloutBatch
+from dapo_mega.driver.run_state import RunState
+
+
+def _roles(rank: int, world_size: int, run_dir: str):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        cfg = DapoConfig()
+        if rank == 0:
+            manager = SimpleNamespace(dead_engines=lambda: {"http://127.0.0.1:9": "ConnectionRefused"})
+            role = DriverRole(cfg, RunState(run_dir, cfg.trainer), SimpleNamespace(manager=manager), None, [], None)
+            batch = RolloutBatch(step=1, groups=[group("a", [1.0, -1.0]), group("b", [1.0, 1.0, -1.0])])
+        else:
+            role, batch = LearnerRankRole(), RolloutBatch(step=1)
+        samples = role.train_samples(batch)
+        dead = role.dead_engines()
+        return {"is_driver": role.is_driver, "dead": dead, "evaluate": role.evaluate() if rank else None,
+                "samples": [(s.prompt_ids, s.response_ids, round(s.advantage, 6)) for s in samples],
+                "checkpoint": role.checkpoint_state() if rank else None}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_driver_broadcasts_what_other_ranks_receive(tmp_path):
+    driver, other = run_distributed(_roles, world_size=2, args=(str(tmp_path),), timeout_s=120)
+    assert driver["is_driver"] and not other["is_driver"]
+    assert len(driver["samples"]) == 5 and other["samples"] == driver["samples"]
+    assert driver["samples"][0][2] > 0 > driver["samples"][1][2]      # advantages computed on the driver
+    assert other["dead"] == driver["dead"] == {"http://127.0.0.1:9": "ConnectionRefused"}
+    assert other["evaluate"] == {} and other["checkpoint"] == {}       # nothing of its own
+
+
+def test_learner_rank_role_alone_is_a_null_object():
+    role = LearnerRankRole()
+    assert role.next_rollout_batch(3, 2) == RolloutBatch(step=3)
+    assert role.train_samples(RolloutBatch(step=3)) is None           # no process group: nothing received
+    for call in (lambda: role.write_ledger(3, RolloutBatch(step=3)), lambda: role.log_step(3, {}, {}),
+                 lambda: role.engines_serve(3), lambda: role.start_rollouts(1), lambda: role.say("x"),
+                 lambda: role.release_engine_memory(None), lambda: role.close()):
+        assert call() is None
