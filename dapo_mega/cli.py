@@ -51,16 +51,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             overrides.append(arg)
     try:
         cfg = load_config(overrides)
-    except ConfigError as exc:
-        print(f"dapo-mega: config error: {exc}", file=sys.stderr)
+        if show_cfg:
+            print(to_yaml(cfg))
+            return 0
+        return _run(command, cfg, overrides, as_json)
+    except ConfigError as exc:  # every config error, whenever found: one line naming the field and the fix
+        print(f"dapo-mega: config error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    if show_cfg:
-        print(to_yaml(cfg))
-        return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
     if command == "train":
         from dapo_mega.data import DataError
+        from dapo_mega.preflight import check_before_start
         from dapo_mega.trainer import run_training
 
+        check_before_start(cfg)  # layout, model shape, data files: before anything is built
         try:
             return run_training(cfg)
         except DataError as exc:  # the user's data, not a bug: the message names file, row and field
@@ -68,7 +78,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     if command == "eval":
         from dapo_mega.evaluate import run_eval_command
+        from dapo_mega.preflight import check_data_paths
 
+        check_data_paths(cfg.data)
         return run_eval_command(cfg, overrides)
     from dapo_mega.plan import run_plan_command
 

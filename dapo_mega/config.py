@@ -5,8 +5,14 @@ registered with Hydra's ConfigStore as the schema of `configs/config.yaml`, so Y
 under `configs/` and command-line overrides are type-checked against them. Each field is
 documented by the docstring-style comment under it (`dapo-mega train --help` prints them).
 
-`validate_config` holds every cross-field rule. It runs before any process group, model or
-engine is created, and every error names the field and the fix.
+Each config checks its own rules in `validate()`; `validate_config` composes them once and
+adds the rules that span components (and the world size when known). They run before any
+process group, model or engine is created (`dapo_mega.preflight` adds the model's shape and
+the data files), and every error names the field and the fix.
+
+Fields that take one of a few values are typed `str`: OmegaConf 2.3 (Hydra's structured
+configs) rejects `Literal[...]` annotations ("Unexpected type annotation"). Their value sets
+are the `Literal` aliases below, which `validate()` checks (`_check_choice`).
 """
 
 from __future__ import annotations
@@ -15,11 +21,28 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional, get_args
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work. The message names the field and the fix."""
+
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Verifier = Literal["dapo", "math_verify"]
+OnNonfinite = Literal["skip", "stop"]
+PromptTemplate = Literal["dapo", "raw"]
+OnBadRow = Literal["error", "skip"]
+RolloutBackend = Literal["embedded", "sglang"]
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
+ParamsDtype = Literal["auto", "float32", "bf16", "fp16"]
+TransformerImpl = Literal["auto", "local", "transformer_engine"]
+RecomputeGranularity = Literal["full", "selective"]
+ClusterMode = Literal["colocated", "disaggregated"]
+Device = Literal["auto", "cpu", "cuda"]
+WandbMode = Literal["offline", "online", "disabled"]
 
 
 @dataclass
@@ -47,6 +70,22 @@ class ModelConfig:
     """Tie input and output embeddings in the tiny model."""
     tiny_max_position_embeddings: int = 256
     """Context length of the tiny model."""
+
+    def validate(self) -> None:
+        """The tiny model's shape (a real model's is checked against its config.json by `preflight`)."""
+        if self.hf_path:
+            return
+        for name in ("tiny_hidden_size", "tiny_num_layers", "tiny_num_attention_heads", "tiny_num_key_value_heads",
+                     "tiny_intermediate_size", "tiny_max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise _field_error(f"model.{name}", f"must be >= 1, got {getattr(self, name)}", "use the default")
+        if self.tiny_num_attention_heads % self.tiny_num_key_value_heads:
+            raise _field_error("model.tiny_num_key_value_heads",
+                               f"{self.tiny_num_key_value_heads} does not divide tiny_num_attention_heads "
+                               f"{self.tiny_num_attention_heads}", "pick a divisor (GQA groups)")
+        if self.tiny_hidden_size % self.tiny_num_attention_heads:
+            raise _field_error("model.tiny_hidden_size", f"{self.tiny_hidden_size} is not a multiple of "
+                               f"tiny_num_attention_heads {self.tiny_num_attention_heads}", "e.g. 64 with 4 heads")
 
 
 @dataclass
@@ -125,6 +164,59 @@ class AlgoConfig:
     on_nonfinite: str = "skip"
     """A NaN/Inf loss or gradient: skip (drop the update, report it) or stop the run."""
 
+    def validate(self) -> None:
+        """This component's own rules; ConfigError names the field and the fix."""
+        a, err = self, _field_error
+        if a.clip_ratio_low < 0 or a.clip_ratio_low >= 1:
+            raise err("algo.clip_ratio_low", f"must be in [0, 1), got {a.clip_ratio_low}", "use 0.2 (DAPO)")
+        if a.clip_ratio_high < a.clip_ratio_low:
+            raise err("algo.clip_ratio_high", f"{a.clip_ratio_high} < algo.clip_ratio_low {a.clip_ratio_low}",
+                      "Clip-Higher needs clip_ratio_high >= clip_ratio_low (DAPO: 0.28 vs 0.2)")
+        if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
+            raise err("algo.clip_ratio_c", f"dual-clip constant must be > 1, got {a.clip_ratio_c}",
+                      "use 3..10, or null to disable dual clip")
+        _check_choice("algo.loss_agg_mode", a.loss_agg_mode, LossAggMode)
+        if a.n_samples_per_prompt < 1:
+            raise err("algo.n_samples_per_prompt", "must be >= 1", "use 16 (DAPO)")
+        if a.dynamic_sampling and a.n_samples_per_prompt < 2:
+            raise err("algo.n_samples_per_prompt", f"is {a.n_samples_per_prompt} with algo.dynamic_sampling on; "
+                      "a group of one always has uniform rewards and would always be dropped",
+                      "set n_samples_per_prompt >= 2 or algo.dynamic_sampling=false")
+        if a.train_batch_size < 1:
+            raise err("algo.train_batch_size", "must be >= 1", "use 512 (DAPO)")
+        if a.mini_batch_size < 1 or a.train_batch_size % a.mini_batch_size:
+            raise err("algo.mini_batch_size", f"{a.mini_batch_size} does not divide algo.train_batch_size "
+                      f"{a.train_batch_size}", "pick a divisor (DAPO: 512/32 = 16 updates per step)")
+        if a.gen_batch_size < 1:
+            raise err("algo.gen_batch_size", "must be >= 1", "use 3x train_batch_size (DAPO: 1536)")
+        if not a.dynamic_sampling and a.gen_batch_size < a.train_batch_size:
+            raise err("algo.gen_batch_size", f"{a.gen_batch_size} < algo.train_batch_size {a.train_batch_size} "
+                      "without dynamic sampling", "set gen_batch_size >= train_batch_size")
+        if a.max_num_gen_batches < 0:
+            raise err("algo.max_num_gen_batches", "must be >= 0", "use 10, or 0 for no limit")
+        if a.max_response_length < 1 or a.max_prompt_length < 1:
+            raise err("algo.max_response_length", "lengths must be >= 1", "use 20480 / 2048 (DAPO)")
+        if a.overlong_buffer_enable and a.max_response_length <= a.overlong_buffer_length:
+            raise err("algo.overlong_buffer_length", f"{a.overlong_buffer_length} >= algo.max_response_length "
+                      f"{a.max_response_length}; every response would be penalised",
+                      "make overlong_buffer_length smaller than max_response_length (DAPO: 4096 of 20480)")
+        if a.overlong_buffer_length < 0:
+            raise err("algo.overlong_buffer_length", "must be >= 0", "use 4096 (DAPO)")
+        if a.temperature <= 0:
+            raise err("algo.temperature", "must be > 0 (greedy RL has no exploration)", "use 1.0")
+        if not 0 < a.top_p <= 1:
+            raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
+        if a.tis_cap is not None and a.tis_cap <= 0:
+            raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
+        _check_choice("algo.verifier", a.verifier, Verifier)
+        if a.lr <= 0:
+            raise err("algo.lr", "must be > 0", "use 1e-6 (DAPO)")
+        if a.lr_warmup_steps < 0:
+            raise err("algo.lr_warmup_steps", "must be >= 0", "use 20")
+        if a.grad_clip < 0:
+            raise err("algo.grad_clip", "must be >= 0", "use 1.0 (0 disables clipping)")
+        _check_choice("algo.on_nonfinite", a.on_nonfinite, OnNonfinite)
+
 
 @dataclass
 class DataConfig:
@@ -157,6 +249,20 @@ class DataConfig:
     """Synthetic task: operators to draw from (subset of +-*)."""
     synthetic_num_operands: int = 2
     """Synthetic task: operands per problem."""
+
+    def validate(self) -> None:
+        """This component's own rules (data files are checked by `preflight`)."""
+        d, err = self, _field_error
+        _check_choice("data.prompt_template", d.prompt_template, PromptTemplate)
+        _check_choice("data.on_bad_row", d.on_bad_row, OnBadRow)
+        if not d.train_path:
+            if not 1 <= d.synthetic_min_digits <= d.synthetic_max_digits:
+                raise err("data.synthetic_max_digits", "need 1 <= synthetic_min_digits <= synthetic_max_digits",
+                          "e.g. synthetic_min_digits=1 synthetic_max_digits=2")
+            if not d.synthetic_ops or set(d.synthetic_ops) - set("+-*"):
+                raise err("data.synthetic_ops", f"{d.synthetic_ops!r} must be a non-empty subset of '+-*'", "use '+-'")
+            if d.synthetic_num_operands < 2:
+                raise err("data.synthetic_num_operands", "must be >= 2", "use 2")
 
 
 @dataclass
@@ -201,6 +307,28 @@ class RolloutConfig:
     engine_registry: str = ""
     """Directory where externally launched engines announce themselves (one
     `engine-<i>.json` with `url` each); the trainer waits for `num_engines` of them."""
+
+    def validate(self) -> None:
+        """This component's own rules; ConfigError names the field and the fix."""
+        r, err = self, _field_error
+        _check_choice("rollout.backend", r.backend, RolloutBackend, "use embedded (CPU) or sglang (GPU)")
+        if r.num_engines < 1:
+            raise err("rollout.num_engines", "must be >= 1", "use 1 or more")
+        if r.host not in ("127.0.0.1", "localhost", "::1") and not r.api_key:
+            raise err("rollout.api_key", f"engines bind to {r.host} without an API key",
+                      "set rollout.api_key (or bind rollout.host=127.0.0.1)")
+        if r.weight_sync_bucket_mb < 1:
+            raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
+        if r.engine_tp_size < 1:
+            raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")
+        if r.engine_dp_size != 1:
+            # sglang 0.5.23 asserts dp_size == 1 in init_weights_update_group and every
+            # update_weights_* call (tokenizer_control_mixin.py): the first sync would fail
+            raise err("rollout.engine_dp_size", f"is {r.engine_dp_size}, but SGLang refuses weight updates into an "
+                      "engine with data-parallel replicas (it asserts dp_size == 1)",
+                      f"set rollout.engine_dp_size=1 and rollout.num_engines={r.num_engines * r.engine_dp_size} "
+                      "(one engine per replica)")
+        _check_choice("rollout.dtype", r.dtype, EngineDtype)
 
 
 @dataclass
@@ -265,6 +393,50 @@ class MegatronConfig:
     seed: int = 1234
     """Model init and dropout seed."""
 
+    def validate(self) -> None:
+        """This component's own rules (the world size: `check_world_size`)."""
+        m, err = self, _field_error
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
+            if getattr(m, name) < 1:
+                raise err(f"megatron.{name}", "must be >= 1", "use 1")
+        if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+            raise err("megatron.sequence_parallel", "needs tensor_model_parallel_size > 1",
+                      "set megatron.sequence_parallel=false or raise TP")
+        if m.virtual_pipeline_model_parallel_size is not None and m.pipeline_model_parallel_size == 1:
+            raise err("megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
+                      "set it to null or raise PP")
+        if m.virtual_pipeline_model_parallel_size is not None and m.virtual_pipeline_model_parallel_size < 1:
+            raise err("megatron.virtual_pipeline_model_parallel_size",
+                      f"must be >= 1, got {m.virtual_pipeline_model_parallel_size}", "use 2 or more, or null")
+        if m.fp8.enabled and m.transformer_impl == "local":
+            raise err("megatron.fp8.enabled", "FP8 needs the Transformer Engine layer spec",
+                      "set megatron.transformer_impl=transformer_engine (GPU) or fp8.enabled=false")
+        _check_choice("megatron.fp8.format", m.fp8.format, Fp8Format)
+        _check_choice("megatron.fp8.recipe", m.fp8.recipe, Fp8Recipe)
+        if m.recompute_granularity is not None:
+            _check_choice("megatron.recompute_granularity", m.recompute_granularity, RecomputeGranularity,
+                          "use null, full or selective")
+        if m.recompute_granularity == "full" and m.recompute_method not in ("uniform", "block"):
+            raise err("megatron.recompute_method", "full recompute needs a method",
+                      "set megatron.recompute_method=uniform (or block) and recompute_num_layers")
+        _check_choice("megatron.params_dtype", m.params_dtype, ParamsDtype)
+        _check_choice("megatron.transformer_impl", m.transformer_impl, TransformerImpl)
+
+    def check_world_size(self, world_size: int) -> int:
+        """DP for `world_size` learner processes, or ConfigError when TP·PP·CP does not divide it.
+        The one place this rule lives (`ParallelLayout.validate` calls it too)."""
+        tp, pp, cp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size, self.context_parallel_size
+        if world_size % (tp * pp * cp):
+            multiple = tp * pp * cp
+            raise _field_error("megatron.tensor_model_parallel_size",
+                               f"tp*pp*cp = {tp}*{pp}*{cp} = {multiple} does not divide the world size {world_size} "
+                               "(tp*pp*cp*dp must equal the number of learner processes)",
+                               f"run a multiple of {multiple} learner processes (cluster.num_learner_processes="
+                               f"{multiple} here; under torchrun/Slurm, more ranks), or choose tp, pp and cp "
+                               f"whose product divides {world_size}")
+        return world_size // (tp * pp * cp)
+
 
 @dataclass
 class ClusterConfig:
@@ -286,6 +458,22 @@ class ClusterConfig:
     """Memory per accelerator, for `plan`."""
     dist_timeout_s: int = 1800
     """Timeout of collective operations."""
+
+    def validate(self) -> None:
+        """This component's own rules; ConfigError names the field and the fix."""
+        c, err = self, _field_error
+        _check_choice("cluster.mode", c.mode, ClusterMode)
+        if c.max_staleness < 0:
+            raise err("cluster.max_staleness", "must be >= 0", "use 0 (synchronous) or 1 (one-step off-policy)")
+        if c.mode == "colocated" and c.max_staleness > 0:
+            raise err("cluster.max_staleness", f"is {c.max_staleness} in colocated mode, where engines and learners "
+                      "take turns on the same devices", "set cluster.mode=disaggregated or max_staleness=0")
+        _check_choice("cluster.device", c.device, Device)
+        if c.num_learner_processes < 1:
+            raise err("cluster.num_learner_processes", "must be >= 1", "use 1")
+        if c.mode == "disaggregated" and c.num_nodes > 1 and not 0 < c.engine_nodes < c.num_nodes:
+            raise err("cluster.engine_nodes", f"{c.engine_nodes} of {c.num_nodes} nodes",
+                      "give engines between 1 and num_nodes-1 nodes in disaggregated mode")
 
 
 @dataclass
@@ -320,6 +508,20 @@ class TrainerConfig:
     plot: bool = True
     """Write curves.png into the run directory each step."""
 
+    def validate(self) -> None:
+        """This component's own rules; ConfigError names the field and the fix."""
+        t, err = self, _field_error
+        if t.total_steps < 0:
+            raise err("trainer.total_steps", "must be >= 0", "use a positive number of rollout steps")
+        if t.keep_last_k < 1:
+            raise err("trainer.keep_last_k", "must be >= 1 (the latest checkpoint is always kept)", "use 2")
+        _check_choice("trainer.wandb_mode", t.wandb_mode, WandbMode)
+        if t.wandb_mode == "online" and not os.environ.get("WANDB_API_KEY"):
+            raise err("trainer.wandb_mode", "online needs WANDB_API_KEY in the environment",
+                      "export WANDB_API_KEY or use trainer.wandb_mode=offline")
+        if "/" in t.run_name or not t.run_name:
+            raise err("trainer.run_name", f"{t.run_name!r} must be a non-empty name without '/'", "e.g. my_run")
+
 
 @dataclass
 class EvalConfig:
@@ -339,6 +541,14 @@ class EvalConfig:
     """`dapo-mega eval`: a second model compared on the same problems."""
     output: str = ""
     """`dapo-mega eval`: where to write per-problem pass rates (default <run_dir>/eval/)."""
+
+    def validate(self) -> None:
+        """This component's own rules; ConfigError names the field and the fix."""
+        e, err = self, _field_error
+        if e.n_samples < 1:
+            raise err("eval.n_samples", "must be >= 1", "use 32 (AIME protocol)")
+        if not 0 < e.top_p <= 1:
+            raise err("eval.top_p", f"must be in (0, 1], got {e.top_p}", "use 0.7 (AIME protocol)")
 
 
 @dataclass
@@ -377,6 +587,13 @@ def register_configs() -> None:
 
 def _field_error(path: str, message: str, fix: str) -> ConfigError:
     return ConfigError(f"{path}: {message}. Fix: {fix}")
+
+
+def _check_choice(path: str, value: Any, choices: Any, fix: str = "") -> None:
+    """`value` must be one of the `Literal` alias `choices` (see the module docstring)."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise _field_error(path, f"unknown {value!r}", fix or "use " + ", ".join(map(str, allowed)))
 
 
 def load_config(overrides: Optional[List[str]] = None, config_name: str = "config") -> DapoConfig:
@@ -464,172 +681,20 @@ def describe_fields(cls: type = DapoConfig, prefix: str = "") -> List[str]:
 
 
 def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
-    """Every cross-field rule; raises ConfigError naming the field and the fix.
+    """Every config rule, composed once: each component's own `validate()`, then the rules
+    that span components; raises ConfigError naming the field and the fix.
 
     `world_size` (learner processes) is checked against the parallel layout when given.
     """
-    a, d, r, m, c, t, e = cfg.algo, cfg.data, cfg.rollout, cfg.megatron, cfg.cluster, cfg.trainer, cfg.eval
-    err = _field_error
-
-    if a.clip_ratio_low < 0 or a.clip_ratio_low >= 1:
-        raise err("algo.clip_ratio_low", f"must be in [0, 1), got {a.clip_ratio_low}", "use 0.2 (DAPO)")
-    if a.clip_ratio_high < a.clip_ratio_low:
-        raise err("algo.clip_ratio_high", f"{a.clip_ratio_high} < algo.clip_ratio_low {a.clip_ratio_low}",
-                  "Clip-Higher needs clip_ratio_high >= clip_ratio_low (DAPO: 0.28 vs 0.2)")
-    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
-        raise err("algo.clip_ratio_c", f"dual-clip constant must be > 1, got {a.clip_ratio_c}",
-                  "use 3..10, or null to disable dual clip")
-    if a.loss_agg_mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-        raise err("algo.loss_agg_mode", f"unknown mode {a.loss_agg_mode!r}",
-                  "use token-mean, seq-mean-token-mean or seq-mean-token-sum")
-    if a.n_samples_per_prompt < 1:
-        raise err("algo.n_samples_per_prompt", "must be >= 1", "use 16 (DAPO)")
-    if a.dynamic_sampling and a.n_samples_per_prompt < 2:
-        raise err("algo.n_samples_per_prompt", f"is {a.n_samples_per_prompt} with algo.dynamic_sampling on; "
-                  "a group of one always has uniform rewards and would always be dropped",
-                  "set n_samples_per_prompt >= 2 or algo.dynamic_sampling=false")
-    if a.train_batch_size < 1:
-        raise err("algo.train_batch_size", "must be >= 1", "use 512 (DAPO)")
-    if a.mini_batch_size < 1 or a.train_batch_size % a.mini_batch_size:
-        raise err("algo.mini_batch_size", f"{a.mini_batch_size} does not divide algo.train_batch_size "
-                  f"{a.train_batch_size}", "pick a divisor (DAPO: 512/32 = 16 updates per step)")
-    if a.gen_batch_size < 1:
-        raise err("algo.gen_batch_size", "must be >= 1", "use 3x train_batch_size (DAPO: 1536)")
-    if not a.dynamic_sampling and a.gen_batch_size < a.train_batch_size:
-        raise err("algo.gen_batch_size", f"{a.gen_batch_size} < algo.train_batch_size {a.train_batch_size} "
-                  "without dynamic sampling", "set gen_batch_size >= train_batch_size")
-    if a.max_num_gen_batches < 0:
-        raise err("algo.max_num_gen_batches", "must be >= 0", "use 10, or 0 for no limit")
-    if a.max_response_length < 1 or a.max_prompt_length < 1:
-        raise err("algo.max_response_length", "lengths must be >= 1", "use 20480 / 2048 (DAPO)")
-    if a.overlong_buffer_enable and a.max_response_length <= a.overlong_buffer_length:
-        raise err("algo.overlong_buffer_length", f"{a.overlong_buffer_length} >= algo.max_response_length "
-                  f"{a.max_response_length}; every response would be penalised",
-                  "make overlong_buffer_length smaller than max_response_length (DAPO: 4096 of 20480)")
-    if a.overlong_buffer_length < 0:
-        raise err("algo.overlong_buffer_length", "must be >= 0", "use 4096 (DAPO)")
-    if a.temperature <= 0:
-        raise err("algo.temperature", "must be > 0 (greedy RL has no exploration)", "use 1.0")
-    if not 0 < a.top_p <= 1:
-        raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
-    if a.tis_cap is not None and a.tis_cap <= 0:
-        raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
-    if a.verifier not in ("dapo", "math_verify"):
-        raise err("algo.verifier", f"unknown verifier {a.verifier!r}", "use dapo or math_verify")
-    if a.lr <= 0:
-        raise err("algo.lr", "must be > 0", "use 1e-6 (DAPO)")
-    if a.lr_warmup_steps < 0:
-        raise err("algo.lr_warmup_steps", "must be >= 0", "use 20")
-    if a.grad_clip < 0:
-        raise err("algo.grad_clip", "must be >= 0", "use 1.0 (0 disables clipping)")
-    if a.on_nonfinite not in ("skip", "stop"):
-        raise err("algo.on_nonfinite", f"unknown {a.on_nonfinite!r}", "use skip or stop")
-
-    if d.prompt_template not in ("dapo", "raw"):
-        raise err("data.prompt_template", f"unknown {d.prompt_template!r}", "use dapo or raw")
-    if d.on_bad_row not in ("error", "skip"):
-        raise err("data.on_bad_row", f"unknown {d.on_bad_row!r}", "use error or skip")
-    if not d.train_path:
-        if not 1 <= d.synthetic_min_digits <= d.synthetic_max_digits:
-            raise err("data.synthetic_max_digits", "need 1 <= synthetic_min_digits <= synthetic_max_digits",
-                      "e.g. synthetic_min_digits=1 synthetic_max_digits=2")
-        if not d.synthetic_ops or set(d.synthetic_ops) - set("+-*"):
-            raise err("data.synthetic_ops", f"{d.synthetic_ops!r} must be a non-empty subset of '+-*'", "use '+-'")
-        if d.synthetic_num_operands < 2:
-            raise err("data.synthetic_num_operands", "must be >= 2", "use 2")
-
-    if r.backend not in ("embedded", "sglang"):
-        raise err("rollout.backend", f"unknown {r.backend!r}", "use embedded (CPU) or sglang (GPU)")
-    if r.num_engines < 1:
-        raise err("rollout.num_engines", "must be >= 1", "use 1 or more")
-    if r.host not in ("127.0.0.1", "localhost", "::1") and not r.api_key:
-        raise err("rollout.api_key", f"engines bind to {r.host} without an API key",
-                  "set rollout.api_key (or bind rollout.host=127.0.0.1)")
-    if r.weight_sync_bucket_mb < 1:
-        raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
-    if r.engine_tp_size < 1:
-        raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")
-    if r.engine_dp_size != 1:
-        # sglang 0.5.23 asserts dp_size == 1 in init_weights_update_group and every
-        # update_weights_* call (tokenizer_control_mixin.py): the first sync would fail
-        raise err("rollout.engine_dp_size", f"is {r.engine_dp_size}, but SGLang refuses weight updates into an "
-                  "engine with data-parallel replicas (it asserts dp_size == 1)",
-                  f"set rollout.engine_dp_size=1 and rollout.num_engines={r.num_engines * r.engine_dp_size} "
-                  "(one engine per replica)")
-    if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise err("rollout.dtype", f"unknown {r.dtype!r}", "use auto, float32, bfloat16 or float16")
-
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "expert_model_parallel_size"):
-        if getattr(m, name) < 1:
-            raise err(f"megatron.{name}", "must be >= 1", "use 1")
-    if m.sequence_parallel and m.tensor_model_parallel_size == 1:
-        raise err("megatron.sequence_parallel", "needs tensor_model_parallel_size > 1",
-                  "set megatron.sequence_parallel=false or raise TP")
-    if m.virtual_pipeline_model_parallel_size is not None and m.pipeline_model_parallel_size == 1:
-        raise err("megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
-                  "set it to null or raise PP")
-    if m.fp8.enabled and m.transformer_impl == "local":
-        raise err("megatron.fp8.enabled", "FP8 needs the Transformer Engine layer spec",
-                  "set megatron.transformer_impl=transformer_engine (GPU) or fp8.enabled=false")
-    if m.fp8.format not in ("e4m3", "hybrid"):
-        raise err("megatron.fp8.format", f"unknown {m.fp8.format!r}", "use e4m3 or hybrid")
-    if m.fp8.recipe not in ("delayed", "tensorwise", "blockwise"):
-        raise err("megatron.fp8.recipe", f"unknown {m.fp8.recipe!r}", "use delayed, tensorwise or blockwise")
-    if m.recompute_granularity not in (None, "full", "selective"):
-        raise err("megatron.recompute_granularity", f"unknown {m.recompute_granularity!r}",
-                  "use null, full or selective")
-    if m.recompute_granularity == "full" and m.recompute_method not in ("uniform", "block"):
-        raise err("megatron.recompute_method", "full recompute needs a method",
-                  "set megatron.recompute_method=uniform (or block) and recompute_num_layers")
-    if m.params_dtype not in ("auto", "float32", "bf16", "fp16"):
-        raise err("megatron.params_dtype", f"unknown {m.params_dtype!r}", "use auto, float32 or bf16")
-    if m.transformer_impl not in ("auto", "local", "transformer_engine"):
-        raise err("megatron.transformer_impl", f"unknown {m.transformer_impl!r}",
-                  "use auto, local or transformer_engine")
+    for component in (cfg.model, cfg.algo, cfg.data, cfg.rollout, cfg.megatron, cfg.cluster, cfg.trainer, cfg.eval):
+        component.validate()
+    a, m, err = cfg.algo, cfg.megatron, _field_error
     if m.micro_batch_tokens < a.max_prompt_length + a.max_response_length:
         raise err("megatron.micro_batch_tokens", f"{m.micro_batch_tokens} cannot hold one sample of "
                   f"max_prompt_length + max_response_length = {a.max_prompt_length + a.max_response_length} tokens",
                   "raise megatron.micro_batch_tokens (or shorten the lengths)")
     if world_size is not None:
-        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-        if world_size % (tp * pp * cp):
-            raise err("megatron.tensor_model_parallel_size",
-                      f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the world size {world_size}",
-                      "choose tp, pp and cp whose product divides the number of learner processes")
-        dp = world_size // (tp * pp * cp)
+        dp = m.check_world_size(world_size)
         if a.mini_batch_size * a.n_samples_per_prompt % dp:
             raise err("algo.mini_batch_size", f"{a.mini_batch_size} prompts x {a.n_samples_per_prompt} samples "
                       f"do not split over {dp} data-parallel ranks", "make mini_batch_size*G divisible by DP")
-
-    if c.mode not in ("colocated", "disaggregated"):
-        raise err("cluster.mode", f"unknown {c.mode!r}", "use colocated or disaggregated")
-    if c.max_staleness < 0:
-        raise err("cluster.max_staleness", "must be >= 0", "use 0 (synchronous) or 1 (one-step off-policy)")
-    if c.mode == "colocated" and c.max_staleness > 0:
-        raise err("cluster.max_staleness", f"is {c.max_staleness} in colocated mode, where engines and learners "
-                  "take turns on the same devices", "set cluster.mode=disaggregated or max_staleness=0")
-    if c.device not in ("auto", "cpu", "cuda"):
-        raise err("cluster.device", f"unknown {c.device!r}", "use auto, cpu or cuda")
-    if c.num_learner_processes < 1:
-        raise err("cluster.num_learner_processes", "must be >= 1", "use 1")
-    if c.mode == "disaggregated" and c.num_nodes > 1 and not 0 < c.engine_nodes < c.num_nodes:
-        raise err("cluster.engine_nodes", f"{c.engine_nodes} of {c.num_nodes} nodes",
-                  "give engines between 1 and num_nodes-1 nodes in disaggregated mode")
-
-    if t.total_steps < 0:
-        raise err("trainer.total_steps", "must be >= 0", "use a positive number of rollout steps")
-    if t.keep_last_k < 1:
-        raise err("trainer.keep_last_k", "must be >= 1 (the latest checkpoint is always kept)", "use 2")
-    if t.wandb_mode not in ("offline", "online", "disabled"):
-        raise err("trainer.wandb_mode", f"unknown {t.wandb_mode!r}", "use offline, online or disabled")
-    if t.wandb_mode == "online" and not os.environ.get("WANDB_API_KEY"):
-        raise err("trainer.wandb_mode", "online needs WANDB_API_KEY in the environment",
-                  "export WANDB_API_KEY or use trainer.wandb_mode=offline")
-    if "/" in t.run_name or not t.run_name:
-        raise err("trainer.run_name", f"{t.run_name!r} must be a non-empty name without '/'", "e.g. my_run")
-
-    if e.n_samples < 1:
-        raise err("eval.n_samples", "must be >= 1", "use 32 (AIME protocol)")
-    if not 0 < e.top_p <= 1:
-        raise err("eval.top_p", f"must be in (0, 1], got {e.top_p}", "use 0.7 (AIME protocol)")

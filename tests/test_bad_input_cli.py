@@ -57,3 +57,45 @@ def test_bad_rows_stop_the_cli_naming_file_row_field_and_keep_the_run_dir(tmp_pa
     assert skipped.returncode == 0, skipped.stderr[-3000:]
     line = next(ln for ln in skipped.stdout.splitlines() if ln.startswith("[data]"))
     assert "11 train" in line and "'train': \"1 {'answer: must be a string" in line, line
+
+
+# --------------------------------------------------------------------------- config errors
+def _cli_train(tmp_path, *overrides, timeout_s=120):
+    argv = [sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+            *overrides]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _assert_config_error_line(proc, *needles):
+    """Exit code 2, exactly one stderr line `dapo-mega: config error: <field>: ... Fix: ...`, no traceback."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("dapo-mega: config error: "), lines
+    assert "Fix:" in lines[0], lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_tp_that_does_not_divide_the_learners_is_one_line_naming_num_learner_processes(tmp_path):
+    proc = _cli_train(tmp_path, "megatron.tensor_model_parallel_size=3")
+    _assert_config_error_line(proc, "config error: megatron.tensor_model_parallel_size:", "world size 1",
+                              "cluster.num_learner_processes=3")
+    assert not (tmp_path / "run").exists(), "the failed start built or wrote something"
+    # Three learners fit TP 3, but the (tiny) model's 4 heads do not split over 3 ranks: also
+    # found before the model is built, from the model's config alone.
+    proc = _cli_train(tmp_path, "megatron.tensor_model_parallel_size=3", "cluster.num_learner_processes=3")
+    _assert_config_error_line(proc, "megatron.tensor_model_parallel_size:", "num_attention_heads 4")
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_data_file_is_reported_before_any_model_is_built(tmp_path):
+    missing = tmp_path / "nope" / "train.parquet"
+    proc = _cli_train(tmp_path, f"data.train_path={missing}")
+    _assert_config_error_line(proc, "config error: data.train_path:", str(missing))
+    assert not (tmp_path / "run").exists(), "the base model (or anything) was built before the data check"
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"id": "q", "prompt": "What is 1+1?\nAnswer:", "answer": "2"}) + "\n")
+    proc = _cli_train(tmp_path, f"data.train_path={train}", f"data.eval_path={tmp_path / 'aime.parquet'}")
+    _assert_config_error_line(proc, "config error: data.eval_path:", "aime.parquet")
+    assert not (tmp_path / "run").exists()

@@ -122,3 +122,70 @@ def test_cli_help_and_cfg(capsys):
     assert "algo.clip_ratio_high = 0.28" in out and "Clip-Higher" in out
     assert cli_main(["train", "--cfg", "job", "algo.lr=5e-6"]) == 0
     assert "lr: 5.0e-06" in capsys.readouterr().out
+
+
+def test_each_component_validates_its_own_rules_and_validate_config_composes_them(monkeypatch):
+    from dapo_mega.config import AlgoConfig, ClusterConfig, DapoConfig, DataConfig, MegatronConfig, ModelConfig
+
+    with pytest.raises(ConfigError, match=r"^algo.loss_agg_mode: unknown 'seq-sum'. Fix: use token-mean, "):
+        AlgoConfig(loss_agg_mode="seq-sum").validate()
+    with pytest.raises(ConfigError, match=r"^data.on_bad_row:"):
+        DataConfig(on_bad_row="warn").validate()
+    with pytest.raises(ConfigError, match=r"^cluster.mode:"):
+        ClusterConfig(mode="hybrid").validate()
+    with pytest.raises(ConfigError, match=r"^model.tiny_num_key_value_heads:"):
+        ModelConfig(tiny_num_attention_heads=4, tiny_num_key_value_heads=3).validate()
+    ModelConfig(hf_path="/some/model", tiny_num_key_value_heads=3).validate()  # tiny fields unused then
+    with pytest.raises(ConfigError, match=r"^megatron.tensor_model_parallel_size:.*cluster.num_learner_processes=3"):
+        MegatronConfig(tensor_model_parallel_size=3).check_world_size(1)
+    assert MegatronConfig(tensor_model_parallel_size=2).check_world_size(8) == 4
+
+    cfg = DapoConfig()
+    cfg.algo.max_response_length, cfg.algo.overlong_buffer_length = 16, 4
+    cfg.megatron.micro_batch_tokens = 4096
+    seen = []
+    for name in ("model", "algo", "data", "rollout", "megatron", "cluster", "trainer", "eval"):
+        part = getattr(cfg, name)
+        monkeypatch.setattr(type(part), "validate", lambda self, _n=name: seen.append(_n))
+    validate_config(cfg)
+    assert seen == ["model", "algo", "data", "rollout", "megatron", "cluster", "trainer", "eval"]
+
+
+def test_choice_fields_are_str_for_omegaconf_and_checked_against_their_literal():
+    """OmegaConf 2.3 rejects Literal annotations; the value sets are Literal aliases checked in validate()."""
+    import typing
+
+    from omegaconf import OmegaConf
+
+    from dapo_mega import config as C
+
+    @__import__("dataclasses").dataclass
+    class WithLiteral:
+        mode: typing.Literal["a", "b"] = "a"
+
+    with pytest.raises(Exception, match="Unexpected type annotation"):
+        OmegaConf.structured(WithLiteral)
+    assert typing.get_args(C.ClusterMode) == ("colocated", "disaggregated")
+    assert typing.get_args(C.LossAggMode) == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    for value in typing.get_args(C.RolloutBackend):
+        load_config([f"rollout.backend={value}"])
+
+
+def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_path):
+    from dapo_mega.preflight import check_before_start
+
+    cfg = load_config([f"trainer.output_dir={tmp_path}"])
+    check_before_start(cfg, world_size=1)
+    cfg = load_config([f"trainer.output_dir={tmp_path}", "megatron.tensor_model_parallel_size=2"])
+    check_before_start(cfg, world_size=2)
+    cfg = load_config([f"trainer.output_dir={tmp_path}", "megatron.tensor_model_parallel_size=4",
+                       "model.tiny_num_key_value_heads=2"])
+    with pytest.raises(ConfigError, match=r"^megatron.tensor_model_parallel_size:.*num_key_value_heads"):
+        check_before_start(cfg, world_size=4)
+    cfg = load_config([f"trainer.output_dir={tmp_path}", f"model.hf_path={tmp_path / 'no_model'}"])
+    with pytest.raises(ConfigError, match=r"^model.hf_path:.*config.json"):
+        check_before_start(cfg, world_size=1)
+    cfg = load_config([f"trainer.output_dir={tmp_path}", f"data.train_path={tmp_path / 'x.jsonl'}"])
+    with pytest.raises(ConfigError, match=r"^data.train_path:.*x.jsonl.*Fix:"):
+        check_before_start(cfg, world_size=1)
+    assert list(tmp_path.iterdir()) == []

@@ -52,44 +52,39 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "ParallelLayout":
-        """Every rule that must hold before process groups start; ConfigError names the field."""
-        for name, value in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
-                            ("context_parallel_size", self.cp)):
-            if value < 1:
-                raise ConfigError(f"megatron.{name}: must be >= 1, got {value}")
+        """Every rule that must hold before process groups start; ConfigError names the field.
+
+        The size rules (each >= 1, SP needs TP > 1, VPP needs PP > 1, TP·PP·CP divides the
+        world) are MegatronConfig's, written once in config.py; the layout adds what needs
+        the model (heads and layers divisible) and its own DP."""
+        sizes = MegatronConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                               virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
+                               expert_model_parallel_size=self.ep, sequence_parallel=self.sequence_parallel)
+        sizes.validate()
         if self.ep != 1:
             raise ConfigError(f"megatron.expert_model_parallel_size: {self.ep} but the learner builds dense "
-                              "models only; set it to 1")
-        if self.tp * self.pp * self.cp * self.dp != self.world_size:
+                              "models only. Fix: set it to 1")
+        if sizes.check_world_size(self.world_size) != self.dp:
             raise ConfigError(
                 f"megatron.tensor_model_parallel_size: tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} "
-                f"!= world size {self.world_size}; choose tp, pp and cp whose product divides the number of "
-                "learner processes")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("megatron.sequence_parallel: needs tensor_model_parallel_size > 1")
-        if self.vpp is not None:
-            if self.pp == 1:
-                raise ConfigError("megatron.virtual_pipeline_model_parallel_size: needs "
-                                  "pipeline_model_parallel_size > 1")
-            if self.vpp < 1:
-                raise ConfigError(f"megatron.virtual_pipeline_model_parallel_size: must be >= 1, got {self.vpp}")
+                f"!= world size {self.world_size}. Fix: build the layout with ParallelLayout.from_config")
         if self.hf_config is not None:
             arch = ModelShape.from_hf_config(self.hf_config)
             if arch.num_attention_heads % self.tp:
                 raise ConfigError(
                     f"megatron.tensor_model_parallel_size: {self.tp} does not divide the model's "
-                    f"num_attention_heads {arch.num_attention_heads}; pick a TP that divides it")
+                    f"num_attention_heads {arch.num_attention_heads}. Fix: pick a TP that divides it")
             if arch.num_key_value_heads % self.tp:
                 raise ConfigError(
                     f"megatron.tensor_model_parallel_size: {self.tp} does not divide the model's "
-                    f"num_key_value_heads (query groups) {arch.num_key_value_heads}; pick a TP that divides it")
+                    f"num_key_value_heads (query groups) {arch.num_key_value_heads}. Fix: pick a TP that divides it")
             chunks = self.pp * (self.vpp or 1)
             field = ("virtual_pipeline_model_parallel_size" if self.vpp
                      else "pipeline_model_parallel_size")
             if arch.num_layers % chunks:
                 raise ConfigError(
                     f"megatron.{field}: the model's {arch.num_layers} layers do not split into "
-                    f"pp*vpp = {self.pp}*{self.vpp or 1} = {chunks} equal pipeline chunks; pick sizes that divide "
+                    f"pp*vpp = {self.pp}*{self.vpp or 1} = {chunks} equal pipeline chunks. Fix: pick sizes that divide "
                     "num_hidden_layers")
         return self
 

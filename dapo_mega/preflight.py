@@ -1,0 +1,61 @@
+"""Checks that run before anything is built: what `dapo-mega train` and `dapo-mega eval` do
+first, so a config that cannot work fails in a second with one `config error` line (the
+CLI prints it) instead of after the base model was built, or with a traceback.
+
+    check_before_start(cfg)     every config rule (`validate_config`), the parallel layout
+                                against the learner world size and the model's shape (its
+                                config.json, or the tiny model's fields), and the data files
+    check_data_paths(cfg.data)  data.train_path / data.eval_path exist
+
+Nothing here starts a process, opens a process group or writes a file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from dapo_mega.config import ConfigError, DapoConfig, validate_config
+
+
+def learner_world_size(cfg: DapoConfig) -> int:
+    """Learner processes of this run: WORLD_SIZE when launched by torchrun / srun, else
+    `cluster.num_learner_processes` (what `dapo-mega train` spawns)."""
+    if "RANK" in os.environ and os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.cluster.num_learner_processes
+
+
+def model_hf_config(cfg: DapoConfig) -> Any:
+    """The model's HF config without building anything: `model.hf_path` (a directory with
+    config.json) or the tiny model's config from its fields."""
+    if cfg.model.hf_path:
+        path = Path(cfg.model.hf_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.hf_path: {path} has no config.json. Fix: point model.hf_path at a Hugging "
+                              "Face checkpoint directory (or leave it empty for the tiny model)")
+        return str(path)
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    return tiny_hf_config(cfg.model)
+
+
+def check_data_paths(data_cfg: Any) -> None:
+    """Each configured data file exists (empty paths mean the synthetic task / no held-out set)."""
+    for name in ("train_path", "eval_path"):
+        value = getattr(data_cfg, name)
+        if value and not Path(value).is_file():
+            raise ConfigError(f"data.{name}: {value} does not exist. Fix: point data.{name} at a .parquet or "
+                              ".jsonl file (tools/prepare_data.py writes them), or leave data.train_path empty "
+                              "for the synthetic task")
+
+
+def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
+    """Every check that needs no process group, model or engine; ConfigError names the field and the fix."""
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+
+    world = learner_world_size(cfg) if world_size is None else world_size
+    validate_config(cfg, world_size=world)
+    ParallelLayout.from_config(cfg.megatron, world, hf_config=model_hf_config(cfg)).validate()
+    check_data_paths(cfg.data)
