@@ -2,8 +2,8 @@
 
     compute_group_advantages   Eq. 9   group-relative advantages, no critic
     compute_policy_loss        Eq. 8/10/12 decoupled clip (+ dual clip), token-level loss
-    merge_loss_metrics                 exact aggregation of loss metrics over micro-batches
     compute_tis_weights                truncated importance sampling (engine/learner mismatch)
+    summarize_tis_weights              its ratio statistics (weight, truncation, mismatch KL)
     compute_overlong_penalty   Eq. 13  soft overlong punishment
     select_informative_groups  Eq. 11  dynamic sampling's group filter
 """
@@ -19,9 +19,10 @@ from dapo_mega.algo.group_filter import (
 from dapo_mega.algo.overlong import compute_overlong_penalty
 from dapo_mega.algo.policy_loss import (
     LOSS_AGG_MODES,
+    TIS_METRICS,
     compute_policy_loss,
     compute_tis_weights,
-    merge_loss_metrics,
+    summarize_tis_weights,
 )
 
 __all__ = [
@@ -29,11 +30,12 @@ __all__ = [
     "ALL_WRONG_GROUP",
     "KEPT",
     "LOSS_AGG_MODES",
+    "TIS_METRICS",
     "GroupSelection",
     "compute_group_advantages",
     "compute_overlong_penalty",
     "compute_policy_loss",
     "compute_tis_weights",
-    "merge_loss_metrics",
     "select_informative_groups",
+    "summarize_tis_weights",
 ]

@@ -28,7 +28,7 @@ denominator); for a clipped token it is 0.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -73,6 +73,41 @@ def compute_tis_weights(
     if response_mask is not None:
         weights = torch.where(response_mask.bool(), weights, torch.ones_like(weights))
     return weights
+
+
+TIS_METRICS = ("tis/weight_mean", "tis/truncated_frac", "tis/log_ratio_mean", "tis/mismatch_kl")
+
+
+@torch.no_grad()
+def summarize_tis_weights(
+    train_log_probs: torch.Tensor,
+    engine_log_probs: torch.Tensor,
+    cap: float,
+    response_mask: torch.Tensor,
+) -> Dict[str, torch.Tensor]:
+    """Token means of the importance ratio ρ_t = π_old^learner(o_t) / π_old^engine(o_t).
+
+    Shapes as `compute_tis_weights`. Each value is a mean over the response tokens of this
+    call (aggregate micro-batches by weighting each with its response-token count):
+
+        tis/weight_mean     mean min(ρ, cap), the weight the loss applies
+        tis/truncated_frac  fraction with ρ > cap (weight truncated)
+        tis/log_ratio_mean  mean log ρ (> 0: the learner finds the samples likelier)
+        tis/mismatch_kl     mean ρ − 1 − log ρ, the k3 estimate of KL(π_engine ‖ π_learner)
+                            under the engine's samples (0 when the two agree)
+    """
+    mask = response_mask.bool()
+    count = mask.sum().clamp(min=1).to(torch.float32)
+    log_ratio = torch.where(mask, (train_log_probs - engine_log_probs).float(), torch.zeros_like(train_log_probs))
+    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weights = torch.clamp(ratio, max=cap)
+
+    def token_mean(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32)).sum() / count
+
+    return {"tis/weight_mean": token_mean(weights), "tis/truncated_frac": token_mean(ratio > cap),
+            "tis/log_ratio_mean": token_mean(log_ratio), "tis/mismatch_kl": token_mean(ratio - 1.0 - log_ratio)}
 
 
 def _as_denominator(value: Optional[Number], local: torch.Tensor, name: str) -> torch.Tensor:
@@ -139,9 +174,8 @@ def compute_policy_loss(
         mode is a sum over tokens or sequences divided by a constant).
 
         metrics: detached 0-dim float tensors, each a mean over this call's response
-        tokens, plus "loss/num_tokens" (that token count) so that `merge_loss_metrics`
-        (or an all-reduce of value·num_tokens and num_tokens) aggregates micro-batches
-        and ranks exactly:
+        tokens, plus "loss/num_tokens" (that token count) so that an all-reduce of
+        value·num_tokens and num_tokens aggregates micro-batches and ranks exactly:
             loss/clip_frac_low   Â<0 and r < 1−ε_low (gradient 0)
             loss/clip_frac_high  Â>0 and r > 1+ε_high (gradient 0)
             loss/dual_clip_frac  Â<0 and r > c (gradient 0; 0 when dual clip is off)
@@ -220,25 +254,3 @@ def compute_policy_loss(
             "loss/num_tokens": local_tokens.detach().clone(),
         }
     return loss, metrics
-
-
-def merge_loss_metrics(parts: Iterable[Mapping[str, Union[float, torch.Tensor]]]) -> Dict[str, float]:
-    """Aggregate `compute_policy_loss` metrics of several micro-batches exactly.
-
-    Every metric but "loss/num_tokens" is a mean over its part's tokens, so the whole is
-    the token-weighted mean Σ value·n / Σ n; "loss/num_tokens" is summed. Parts with no
-    tokens do not affect the result. Returns Python floats (this is where a device sync
-    happens, once, not per micro-batch).
-    """
-    sums: Dict[str, float] = {}
-    total_tokens = 0.0
-    for part in parts:
-        n = float(part["loss/num_tokens"])
-        total_tokens += n
-        for key, value in part.items():
-            if key == "loss/num_tokens":
-                continue
-            sums[key] = sums.get(key, 0.0) + float(value) * n
-    merged = {key: (value / total_tokens if total_tokens > 0 else 0.0) for key, value in sums.items()}
-    merged["loss/num_tokens"] = total_tokens
-    return merged

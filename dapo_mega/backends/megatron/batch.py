@@ -1,24 +1,58 @@
-"""Training samples, data-parallel sharding and padded micro-batches for the learner.
+"""Training samples, data-parallel shards and micro-batches (padded or packed) for the learner.
 
-A sample is a prompt followed by a response. A row of a micro-batch is right-padded:
+A sample is a prompt followed by a response. A micro-batch is [B, S] tokens; a row holds
+one sample (padded layout) or several (packed layout), each followed by the next:
 
-    position  0 .. P-1 | P .. P+R-1 | P+R .. S-1
-    tokens    prompt   | response   | pad (token 0)
+    padded   | prompt | response | pad ............................ |
+    packed   | prompt | response | prompt | response | prompt | resp | pad |
+               sample a            sample b            sample c
 
-Position t predicts token t+1, so the response token at P+j is scored by the logits at
-P+j−1: `labels[t] = tokens[t+1]` and `response_mask[t] = 1` for t in [P−1, P+R−1) where the
-sample's loss_mask is 1. With right padding the causal mask alone keeps padding out of
-every real token's attention, so no explicit attention mask is needed (padding is never
-attended to by earlier positions, and padded positions carry no loss). Packing several
-samples into one row is not done.
+Position t predicts token t+1 *of the same sample*, so the response token at P+j of a
+sample starting at column c is scored by the logits at c+P+j−1: `labels[t] = tokens[t+1]`
+inside a sample (0 on its last token) and `response_mask[t] = 1` for t in
+[c+P−1, c+P+R−1) where the sample's loss_mask is 1. `position_ids` restart at 0 for
+each sample.
+
+Attention. Padded rows need no mask: with right padding the causal mask alone keeps padding
+out of every real token's attention. Packed rows must not let a sample attend to the
+samples before it in the row:
+
+* `attention="mask"` (the local layer spec, CPU): an explicit [B, 1, S, S] boolean mask,
+  True = masked, that is causal *within* each sample (block-diagonal causal); pad columns
+  attend only to themselves. megatron-core's local attention applies it as given. Its
+  RoPE reads the column index, not `position_ids`; inside one sample's block only the
+  difference of two positions enters the attention score (RoPE is relative), so the
+  result equals restarted positions (up to rounding).
+* `attention="thd"` (Transformer Engine): one row per micro-batch ([1, T] tokens, the THD
+  layout) and `cu_seqlens` [n+1] (int32, segment starts, the trailing pad a segment of its
+  own) with `max_seqlen`, for megatron-core's `PackedSeqParams(qkv_format="thd")`; TE's
+  fused attention and RoPE restart at each segment.
+
+Per-token advantages ([B, S]) let one row carry samples of different advantages; loss
+functions that aggregate per sequence read a sample's tokens through `gather_responses`
+([num samples, longest response]), whatever the layout.
+
+Which samples go to which rank and row: `packing.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from dapo_mega.backends.megatron.packing import (
+    padded_micro_batches,
+    partition_balanced,
+    partition_contiguous,
+    plan_packed_micro_batches,
+    round_up,
+)
+
+ATTENTION_CAUSAL = "causal"
+ATTENTION_MASK = "mask"
+ATTENTION_THD = "thd"
 
 
 @dataclass
@@ -44,38 +78,80 @@ class TrainSample:
 
 
 @dataclass
+class Placement:
+    """Where one sample sits in a micro-batch."""
+
+    sample_index: int
+    """Index in the sample list given to the learner."""
+    row: int
+    start: int
+    """Column of the sample's first prompt token."""
+    prompt_length: int
+    response_length: int
+
+    @property
+    def response_columns(self) -> slice:
+        """Columns whose logits score the response tokens (and whose labels are them)."""
+        first = self.start + self.prompt_length - 1
+        return slice(first, first + self.response_length)
+
+
+@dataclass
 class MicroBatch:
-    """Padded tensors of one micro-batch; rows are samples, columns token positions."""
+    """Tensors of one micro-batch; rows of S token positions holding one or more samples."""
 
     tokens: torch.Tensor
     """[B, S] int64 input ids (pad = 0)."""
     position_ids: torch.Tensor
-    """[B, S] int64 0..S-1."""
+    """[B, S] int64, restarting at 0 at each sample (pad columns continue from the last)."""
     labels: torch.Tensor
-    """[B, S] int64 next token (tokens shifted left by one; 0 at the end)."""
+    """[B, S] int64 next token of the same sample (0 on a sample's last token and on pad)."""
     response_mask: torch.Tensor
     """[B, S] float 1 where labels[t] is a response token carrying loss."""
     advantages: torch.Tensor
-    """[B] float."""
+    """[B, S] float, the sample's advantage on its response_mask columns (0 elsewhere)."""
     old_log_probs: torch.Tensor
     """[B, S] float, aligned with labels (0 outside response_mask)."""
     engine_log_probs: Optional[torch.Tensor]
     """[B, S] float or None."""
-    sample_indices: List[int]
-    """Index of each row's sample in the list given to the learner; −1 for filler rows."""
-    prompt_lengths: List[int]
-    response_lengths: List[int]
+    placements: List[Placement]
+    """Every sample of the micro-batch, by row then column."""
+    attention: str = ATTENTION_CAUSAL
+    """causal (one sample per row, no mask needed), mask or thd (packed; module docstring)."""
+    attention_mask: Optional[torch.Tensor] = None
+    """[B, 1, S, S] bool, True = masked (attention="mask")."""
+    cu_seqlens: Optional[torch.Tensor] = None
+    """[segments + 1] int32 cumulative segment lengths of the single row (attention="thd")."""
+    max_seqlen: int = 0
+    """Longest segment (attention="thd")."""
+
+    @property
+    def sample_indices(self) -> List[int]:
+        return [p.sample_index for p in self.placements]
+
+    @property
+    def real_tokens(self) -> int:
+        """Prompt + response tokens of the samples (the rest of rows × columns is padding)."""
+        return sum(p.prompt_length + p.response_length for p in self.placements)
 
 
+# ---------------------------------------------------------------------- data-parallel shards
 def shard_for_data_parallel(indices: Sequence[int], dp_rank: int, dp_size: int) -> List[int]:
     """This DP rank's share of `indices`: a contiguous block, sizes differing by at most one.
 
     Every rank is given the same full list and takes its block deterministically.
     """
-    n = len(indices)
-    base, extra = divmod(n, dp_size)
-    start = dp_rank * base + min(dp_rank, extra)
-    return list(indices[start:start + base + (1 if dp_rank < extra else 0)])
+    return [indices[k] for k in partition_contiguous(len(indices), dp_size)[dp_rank]]
+
+
+def shard_balanced(samples: Sequence[TrainSample], indices: Sequence[int], dp_rank: int,
+                   dp_size: int) -> List[int]:
+    """This DP rank's share of `indices`, split by token count (Karmarkar–Karp, packing.py).
+
+    Every rank computes the same partition from the same list; parts are in index order.
+    """
+    parts = partition_balanced([samples[i].length for i in indices], dp_size)
+    return [indices[k] for k in parts[dp_rank]]
 
 
 def count_loss_tokens(samples: Sequence[TrainSample], indices: Sequence[int]) -> int:
@@ -83,20 +159,20 @@ def count_loss_tokens(samples: Sequence[TrainSample], indices: Sequence[int]) ->
     return sum(sum(samples[i].response_loss_mask()) for i in indices)
 
 
+# ---------------------------------------------------------------------- planning
 def plan_micro_batches(samples: Sequence[TrainSample], indices: Sequence[int], micro_batch_tokens: int,
                        uniform: bool = False, seq_multiple: int = 1) -> List[List[int]]:
-    """Group `indices` (in order) into micro-batches whose padded size rows·S fits the budget.
+    """Group `indices` (in order), one sample per row, into micro-batches whose padded size
+    rows·S fits the budget (the padded layout).
 
     uniform=True (pipeline parallel: every micro-batch must have the same [B, S] shape)
     pads to the longest sample of the whole list and puts the same number of rows in each
     micro-batch (the last one is completed with filler rows, index −1).
     """
-    def padded(length: int) -> int:
-        return -(-length // seq_multiple) * seq_multiple
-
     if not indices:
         return [[-1]]
-    longest = max(padded(samples[i].length) for i in indices)
+    lengths = {i: samples[i].length for i in indices}
+    longest = max(round_up(n, seq_multiple) for n in lengths.values())
     if longest > micro_batch_tokens:
         raise ValueError(f"a sample of {longest} tokens exceeds megatron.micro_batch_tokens={micro_batch_tokens}")
     if uniform:
@@ -104,68 +180,130 @@ def plan_micro_batches(samples: Sequence[TrainSample], indices: Sequence[int], m
         groups = [list(indices[k:k + rows]) for k in range(0, len(indices), rows)]
         groups[-1] += [-1] * (rows - len(groups[-1]))
         return groups
-    groups: List[List[int]] = []
-    current: List[int] = []
-    current_max = 0
-    for i in indices:
-        length = padded(samples[i].length)
-        if current and max(current_max, length) * (len(current) + 1) > micro_batch_tokens:
-            groups.append(current)
-            current, current_max = [], 0
-        current.append(i)
-        current_max = max(current_max, length)
-    groups.append(current)
-    return groups
+    return padded_micro_batches(lengths, indices, micro_batch_tokens, seq_multiple)
 
 
+def plan_packed(samples: Sequence[TrainSample], indices: Sequence[int], micro_batch_tokens: int, thd: bool,
+                uniform: bool = False, seq_multiple: int = 1):
+    """Packed layout: (micro-batches as lists of rows of sample indices, uniform width or 0).
+
+    thd: one row of up to `micro_batch_tokens` per micro-batch (Transformer Engine); else
+    rows as wide as the longest sample, micro_batch_tokens // width rows per micro-batch.
+    """
+    lengths = {i: samples[i].length for i in indices}
+    return plan_packed_micro_batches(lengths, indices, micro_batch_tokens,
+                                     row_tokens=micro_batch_tokens if thd else None, multiple=seq_multiple,
+                                     uniform=uniform)
+
+
+# ---------------------------------------------------------------------- collation
 def collate_micro_batch(samples: Sequence[TrainSample], rows: Sequence[int], seq_len: Optional[int] = None,
                         seq_multiple: int = 1) -> MicroBatch:
-    """Pad the samples `rows` (−1 = filler row, no loss) into a MicroBatch.
+    """Pad the samples `rows` (−1 = filler row, no loss) into a MicroBatch, one per row.
 
     seq_len: columns (default: longest row, rounded up to `seq_multiple`).
     old_log_probs / engine_log_probs of a sample are placed on its response_mask columns
     (missing ones are zeros, to be filled later by the learner).
     """
-    real = [samples[i] for i in rows if i >= 0]
-    longest = max((s.length for s in real), default=2)
-    seq = seq_len or -(-max(longest, 2) // seq_multiple) * seq_multiple
+    return collate_packed_micro_batch(samples, [[i] if i >= 0 else [] for i in rows], seq_len=seq_len,
+                                      seq_multiple=seq_multiple, attention=ATTENTION_CAUSAL)
+
+
+def collate_packed_micro_batch(samples: Sequence[TrainSample], rows: Sequence[Sequence[int]],
+                               seq_len: Optional[int] = None, seq_multiple: int = 1,
+                               attention: str = ATTENTION_MASK) -> MicroBatch:
+    """Lay the samples of each row side by side into a MicroBatch (module docstring).
+
+    rows: sample indices per row ([] = an empty filler row). seq_len: columns (default: the
+    longest row, rounded up to `seq_multiple`). attention: causal (rows must hold at most
+    one sample), mask or thd (exactly one row).
+    """
+    if attention not in (ATTENTION_CAUSAL, ATTENTION_MASK, ATTENTION_THD):
+        raise ValueError(f"unknown attention {attention!r}")
+    if attention == ATTENTION_CAUSAL and any(len(r) > 1 for r in rows):
+        raise ValueError("causal attention needs one sample per row; pack with attention='mask' or 'thd'")
+    if attention == ATTENTION_THD and len(rows) != 1:
+        raise ValueError(f"the THD layout has one row per micro-batch, got {len(rows)}")
+    used = [sum(samples[i].length for i in row) for row in rows]
+    seq = seq_len or round_up(max(max(used, default=0), 2), seq_multiple)
+    if max(used, default=0) > seq:
+        raise ValueError(f"a row of {max(used)} tokens does not fit seq_len={seq}")
     batch = len(rows)
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     labels = torch.zeros(batch, seq, dtype=torch.long)
+    positions = torch.zeros(batch, seq, dtype=torch.long)
+    segments = torch.zeros(batch, seq, dtype=torch.long)
     mask = torch.zeros(batch, seq)
+    adv = torch.zeros(batch, seq)
     old = torch.zeros(batch, seq)
-    has_engine = any(s.engine_log_probs is not None for s in real)
+    has_engine = any(samples[i].engine_log_probs is not None for row in rows for i in row)
     engine = torch.zeros(batch, seq) if has_engine else None
-    adv = torch.zeros(batch)
-    prompt_lengths, response_lengths = [], []
-    for row, index in enumerate(rows):
-        if index < 0:
-            prompt_lengths.append(0)
-            response_lengths.append(0)
-            continue
-        s = samples[index]
-        ids = list(s.prompt_ids) + list(s.response_ids)
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if p < 1:
-            raise ValueError(f"sample {index} has an empty prompt; the first response token needs a context")
-        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        labels[row, : len(ids) - 1] = tokens[row, 1: len(ids)]
-        cols = slice(p - 1, p + r - 1)
-        mask[row, cols] = torch.tensor(s.response_loss_mask(), dtype=torch.float32)
-        if s.old_log_probs is not None:
-            old[row, cols] = torch.tensor(s.old_log_probs, dtype=torch.float32)
-        if engine is not None and s.engine_log_probs is not None:
-            engine[row, cols] = torch.tensor(s.engine_log_probs, dtype=torch.float32)
-        adv[row] = float(s.advantage)
-        prompt_lengths.append(p)
-        response_lengths.append(r)
-    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, -1).contiguous()
-    return MicroBatch(tokens=tokens, position_ids=position_ids, labels=labels, response_mask=mask, advantages=adv,
-                      old_log_probs=old, engine_log_probs=engine, sample_indices=list(rows),
-                      prompt_lengths=prompt_lengths, response_lengths=response_lengths)
+    placements: List[Placement] = []
+    for r, row in enumerate(rows):
+        col = 0
+        for k, index in enumerate(row):
+            s = samples[index]
+            p, n = len(s.prompt_ids), len(s.response_ids)
+            if p < 1:
+                raise ValueError(f"sample {index} has an empty prompt; the first response token needs a context")
+            ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+            end = col + p + n
+            tokens[r, col:end] = ids
+            labels[r, col:end - 1] = ids[1:]
+            positions[r, col:end] = torch.arange(p + n)
+            segments[r, col:end] = k
+            place = Placement(sample_index=index, row=r, start=col, prompt_length=p, response_length=n)
+            cols = place.response_columns
+            mask[r, cols] = torch.tensor(s.response_loss_mask(), dtype=torch.float32)
+            adv[r, cols] = float(s.advantage)
+            if s.old_log_probs is not None:
+                old[r, cols] = torch.tensor(s.old_log_probs, dtype=torch.float32)
+            if engine is not None and s.engine_log_probs is not None:
+                engine[r, cols] = torch.tensor(s.engine_log_probs, dtype=torch.float32)
+            placements.append(place)
+            col = end
+        # pad columns: positions continue, each its own segment
+        positions[r, col:] = torch.arange(seq - col) + (positions[r, col - 1] + 1 if col else 0)
+        segments[r, col:] = torch.arange(seq - col) + len(row)
+    micro = MicroBatch(tokens=tokens, position_ids=positions, labels=labels, response_mask=mask, advantages=adv,
+                       old_log_probs=old, engine_log_probs=engine, placements=placements, attention=attention)
+    if attention == ATTENTION_MASK:
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        same = segments.unsqueeze(2) == segments.unsqueeze(1)  # [B, S, S]
+        micro.attention_mask = (~(same & causal)).unsqueeze(1)
+    elif attention == ATTENTION_THD:
+        lengths = [samples[i].length for i in rows[0]]
+        if seq > used[0]:
+            lengths.append(seq - used[0])
+        bounds = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        micro.cu_seqlens, micro.max_seqlen = bounds, max(lengths)
+    return micro
 
 
-def response_values(values: torch.Tensor, micro_batch: MicroBatch, row: int) -> torch.Tensor:
-    """The [R] entries of a [B, S] tensor that belong to row `row`'s response tokens."""
-    p, r = micro_batch.prompt_lengths[row], micro_batch.response_lengths[row]
-    return values[row, p - 1: p + r - 1]
+def micro_batch_shape_ok(micro: MicroBatch, token_multiple: int) -> bool:
+    """Whether rows × columns of `micro` is a multiple of `token_multiple` (FP8 GEMM inputs)."""
+    return micro.tokens.shape[0] * micro.tokens.shape[1] % token_multiple == 0
+
+
+# ---------------------------------------------------------------------- reading results back
+def gather_responses(values: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
+    """[num samples, longest response] entries of a [B, S] tensor at each sample's response
+    columns, in `placements` order; 0 past the end of a shorter response. Differentiable.
+
+    Loss functions that aggregate per sequence (seq-mean modes) read packed rows this way.
+    """
+    longest = max((p.response_length for p in micro_batch.placements), default=0)
+    width = values.shape[1]
+    index = torch.zeros(len(micro_batch.placements), max(longest, 1), dtype=torch.long)
+    valid = torch.zeros(len(micro_batch.placements), max(longest, 1), dtype=torch.bool)
+    for k, p in enumerate(micro_batch.placements):
+        cols = p.response_columns
+        index[k, : p.response_length] = p.row * width + torch.arange(cols.start, cols.stop)
+        valid[k, : p.response_length] = True
+    gathered = values.reshape(-1)[index.to(values.device)]
+    return torch.where(valid.to(values.device), gathered, torch.zeros_like(gathered))
+
+
+def response_values(values: torch.Tensor, micro_batch: MicroBatch) -> Dict[int, torch.Tensor]:
+    """{sample index: [R] entries of a [B, S] tensor at that sample's response columns}."""
+    return {p.sample_index: values[p.row, p.response_columns] for p in micro_batch.placements}

@@ -6,12 +6,18 @@
 
 `train_step` on a rollout batch (samples ordered group by group, G per prompt):
 
+0. the groups are shuffled (`algo.shuffle_mini_batches`, seeded by the step) and cut
+   into mini-batches of `algo.mini_batch_size` prompts × G samples;
 1. old log-probs π_old of every response token, once, before the first update (forward
    only; or the engine's log-probs when `algo.use_engine_logprobs`);
-2. for each mini-batch of `algo.mini_batch_size` prompts × G samples:
+2. for each mini-batch:
    N = loss tokens of the whole mini-batch over all DP ranks (before any forward);
-   each DP rank takes its block of the mini-batch, pads it into micro-batches of at most
-   `megatron.micro_batch_tokens`, and runs megatron's `get_forward_backward_func`
+   each DP rank takes its share of the mini-batch (split by token count,
+   `megatron.balance_data_parallel`), packs it into micro-batches of at most
+   `megatron.micro_batch_tokens` (`megatron.sequence_packing`; THD rows on the
+   Transformer Engine spec, rows with a per-sample causal mask on the local spec, padded
+   to the FP8 alignment when FP8 is on; see batch.py / packing.py), and runs megatron's
+   `get_forward_backward_func`
    (no-pipelining, 1F1B or interleaved) with loss
    `compute_policy_loss(..., global_num_tokens=N)` per micro-batch; gradients add up over
    micro-batches and DP ranks to the exact whole-mini-batch token mean (optimizer.py);
@@ -29,19 +35,27 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from dapo_mega.algo import compute_policy_loss, compute_tis_weights
+from dapo_mega import distributed as D
+from dapo_mega.algo import TIS_METRICS, compute_policy_loss, compute_tis_weights, summarize_tis_weights
 from dapo_mega.backends.megatron.batch import (
+    ATTENTION_MASK,
+    ATTENTION_THD,
     MicroBatch,
     TrainSample,
     collate_micro_batch,
+    collate_packed_micro_batch,
     count_loss_tokens,
+    gather_responses,
     plan_micro_batches,
+    plan_packed,
     response_values,
+    shard_balanced,
     shard_for_data_parallel,
 )
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
-from dapo_mega.backends.megatron.model import build_model
+from dapo_mega.backends.megatron.model import TE_SPEC, build_model
+from dapo_mega.backends.megatron.packing import shuffle_groups, token_multiple
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
 from dapo_mega.config import ConfigError, DapoConfig
 
@@ -69,16 +83,33 @@ class MegatronLearner:
         self.optimizer = build_optimizer(self.ddp_chunks, cfg.algo, cfg.megatron, bf16=self.info.params_dtype == "bfloat16")
         self.scheduler = WarmupConstantLR.from_algo(cfg.algo)  # warm-up counted in rollout steps
         self.skipped_updates = 0
-        # Sequence parallel splits the sequence over TP ranks: columns must divide by TP.
-        self._seq_multiple = layout.tp if layout.sequence_parallel else 1
+        # Sequence parallel splits the sequence over TP ranks (columns divide by TP); FP8
+        # GEMMs need each rank's token count aligned (packing.py).
+        fp8 = cfg.megatron.fp8
+        self._seq_multiple = token_multiple(layout.tp, layout.sequence_parallel, fp8.enabled, fp8.recipe)
+        self._thd = self.info.layer_spec == TE_SPEC
+        self._tis_active = cfg.algo.tis_cap is not None and not cfg.algo.use_engine_logprobs
+        self._metric_keys = _POLICY_METRICS + (TIS_METRICS if self._tis_active else ())
 
     # ------------------------------------------------------------------ plumbing
     def _is_loss_rank(self) -> bool:
         """Last pipeline stage, TP rank 0: counts each micro-batch's metrics exactly once."""
         return self.layout.is_last_stage and self.layout.tp_rank == 0
 
+    def _shard(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> List[int]:
+        """This DP rank's share of `indices` (balanced by tokens, or a contiguous block)."""
+        if self.cfg.megatron.balance_data_parallel:
+            return shard_balanced(samples, list(indices), self.layout.dp_rank, self.layout.dp)
+        return shard_for_data_parallel(list(indices), self.layout.dp_rank, self.layout.dp)
+
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> List[MicroBatch]:
         uniform = self.layout.pp > 1
+        if self.cfg.megatron.sequence_packing:
+            groups, width = plan_packed(samples, indices, self.cfg.megatron.micro_batch_tokens, thd=self._thd,
+                                        uniform=uniform, seq_multiple=self._seq_multiple)
+            attention = ATTENTION_THD if self._thd else ATTENTION_MASK
+            return [collate_packed_micro_batch(samples, rows, seq_len=width or None, seq_multiple=self._seq_multiple,
+                                               attention=attention) for rows in groups]
         groups = plan_micro_batches(samples, indices, self.cfg.megatron.micro_batch_tokens, uniform=uniform,
                                     seq_multiple=self._seq_multiple)
         seq_len = None
@@ -94,13 +125,24 @@ class MegatronLearner:
                   for k, v in mb.__dict__.items()}
         return MicroBatch(**fields)
 
+    @staticmethod
+    def _packed_seq_params(mb: MicroBatch):
+        """megatron-core's PackedSeqParams for a THD micro-batch (None otherwise)."""
+        if mb.cu_seqlens is None:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                               max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
     def _run_schedule(self, micro_batches: List[MicroBatch], loss_func: Callable, forward_only: bool) -> List[Dict]:
         """One pass of megatron's forward(-backward) schedule; returns the loss_func outputs (last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
-            output = model(mb.tokens, mb.position_ids, None)
+            output = model(mb.tokens, mb.position_ids, mb.attention_mask,
+                           packed_seq_params=self._packed_seq_params(mb))
             return output, partial(loss_func, mb)
 
         num_chunks = len(self.ddp_chunks)
@@ -118,10 +160,7 @@ class MegatronLearner:
         )
 
     def _all_reduce_sum(self, values: List[float]) -> List[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        if torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(tensor)
-        return tensor.tolist()
+        return D.all_reduce_sum(values)
 
     # ------------------------------------------------------------------ log-probs
     def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
@@ -142,14 +181,12 @@ class MegatronLearner:
         if self.layout.is_last_stage:
             for out in outputs:
                 mb, log_probs = out["mb"], out["log_probs"].float().cpu()
-                for row, index in enumerate(mb.sample_indices):
-                    if index >= 0:
-                        result[index] = response_values(log_probs, mb, row).clone()
+                result.update({i: values.clone() for i, values in response_values(log_probs, mb).items()})
         return result
 
     def compute_log_probs(self, samples: Sequence[TrainSample]) -> List[torch.Tensor]:
         """Per-sample [R] log-probs (float32, CPU) of the response tokens, on every rank."""
-        indices = shard_for_data_parallel(range(len(samples)), self.layout.dp_rank, self.layout.dp)
+        indices = self._shard(samples, range(len(samples)))
         local = self._local_log_probs(samples, indices)
         local = local if self._is_loss_rank() else {}
         gathered: List[Optional[Dict[int, torch.Tensor]]] = [None] * torch.distributed.get_world_size()
@@ -179,21 +216,22 @@ class MegatronLearner:
         """Forward/backward over the micro-batches, non-finite check, clip + step. Returns step info."""
         self._zero_grads()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
-        local = [0.0] * (3 + len(_POLICY_METRICS))  # loss, tokens, entropy·n, metric·n...
+        keys = self._metric_keys
+        local = [0.0] * (3 + len(keys))  # loss, tokens, entropy·n, metric·n...
         if self._is_loss_rank():
             for out in outputs:
                 n = float(out["num_tokens"])
                 local[0] += float(out["loss"])
                 local[1] += n
                 local[2] += float(out["entropy_sum"])
-                for k, key in enumerate(_POLICY_METRICS):
+                for k, key in enumerate(keys):
                     local[3 + k] += float(out.get(key, 0.0)) * n
         totals = self._all_reduce_sum(local)
         loss, tokens = totals[0], totals[1]
         finite = bool(torch.isfinite(torch.tensor(loss))) and self._grads_finite()
         info: Dict[str, Any] = {"loss": loss, "tokens": tokens, "entropy": totals[2] / max(tokens, 1.0),
                                 "finite": finite}
-        for k, key in enumerate(_POLICY_METRICS):
+        for k, key in enumerate(keys):
             info[key] = totals[3 + k] / max(tokens, 1.0)
         if not finite:
             self._zero_grads()
@@ -215,27 +253,45 @@ class MegatronLearner:
     def _policy_loss_func(self, global_tokens: float, global_seqs: float, mb: MicroBatch, logits: torch.Tensor):
         algo = self.cfg.algo
         log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.shape.vocab_size)
-        mask = mb.response_mask
-        tis = None
-        if algo.tis_cap is not None and mb.engine_log_probs is not None and not algo.use_engine_logprobs:
-            tis = compute_tis_weights(mb.old_log_probs, mb.engine_log_probs, algo.tis_cap, mask)
+        entropy_sum = (entropy * mb.response_mask).sum()
+        # The loss reads [samples, response tokens] (gather_responses), whatever the packing:
+        # the seq-mean modes aggregate per sample, and a packed row holds several.
+        mask = gather_responses(mb.response_mask, mb)
+        old = gather_responses(mb.old_log_probs, mb)
+        tis, tis_metrics = None, {}
+        if self._tis_active and mb.engine_log_probs is not None:
+            engine = gather_responses(mb.engine_log_probs, mb)
+            tis = compute_tis_weights(old, engine, algo.tis_cap, mask)
+            tis_metrics = summarize_tis_weights(old, engine, algo.tis_cap, mask)
         loss, metrics = compute_policy_loss(
-            log_probs, mb.old_log_probs, mb.advantages, mask, clip_ratio_low=algo.clip_ratio_low,
-            clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode,
-            global_num_tokens=global_tokens, global_num_seqs=global_seqs, tis_weights=tis)
+            gather_responses(log_probs, mb), old, gather_responses(mb.advantages, mb), mask,
+            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c,
+            loss_agg_mode=algo.loss_agg_mode, global_num_tokens=global_tokens, global_num_seqs=global_seqs,
+            tis_weights=tis)
         num_tokens = mask.sum().to(torch.int)
         reduced = {key: metrics[key] for key in _POLICY_METRICS}
-        reduced.update(loss=loss.detach(), num_tokens=num_tokens.detach(), entropy_sum=(entropy * mask).sum())
+        reduced.update(tis_metrics)
+        reduced.update(loss=loss.detach(), num_tokens=num_tokens.detach(), entropy_sum=entropy_sum)
         return loss, num_tokens, reduced
 
-    def train_step(self, samples: Sequence[TrainSample]) -> Dict[str, float]:
-        """DAPO updates on one rollout batch (ordered group by group); returns slash-keyed metrics."""
+    def train_step(self, samples: Sequence[TrainSample], step: Optional[int] = None) -> Dict[str, float]:
+        """DAPO updates on one rollout batch (ordered group by group); returns slash-keyed metrics.
+
+        step: the rollout step, seeding the mini-batch shuffle; None = the number of
+        optimizer updates so far (checkpointed with the LR schedule, so a resumed run
+        shuffles as the straight one does).
+        """
         algo = self.cfg.algo
         start = time.perf_counter()
         samples = list(samples)
         per_update = algo.mini_batch_size * algo.n_samples_per_prompt
-        mini_batches = [list(range(k, min(k + per_update, len(samples)))) for k in range(0, len(samples), per_update)]
-        shards = [shard_for_data_parallel(mb, self.layout.dp_rank, self.layout.dp) for mb in mini_batches]
+        order = list(range(len(samples)))
+        if algo.shuffle_mini_batches:
+            seed_step = self.scheduler.num_updates if step is None else step
+            order = shuffle_groups(len(samples), algo.n_samples_per_prompt,
+                                   seed=self.cfg.megatron.seed * 1_000_003 + int(seed_step))
+        mini_batches = [order[k:k + per_update] for k in range(0, len(order), per_update)]
+        shards = [self._shard(samples, mb) for mb in mini_batches]
 
         # 1. old log-probs, once, before the first update.
         if algo.use_engine_logprobs:
@@ -249,7 +305,7 @@ class MegatronLearner:
             samples[i] = _with_old_log_probs(samples[i], log_probs)
 
         # 2. one optimizer update per mini-batch.
-        totals = {"loss/pg": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0, **{k: 0.0 for k in _POLICY_METRICS}}
+        totals = {"loss/pg": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0, **{k: 0.0 for k in self._metric_keys}}
         applied, tokens_trained = 0, 0.0
         lr = self.scheduler.current_lr
         for mini_batch, shard in zip(mini_batches, shards):
@@ -268,7 +324,7 @@ class MegatronLearner:
             totals["loss/pg"] += info["loss"]
             totals["actor/entropy"] += info["entropy"]
             totals["actor/grad_norm"] += info["grad_norm"]
-            for key in _POLICY_METRICS:
+            for key in self._metric_keys:
                 totals[key] += info[key]
         elapsed = time.perf_counter() - start
         metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
@@ -296,7 +352,7 @@ class MegatronLearner:
             num_tokens = mask.sum().to(torch.int)
             return loss, num_tokens, {"loss": loss.detach(), "num_tokens": num_tokens, "entropy_sum": (entropy * mask).sum()}
 
-        shard = shard_for_data_parallel(indices, self.layout.dp_rank, self.layout.dp)
+        shard = self._shard(samples, indices)
         info = self._update(self._micro_batches(samples, shard), loss_func, lr=lr)
         elapsed = time.perf_counter() - start
         return {"sft/loss": info["loss"], "sft/grad_norm": info["grad_norm"], "sft/lr": lr,
