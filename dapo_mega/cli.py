@@ -81,7 +81,7 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
         from dapo_mega.preflight import check_data_paths
 
         check_data_paths(cfg.data)
-        return run_eval_command(cfg, overrides)
+        return run_eval_command(cfg)
     from dapo_mega.plan import run_plan_command
 
     return run_plan_command(cfg, as_json=as_json)

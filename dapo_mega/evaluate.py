@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import DapoConfig
@@ -140,7 +140,7 @@ def compare_results(a: EvalResult, b: EvalResult) -> str:
     return "\n".join(lines)
 
 
-def run_eval_command(cfg: DapoConfig, overrides: Optional[List[str]] = None) -> int:
+def run_eval_command(cfg: DapoConfig) -> int:
     """`dapo-mega eval`: one checkpoint's avg@k, or two compared on the same problems."""
     if not cfg.eval.checkpoint:
         print("dapo-mega eval: set eval.checkpoint=PATH (an HF directory, a Megatron checkpoint, or a run "

@@ -269,7 +269,7 @@ def completed_steps(cfg: DapoConfig) -> int:
     """Step of the checkpoint a resumed job would start from (0: none, or resume off)."""
     if not cfg.trainer.resume:
         return 0
-    from dapo_mega.backends.megatron.checkpoint import find_latest_checkpoint
+    from dapo_mega.run_dir import find_latest_checkpoint
 
     latest = find_latest_checkpoint(cfg.run_dir.resolve())
     return int(latest.name.split("_")[-1]) if latest is not None else 0

@@ -1,8 +1,8 @@
 """Per-step records of a run: metrics.jsonl, the console line, wandb, and curves.png.
 
-`RunRecorder` is used on rank 0 only (other ranks get `NullRecorder`, so call sites never
-test the rank). On resume it first cuts `metrics.jsonl` back to the checkpointed step, so a
-step that ran after the last checkpoint and before a crash appears once, not twice.
+`RunRecorder` is used by the driver rank only (dapo_mega/driver/roles.py). On resume it
+first cuts `metrics.jsonl` back to the checkpointed step, so a step that ran after the last
+checkpoint and before a crash appears once, not twice.
 """
 
 from __future__ import annotations
@@ -70,19 +70,7 @@ def truncate_metrics(run_dir: Path, last_step: int) -> int:
     return len(rows) - len(kept)
 
 
-class NullRecorder:
-    """What ranks other than 0 get: every method is a no-op."""
-
-    wandb_run_id: Optional[str] = None
-
-    def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class RunRecorder(NullRecorder):
+class RunRecorder:
     """metrics.jsonl + one console line per step + wandb (offline by default) + curves.png."""
 
     def __init__(self, run_dir: Path, run_name: str, config_dict: Dict[str, Any], resume_step: int,

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from dapo_mega.algo import compute_policy_loss, compute_tis_weights, merge_loss_metrics
+from dapo_mega.algo import compute_policy_loss, compute_tis_weights
 
 F64 = torch.float64
 
@@ -193,9 +193,14 @@ def test_micro_batch_sum_equals_whole_batch(mode):
     total.backward()
     torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(split_lp.grad, whole_lp.grad, rtol=1e-12, atol=1e-12)
-    merged = merge_loss_metrics(parts)
+    # each metric is a token mean over its part: the token-weighted mean of the parts (what
+    # the learner all-reduces as value·n and n) is the whole batch's value
+    n = [float(p["loss/num_tokens"]) for p in parts]
+    assert sum(n) == float(whole_metrics["loss/num_tokens"])
     for key, value in whole_metrics.items():
-        assert merged[key] == pytest.approx(float(value), abs=1e-12), key
+        if key != "loss/num_tokens":
+            merged = sum(float(p[key]) * k for p, k in zip(parts, n)) / sum(n)
+            assert merged == pytest.approx(float(value), abs=1e-12), key
 
 
 def test_local_denominator_default_and_bad_global():

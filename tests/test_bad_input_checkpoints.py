@@ -41,6 +41,7 @@ def _run(rank, world, root):
     import torch
 
     from dapo_mega.backends.megatron import checkpoint as C
+    from dapo_mega.run_dir import MODEL_OPTIM_DIR
     from dapo_mega.backends.megatron.layout import ParallelLayout  # noqa: F401
     from test_megatron_parallel import make_samples
 
@@ -51,11 +52,11 @@ def _run(rank, world, root):
     saved_weights = _weights(source)
     # A shard file gone (e.g. a copy interrupted).
     shutil.copytree(saved.parent.parent, root / "missing_shard")
-    shard = sorted((root / "missing_shard" / "checkpoints" / saved.name / C.MODEL_OPTIM_DIR).glob("*.distcp"))[-1]
+    shard = sorted((root / "missing_shard" / "checkpoints" / saved.name / MODEL_OPTIM_DIR).glob("*.distcp"))[-1]
     shard.unlink()
     # A shard cut short (a full disk while copying).
     shutil.copytree(saved.parent.parent, root / "short_shard")
-    cut = root / "short_shard" / "checkpoints" / saved.name / C.MODEL_OPTIM_DIR / shard.name
+    cut = root / "short_shard" / "checkpoints" / saved.name / MODEL_OPTIM_DIR / shard.name
     cut.write_bytes(cut.read_bytes()[:-100])
 
     def attempt(learner, path):

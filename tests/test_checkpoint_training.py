@@ -1,4 +1,4 @@
-"""Training checkpoints: directory mechanics, and save / stop / resume of a real learner.
+"""Training checkpoints: run-directory mechanics (run_dir.py), and save / stop / resume of a real learner.
 
 The resume test runs the MegatronLearner (2 gloo ranks, DP=2, distributed optimizer) in
 two separate process groups: the first trains 3 steps straight and saves after step 1;
@@ -15,35 +15,36 @@ from pathlib import Path
 
 import pytest
 
+from dapo_mega import run_dir as R
 from dapo_mega.backends.megatron import checkpoint as C
 from dapo_mega.weights.spawn import spawn_gloo
 from test_megatron_parallel import make_config, make_samples
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
-    d = root / C.step_dir_name(step)
-    (d / C.MODEL_OPTIM_DIR).mkdir(parents=True)
+    d = root / R.step_dir_name(step)
+    (d / R.MODEL_OPTIM_DIR).mkdir(parents=True)
     if complete:
-        (d / C.MODEL_OPTIM_DIR / "metadata.json").write_text("{}")
-        (d / C.TRAINER_STATE_FILE).write_text(json.dumps({"step": step}))
+        (d / R.MODEL_OPTIM_DIR / "metadata.json").write_text("{}")
+        (d / R.TRAINER_STATE_FILE).write_text(json.dumps({"step": step}))
     return d
 
 
 def test_latest_pointer_tmp_dirs_and_dangling_latest(tmp_path):
     root = tmp_path / "checkpoints"
-    assert C.find_latest_checkpoint(tmp_path) is None
+    assert R.find_latest_checkpoint(tmp_path) is None
     _fake_checkpoint(root, 3)
     _fake_checkpoint(root, 7)
-    (root / "step_000009.tmp-4242" / C.MODEL_OPTIM_DIR).mkdir(parents=True)  # interrupted save
+    (root / "step_000009.tmp-4242" / R.MODEL_OPTIM_DIR).mkdir(parents=True)  # interrupted save
     _fake_checkpoint(root, 8, complete=False)  # renamed but missing trainer state: not trusted
-    assert C.find_latest_checkpoint(tmp_path).name == "step_000007"
-    (root / C.LATEST_FILE).write_text("step_000003\n")
-    assert C.find_latest_checkpoint(tmp_path).name == "step_000003", "latest is followed when valid"
-    (root / C.LATEST_FILE).write_text("step_000011\n")  # dangling
-    assert C.find_latest_checkpoint(tmp_path).name == "step_000007"
-    assert C.resolve_checkpoint_dir(root / C.LATEST_FILE).name == "step_000007"
-    with pytest.raises(C.CheckpointNotFoundError):
-        C.resolve_checkpoint_dir(tmp_path / "other_run")
+    assert R.find_latest_checkpoint(tmp_path).name == "step_000007"
+    (root / R.LATEST_FILE).write_text("step_000003\n")
+    assert R.find_latest_checkpoint(tmp_path).name == "step_000003", "latest is followed when valid"
+    (root / R.LATEST_FILE).write_text("step_000011\n")  # dangling
+    assert R.find_latest_checkpoint(tmp_path).name == "step_000007"
+    assert R.resolve_checkpoint_dir(root / R.LATEST_FILE).name == "step_000007"
+    with pytest.raises(R.CheckpointNotFoundError):
+        R.resolve_checkpoint_dir(tmp_path / "other_run")
 
 
 def test_prune_keeps_last_k_and_never_the_latest(tmp_path):
@@ -51,12 +52,12 @@ def test_prune_keeps_last_k_and_never_the_latest(tmp_path):
     for step in (1, 2, 3, 4):
         _fake_checkpoint(root, step)
     (root / "step_000005.tmp-1").mkdir()
-    C.write_text_atomic(root / C.LATEST_FILE, "step_000004\n")
-    C.prune_checkpoints(tmp_path, keep_last_k=2)
-    assert sorted(p.name for p in root.iterdir()) == [C.LATEST_FILE, "step_000003", "step_000004"]
-    C.write_text_atomic(root / C.LATEST_FILE, "step_000003\n")
-    C.prune_checkpoints(tmp_path, keep_last_k=1)
-    assert sorted(p.name for p in root.iterdir()) == [C.LATEST_FILE, "step_000003", "step_000004"], \
+    R.write_text_atomic(root / R.LATEST_FILE, "step_000004\n")
+    R.prune_checkpoints(tmp_path, keep_last_k=2)
+    assert sorted(p.name for p in root.iterdir()) == [R.LATEST_FILE, "step_000003", "step_000004"]
+    R.write_text_atomic(root / R.LATEST_FILE, "step_000003\n")
+    R.prune_checkpoints(tmp_path, keep_last_k=1)
+    assert sorted(p.name for p in root.iterdir()) == [R.LATEST_FILE, "step_000003", "step_000004"], \
         "the newest K and the checkpoint `latest` names both survive pruning"
 
 
@@ -122,7 +123,7 @@ def _straight_run(rank, world, run_dir):
     try:
         C.save_checkpoint(learner, run_dir, 3, {"policy_version": 3}, keep_last_k=2)
         enospc = None
-    except C.CheckpointSaveError as exc:
+    except R.CheckpointSaveError as exc:
         enospc = str(exc)
     finally:
         C.save_dist_checkpoint = original
@@ -148,13 +149,13 @@ def test_save_stop_resume_equals_straight_training(tmp_path):
     # processes, which daemonic processes may not do.
     straight = spawn_gloo(_straight_run, 2, args=(run_dir,), timeout_s=240)
     ckpts = Path(run_dir) / "checkpoints"
-    assert (ckpts / C.LATEST_FILE).read_text().strip() == "step_000001"
-    assert sorted(p.name for p in ckpts.iterdir()) == [C.LATEST_FILE, "step_000001"], \
+    assert (ckpts / R.LATEST_FILE).read_text().strip() == "step_000001"
+    assert sorted(p.name for p in ckpts.iterdir()) == [R.LATEST_FILE, "step_000001"], \
         "the failed save left its tmp dir behind"
     assert "ENOSPC" in straight[0]["enospc"] and "intact" in straight[0]["enospc"]
     # An interrupted later save and a half-renamed dir must both be ignored on resume.
-    (ckpts / "step_000002.tmp-31337" / C.MODEL_OPTIM_DIR).mkdir(parents=True)
-    (ckpts / "step_000002.tmp-31337" / C.TRAINER_STATE_FILE).write_text("{")
+    (ckpts / "step_000002.tmp-31337" / R.MODEL_OPTIM_DIR).mkdir(parents=True)
+    (ckpts / "step_000002.tmp-31337" / R.TRAINER_STATE_FILE).write_text("{")
     (ckpts / "step_000003").mkdir()
 
     resumed = spawn_gloo(_resumed_run, 2, args=(run_dir,), timeout_s=240)

@@ -140,12 +140,13 @@ def _install(fault: str) -> None:
         DriverRole.advantage_step = advantage_step
     elif kind == "enospc":
         from dapo_mega.backends.megatron import checkpoint as C
+        from dapo_mega.run_dir import step_dir_name
 
         step = int(rest)
         original = C.save_dist_checkpoint
 
         def save_dist_checkpoint(state, ckpt_dir):
-            if C.step_dir_name(step) in str(ckpt_dir):
+            if step_dir_name(step) in str(ckpt_dir):
                 raise OSError(errno.ENOSPC, "No space left on device", str(ckpt_dir))
             return original(state, ckpt_dir)
         C.save_dist_checkpoint = save_dist_checkpoint
@@ -204,12 +205,13 @@ def _install_kill(phase: str, step: int) -> None:
         MegatronLearner._update = _update
     elif phase == "save":
         from dapo_mega.backends.megatron import checkpoint as C
+        from dapo_mega.run_dir import step_dir_name
 
         original = C.save_dist_checkpoint
 
         def save_dist_checkpoint(state, ckpt_dir):
             original(state, ckpt_dir)
-            if C.step_dir_name(step) in str(ckpt_dir):
+            if step_dir_name(step) in str(ckpt_dir):
                 print(f"[fault] SIGKILL while saving checkpoint step {step}", flush=True)
                 _die()
         C.save_dist_checkpoint = save_dist_checkpoint

@@ -108,7 +108,7 @@ def _job_logs(run_dir: Path, job_id: int) -> str:
 
 
 def _checkpoint_steps(run_dir: Path) -> list:
-    from dapo_mega.backends.megatron.checkpoint import list_complete_checkpoints
+    from dapo_mega.run_dir import list_complete_checkpoints
 
     return [int(p.name.split("_")[1]) for p in list_complete_checkpoints(run_dir)]
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional
 
-import torch
-
+from dapo_mega import distributed as D
 from dapo_mega.driver import advantages
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, prune_records_after, write_ledger
@@ -24,11 +23,7 @@ DRIVER_RANK = 0
 
 def broadcast_from_driver(obj: Any) -> Any:
     """Driver -> all learner ranks (inside the trusted learner group only)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=DRIVER_RANK)
-    return box[0]
+    return D.broadcast_object(obj, src=DRIVER_RANK)
 
 
 class LearnerRankRole:

@@ -49,7 +49,8 @@ class RunState:
     def resume(self, learner: Any) -> bool:
         """Load the latest complete checkpoint (weights, optimizer, RNG, trainer state) when
         `trainer.resume` is on and there is one. Collective. Returns whether it did."""
-        from dapo_mega.backends.megatron.checkpoint import find_latest_checkpoint, load_checkpoint
+        from dapo_mega.backends.megatron.checkpoint import load_checkpoint
+        from dapo_mega.run_dir import find_latest_checkpoint
 
         latest = find_latest_checkpoint(self.run_dir) if self.cfg.resume else None
         if latest is None:

@@ -155,10 +155,6 @@ class GenerationEngine:
             self._waiting.extend(seqs)
             self._cv.notify_all()
 
-    def num_active(self) -> int:
-        with self._cv:
-            return len(self._waiting) + len(self._running)
-
     def pause(self, mode: str) -> None:
         """Stop generating (see module docstring for the modes); returns once the thread is idle."""
         with self._cv:

@@ -34,6 +34,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from dapo_mega.backends.megatron.checkpoint import (
+    CONVERTED_HF_CONFIG_SUBDIR,
+    CONVERTED_MODEL_SUBDIR,
+    load_model_from_dist_checkpoint,
+    model_sharded_state_dict,
+    resolve_megatron_source,
+    save_dist_checkpoint,
+)
+from dapo_mega.run_dir import MODEL_META_FILE
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -43,9 +52,6 @@ from dapo_mega.weights.hf_io import (
     write_index,
 )
 
-MODEL_SUBDIR = "model"
-HF_CONFIG_SUBDIR = "hf_config"
-MODEL_META_FILE = "dapo_mega_model.json"
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json")
@@ -185,7 +191,7 @@ def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int
     hf_cfg = read_hf_config_dict(hf_path)
     HFCheckpointReader(hf_path)  # fail fast, in this process, on a missing shard
     out = Path(megatron_path)
-    (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
+    (out / CONVERTED_MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
     results = run_on_ranks(_import_worker, tp * pp, (str(hf_path), str(out), tp, pp, dtype, progress))
     summary = results[0]
     summary.seconds = time.time() - start
@@ -194,7 +200,6 @@ def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int
 
 def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, pp: int,
                    dtype_name: Optional[str], progress: bool) -> Optional[ConversionSummary]:
-    from dapo_mega.backends.megatron.checkpoint import model_sharded_state_dict, save_dist_checkpoint
     from dapo_mega.weights.stream import load_hf_into_megatron
 
     hf_cfg = read_hf_config_dict(hf_path)
@@ -206,7 +211,7 @@ def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, 
         chunk.to(dtype)
     all_used = [None] * world_size
     torch.distributed.all_gather_object(all_used, sorted(used))
-    save_dist_checkpoint(model_sharded_state_dict(chunks), Path(out) / MODEL_SUBDIR)
+    save_dist_checkpoint(model_sharded_state_dict(chunks), Path(out) / CONVERTED_MODEL_SUBDIR)
     if rank != 0:
         return None
     used_all = set().union(*map(set, all_used))
@@ -216,7 +221,7 @@ def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, 
     meta = {"format_version": 1, "model_info": info_dict, "hf_config": hf_cfg, "source": str(hf_path),
             "saved_with": {"tp": tp, "pp": pp}, "dtype": _dtype_str(dtype)}
     (Path(out) / MODEL_META_FILE).write_text(json.dumps(meta, indent=2))
-    copy_hf_side_files(hf_path, Path(out) / HF_CONFIG_SUBDIR)
+    copy_hf_side_files(hf_path, Path(out) / CONVERTED_HF_CONFIG_SUBDIR)
     notes = [f"HF tensors not used: {', '.join(unused)}"] if unused else []
     return ConversionSummary(action="import", source=hf_path, destination=out, num_tensors=len(used_all),
                              total_bytes=_bytes_of(reader, used_all, dtype),
@@ -241,28 +246,6 @@ def _bytes_of(reader: HFCheckpointReader, names, dtype: torch.dtype) -> int:
 
 
 # --------------------------------------------------------------------------- export
-
-
-def resolve_megatron_source(megatron_path: Path | str) -> Dict[str, Any]:
-    """Where the model tensors and metadata of a converted or training checkpoint are.
-
-    Returns {"ckpt_dir": dist checkpoint dir, "meta": dapo_mega_model.json dict or {},
-    "side_dir": directory with config/tokenizer files or None, "kind": "converted"|"training"}.
-    """
-    from dapo_mega.backends.megatron import checkpoint as C
-
-    path = Path(megatron_path)
-    if (path / MODEL_SUBDIR / "metadata.json").is_file():
-        meta = json.loads((path / MODEL_META_FILE).read_text()) if (path / MODEL_META_FILE).is_file() else {}
-        side = path / HF_CONFIG_SUBDIR
-        return {"ckpt_dir": path / MODEL_SUBDIR, "meta": meta, "side_dir": side if side.is_dir() else None,
-                "kind": "converted"}
-    step_dir = C.resolve_checkpoint_dir(path)
-    meta = json.loads((step_dir / C.MODEL_META_FILE).read_text()) if (step_dir / C.MODEL_META_FILE).is_file() else {}
-    run_dir = step_dir.parent.parent
-    side = Path(meta["hf_source_dir"]) if meta.get("hf_source_dir") else run_dir / "base_model"
-    return {"ckpt_dir": step_dir / C.MODEL_OPTIM_DIR, "meta": meta, "side_dir": side if side.is_dir() else None,
-            "kind": "training", "step_dir": str(step_dir)}
 
 
 def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
@@ -311,7 +294,6 @@ def _write_generation_config(out: Path, hf_cfg: Dict[str, Any]) -> None:
 
 def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: Dict[str, Any], tp: int, pp: int,
                    max_shard_bytes: int, dtype_name: Optional[str], progress: bool) -> Optional[ConversionSummary]:
-    from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint
 
     layout, chunks, info = _build(hf_cfg, tp, pp, world_size)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)
@@ -421,7 +403,6 @@ def megatron_logits(chunks, info, input_ids: torch.Tensor) -> torch.Tensor:
 
 def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: Dict[str, Any], tp: int,
                    input_ids: torch.Tensor, tolerance: float) -> Optional[ConversionSummary]:
-    from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint
 
     layout, chunks, info = _build(hf_cfg, tp, 1, world_size)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)

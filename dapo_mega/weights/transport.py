@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import uuid
@@ -181,11 +180,6 @@ def read_shm_bucket(path: Path, metas: Sequence[TensorMeta]) -> List[Tuple[str, 
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=nbytes)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     return unflatten_bucket(flat, metas)
-
-
-def encode_handle(handle: dict) -> str:
-    """JSON text of a handle (what goes into `serialized_named_tensors` for load_format shm)."""
-    return json.dumps(handle)
 
 
 def serialize_cuda_ipc(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:

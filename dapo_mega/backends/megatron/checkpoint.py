@@ -1,144 +1,70 @@
-"""Training checkpoints of a run: model + optimizer (Megatron distributed checkpoint) and
-the trainer state, written atomically.
+"""Megatron's part of a training checkpoint: sharded model + optimizer state, RNG states,
+save and load as collectives over the learner ranks.
 
-Layout of a run directory:
+The run-directory protocol (step directories, `latest`, fsync, atomic commit, keep-K) is
+`dapo_mega/run_dir.py`; this module fills a step directory:
 
-    <run_dir>/checkpoints/
-        step_000040/                  a complete checkpoint (only complete ones have this name)
-            model_optim/              megatron.core.dist_checkpointing (torch_dist): model chunks
-                                      ("model" or "model0", "model1", … with virtual PP),
-                                      "optimizer", "opt_param_scheduler"; loadable at another
-                                      TP/PP for the model (`convert_checkpoint.py export`)
-            rng/rank_00000.pt         per-rank RNG states (python, numpy, torch, CUDA, megatron
-                                      tracker) as tensors/ints, loaded with weights_only=True
-            dapo_mega_model.json      ModelInfo + HF config (so export can rebuild the model)
-            trainer_state.json        step, policy_version, data cursor, dynamic-sampling
-                                      carry-over, wandb run id, … (whatever the trainer passes)
-        step_000045.tmp-1234/         a save in progress or interrupted: always ignored
-        latest                        text file "step_000045", replaced last
+    step_<N>/model_optim/         megatron.core.dist_checkpointing (torch_dist): model chunks
+                                  ("model" or "model0", "model1", … with virtual PP),
+                                  "optimizer", "opt_param_scheduler"; loadable at another
+                                  TP/PP for the model (`convert_checkpoint.py export`)
+    step_<N>/rng/rank_00000.pt    per-rank RNG states (python, numpy, torch, CUDA, megatron
+                                  tracker) as tensors/ints, loaded with weights_only=True
+    step_<N>/dapo_mega_model.json the model's shape and build + HF config (export rebuilds from it)
 
-Atomicity (a crash at any point leaves the previous checkpoint usable):
-1. rank 0 creates `step_<N>.tmp-<pid>/`; every rank writes its part into it;
-2. rank 0 writes trainer_state.json, fsyncs the files and directories, renames the tmp
-   directory to `step_<N>/` (atomic on POSIX), then replaces `latest` (tmp file + fsync +
-   os.replace), then deletes checkpoints beyond the newest `keep_last_k`.
-An error during 1–2 (ENOSPC included) removes the tmp directory and raises
-CheckpointSaveError; `latest` and older checkpoints are untouched. `find_latest_checkpoint`
-trusts `latest` only if it names a complete checkpoint, else takes the highest complete
-`step_<N>`.
+A save: rank 0 begins the tmp step directory; every rank writes its shards and RNG; the
+ranks agree (all-reduce of a failure flag, on the device the group's backend needs) that
+all succeeded; rank 0 commits (run_dir.commit_step_dir) and prunes. An error on any rank
+(ENOSPC included) removes the tmp directory and raises CheckpointSaveError on every rank;
+`latest` and older checkpoints are untouched.
+
+A converted checkpoint (`convert_checkpoint.py import`) is laid out as
+`<megatron_path>/model/` (the distributed checkpoint), `dapo_mega_model.json` and
+`hf_config/` (config and tokenizer files); `resolve_megatron_source` finds the tensors of
+either kind.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import random
-import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
-MODEL_OPTIM_DIR = "model_optim"
-TRAINER_STATE_FILE = "trainer_state.json"
-MODEL_META_FILE = "dapo_mega_model.json"
-RNG_DIR = "rng"
-FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+from dapo_mega import distributed as D
+from dapo_mega.run_dir import (
+    FORMAT_VERSION,
+    MODEL_META_FILE,
+    MODEL_OPTIM_DIR,
+    RNG_DIR,
+    TRAINER_STATE_FILE,
+    CheckpointSaveError,
+    begin_step_dir,
+    checkpoints_root,
+    commit_step_dir,
+    describe_save_error,
+    encode_trainer_state,
+    fsync_path,
+    prune_checkpoints,
+    read_trainer_state,
+    resolve_checkpoint_dir,
+    step_dir_name,
+)
+
+CONVERTED_MODEL_SUBDIR = "model"
+"""The distributed checkpoint of a converted (`convert_checkpoint.py import`) checkpoint."""
+CONVERTED_HF_CONFIG_SUBDIR = "hf_config"
+"""HF config and tokenizer files kept beside a converted checkpoint."""
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
 """DistributedOptimizer state format (megatron `distrib_optim_sharding_type`): dp_reshardable
 saves each DP rank's buffers in parallel (resume at the same TP/PP, any DP);
 fully_reshardable gathers them per model-parallel shard on DP rank 0 (resume at any
 TP/PP, slower, more host memory). megatron-core 0.16.1 rejects its own default,
 fully_sharded_model_space ("ShardedTensor.flattened_range is not supported")."""
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written; the previous one and `latest` are intact."""
-
-
-class CheckpointNotFoundError(FileNotFoundError):
-    """No complete checkpoint where one was expected."""
-
-
-# --------------------------------------------------------------------------- directories
-
-
-def checkpoints_root(run_dir: Path | str) -> Path:
-    """`<run_dir>/checkpoints` (or `run_dir` itself when it already is a checkpoints dir)."""
-    run_dir = Path(run_dir)
-    if run_dir.name == CHECKPOINTS_DIR or (run_dir / LATEST_FILE).is_file():
-        return run_dir
-    return run_dir / CHECKPOINTS_DIR
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def is_complete_checkpoint(path: Path | str) -> bool:
-    """A `step_<N>` directory with its trainer state and a finished distributed checkpoint."""
-    path = Path(path)
-    return (bool(_STEP_DIR.match(path.name)) and path.is_dir() and (path / TRAINER_STATE_FILE).is_file()
-            and (path / MODEL_OPTIM_DIR / "metadata.json").is_file())
-
-
-def list_complete_checkpoints(run_dir: Path | str) -> List[Path]:
-    """Complete checkpoints of a run, oldest step first (tmp and partial dirs skipped)."""
-    root = checkpoints_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if is_complete_checkpoint(p)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-
-
-def find_latest_checkpoint(run_dir: Path | str) -> Optional[Path]:
-    """The checkpoint to resume from, or None.
-
-    `latest` is followed when it names a complete checkpoint; a dangling or corrupt
-    `latest` (crash between rename and pointer update, a deleted dir) falls back to the
-    highest complete `step_<N>`. Interrupted `*.tmp-*` directories are never chosen.
-    """
-    root = checkpoints_root(run_dir)
-    pointer = root / LATEST_FILE
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if name and "/" not in name and is_complete_checkpoint(root / name):
-            return root / name
-    complete = list_complete_checkpoints(root)
-    return complete[-1] if complete else None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for fn in filenames:
-            _fsync_path(Path(dirpath) / fn)
-        _fsync_path(Path(dirpath))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via `<path>.tmp-<pid>`, fsync, os.replace: readers see old or new, never half."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
 
 
 # --------------------------------------------------------------------------- dist_checkpointing
@@ -205,14 +131,32 @@ def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_di
     from megatron.core import dist_checkpointing
 
     if not (Path(ckpt_dir) / "metadata.json").is_file():
-        from dapo_mega.weights.convert import resolve_megatron_source
-
         ckpt_dir = Path(resolve_megatron_source(ckpt_dir)["ckpt_dir"])
     verify_checkpoint_files(ckpt_dir)
     state = model_sharded_state_dict(model_chunks)
     verify_checkpoint_fits(state, ckpt_dir)
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
     load_model_state(model_chunks, loaded)
+
+
+def resolve_megatron_source(megatron_path: Path | str) -> Dict[str, Any]:
+    """Where the model tensors and metadata of a converted or training checkpoint are.
+
+    Returns {"ckpt_dir": dist checkpoint dir, "meta": dapo_mega_model.json dict or {},
+    "side_dir": directory with config/tokenizer files or None, "kind": "converted"|"training"}.
+    """
+    path = Path(megatron_path)
+    if (path / CONVERTED_MODEL_SUBDIR / "metadata.json").is_file():
+        meta = json.loads((path / MODEL_META_FILE).read_text()) if (path / MODEL_META_FILE).is_file() else {}
+        side = path / CONVERTED_HF_CONFIG_SUBDIR
+        return {"ckpt_dir": path / CONVERTED_MODEL_SUBDIR, "meta": meta, "side_dir": side if side.is_dir() else None,
+                "kind": "converted"}
+    step_dir = resolve_checkpoint_dir(path)
+    meta = json.loads((step_dir / MODEL_META_FILE).read_text()) if (step_dir / MODEL_META_FILE).is_file() else {}
+    run_dir = step_dir.parent.parent
+    side = Path(meta["hf_source_dir"]) if meta.get("hf_source_dir") else run_dir / "base_model"
+    return {"ckpt_dir": step_dir / MODEL_OPTIM_DIR, "meta": meta, "side_dir": side if side.is_dir() else None,
+            "kind": "training", "step_dir": str(step_dir)}
 
 
 # --------------------------------------------------------------------------- RNG
@@ -258,39 +202,6 @@ def _tuplify(x: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- save / load
-
-
-def _dist():
-    return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
-
-
-def _rank() -> int:
-    d = _dist()
-    return d.get_rank() if d else 0
-
-
-def _barrier() -> None:
-    d = _dist()
-    if d:
-        d.barrier()
-
-
-def _broadcast_obj(obj: Any) -> Any:
-    d = _dist()
-    if not d:
-        return obj
-    box = [obj]
-    d.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _any_rank_failed(failed: bool) -> bool:
-    d = _dist()
-    if not d:
-        return failed
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    d.all_reduce(flag)
-    return bool(flag.item())
 
 
 def _full_state(learner, is_loading: bool, optimizer_sharding: str) -> Dict[str, Any]:
@@ -382,105 +293,43 @@ def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict
     anything is written); "step" is set to `step`. Returns the final checkpoint directory.
     Raises CheckpointSaveError (ENOSPC named) after removing the partial tmp directory.
     """
-    state_json = json.dumps({**trainer_state, "step": step, "format_version": FORMAT_VERSION,
-                             "saved_at": time.time(), "optimizer_sharding": optimizer_sharding},
-                            indent=2, sort_keys=True)
+    state_json = encode_trainer_state(trainer_state, step, optimizer_sharding=optimizer_sharding)
     root = checkpoints_root(run_dir)
     final = root / step_dir_name(step)
-    tmp: Optional[Path] = None
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f"{step_dir_name(step)}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / MODEL_OPTIM_DIR).mkdir(parents=True)
-        (tmp / RNG_DIR).mkdir()
-    tmp = Path(_broadcast_obj(str(tmp) if tmp else None))
+    rank0 = D.rank() == 0
+    tmp = Path(D.broadcast_object(str(begin_step_dir(root, step, (MODEL_OPTIM_DIR, RNG_DIR))) if rank0 else None,
+                                  src=0))
     error: Optional[BaseException] = None
     try:
         save_dist_checkpoint(_full_state(learner, False, optimizer_sharding), tmp / MODEL_OPTIM_DIR)
-        rng_path = tmp / RNG_DIR / f"rank_{_rank():05d}.pt"
+        rng_path = tmp / RNG_DIR / f"rank_{D.rank():05d}.pt"
         torch.save(capture_rng_state(), rng_path)
-        _fsync_path(rng_path)
+        fsync_path(rng_path)
     except BaseException as exc:  # noqa: BLE001 - every rank must reach the agreement below
         error = exc
-    failed = _any_rank_failed(error is not None)
-    if not failed and _rank() == 0:
+    failed = D.any_rank_true(error is not None)
+    if not failed and rank0:
         try:
-            (tmp / MODEL_META_FILE).write_text(json.dumps(_model_meta(learner), indent=2))
-            (tmp / TRAINER_STATE_FILE).write_text(state_json)
-            _fsync_tree(tmp)
-            if final.exists():  # re-saving a step (e.g. after resuming from an older one)
-                old = root / f"{final.name}.old-{os.getpid()}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_path(root)
-            write_text_atomic(root / LATEST_FILE, final.name + "\n")
+            commit_step_dir(tmp, {MODEL_META_FILE: json.dumps(_model_meta(learner), indent=2),
+                                  TRAINER_STATE_FILE: state_json})
         except BaseException as exc:  # noqa: BLE001
             error = exc
-    failed = _any_rank_failed(error is not None)
+    failed = D.any_rank_true(error is not None)
     if failed:
         free_bytes = shutil.disk_usage(tmp if tmp.exists() else root).free  # before the cleanup frees space
-        if _rank() == 0 and tmp.exists():
+        if rank0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
+        D.barrier()
         if error is None:
             raise CheckpointSaveError(f"checkpoint step {step} failed on another rank; {tmp} removed, "
                                       "the previous checkpoint is intact")
-        why = _describe_save_error(error, free_bytes)
+        why = describe_save_error(error, free_bytes)
         raise CheckpointSaveError(f"could not save checkpoint step {step} to {final}: {why}; the partial "
                                   f"directory was removed and the previous checkpoint and 'latest' are intact") from error
-    if _rank() == 0 and keep_last_k > 0:
+    if rank0 and keep_last_k > 0:
         prune_checkpoints(root, keep_last_k)
-    _barrier()
+    D.barrier()
     return final
-
-
-def _describe_save_error(error: BaseException, free_bytes: int) -> str:
-    """Say "disk full" when it is, even when the writer lost the errno: torch's zip writer
-    reports a short write as "enforce fail ... unexpected pos", megatron wraps it again."""
-    cause: Optional[BaseException] = error
-    for _ in range(20):  # the exception chain, bounded
-        if cause is None:
-            break
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            return f"disk full (ENOSPC, {free_bytes} bytes free)"
-        cause = cause.__cause__ or cause.__context__
-    if free_bytes < (1 << 20):
-        return f"disk full (ENOSPC: {free_bytes} bytes free when the write failed): {error!r}"
-    return repr(error)
-
-
-def prune_checkpoints(run_dir: Path | str, keep_last_k: int) -> List[Path]:
-    """Delete all but the newest `keep_last_k` complete checkpoints, and stale tmp dirs.
-
-    The checkpoint `latest` points to is never deleted. Returns what was deleted.
-    """
-    root = checkpoints_root(run_dir)
-    complete = list_complete_checkpoints(root)
-    latest = find_latest_checkpoint(root)
-    doomed = [p for p in complete[: max(len(complete) - keep_last_k, 0)] if p != latest]
-    doomed += [p for p in root.iterdir() if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name)]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
-
-
-def resolve_checkpoint_dir(path: Path | str) -> Path:
-    """A step dir as given, or the latest complete checkpoint of a run / checkpoints dir."""
-    path = Path(path)
-    if is_complete_checkpoint(path):
-        return path
-    if path.is_file() and path.name == LATEST_FILE:
-        path = path.parent
-    found = find_latest_checkpoint(path)
-    if found is None:
-        raise CheckpointNotFoundError(f"no complete checkpoint under {path} (looked for "
-                                      f"{checkpoints_root(path)}/step_<N>/ with {TRAINER_STATE_FILE})")
-    return found
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -546,7 +395,7 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     from megatron.core import dist_checkpointing
 
     ckpt = resolve_checkpoint_dir(ckpt_dir)
-    trainer_state = json.loads((ckpt / TRAINER_STATE_FILE).read_text())
+    trainer_state = read_trainer_state(ckpt)
     if load_optimizer:
         sharding = trainer_state.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING)
         if getattr(learner, "optimizer", None) is not None:
@@ -567,9 +416,9 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
     elif getattr(learner, "optimizer", None) is not None:
         learner.optimizer.reload_model_params()
-    rng_path = ckpt / RNG_DIR / f"rank_{_rank():05d}.pt"
+    rng_path = ckpt / RNG_DIR / f"rank_{D.rank():05d}.pt"
     if load_rng and rng_path.is_file():
         restore_rng_state(torch.load(rng_path, weights_only=True))
-    _barrier()
+    D.barrier()
     trainer_state["checkpoint_dir"] = str(ckpt)
     return trainer_state

@@ -125,7 +125,3 @@ def enable_cpu_support(force: bool = False) -> bool:
         _ENABLED = True
     return True
 
-
-def cpu_support_enabled() -> bool:
-    """Whether `enable_cpu_support()` has installed the substitutions in this process."""
-    return _ENABLED

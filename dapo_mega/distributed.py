@@ -1,0 +1,107 @@
+"""Collective helpers that work alike under gloo (CPU), NCCL (GPU) and in one process.
+
+    barrier(group)                       every rank of the group waits for the others
+    broadcast_object(obj, src, group)    rank `src`'s object on every rank (pickled)
+    any_rank_true(flag, group)           True on every rank when any rank passed True
+    all_reduce_sum(values, group)        element-wise sum of a list of floats over the group
+
+A collective moves tensors on the device its backend serves: NCCL refuses CPU tensors
+("No backend type associated with device type cpu") and gloo serves only CPU ones. The one
+rule, `collective_device_type(backend)`, is a pure function of the backend name, tested on
+the CPU; every helper allocates its tensors where it says. A process group with several
+backends (`"cpu:gloo,cuda:nccl"`) takes CPU tensors.
+
+Every helper is a no-op (returns its input) when torch.distributed is not initialised or
+the group has one rank, so single-process runs and unit tests call them unconditionally.
+`src` is a global rank, as in torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+_DEVICE_OF_BACKEND = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cpu", "xccl": "xpu", "hccl": "npu"}
+
+
+def collective_device_type(backend: str) -> str:
+    """The device type ("cpu", "cuda", ...) of tensors a collective on `backend` accepts.
+
+    `backend` is what `torch.distributed.get_backend(group)` returns: one name ("nccl",
+    "gloo") or a per-device list ("cpu:gloo,cuda:nccl"), where CPU tensors win when the CPU
+    has a backend (no copy to the GPU for a flag).
+    """
+    name = str(backend).lower().strip()
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        if "cpu" in per_device:
+            return "cpu"
+        if len(per_device) == 1:
+            return next(iter(per_device))
+        raise ValueError(f"process-group backend {backend!r}: no CPU backend and several devices")
+    if name not in _DEVICE_OF_BACKEND:
+        raise ValueError(f"process-group backend {backend!r}: unknown; known: {sorted(_DEVICE_OF_BACKEND)}")
+    return _DEVICE_OF_BACKEND[name]
+
+
+def is_active(group: Optional[Any] = None) -> bool:
+    """torch.distributed is initialised and the group has more than one rank."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank(group: Optional[Any] = None) -> int:
+    """This process's rank in `group` (0 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size(group: Optional[Any] = None) -> int:
+    """Ranks in `group` (1 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def collective_device(group: Optional[Any] = None) -> torch.device:
+    """Where to allocate a tensor for a collective on `group` (the current CUDA device for NCCL)."""
+    kind = collective_device_type(torch.distributed.get_backend(group))
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def barrier(group: Optional[Any] = None) -> None:
+    """Wait for every rank of `group`."""
+    if is_active(group):
+        torch.distributed.barrier(group=group)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
+    """Rank `src`'s `obj` on every rank of `group` (others pass anything, e.g. None).
+
+    Pickled: use it inside a trusted group only (the learner ranks of one job).
+    """
+    if not is_active(group):
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def any_rank_true(flag: bool, group: Optional[Any] = None) -> bool:
+    """True on every rank when `flag` is True on at least one rank of `group`."""
+    if not is_active(group):
+        return bool(flag)
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
+
+
+def all_reduce_sum(values: Sequence[float], group: Optional[Any] = None) -> List[float]:
+    """Element-wise sum over the ranks of `group` (float64, so token counts stay exact)."""
+    if not is_active(group):
+        return [float(v) for v in values]
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
+    torch.distributed.all_reduce(tensor, group=group)
+    return tensor.tolist()

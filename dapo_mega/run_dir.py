@@ -1,0 +1,230 @@
+"""The checkpoints of a run directory as files: step directories, `latest`, atomic commit, keep-K.
+
+What is *in* a checkpoint (Megatron's sharded model and optimizer state, RNG states) is
+written by `dapo_mega/backends/megatron/checkpoint.py`; this module only knows the
+directory protocol, so the launcher, tools and tests can find and prune checkpoints
+without importing torch or Megatron.
+
+Layout of a run directory:
+
+    <run_dir>/checkpoints/
+        step_000040/                  a complete checkpoint (only complete ones have this name)
+            model_optim/              the distributed checkpoint (its metadata.json marks it done)
+            rng/rank_00000.pt         per-rank RNG states
+            dapo_mega_model.json      model shape + HF config (so export can rebuild the model)
+            trainer_state.json        step, policy_version, data cursor, dynamic-sampling
+                                      carry-over, wandb run id, … (whatever the trainer passes)
+        step_000045.tmp-1234/         a save in progress or interrupted: always ignored
+        latest                        text file "step_000045", replaced last
+
+Atomicity (a crash at any point leaves the previous checkpoint usable):
+1. `begin_step_dir` creates `step_<N>.tmp-<pid>/`; every rank writes its part into it;
+2. `commit_step_dir` writes the small JSON files, fsyncs files and directories, renames the
+   tmp directory to `step_<N>/` (atomic on POSIX), then replaces `latest` (tmp file +
+   fsync + os.replace); `prune_checkpoints` then deletes all but the newest `keep_last_k`.
+An error before the rename leaves only a tmp directory, which is never read and is
+removed by the next prune. `find_latest_checkpoint` trusts `latest` only if it names a
+complete checkpoint, else takes the highest complete `step_<N>`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+MODEL_OPTIM_DIR = "model_optim"
+TRAINER_STATE_FILE = "trainer_state.json"
+MODEL_META_FILE = "dapo_mega_model.json"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous one and `latest` are intact."""
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint where one was expected."""
+
+
+# --------------------------------------------------------------------------- finding
+
+
+def checkpoints_root(run_dir: Path | str) -> Path:
+    """`<run_dir>/checkpoints` (or `run_dir` itself when it already is a checkpoints dir)."""
+    run_dir = Path(run_dir)
+    if run_dir.name == CHECKPOINTS_DIR or (run_dir / LATEST_FILE).is_file():
+        return run_dir
+    return run_dir / CHECKPOINTS_DIR
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def is_complete_checkpoint(path: Path | str) -> bool:
+    """A `step_<N>` directory with its trainer state and a finished distributed checkpoint."""
+    path = Path(path)
+    return (bool(_STEP_DIR.match(path.name)) and path.is_dir() and (path / TRAINER_STATE_FILE).is_file()
+            and (path / MODEL_OPTIM_DIR / "metadata.json").is_file())
+
+
+def list_complete_checkpoints(run_dir: Path | str) -> List[Path]:
+    """Complete checkpoints of a run, oldest step first (tmp and partial dirs skipped)."""
+    root = checkpoints_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if is_complete_checkpoint(p)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def find_latest_checkpoint(run_dir: Path | str) -> Optional[Path]:
+    """The checkpoint to resume from, or None.
+
+    `latest` is followed when it names a complete checkpoint; a dangling or corrupt
+    `latest` (crash between rename and pointer update, a deleted dir) falls back to the
+    highest complete `step_<N>`. Interrupted `*.tmp-*` directories are never chosen.
+    """
+    root = checkpoints_root(run_dir)
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if name and "/" not in name and is_complete_checkpoint(root / name):
+            return root / name
+    complete = list_complete_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint_dir(path: Path | str) -> Path:
+    """A step dir as given, or the latest complete checkpoint of a run / checkpoints dir."""
+    path = Path(path)
+    if is_complete_checkpoint(path):
+        return path
+    if path.is_file() and path.name == LATEST_FILE:
+        path = path.parent
+    found = find_latest_checkpoint(path)
+    if found is None:
+        raise CheckpointNotFoundError(f"no complete checkpoint under {path} (looked for "
+                                      f"{checkpoints_root(path)}/step_<N>/ with {TRAINER_STATE_FILE})")
+    return found
+
+
+def read_trainer_state(step_dir: Path | str) -> Dict[str, Any]:
+    """The trainer_state.json of a complete checkpoint."""
+    return json.loads((Path(step_dir) / TRAINER_STATE_FILE).read_text())
+
+
+def encode_trainer_state(trainer_state: Dict[str, Any], step: int, **extra: Any) -> str:
+    """trainer_state.json text: the trainer's dict + step, format version, save time and `extra`.
+
+    Raises TypeError when the state is not JSON-serialisable (call it before writing anything).
+    """
+    return json.dumps({**trainer_state, "step": step, "format_version": FORMAT_VERSION, "saved_at": time.time(),
+                       **extra}, indent=2, sort_keys=True)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (so a rename inside it is durable)."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for fn in filenames:
+            fsync_path(Path(dirpath) / fn)
+        fsync_path(Path(dirpath))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via `<path>.tmp-<pid>`, fsync, os.replace: readers see old or new, never half."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def begin_step_dir(run_dir: Path | str, step: int, subdirs: Sequence[str] = (MODEL_OPTIM_DIR, RNG_DIR)) -> Path:
+    """Create (afresh) `checkpoints/step_<N>.tmp-<pid>/` with `subdirs`; one rank calls it."""
+    root = checkpoints_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{step_dir_name(step)}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for sub in subdirs:
+        (tmp / sub).mkdir(parents=True)
+    return tmp
+
+
+def commit_step_dir(tmp: Path | str, files: Dict[str, str]) -> Path:
+    """Write `files` (name -> text) into `tmp`, make it durable, rename it to `step_<N>`,
+    point `latest` at it. Returns the final directory. One rank calls it.
+
+    Re-saving a step that exists (after resuming from an older one) swaps the directories
+    with one rename each; the older copy is deleted afterwards.
+    """
+    tmp = Path(tmp)
+    root = tmp.parent
+    final = root / tmp.name.split(".tmp-")[0]
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    fsync_tree(tmp)
+    if final.exists():
+        old = root / f"{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_path(root)
+    write_text_atomic(root / LATEST_FILE, final.name + "\n")
+    return final
+
+
+def prune_checkpoints(run_dir: Path | str, keep_last_k: int) -> List[Path]:
+    """Delete all but the newest `keep_last_k` complete checkpoints, and stale tmp dirs.
+
+    The checkpoint `latest` points to is never deleted. Returns what was deleted.
+    """
+    root = checkpoints_root(run_dir)
+    complete = list_complete_checkpoints(root)
+    latest = find_latest_checkpoint(root)
+    doomed = [p for p in complete[: max(len(complete) - keep_last_k, 0)] if p != latest]
+    doomed += [p for p in root.iterdir() if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def describe_save_error(error: BaseException, free_bytes: int) -> str:
+    """Say "disk full" when it is, even when the writer lost the errno: torch's zip writer
+    reports a short write as "enforce fail ... unexpected pos", megatron wraps it again."""
+    cause: Optional[BaseException] = error
+    for _ in range(20):  # the exception chain, bounded
+        if cause is None:
+            break
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return f"disk full (ENOSPC, {free_bytes} bytes free)"
+        cause = cause.__cause__ or cause.__context__
+    if free_bytes < (1 << 20):
+        return f"disk full (ENOSPC: {free_bytes} bytes free when the write failed): {error!r}"
+    return repr(error)
