@@ -307,6 +307,10 @@ class RolloutConfig:
     engine_registry: str = ""
     """Directory where externally launched engines announce themselves (one
     `engine-<i>.json` with `url` each); the trainer waits for `num_engines` of them."""
+    engine_python: str = ""
+    """Python interpreter that runs the engine servers (`-m sglang.launch_server` or the
+    embedded `-m dapo_mega.rollout.server`), e.g. the bin/python of a separate SGLang venv;
+    empty: the trainer's own interpreter."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""

@@ -11,8 +11,9 @@ per node, containers); they call this module once per role with the user's Hydra
         RUN_COMPLETE=1 when the latest checkpoint is already at trainer.total_steps: the
         sbatch script then exits 0 without starting any role (the tail of a job chain).
     python -m dapo_mega.launch engines  --engine-nodes N -- [overrides]
-        one task per engine node: starts this node's engines (embedded on CPU, SGLang on
-        GPU; command lines from `dapo_mega.backends.sglang.launch.build_engine_command`),
+        one task per engine node: starts this node's engines through the engine fleet
+        (`dapo_mega.rollout.fleet`: embedded on CPU, SGLang on GPU, command lines from
+        `dapo_mega.backends.sglang.launch.build_engine_command`, GPUs from the placement),
         waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
         (atomically), then watches them; any engine exiting ends the task non-zero. With
         `rollout.use_router` on SGLang, the first engine node also starts sglang-router
@@ -23,9 +24,9 @@ per node, containers); they call this module once per role with the user's Hydra
         MASTER_PORT from Slurm (and DAPO_MEGA_SYNC_ADDR, the address engines reach this
         node's weight source at) and execs `dapo-mega train` with the registry overrides.
 
-Why a module of the package rather than scripts in `launch/`: the sbatch scripts run it
-with `python -m dapo_mega.launch`, which works from any working directory and from a
-container where the package is installed (not only from a source checkout).
+Why a module of the package (there is no top-level `launch/` folder): the sbatch scripts
+run it with `python -m dapo_mega.launch`, which works from any working directory and from
+a container where the package is installed (not only from a source checkout).
 
 Addresses travel through the shared run directory (engine registry) and the environment
 exported by the sbatch script (MASTER_ADDR from `scontrol show hostnames` + NodeAddr,
@@ -52,13 +53,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from dapo_mega.backends.placement import ClusterShape, engines_per_node, place, visible_devices
+from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import DapoConfig, RolloutConfig, load_config, validate_config
+from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port, is_healthy,
+                                              log_tail, stop_process)
+from dapo_mega.rollout.fleet import EngineFleet
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
 API_KEY_ENV = "DAPO_MEGA_ENGINE_API_KEY"
@@ -316,13 +320,10 @@ def engine_threads(env: Mapping[str, str], engines_on_node: int) -> int:
     return max(1, cpus // max(1, engines_on_node))
 
 
-def engine_rollout_config(cfg: DapoConfig, api_key: str, num_threads: int = 0) -> RolloutConfig:
-    """The rollout config each engine of this job starts from: the job's API key filled in,
-    and for the embedded CPU engine `--num-threads` (unless the user passed one)."""
-    extra = list(cfg.rollout.extra_server_args)
-    if cfg.rollout.backend != "sglang" and num_threads > 0 and "--num-threads" not in extra:
-        extra += ["--num-threads", str(num_threads)]
-    return dataclasses.replace(cfg.rollout, api_key=api_key, extra_server_args=extra)
+def engine_rollout_config(cfg: DapoConfig, api_key: str) -> RolloutConfig:
+    """The rollout config each engine of this job starts from: the job's API key filled in
+    (a copy; the config itself is unchanged)."""
+    return dataclasses.replace(cfg.rollout, api_key=api_key)
 
 
 def router_wanted(cfg: DapoConfig, node_index: int) -> bool:
@@ -330,54 +331,22 @@ def router_wanted(cfg: DapoConfig, node_index: int) -> bool:
     return cfg.rollout.use_router and cfg.rollout.backend == "sglang" and node_index == 0
 
 
+def engine_fleet(cfg: DapoConfig, rollout: RolloutConfig, model_path: str, bind_host: str, advertise: str = "",
+                 log_dir: Optional[Path] = None, num_threads: int = 0) -> EngineFleet:
+    """The fleet that starts this node's engines: `--enable-memory-saver` when colocated
+    (else releasing their memory frees nothing), SGLang on the CPU unless this job uses GPUs."""
+    return EngineFleet(rollout, model_path, log_dir, device="cuda" if _use_gpu(cfg) else "cpu", bind_host=bind_host,
+                       advertise_host=advertise, num_threads=num_threads, weight_version="default",
+                       memory_saver=cfg.cluster.mode == "colocated")
+
+
 def engine_command_and_env(cfg: DapoConfig, rollout: RolloutConfig, slot: EngineSlot, model_path: str, port: int,
                            bind_host: str, parent_env: Mapping[str, str]) -> Tuple[List[str], Dict[str, str]]:
-    """argv and environment of one engine of this node: its own GPUs only
-    (CUDA_VISIBLE_DEVICES mapped through the task's, `--base-gpu-id 0`), and
-    `--enable-memory-saver` when colocated (else releasing its memory frees nothing)."""
-    from dapo_mega.backends.sglang.launch import build_engine_command
-
-    cmd = build_engine_command(rollout, model_path, port, host=bind_host,
-                               memory_saver=cfg.cluster.mode == "colocated",
-                               base_gpu_id=0 if slot.gpu_ids else None)
-    env = dict(parent_env, DAPO_MEGA_ENGINE_INDEX=str(slot.index))
-    if slot.gpu_ids:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(slot.gpu_ids, parent_env.get("CUDA_VISIBLE_DEVICES"))
-    return cmd, env
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _healthy(url: str, api_key: str, timeout_s: float = 2.0) -> bool:
-    request = urllib.request.Request(url + "/health")
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def announce_engine(registry: Path, index: int, record: dict) -> Path:
-    """Write `engine-<index>.json` atomically (tmp + rename), so readers never see half a file."""
-    registry.mkdir(parents=True, exist_ok=True)
-    path = registry / f"engine-{index}.json"
-    tmp = registry / f".engine-{index}.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
-    return path
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    """argv and environment the fleet starts one engine of this node with: its own GPUs
+    only (CUDA_VISIBLE_DEVICES mapped through the task's, `--base-gpu-id 0`)."""
+    fleet = engine_fleet(cfg, rollout, model_path, bind_host)
+    argv = fleet.command(port, base_gpu_id=0 if slot.gpu_ids else None)
+    return argv, dict(parent_env, **fleet.child_env(slot.index, slot.gpu_ids, parent_env))
 
 
 class _Terminated(Exception):
@@ -385,8 +354,8 @@ class _Terminated(Exception):
 
 
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
-    """Start, health-check, announce and watch this node's engines (and the router on the
-    first engine node when `router_wanted`). Returns the exit status."""
+    """Start (through the engine fleet), health-check, announce and watch this node's engines
+    (and the router on the first engine node when `router_wanted`). Returns the exit status."""
     use_gpu = _use_gpu(cfg)
     slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu, env)
     bind_host, advertise = engine_addresses(cfg, engine_nodes, use_gpu, env, task.node_name)
@@ -394,11 +363,10 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
     if bind_host not in LOOPBACK and not api_key:
         raise RuntimeError(f"engines bind to {bind_host} without an API key: set rollout.api_key or "
                            f"{API_KEY_ENV} (slurm/lib.sh generates one per job)")
-    rollout = engine_rollout_config(cfg, api_key, 0 if use_gpu else engine_threads(env, len(slots)))
     registry = registry_dir(cfg)
     log_dir = Path(env.get("DAPO_MEGA_LOG_DIR") or cfg.run_dir.resolve() / "logs" / f"job-{task.job_id}")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    model_path = engine_model_path(cfg)
+    fleet = engine_fleet(cfg, engine_rollout_config(cfg, api_key), str(engine_model_path(cfg)), bind_host, advertise,
+                         log_dir, num_threads=0 if use_gpu else engine_threads(env, len(slots)))
     if cfg.rollout.use_router and not router_wanted(cfg, 0):
         _log(f"rollout.use_router ignored with rollout.backend={cfg.rollout.backend}: sglang-router fronts SGLang "
              "engines only; the trainer uses the embedded engines directly")
@@ -406,58 +374,32 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
     def on_sigterm(signum, frame):
         raise _Terminated()
 
+    def announce(engine: EngineProcess) -> None:
+        announce_engine(registry, engine.index, {"url": engine.url, "engine_id": engine.index, "node": task.node_name,
+                                                 "pid": engine.pid, "job_id": task.job_id, "time": time.time()})
+        _log(f"engine {engine.index} healthy, announced in {registry}")
+
     signal.signal(signal.SIGTERM, on_sigterm)
-    procs: Dict[str, subprocess.Popen] = {}  # "engine 3" / "router" -> process
+    procs: Dict[str, subprocess.Popen] = {}  # the router, when this node runs it
     logs: Dict[str, Path] = {}
     try:
-        urls: Dict[int, str] = {}
-        port_retries: Dict[int, int] = {}
-
-        def spawn(slot: EngineSlot) -> None:
-            name = f"engine {slot.index}"
-            port = cfg.rollout.base_port + slot.index if cfg.rollout.base_port else _free_port(bind_host)
-            cmd, child_env = engine_command_and_env(cfg, rollout, slot, str(model_path), port, bind_host, os.environ)
-            logs[name] = log_dir / f"engine-{slot.index}.log"
-            with open(logs[name], "ab") as log_file:
-                procs[name] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=child_env)
-            urls[slot.index] = f"http://{advertise}:{port}"
-            _log(f"{name} on {task.node_name} (pid {procs[name].pid}): {shlex.join(cmd[:3])} ... -> "
-                 f"{urls[slot.index]} (log {logs[name]})")
-
         for slot in slots:
-            spawn(slot)
-        pending = set(urls)
-        deadline = time.monotonic() + cfg.rollout.health_timeout_s
-        while pending:
-            for index in sorted(pending):
-                name = f"engine {index}"
-                rc = procs[name].poll()
-                if rc is not None and _lost_port_race(cfg, logs[name], port_retries.get(index, 0)):
-                    # the free port picked at start was taken before the engine bound it
-                    port_retries[index] = port_retries.get(index, 0) + 1
-                    _log(f"{name}: its port was taken meanwhile; restarting it on another port")
-                    spawn(next(s for s in slots if s.index == index))
-                    continue
-                if rc is not None:
-                    return _role_process_failed(name, rc, logs[name])
-                if _healthy(urls[index], api_key):
-                    announce_engine(registry, index, {"url": urls[index], "engine_id": index, "node": task.node_name,
-                                                      "pid": procs[name].pid, "job_id": task.job_id,
-                                                      "time": time.time()})
-                    _log(f"engine {index} healthy, announced in {registry}")
-                    pending.discard(index)
-            if pending and time.monotonic() > deadline:
-                _log(f"engines {sorted(pending)} not healthy after rollout.health_timeout_s="
-                     f"{cfg.rollout.health_timeout_s}s")
-                for index in sorted(pending):
-                    print(f"--- last lines of {logs[f'engine {index}']}\n{_tail(logs[f'engine {index}'])}", flush=True)
-                return 1
-            time.sleep(0.5)
+            engine = fleet.spawn(slot.index, slot.gpu_ids, base_gpu_id=0 if slot.gpu_ids else None)
+            _log(f"engine {slot.index} on {task.node_name} (pid {engine.pid}): {shlex.join(engine.argv[:3])} ... -> "
+                 f"{engine.url} (log {engine.log_path})")
+        try:
+            fleet.wait_healthy(on_healthy=announce)
+        except EngineStartError as exc:
+            _log(f"{exc}")
+            dead = fleet.dead()
+            return _exit_status(dead[0].proc.returncode) if dead else 1
         if router_wanted(cfg, task.node_id):
             failed = _start_router(cfg, registry, advertise, bind_host, log_dir, procs, logs, task)
             if failed is not None:
                 return failed
         while True:  # watch: any engine (or the router) ending while the job runs is a failure
+            for engine in fleet.dead():
+                return _role_process_failed(f"engine {engine.index}", engine.proc.returncode, engine.log_path)
             for name, proc in procs.items():
                 rc = proc.poll()
                 if rc is not None:
@@ -467,6 +409,7 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
         _log("SIGTERM: stopping engines")
         return 143
     finally:
+        fleet.close()
         _stop_all(procs)
 
 
@@ -488,14 +431,14 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
             return 1
         time.sleep(0.5)
     workers = [json.loads(p.read_text())["url"] for p in sorted(registry.glob("engine-*.json"))]
-    port = cfg.rollout.base_port + cfg.rollout.num_engines if cfg.rollout.base_port else _free_port(bind_host)
+    port = cfg.rollout.base_port + cfg.rollout.num_engines if cfg.rollout.base_port else free_port(bind_host)
     cmd = build_router_command(workers, port, host=bind_host)
     logs["router"] = log_dir / "router.log"
     with open(logs["router"], "ab") as log_file:
         procs["router"] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://{advertise}:{port}"
     _log(f"router (pid {procs['router'].pid}) in front of {len(workers)} engines -> {url} (log {logs['router']})")
-    while not _healthy(url, ""):
+    while not is_healthy(EngineEndpoint(url)):
         rc = procs["router"].poll()
         if rc is not None:
             return _role_process_failed("router", rc, logs["router"])
@@ -508,36 +451,24 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     return None
 
 
-def _lost_port_race(cfg: DapoConfig, log: Path, retries: int, max_retries: int = 3) -> bool:
-    """An engine that died at start because its (free when picked) port was taken."""
-    if cfg.rollout.base_port or retries >= max_retries:
-        return False
-    tail = _tail(log, 15).lower()
-    return "address already in use" in tail or "errno 98" in tail
-
-
-def _role_process_failed(name: str, rc: int, log: Path) -> int:
-    """Log which process of the role died and how; returns the task's exit status
-    (128 + signal for a process killed by a signal, as a shell reports it)."""
-    how = f"signal {-rc}" if rc < 0 else f"status {rc}"
-    _log(f"{name} exited with {how}; stopping the other processes of this node")
-    print(f"--- last lines of {log}\n{_tail(log)}", flush=True)
+def _exit_status(rc: int) -> int:
+    """The task's exit status for a process that ended with `rc` (128 + signal, as a shell reports it)."""
     if rc < 0:
         return 128 + (-rc)
     return rc if rc != 0 else 1
 
 
+def _role_process_failed(name: str, rc: int, log: Path) -> int:
+    """Log which process of the role died and how; returns the task's exit status."""
+    how = f"signal {-rc}" if rc < 0 else f"status {rc}"
+    _log(f"{name} exited with {how}; stopping the other processes of this node")
+    print(f"--- last lines of {log}\n{log_tail(log)}", flush=True)
+    return _exit_status(rc)
+
+
 def _stop_all(procs: Mapping[str, subprocess.Popen], grace_s: float = 10.0) -> None:
     for proc in procs.values():
-        if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + grace_s
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_process(proc, grace_s)
 
 
 def build_learner_command(overrides: Sequence[str], python: str = sys.executable) -> List[str]:

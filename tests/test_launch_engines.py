@@ -21,8 +21,8 @@ import pytest
 import dapo_mega.launch as launch
 from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
 from dapo_mega.config import load_config
-from dapo_mega.launch import (LearnerRank, SlurmTask, engine_rollout_config, engine_threads, learner_env,
-                              router_wanted, run_prepare)
+from dapo_mega.launch import (LearnerRank, SlurmTask, engine_fleet, engine_rollout_config, engine_threads,
+                              learner_env, router_wanted, run_prepare)
 
 
 def _task(node: str = "n2", node_id: int = 1) -> SlurmTask:
@@ -30,22 +30,23 @@ def _task(node: str = "n2", node_id: int = 1) -> SlurmTask:
                      tasks_on_node=1, node_name=node)
 
 
-def test_engine_commands_come_from_the_sglang_launch_module():
+def test_engine_commands_come_from_the_sglang_launch_module_through_the_fleet():
     assert not hasattr(launch, "build_engine_command")  # no second copy of the SGLang flags
     cfg = load_config(["+experiment=dapo_qwen2.5_32b"])
-    rollout = engine_rollout_config(cfg, api_key="k3y", num_threads=0)
-    argv = build_engine_command(rollout, "/m", 30001, host="10.0.0.2")
+    rollout = engine_rollout_config(cfg, api_key="k3y")
+    argv = engine_fleet(cfg, rollout, "/m", "10.0.0.2").command(30001)
+    assert argv == build_engine_command(rollout, "/m", 30001, host="10.0.0.2", memory_saver=True)
     line = shlex.join(argv)
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert "--tp-size 4 " in line and "--api-key k3y" in line and "--host 10.0.0.2 --port 30001" in line
-    assert "--num-threads" not in line  # an embedded-only flag never reaches SGLang
+    assert "--num-threads" not in line and "--device" not in line  # GPU job: no CPU-only flags
     assert cfg.rollout.api_key == ""  # the job's key is filled into a copy, not the config
 
     tiny = load_config(["+experiment=tiny_cpu_slurm"])
-    argv = build_engine_command(engine_rollout_config(tiny, "k", num_threads=3), "/m", 5, host="127.0.0.1")
+    argv = engine_fleet(tiny, engine_rollout_config(tiny, "k"), "/m", "127.0.0.1", num_threads=3).command(5)
     assert argv[1:3] == ["-m", "dapo_mega.rollout.server"] and argv[-2:] == ["--num-threads", "3"]
     user = load_config(["+experiment=tiny_cpu_slurm", "rollout.extra_server_args=[--num-threads,1]"])
-    argv = build_engine_command(engine_rollout_config(user, "k", num_threads=3), "/m", 5, host="127.0.0.1")
+    argv = engine_fleet(user, engine_rollout_config(user, "k"), "/m", "127.0.0.1", num_threads=3).command(5)
     assert argv.count("--num-threads") == 1 and argv[-1] == "1"  # the user's choice wins
 
 
@@ -164,16 +165,3 @@ def test_router_gives_up_when_engines_never_all_announce(tmp_path):
     procs = {}
     assert launch._start_router(cfg, tmp_path / "engines", "h", "h", tmp_path, procs, {}, _task()) == 1
     assert procs == {} and not (tmp_path / "engines" / "router.json").exists()
-
-
-def test_an_engine_that_lost_its_port_is_restarted_a_bounded_number_of_times(tmp_path):
-    log = tmp_path / "engine-0.log"
-    log.write_text("Traceback (most recent call last):\nOSError: [Errno 98] error while attempting to bind on "
-                   "address ('127.0.0.1', 45747): address already in use\n")
-    free_ports = load_config(["+experiment=tiny_cpu_slurm"])
-    assert launch._lost_port_race(free_ports, log, retries=0)
-    assert not launch._lost_port_race(free_ports, log, retries=3)  # bounded
-    # a fixed port taken is the user's to fix, and any other death is a real failure
-    assert not launch._lost_port_race(load_config(["+experiment=tiny_cpu_slurm", "rollout.base_port=30000"]), log, 0)
-    log.write_text("RuntimeError: CUDA error: out of memory\n")
-    assert not launch._lost_port_race(free_ports, log, retries=0)

@@ -194,7 +194,7 @@ def test_colocated_engines_start_with_the_memory_saver_on_their_own_gpus():
     from dapo_mega.launch import EngineSlot, engine_command_and_env, engine_rollout_config
 
     cfg = load_config(["+experiment=dapo_qwen2.5_32b"])  # colocated, SGLang, TP4 engines
-    rollout = engine_rollout_config(cfg, api_key="k", num_threads=0)
+    rollout = engine_rollout_config(cfg, api_key="k")
     slot = EngineSlot(index=7, gpu_ids=[4, 5, 6, 7])
     argv, env = engine_command_and_env(cfg, rollout, slot, "/m", 30007, "10.0.0.4", {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
     # sglang 0.5.23: ExecConfig.enable_memory_saver / DeviceConfig.base_gpu_id (arg_groups/fields)

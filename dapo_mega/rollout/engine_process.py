@@ -53,10 +53,13 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             proc.wait(timeout=30)
 
 
-def log_tail(path: Optional[Path], lines: int = 30) -> str:
+def log_tail(path: Optional[Path], lines: int = 30, offset: int = 0) -> str:
+    """The last `lines` lines of a log, from byte `offset` on (what one process wrote)."""
     try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:]) if path else ""
-    except OSError:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except (OSError, TypeError):
         return "(no log)"
 
 
@@ -96,6 +99,8 @@ class EngineProcess:
     gpu_ids: List[int] = field(default_factory=list)
     base_gpu_id: Optional[int] = None
     port_retries: int = 0
+    log_offset: int = 0
+    """Size of the log (appended to across restarts) when this process started."""
 
     @property
     def url(self) -> str:
@@ -113,8 +118,9 @@ class EngineProcess:
         resume_process(self.proc)
         stop_process(self.proc, grace_s)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of what this process (not an earlier start of the engine) wrote to its log."""
+        return log_tail(self.log_path, lines, self.log_offset)
 
 
 

@@ -27,14 +27,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from dapo_mega.backends.sglang.api import SERVER_FLAGS
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.backends.sglang.launch import build_engine_command
 from dapo_mega.config import DapoConfig, RolloutConfig
 from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port,
-                                              is_healthy, log_tail, lost_port_race, resume_process, stop_process)
+                                              is_healthy, lost_port_race, resume_process, stop_process)
 
 __all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError", "announce_engine", "endpoint_of",
            "free_port", "is_healthy", "open_fleet", "stop_process"]
@@ -75,7 +75,7 @@ class EngineFleet:
         `memory_saver`: `--enable-memory-saver` (colocated engines release memory in training)."""
         self.rollout = rollout
         self.model_path = str(model_path)
-        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dapo_mega_engines_"))
+        self.log_dir = Path(log_dir) if log_dir else None  # None: a temporary directory at first start
         self.device = device
         self.bind_host = bind_host or rollout.host
         self.advertise_host = advertise_host or self.bind_host
@@ -154,13 +154,15 @@ class EngineFleet:
             argv += ["--num-threads", str(self._threads())]
         return argv
 
-    def child_env(self, index: int, gpu_ids: Sequence[int] = ()) -> Dict[str, str]:
-        """Variables one engine gets on top of this process's environment."""
+    def child_env(self, index: int, gpu_ids: Sequence[int] = (),
+                  parent_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+        """Variables one engine gets on top of `parent_env` (default: this process's environment)."""
+        parent_env = os.environ if parent_env is None else parent_env
         env = {"DAPO_MEGA_ENGINE_INDEX": str(index), **self.extra_env}
         if gpu_ids:  # ids among the GPUs this process sees
             from dapo_mega.backends.placement import visible_devices
 
-            env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, parent_env.get("CUDA_VISIBLE_DEVICES"))
         if self.rollout.backend == "sglang":
             if not self.on_gpu():
                 env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -178,13 +180,15 @@ class EngineFleet:
         port = port or (r.base_port + index if r.base_port else free_port(self.bind_host))
         argv = self.command(port, base_gpu_id)
         env = self.child_env(index, gpu_ids)
+        self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="dapo_mega_engines_"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"engine-{index}.log"
         with open(log_path, "ab") as log:
+            offset = log.tell()
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
         engine = EngineProcess(index=index, endpoint=self.endpoint(f"http://{self.advertise_host}:{port}"), proc=proc,
                                log_path=log_path, argv=argv, env=env, port=port, gpu_ids=list(gpu_ids),
-                               base_gpu_id=base_gpu_id)
+                               base_gpu_id=base_gpu_id, log_offset=offset)
         self.engines = sorted([e for e in self.engines if e.index != index] + [engine], key=lambda e: e.index)
         return engine
 
@@ -219,14 +223,16 @@ class EngineFleet:
                 engine = self.get(index)
                 rc = engine.proc.poll()
                 if rc is not None and not self.rollout.base_port and engine.port_retries < MAX_PORT_RETRIES \
-                        and lost_port_race(log_tail(engine.log_path, 15)):
+                        and lost_port_race(engine.log_tail(15)):
                     retries = engine.port_retries + 1
+                    print(f"[fleet] engine {index}: port {engine.port} was taken before it bound it; starting it "
+                          f"again on another port ({retries}/{MAX_PORT_RETRIES})", flush=True)
                     self.spawn(index, engine.gpu_ids, engine.base_gpu_id).port_retries = retries
                     continue
                 if rc is not None:
                     how = f"signal {-rc}" if rc < 0 else f"code {rc}"
                     raise EngineStartError(f"engine {index} ({engine.url}) exited with {how} before becoming "
-                                           f"healthy; log {engine.log_path}:\n{log_tail(engine.log_path)}")
+                                           f"healthy; log {engine.log_path}:\n{engine.log_tail()}")
                 if is_healthy(engine.endpoint):
                     pending.discard(index)
                     if on_healthy is not None:

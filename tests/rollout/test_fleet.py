@@ -21,8 +21,8 @@ import pytest
 
 from dapo_mega.backends.sglang.launch import build_engine_command
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import (EngineEndpoint, EngineFleet, EngineStartError, announce_engine, endpoint_of,
-                                     is_healthy)
+from dapo_mega.rollout.fleet import (MAX_PORT_RETRIES, EngineEndpoint, EngineFleet, EngineStartError, announce_engine,
+                                     endpoint_of, free_port, is_healthy)
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "fleet-key"
@@ -148,6 +148,26 @@ os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
         fleet.wait_healthy()
         again = fleet.get(0)
         assert again.port_retries == 1 and again.port != first_port and is_healthy(again.endpoint)
+
+
+def test_port_races_are_retried_a_bounded_number_of_times_and_nothing_else_is(tmp_path):
+    starts = tmp_path / "starts"
+    python = stand_in(tmp_path, f"""#!{sys.executable}
+import os, sys
+open({str(starts)!r}, "a").write("x")
+print(os.environ["ENGINE_DEATH"], flush=True)
+sys.exit(1)
+""")
+    taken = "OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 45747): address already in use"
+    cases = [(RolloutConfig(engine_python=str(python)), taken, 1 + MAX_PORT_RETRIES),  # bounded
+             (RolloutConfig(engine_python=str(python), base_port=free_port()), taken, 1),  # a fixed port: the user's
+             (RolloutConfig(engine_python=str(python)), "RuntimeError: CUDA error: out of memory", 1)]  # a real death
+    for rollout, death, expected_starts in cases:
+        starts.write_text("")
+        fleet = EngineFleet(rollout, "/m", tmp_path / "logs", extra_env={"ENGINE_DEATH": death})
+        with pytest.raises(EngineStartError, match="exited with code 1"):
+            fleet.start(1)
+        assert len(starts.read_text()) == expected_starts, death
 
 
 def test_sglang_command_and_environment_per_machine(tmp_path):
