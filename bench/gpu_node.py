@@ -41,9 +41,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+from dapo_mega.models.shape import ModelShape
+from dapo_mega.plan import KNOWN_MODELS
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -52,19 +55,8 @@ PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
 """Dense peak TFLOP/s of H100/H200 SXM (no sparsity)."""
 
 
-@dataclass
-class ModelShape:
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-
-
-QWEN25_7B = ModelShape(hidden_size=3584, num_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064)
+QWEN25_7B: ModelShape = KNOWN_MODELS["qwen2.5-7b"]
+"""Qwen2.5-7B's shape (the project's one model-shape record, from plan's table)."""
 
 
 # ============================================================================ pure helpers
@@ -77,7 +69,7 @@ def count_parameters(shape: ModelShape, include_embeddings: bool = True) -> int:
     """
     h = shape.hidden_size
     kv_dim = shape.num_key_value_heads * (h // shape.num_attention_heads)
-    per_layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * shape.intermediate_size + 2 * h
+    per_layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * shape.ffn_hidden_size + 2 * h
     total = shape.num_layers * per_layer + h
     if include_embeddings:
         total += shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2)
@@ -136,7 +128,7 @@ def _model_config(shape: ModelShape, max_len: int):
     return ModelConfig(name="qwen2.5-7b-shape", tiny_hidden_size=shape.hidden_size, tiny_num_layers=shape.num_layers,
                        tiny_num_attention_heads=shape.num_attention_heads,
                        tiny_num_key_value_heads=shape.num_key_value_heads,
-                       tiny_intermediate_size=shape.intermediate_size,
+                       tiny_intermediate_size=shape.ffn_hidden_size,
                        tiny_tie_word_embeddings=shape.tie_word_embeddings,
                        tiny_max_position_embeddings=max(max_len, 4096))
 
@@ -159,7 +151,7 @@ def part_learner(args, precision: str) -> Dict[str, Any]:
     te = transformer_engine_available()
     if precision == "fp8" and not te:
         return {"skipped": "Transformer Engine is not installed: no FP8 run"}
-    shape = ModelShape(**{**asdict(QWEN25_7B), "num_layers": args.layers})
+    shape = replace(QWEN25_7B, num_layers=args.layers)
     cfg = DapoConfig()
     cfg.model = _model_config(shape, args.seq_len)
     cfg.megatron.params_dtype = "bf16"
@@ -213,7 +205,7 @@ def part_sglang(args) -> Dict[str, Any]:
     from dapo_mega.config import RolloutConfig
     from dapo_mega.rollout.fleet import EngineFleet
 
-    shape = ModelShape(**{**asdict(QWEN25_7B), "num_layers": args.layers})
+    shape = replace(QWEN25_7B, num_layers=args.layers)
     result: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpu_node_model_") as tmp:
         t0 = time.perf_counter()
@@ -290,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "shape": {**asdict(QWEN25_7B), "num_layers": args.layers},
-                              "parameters": count_parameters(ModelShape(**{**asdict(QWEN25_7B), "num_layers": args.layers})),
+                              "parameters": count_parameters(replace(QWEN25_7B, num_layers=args.layers)),
                               "peak_tflops": PEAK_TFLOPS, "skipped": {}}
     t0 = time.perf_counter()
     report["learner_bf16"] = _run_part("learner_bf16", argv, 240)

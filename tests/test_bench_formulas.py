@@ -17,6 +17,8 @@ import bench_dynamic_sampling as ds  # noqa: E402
 import bench_e2e_trl as e2e  # noqa: E402
 import gpu_node  # noqa: E402
 
+from dapo_mega.models.shape import ModelShape  # noqa: E402
+
 
 # ------------------------------------------------------------------ Eq. (1)-(3) of bench_dynamic_sampling
 def test_p_informative_by_hand():
@@ -127,8 +129,9 @@ def test_param_count_of_qwen25_7b_shape():
 
 
 def test_train_flops_by_hand():
-    shape = gpu_node.ModelShape(hidden_size=4, num_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                intermediate_size=8, vocab_size=10, tie_word_embeddings=False)
+    shape = ModelShape(model_type="qwen2", hidden_size=4, num_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=2, ffn_hidden_size=8, vocab_size=10,
+                       tie_word_embeddings=False, qkv_bias=True)
     # head_dim 2, one KV head -> kv width 2. Per layer: q 4*4+4=20, k 4*2+2=10, v 10, o 4*4=16,
     # mlp 3*4*8=96, 2 norms 2*4=8 -> 160; 2 layers 320, final norm 4 -> 324 without embeddings;
     # + embeddings 10*4 + lm head 10*4 -> 404
