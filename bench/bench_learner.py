@@ -75,7 +75,7 @@ def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool)
     from dapo_mega.backends.megatron.batch import count_loss_tokens
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.train_step import MegatronLearner
-    from dapo_mega.rollout.fleet import free_port
+    from dapo_mega.distributed import free_port
 
     cfg.megatron.transformer_impl = impl
     cfg.megatron.fp8.enabled = fp8

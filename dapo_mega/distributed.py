@@ -4,6 +4,7 @@
     broadcast_object(obj, src, group)    rank `src`'s object on every rank (pickled)
     any_rank_true(flag, group)           True on every rank when any rank passed True
     all_reduce_sum(values, group)        element-wise sum of a list of floats over the group
+    free_port(host)                      a TCP port for a rendezvous (or an engine) to bind
 
 A collective moves tensors on the device its backend serves: NCCL refuses CPU tensors
 ("No backend type associated with device type cpu") and gloo serves only CPU ones. The one
@@ -18,6 +19,7 @@ the group has one rank, so single-process runs and unit tests call them uncondit
 
 from __future__ import annotations
 
+import socket
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -105,3 +107,11 @@ def all_reduce_sum(values: Sequence[float], group: Optional[Any] = None) -> List
     tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
     torch.distributed.all_reduce(tensor, group=group)
     return tensor.tolist()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now on `host` (the OS picks it). The package's one
+    copy: rendezvous ports (MASTER_PORT, weight-update groups) and engine ports alike."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

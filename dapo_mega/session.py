@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from dapo_mega.config import DapoConfig, save_config, validate_config
+from dapo_mega.distributed import free_port
 from dapo_mega.driver.console import route_known_warnings
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole, broadcast_from_driver
 from dapo_mega.driver.run_state import RunState
-from dapo_mega.rollout.fleet import free_port
 
 
 def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from slurm_cluster import LocalSlurmCluster, ensure_installed
+
+from dapo_mega.distributed import free_port
 
 pytestmark = [pytest.mark.slurm]
 
@@ -51,15 +52,9 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job_env() -> dict:
     # one learner task per "node"; one CPU thread per process (4 processes share 2 cores)
-    return {"LEARNERS_PER_NODE": "1", "MASTER_PORT": str(_free_port()), "PYTHON": sys.executable,
+    return {"LEARNERS_PER_NODE": "1", "MASTER_PORT": str(free_port()), "PYTHON": sys.executable,
             "OMP_NUM_THREADS": "1"}
 
 

@@ -1,9 +1,10 @@
-"""One engine process and the operating-system plumbing of the fleet (`fleet.py`): a free
-port, one /health probe, stopping a process (SIGTERM, then SIGKILL), an engine's log tail,
+"""One engine process and the operating-system plumbing of the fleet (`fleet.py`): one
+/health probe, stopping a process (SIGTERM, then SIGKILL), an engine's log tail,
 the registry file an engine is announced in.
 
 These are the only copies in the package: the trainer, the Slurm launcher, evaluation, the
-benchmarks and the tests all reach them through the fleet or import them from here.
+benchmarks and the tests all reach them through the fleet or import them from here
+(`free_port` lives in `dapo_mega.distributed`, with the other rendezvous helpers).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -20,16 +20,13 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+from dapo_mega.distributed import free_port
+
+__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "log_tail",
+           "lost_port_race", "resume_process", "stop_process"]
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 """Per-request timeout of one /health probe (SGLang answers after ~1 s of work)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now on `host` (the OS picks it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def is_healthy(endpoint: EngineEndpoint, timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:

@@ -10,17 +10,9 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable, List, Sequence
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue) -> None:
@@ -66,9 +58,11 @@ def spawn_gloo(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_
     """
     import torch.multiprocessing as mp
 
+    from dapo_mega.distributed import free_port
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = find_free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue),
                          daemon=False)  # dist_checkpointing forks writer processes of its own
              for r in range(world_size)]
