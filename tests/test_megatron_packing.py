@@ -236,3 +236,40 @@ def test_packed_equals_padded(tp, pp, world, mode):
                 assert math.isclose(packed["sums"][key], value, rel_tol=1e-5, abs_tol=1e-7), (key, value,
                                                                                            packed["sums"][key])
             assert padded["sums"]["tis/truncated_frac"] > 0  # TIS ran and truncated some tokens
+
+
+def test_async_32b_config_turns_on_tis_with_engine_log_probs():
+    from dapo_mega.config import load_config
+
+    for name in ("dapo_qwen2.5_32b_disagg", "dapo_qwen2.5_32b_disagg_fp8"):
+        cfg = load_config([f"+experiment={name}"])
+        assert cfg.algo.tis_cap == 2.0 and not cfg.algo.use_engine_logprobs, name
+        assert cfg.cluster.max_staleness == 1
+    assert load_config(["+experiment=dapo_qwen2.5_32b"]).algo.tis_cap is None  # on-policy: the paper's run
+
+
+def _train_step_tis(rank, world):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.config import DapoConfig
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    cfg = DapoConfig()
+    cfg.model.tiny_num_layers = 1
+    cfg.megatron.micro_batch_tokens, cfg.megatron.transformer_impl = 64, "local"
+    a = cfg.algo
+    a.train_batch_size, a.mini_batch_size, a.n_samples_per_prompt, a.tis_cap, a.lr_warmup_steps = 2, 1, 4, 1.5, 0
+    hf = tiny_hf_config(cfg.model)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
+    return MegatronLearner(cfg, hf, layout).train_step(_make_samples(), step=3)
+
+
+def test_train_step_reports_tis_ratio_statistics():
+    metrics = run_distributed(_train_step_tis, 1, timeout_s=240)[0]
+    assert metrics["train/num_updates"] == 2.0
+    assert 0.0 < metrics["tis/weight_mean"] <= 1.5
+    assert 0.0 < metrics["tis/truncated_frac"] < 1.0
+    assert metrics["tis/mismatch_kl"] > 0.0 and math.isfinite(metrics["tis/log_ratio_mean"])
