@@ -93,7 +93,7 @@ class RolloutManager:
         return {"carry": [g.to_dict() for g in self.carry]}
 
     def load_state_dict(self, state: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> None:
-        self.carry = [Group.from_dict(d, prompt_factory) for d in state["carry"]]
+        self.carry = [Group.from_dict(d, prompt_factory, self.prompt_to_input) for d in state["carry"]]
 
     def dead_engines(self) -> Dict[str, str]:
         """A copy of `dead` (safe to read while another thread generates)."""
@@ -105,7 +105,8 @@ class RolloutManager:
             self.dead[url] = reason
 
     def alive_engines(self) -> List[EngineEndpoint]:
-        return [self.endpoints[u] for u in self.engine_urls if u not in self.dead]
+        dead = self.dead_engines()
+        return [self.endpoints[u] for u in self.engine_urls if u not in dead]
 
     # ---------------------------------------------------------------- generation
     async def generate_groups(self, prompts: Sequence[Any], gen_round: int = 0) -> List[Group]:

@@ -141,10 +141,43 @@ class Group:
                 "samples": [asdict(s) for s in self.samples]}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> "Group":
-        return cls(prompt=prompt_factory(d["prompt"]), prompt_input=d["prompt_input"],
+    def from_dict(cls, d: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any],
+                  prompt_to_input: Optional[Callable[[Any], Any]] = None) -> "Group":
+        """The group `to_dict` wrote; also reads the carry-over of checkpoints written before
+        samples were typed (engine replies and reward dicts side by side), re-encoding the
+        prompt with `prompt_to_input`."""
+        prompt = prompt_factory(d["prompt"])
+        if "prompt_input" not in d:
+            return _legacy_group(d, prompt, prompt_to_input(prompt) if prompt_to_input else prompt.prompt)
+        return cls(prompt=prompt, prompt_input=d["prompt_input"],
                    samples=[ScoredSample.from_dict(s) for s in d["samples"]], engine_id=d["engine_id"],
                    queue_delay_s=d["queue_delay_s"], latency_s=d["latency_s"], gen_round=d["gen_round"])
+
+
+def _legacy_group(d: Dict[str, Any], prompt: Any, prompt_input: Any) -> Group:
+    """A carried group as checkpoints stored it before `ScoredSample` (see Group.from_dict)."""
+    rewards = d.get("rewards") or []
+    text = getattr(prompt, "prompt", None)
+    samples = []
+    for k, reply in enumerate(d["samples"]):
+        r = rewards[k] if k < len(rewards) else {"reward": 0.0, "correct": False}
+        parts = r.get("components") or {}
+        score = SampleReward(reward=float(r["reward"]), correct=bool(r.get("correct", False)),
+                             correctness=float(parts.get("correctness", 0.0)),
+                             overlong_penalty=float(parts.get("overlong_penalty", 0.0)),
+                             verifier=str(r.get("verifier", "")), verifier_version=str(r.get("verifier_version", "")),
+                             verifier_error=r.get("error"))
+        samples.append(ScoredSample(
+            prompt_id=str(getattr(prompt, "id", "")), sample_index=reply["sample_index"],
+            token_ids=list(reply["token_ids"]), logprobs=reply.get("logprobs"),
+            weight_versions=list(reply.get("weight_versions") or []), response_text=reply.get("text", ""),
+            truncated=(reply.get("finish_reason") or {}).get("type") == "length", seed=None,
+            engine_id=d["engine_id"], queue_delay_s=d["queue_delay_s"],
+            generation_latency_s=float((reply.get("meta_info") or {}).get("e2e_latency", d["latency_s"])),
+            gen_round=d["gen_round"], dataset_revision=str(getattr(prompt, "dataset_revision", "") or ""),
+            prompt_text=text if isinstance(text, str) else "", score=score))
+    return Group(prompt=prompt, prompt_input=prompt_input, samples=samples, engine_id=d["engine_id"],
+                 queue_delay_s=d["queue_delay_s"], latency_s=d["latency_s"], gen_round=d["gen_round"])
 
 
 def drop_stale_groups(groups: Sequence[Group], learner_version: int, max_staleness: int
