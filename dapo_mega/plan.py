@@ -23,16 +23,26 @@ KV cache per engine (TP=e GPUs, mem_fraction_static f, GPU memory G):
     room = e · (f·G − R) − 2·Φ,  R = learner model state left on the GPU in colocated
     mode (0 disaggregated), Φ all parameters; bytes per token 2 (K,V) · L · n_kv · d_head · 2.
 Weight sync per step: 2·Φ bytes (bf16) to every engine.
+
+Learner efficiency (`LengthAssumption`, default: log-normal responses of median
+max_response_length/8 and σ 1, capped at max_response_length, prompts of 150 tokens): one
+mini-batch of mini_batch_size × G such samples, drawn from a fixed seed, laid out the way
+the learner lays it out (backends/megatron/packing.py) as configured and, for comparison,
+without packing and balancing:
+    padding efficiency = useful tokens / tokens computed (rows × columns of every micro-batch)
+    DP imbalance       = tokens of the busiest data-parallel rank / mean over ranks
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+import random
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import DapoConfig
 from dapo_mega.models.shape import ModelShape
@@ -120,8 +130,58 @@ def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
     return 2 * shape.num_layers * kv_heads * shape.head_dim * 2
 
 
-def compute_plan(cfg: DapoConfig) -> dict:
-    """The layout, memory and warnings of `cfg` on its cluster.* shape (pure; no I/O but config.json)."""
+@dataclass
+class LengthAssumption:
+    """Rollout lengths assumed for the learner-efficiency figures of the plan."""
+
+    response_median: Optional[int] = None
+    """Median response length in tokens; None = max_response_length / 8."""
+    response_sigma: float = 1.0
+    """σ of log(response length): 1.0 spans ~0.1× to ~7× the median (two σ)."""
+    prompt_tokens: int = 150
+    """Tokens of every prompt (DAPO-Math prompts with the chat template are ~100-300)."""
+    seed: int = 0
+    """Seed of the drawn mini-batch (the figures are deterministic)."""
+
+    def draw(self, num: int, max_response_length: int) -> List[int]:
+        """`num` sample lengths (prompt + response), responses capped at max_response_length."""
+        median = self.response_median or max(1, max_response_length // 8)
+        rng = random.Random(self.seed)
+        return [self.prompt_tokens + max(1, min(max_response_length, int(rng.lognormvariate(
+            math.log(median), self.response_sigma)))) for _ in range(num)]
+
+
+def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumption] = None) -> dict:
+    """Padding efficiency and DP imbalance of one mini-batch under `cfg` (module docstring)."""
+    m, a = cfg.megatron, cfg.algo
+    assumption = lengths or LengthAssumption()
+    samples = assumption.draw(a.mini_batch_size * a.n_samples_per_prompt, a.max_response_length)
+    thd = m.transformer_impl != "local"  # the GPU spec: Transformer Engine, THD packing
+    multiple = token_multiple(m.tensor_model_parallel_size, m.sequence_parallel, m.fp8.enabled, m.fp8.recipe)
+
+    def measure(packing: bool, balanced: bool) -> dict:
+        stats = measure_layout(samples, dp, m.micro_batch_tokens, packing=packing, balanced=balanced, thd=thd,
+                               multiple=multiple).to_dict()
+        stats.pop("rank_tokens")
+        stats["max_micro_batches"] = max(stats.pop("micro_batches"))
+        return stats
+
+    return {"assumption": {"response_median": assumption.response_median or max(1, a.max_response_length // 8),
+                           "response_sigma": assumption.response_sigma, "prompt_tokens": assumption.prompt_tokens,
+                           "samples": len(samples), "mean_length": sum(samples) / len(samples),
+                           "max_length": max(samples)},
+            "configured": {"sequence_packing": m.sequence_packing, "balance_data_parallel": m.balance_data_parallel,
+                           "token_multiple": multiple, "thd": thd and m.sequence_packing,
+                           **measure(m.sequence_packing, m.balance_data_parallel)},
+            "padded_contiguous": measure(False, False)}
+
+
+def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) -> dict:
+    """The layout, memory, learner efficiency and warnings of `cfg` on its cluster.* shape.
+
+    Pure (no I/O but config.json); `lengths` is the response-length assumption of the
+    efficiency figures (default `LengthAssumption()`).
+    """
     c, m, r, a = cfg.cluster, cfg.megatron, cfg.rollout, cfg.algo
     shape, source = resolve_model_shape(cfg)
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
@@ -196,6 +256,12 @@ def compute_plan(cfg: DapoConfig) -> dict:
     groups = [{"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size}
               for g in placement.groups]
 
+    efficiency = learner_efficiency(cfg, dp, lengths)
+    if efficiency["configured"]["dp_imbalance"] > 1.10:
+        warnings.append(f"data-parallel ranks uneven: the busiest carries "
+                        f"{efficiency['configured']['dp_imbalance']:.2f}x the mean tokens; set "
+                        "megatron.balance_data_parallel=true (or more samples per rank)")
+
     sync_bytes = 2 * phi
     return {
         "model": {"name": cfg.model.name, "source": source, **asdict(shape)}, "total_params": phi,
@@ -210,6 +276,7 @@ def compute_plan(cfg: DapoConfig) -> dict:
                     "max_full_length_sequences": kv_tokens // seq_tokens if seq_tokens else 0},
         "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
                         "seconds_at_400gbps": sync_bytes * 8 / 400e9},
+        "learner_efficiency": efficiency,
         "layout": layout, "warnings": warnings,
         "sync": {"transport": placement.transport, "groups": groups},
     }
@@ -234,7 +301,19 @@ def format_plan(plan: dict) -> str:
               f"{eng['kv_room_bytes'] / GIB:.1f} GiB per engine = {eng['kv_tokens']:,} tokens "
               f"= {eng['max_full_length_sequences']} full-length sequences",
               f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
-              f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)", "", "layout:"]
+              f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)"]
+    eff = plan["learner_efficiency"]
+    assumed, conf, base = eff["assumption"], eff["configured"], eff["padded_contiguous"]
+    lines += ["", f"learner efficiency, one mini-batch of {assumed['samples']} samples (assumed: responses "
+              f"log-normal, median {assumed['response_median']:,}, sigma {assumed['response_sigma']}, prompts "
+              f"{assumed['prompt_tokens']}; mean {assumed['mean_length']:,.0f}, max {assumed['max_length']:,} tokens)",
+              f"  configured (packing {conf['sequence_packing']}{' THD' if conf['thd'] else ''}, balanced DP "
+              f"{conf['balance_data_parallel']}, token multiple {conf['token_multiple']}): padding efficiency "
+              f"{conf['padding_efficiency']:.2%}, DP imbalance {conf['dp_imbalance']:.3f}, "
+              f"<= {conf['max_micro_batches']} micro-batches per rank",
+              f"  padded, contiguous DP blocks: padding efficiency {base['padding_efficiency']:.2%}, "
+              f"DP imbalance {base['dp_imbalance']:.3f}, <= {base['max_micro_batches']} micro-batches per rank",
+              "", "layout:"]
     lines += [f"  node {n['node']:>3}: " + "; ".join(n["roles"]) for n in plan["layout"]]
     kinds = sorted({g["kind"] for g in plan["sync"]["groups"]})
     lines += [f"weight sync: {plan['sync']['transport']}, {len(plan['sync']['groups'])} process groups "

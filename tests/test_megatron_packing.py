@@ -273,3 +273,40 @@ def test_train_step_reports_tis_ratio_statistics():
     assert 0.0 < metrics["tis/weight_mean"] <= 1.5
     assert 0.0 < metrics["tis/truncated_frac"] < 1.0
     assert metrics["tis/mismatch_kl"] > 0.0 and math.isfinite(metrics["tis/log_ratio_mean"])
+
+
+def test_layout_measurement_by_hand():
+    lengths = [10, 2, 6, 4]
+    # contiguous, padded: rank 0 {10, 2}: 10·2 > 12, so two micro-batches (10 + 2 columns);
+    # rank 1 {6, 4}: one micro-batch 2 rows × 6 = 12 -> 24 computed for 22 useful
+    padded = measure_layout(lengths, dp=2, micro_batch_tokens=12, packing=False, balanced=False)
+    assert (padded.rank_tokens, padded.micro_batches) == ([12, 12], [2, 1])
+    assert padded.padding_efficiency == pytest.approx(22 / 24) and padded.dp_imbalance == 1.0
+    # Karmarkar-Karp: 10|6 -> {10,4}|{6,4}... -> {10}|{6,4,2}; THD rows of <= 12: no padding
+    packed = measure_layout(lengths, dp=2, micro_batch_tokens=12, packing=True, balanced=True, thd=True)
+    assert sorted(packed.rank_tokens) == [10, 12] and packed.padding_efficiency == 1.0
+    assert packed.dp_imbalance == pytest.approx(12 / 11)
+    # FP8 alignment (multiple 8): rows round up to 16 and 16 -> 32 computed
+    aligned = measure_layout(lengths, dp=2, micro_batch_tokens=16, packing=True, balanced=True, thd=True, multiple=8)
+    assert aligned.computed_tokens == 32
+
+
+def test_plan_reports_padding_efficiency_and_dp_imbalance_for_32b():
+    from dapo_mega.config import load_config
+    from dapo_mega.plan import LengthAssumption, compute_plan, format_plan
+
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b"])
+    plan = compute_plan(cfg)
+    eff = plan["learner_efficiency"]
+    assert eff["assumption"]["samples"] == cfg.algo.mini_batch_size * cfg.algo.n_samples_per_prompt
+    assert eff["configured"]["thd"] and eff["configured"]["token_multiple"] == 8  # SP over TP 8
+    assert eff["configured"]["padding_efficiency"] > 0.99 and eff["configured"]["dp_imbalance"] < 1.01
+    assert eff["padded_contiguous"]["padding_efficiency"] < 0.8 and eff["padded_contiguous"]["dp_imbalance"] > 1.05
+    text = format_plan(plan)
+    assert "padding efficiency" in text and "DP imbalance" in text
+    # a narrower distribution pads less, and the plan follows the assumption
+    narrow = compute_plan(cfg, LengthAssumption(response_median=1000, response_sigma=0.1))
+    assert narrow["learner_efficiency"]["padded_contiguous"]["padding_efficiency"] > 0.85
+    cfg.megatron.balance_data_parallel = cfg.megatron.sequence_packing = False
+    assert compute_plan(cfg)["learner_efficiency"]["configured"]["dp_imbalance"] == pytest.approx(
+        eff["padded_contiguous"]["dp_imbalance"])
