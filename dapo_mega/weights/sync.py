@@ -249,6 +249,14 @@ class WeightSyncer:
                 self.continue_engines()
         return SyncStats(time.perf_counter() - start, total, count, buckets)
 
+    def post_tensor_payloads(self, payloads: List[str], load_format: Optional[str],
+                             weight_version: Optional[str]) -> None:
+        """One `/update_weights_from_tensor` to every engine of this syncer: `payloads[r]`
+        is what engine TP rank r loads (weights.handover builds them per rank)."""
+        self._io.run(self._all(lambda c: c.update_weights_from_tensor(
+            payloads, load_format=load_format, weight_version=weight_version, flush_cache=False)),
+            timeout=self.timeout_s)
+
     def _send_bucket_distributed(self, bucket, version: Optional[str]) -> None:
         if self.group is None:
             raise WeightSyncError("call init_group() before sync() in distributed mode")
@@ -278,9 +286,14 @@ class WeightSyncer:
 
     def _send_bucket_colocated(self, bucket, version: Optional[str]) -> None:
         if bucket[0][1].is_cuda:
-            payload = [transport.serialize_cuda_ipc(bucket)] * self.engine_tp_size
-            self._io.run(self._all(lambda c: c.update_weights_from_tensor(
-                payload, load_format=None, weight_version=version, flush_cache=False)), timeout=self.timeout_s)
+            # SGLang's TP rank r reads payload r, handles to memory on its own GPU: one
+            # process can only serve a TP-1 engine on its own GPU; the rest goes through
+            # weights.handover (the learner rank on each engine GPU makes that rank's payload)
+            if self.engine_tp_size != 1:
+                raise WeightSyncError(f"colocated CUDA sync into engines of TP {self.engine_tp_size} needs one "
+                                      "payload per engine TP rank: use weights.handover")
+            self.post_tensor_payloads(transport.build_tp_payloads([bucket], [bucket[0][1].device],
+                                                                  transport.serialize_cuda_ipc), None, version)
             return
         handle = transport.write_shm_bucket([(n, t.detach().cpu()) for n, t in bucket])
         try:

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -182,20 +182,114 @@ def read_shm_bucket(path: Path, metas: Sequence[TensorMeta]) -> List[Tuple[str, 
     return unflatten_bucket(flat, metas)
 
 
-def serialize_cuda_ipc(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:
-    """GPU colocated mode: SGLang's `MultiprocessingSerializer.serialize(..., output_str=True)`.
+# ---------------------------------------------------------------- CUDA IPC (GPU colocated)
 
-    Pickles CUDA tensors as IPC handles with torch.multiprocessing's reductions (ForkingPickler)
-    and base64-encodes them, the format SGLang's `/update_weights_from_tensor` decodes.
-    Only for a trusted SGLang engine on the same node; written against the real API, untested
-    here (no GPU).
-    """
+REDUCE_TENSOR_ARG_DEVICE_INDEX = 6
+"""Position of `storage_device` in the arguments torch's `reduce_tensor` returns for
+`rebuild_cuda_tensor` (the constant of sglang 0.5.23 `utils/patch_torch.py`)."""
+
+
+def device_to_uuid(device: int, uuid_of: Optional[Callable[[int], str]] = None) -> str:
+    """A CUDA device index of this process -> the GPU's UUID (the same in every process)."""
+    uuid_of = uuid_of or (lambda index: str(torch.cuda.get_device_properties(index).uuid))
+    return uuid_of(device)
+
+
+def device_from_uuid(device: Union[int, str], uuids: Optional[Sequence[str]] = None) -> int:
+    """A device index or UUID from another process -> this process's index of that GPU.
+
+    Indices differ between processes whose CUDA_VISIBLE_DEVICES differ (a learner sees
+    8 GPUs, an engine TP rank 4); UUIDs do not. `uuids`: the UUID of each device index
+    this process sees (default: asked from torch)."""
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        if uuids is None:
+            uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        for index, uuid in enumerate(uuids):
+            if uuid == device:
+                return index
+        raise ValueError(f"no visible CUDA device has uuid {device}")
+    raise TypeError(f"device must be an index or a uuid, got {device!r}")
+
+
+def _replace_arg(args: tuple, index: int, fn: Callable) -> tuple:
+    return (*args[:index], fn(args[index]), *args[index + 1:])
+
+
+def patch_torch_reductions() -> None:
+    """Pickle CUDA tensors with their GPU's UUID instead of its index, as SGLang's engine
+    does (`monkey_patch_torch_reductions`, until pytorch#149248): the engine unpickles with
+    the same patch and maps the UUID back to its own index. Idempotent; the same attribute
+    names as SGLang's, so whichever runs first wins and both agree."""
+    from torch.multiprocessing import reductions
+
+    if hasattr(reductions, "_reduce_tensor_original"):
+        return
+    reductions._reduce_tensor_original = reductions.reduce_tensor
+    reductions._rebuild_cuda_tensor_original = reductions.rebuild_cuda_tensor
+
+    def reduce_tensor(*args, **kwargs):
+        fn, fn_args = reductions._reduce_tensor_original(*args, **kwargs)
+        if fn is reductions._rebuild_cuda_tensor_original or fn is reductions.rebuild_cuda_tensor:
+            fn_args = _replace_arg(fn_args, REDUCE_TENSOR_ARG_DEVICE_INDEX, device_to_uuid)
+        return fn, fn_args
+
+    def rebuild_cuda_tensor(*args):
+        args = _replace_arg(args, REDUCE_TENSOR_ARG_DEVICE_INDEX, device_from_uuid)
+        return reductions._rebuild_cuda_tensor_original(*args)
+
+    reductions.reduce_tensor = reduce_tensor
+    reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
+    reductions.init_reductions()
+
+
+def serialize_named_tensors(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:
+    """SGLang's `MultiprocessingSerializer.serialize(list, output_str=True)`: the list pickled
+    with torch.multiprocessing's reductions (CUDA tensors become IPC handles, by GPU UUID
+    once `patch_torch_reductions` ran), base64 text. Only for a trusted engine on the same
+    node: SGLang unpickles what it receives."""
     import base64
     import io
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing.reductions  # noqa: F401  (registers CUDA tensor reductions)
+    import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reductions)
 
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named_tensors))
+    ForkingPickler(buf).dump([(name, tensor) for name, tensor in named_tensors])
     return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def build_tp_payloads(per_rank: Sequence[Sequence[Tuple[str, torch.Tensor]]],
+                      devices: Optional[Sequence[torch.device]] = None,
+                      serialize: Callable[[Sequence[Tuple[str, torch.Tensor]]], str] = serialize_named_tensors
+                      ) -> List[str]:
+    """`serialized_named_tensors` of one `/update_weights_from_tensor` request: one payload
+    per engine TP rank, payload r built from `per_rank[r]` — the same names, dtypes and
+    shapes on every rank, each rank's tensors on its own GPU (`devices[r]` when given).
+
+    SGLang's TP rank r unpickles only `serialized_named_tensors[r]` (tp_worker
+    `deserialize_own_rank`): a payload copied to every rank would hand each rank handles to
+    another rank's GPU memory (and break the sender's IPC reference counting).
+    """
+    if not per_rank:
+        raise ValueError("no engine TP rank to build a payload for")
+    reference = [(n, t.dtype, tuple(t.shape)) for n, t in per_rank[0]]
+    for r, items in enumerate(per_rank):
+        got = [(n, t.dtype, tuple(t.shape)) for n, t in items]
+        if got != reference:
+            raise ValueError(f"engine TP rank {r} would get other tensors than rank 0: {got[:2]}... vs "
+                             f"{reference[:2]}...")
+        if devices is not None:
+            wrong = [n for n, t in items if t.device != torch.device(devices[r])]
+            if wrong:
+                raise ValueError(f"engine TP rank {r} is on {devices[r]} but its tensors {wrong[:3]} are not")
+    if devices is not None and len(set(str(torch.device(d)) for d in devices)) != len(devices):
+        raise ValueError(f"engine TP ranks share a device: {list(devices)}")
+    return [serialize(items) for items in per_rank]
+
+
+def serialize_cuda_ipc(named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> str:
+    """One rank's payload: `serialize_named_tensors` with the reductions patched by UUID."""
+    patch_torch_reductions()
+    return serialize_named_tensors(named_tensors)

@@ -1,0 +1,167 @@
+"""Colocated weight sync: tensors handed over on each GPU, never a NCCL group with the engines.
+
+A colocated engine shares its GPUs with learner ranks, and NCCL refuses two ranks of one
+group on one device ("Duplicate GPU detected"), so the distributed path (a weight-update
+group of the source rank and the engine ranks) cannot be used. Instead, as slime does:
+
+    for each pipeline stage s, in turn (stage s+1 starts when s finished on every engine):
+        the stage's TP ranks of DP rank 0 drain `iter_megatron_to_hf` and cut the same
+        buckets; for each bucket
+          1. the stage's source rank broadcasts the bucket's metadata, then its flattened
+             bytes, over the learners' own group (every learner rank on its own GPU) into a
+             buffer on each rank's device;
+          2. the learner rank on the GPU of engine e's TP rank r (`placement.EnginePlacement
+             .ipc_ranks[r]`) makes rank r's payload from views of that buffer: CUDA IPC
+             handles to memory on that very GPU (`transport.serialize_cuda_ipc`, torch's
+             reductions patched to name the GPU by UUID), or on a CPU a shared-memory file;
+          3. the payloads are gathered, and each engine's poster (`ipc_ranks[0]`) sends them
+             as ONE `/update_weights_from_tensor` request, payload r for TP rank r;
+          4. a barrier: every engine has copied the bucket, so buffers and files may go.
+        The last bucket of the last stage carries the new weight version.
+
+`HandoverPlan.for_rank` reads this rank's part from the placement's `ipc_ranks`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from dapo_mega.weights import transport
+from dapo_mega.weights.sync import SHM_LOAD_FORMAT, SyncStats, WeightSyncError, WeightSyncer, iter_buckets
+
+#: (payload text, cleanup) for one engine TP rank, made from named views of the bucket buffer.
+PayloadMaker = Callable[[List[Tuple[str, torch.Tensor]]], Tuple[str, Callable[[], None]]]
+
+
+@dataclass
+class HandoverPlan:
+    """This learner rank's part in the hand-over (see the module docstring)."""
+
+    rank: int
+    ipc_ranks: Dict[int, Tuple[int, ...]]
+    """Engine index -> the learner rank on each of its TP ranks' GPUs (placement)."""
+    holds: List[Tuple[int, int]] = field(default_factory=list)
+    """(engine, engine TP rank) whose GPU this rank shares: it makes their payloads."""
+    posts: List[int] = field(default_factory=list)
+    """Engines whose request this rank sends (it holds their TP rank 0)."""
+
+    @classmethod
+    def for_rank(cls, rank: int, ipc_ranks: Mapping[int, Sequence[int]]) -> "HandoverPlan":
+        plan = cls(rank, {e: tuple(r) for e, r in ipc_ranks.items()})
+        for engine, ranks in sorted(plan.ipc_ranks.items()):
+            if not ranks:
+                raise ValueError(f"engine {engine} has no learner rank on its GPUs: it cannot be colocated")
+            plan.holds += [(engine, tp_rank) for tp_rank, r in enumerate(ranks) if r == rank]
+            if ranks[0] == rank:
+                plan.posts.append(engine)
+        return plan
+
+
+def cuda_ipc_payload(views: List[Tuple[str, torch.Tensor]]) -> Tuple[str, Callable[[], None]]:
+    """GPU: IPC handles to the views (on this rank's GPU), SGLang's pickled format."""
+    return transport.serialize_cuda_ipc(views), lambda: None
+
+
+def shared_memory_payload(views: List[Tuple[str, torch.Tensor]]) -> Tuple[str, Callable[[], None]]:
+    """CPU: the bucket in a shared-memory file; the JSON handle is the payload."""
+    handle = transport.write_shm_bucket(views)
+    return base64.b64encode(json.dumps(handle).encode()).decode(), lambda: transport.remove_shm_bucket(handle)
+
+
+def stage_source_rank(stage: int, tp: int, cp: int, dp: int) -> int:
+    """Global rank of stage `stage`'s weight source (tp0, cp0, dp0; megatron order tp-cp-ep-dp-pp)."""
+    return stage * tp * cp * dp
+
+
+def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, info, layout, weight_version: str,
+                             plan: HandoverPlan, bucket_bytes: int, make_payload: PayloadMaker,
+                             load_format: Optional[str], device: torch.device) -> Optional[SyncStats]:
+    """Every learner rank calls this (see the module docstring); `posters[e]` is a
+    WeightSyncer holding engine e, on the ranks in `plan.posts`. Pausing, flushing and the
+    engines' update session are the caller's (around this call, on the driver rank).
+    Returns the stats on each stage's source rank, else None."""
+    from dapo_mega.weights.stream import iter_megatron_to_hf
+
+    dist = torch.distributed
+    tp, cp, dp, pp = layout.tp, layout.cp, layout.dp, layout.pp
+    stats = None
+    for stage in range(pp):
+        source = stage_source_rank(stage, tp, cp, dp)
+        drains = layout.pp_rank == stage and layout.dp_rank == 0 and layout.cp_rank == 0
+        buckets = iter_buckets(iter_megatron_to_hf(model_chunks, info, layout), bucket_bytes) if drains else None
+        start, total, count, num = time.perf_counter(), 0, 0, 0
+        while True:
+            # the stage's TP ranks advance together (their TP gathers are collective)
+            item = next(buckets, None) if buckets is not None else None
+            meta = [None]
+            if dist.get_rank() == source and item is not None:
+                bucket, is_last = item
+                meta = [([n for n, _ in bucket], [transport.dtype_name(t.dtype) for _, t in bucket],
+                         [list(t.shape) for _, t in bucket], is_last)]
+            dist.broadcast_object_list(meta, src=source)
+            if meta[0] is None:
+                break
+            names, dtypes, shapes, is_last = meta[0]
+            metas, nbytes = transport.bucket_layout(names, [transport.parse_dtype(d) for d in dtypes], shapes)
+            if dist.get_rank() == source:
+                flat = transport.flatten_bucket([t for _, t in item[0]]).to(device)
+            else:
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dist.broadcast(flat, src=source)
+            views = transport.unflatten_bucket(flat, metas)
+            mine, cleanups = {}, []
+            for engine, tp_rank in plan.holds:
+                payload, cleanup = make_payload(views)
+                mine[(engine, tp_rank)] = payload
+                cleanups.append(cleanup)
+            gathered: List[Optional[dict]] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            version = weight_version if (is_last and stage == pp - 1) else None
+            error = None
+            try:
+                for engine in plan.posts:
+                    payloads = [gathered[r][(engine, tp_rank)] for tp_rank, r in enumerate(plan.ipc_ranks[engine])]
+                    posters[engine].post_tensor_payloads(payloads, load_format, version)
+            except Exception as exc:  # every rank must learn of it, or the others wait in the next bucket
+                error = f"rank {dist.get_rank()}: {exc}"
+            # doubles as the barrier after which every engine has copied the bucket
+            errors: List[Optional[str]] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            for cleanup in cleanups:
+                cleanup()
+            if any(errors):
+                raise WeightSyncError("colocated weight hand-over failed: " + "; ".join(e for e in errors if e))
+            total += nbytes
+            count += len(names)
+            num += 1
+        if dist.get_rank() == source:
+            stats = SyncStats(time.perf_counter() - start, total, count, num)
+        dist.barrier()  # stage s finished on every engine before stage s+1 starts
+    return stats
+
+
+def sync_colocated_learner_weights(driver: Optional[WeightSyncer], posters: Mapping[int, WeightSyncer], model_chunks,
+                                   info, layout, weight_version: str, plan: HandoverPlan, bucket_bytes: int,
+                                   device: torch.device) -> Optional[SyncStats]:
+    """`handover_learner_weights` between the driver rank's pause (and flush) of every engine
+    and its continue, as `sync.sync_learner_weights` does for the distributed path. CUDA
+    IPC payloads on GPUs, shared-memory files on a CPU."""
+    dist = torch.distributed
+    is_rank0 = dist.get_rank() == 0
+    if is_rank0 and driver is not None:
+        driver.pause_engines()
+    dist.barrier()
+    cuda = device.type == "cuda"
+    try:
+        return handover_learner_weights(posters, model_chunks, info, layout, weight_version, plan, bucket_bytes,
+                                        cuda_ipc_payload if cuda else shared_memory_payload,
+                                        None if cuda else SHM_LOAD_FORMAT, device)
+    finally:
+        if is_rank0 and driver is not None:
+            driver.continue_engines()

@@ -1,0 +1,102 @@
+"""Colocated weight hand-over (issue 12, defects 4 and 7): no NCCL group with the engines.
+
+The learner rank on each engine TP rank's GPU makes that rank's payload from a bucket the
+stage's source broadcast over the learners' own group; each engine's poster sends one
+request with a payload per TP rank. On a CPU the payloads are shared-memory files (the
+embedded engine's format); the flow — stages in turn, cross-stage broadcast, gather to the
+poster, version on the last bucket — is the GPU one. Checked here with PP 2 learners (gloo)
+and two embedded engines whose posters are ranks of different stages: both engines end
+bit-identical to the learner's HF export.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+from test_megatron_parallel import make_config
+from test_sync_learner_engines import _engine_view
+
+from dapo_mega.backends.placement import ClusterShape, place
+from dapo_mega.config import RolloutConfig, load_config
+from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.weights.handover import HandoverPlan, stage_source_rank
+
+
+def test_plan_of_each_rank_follows_the_placement():
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b"])  # engine 6 on node 3 GPUs 0-3 = learner ranks 24-27
+    placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=True))
+    ipc = {e.index: e.ipc_ranks for e in placement.engines}
+    assert HandoverPlan.for_rank(24, ipc).holds == [(6, 0)] and HandoverPlan.for_rank(24, ipc).posts == [6]
+    assert HandoverPlan.for_rank(27, ipc).holds == [(6, 3)] and HandoverPlan.for_rank(27, ipc).posts == []
+    every = [h for rank in range(128) for h in HandoverPlan.for_rank(rank, ipc).holds]
+    assert sorted(every) == [(e, t) for e in range(32) for t in range(4)]  # each engine TP rank once
+    assert [stage_source_rank(s, 8, 1, 8) for s in (0, 1)] == [lp.rank for lp in placement.weight_sources()]
+    with pytest.raises(ValueError, match="engine 3 has no learner rank"):
+        HandoverPlan.for_rank(0, {3: ()})
+
+
+def _learner_handover(rank, world, tp, pp, model_dir, engine_urls, ipc_ranks, export_dir):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from dapo_mega.backends.megatron.batch import TrainSample
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.weights.convert import export_learner_to_hf
+    from dapo_mega.weights.handover import HandoverPlan, sync_colocated_learner_weights
+    from dapo_mega.weights.hf_io import HFCheckpointReader
+    from dapo_mega.weights.stream import load_hf_into_megatron
+    from dapo_mega.weights.sync import WeightSyncer
+
+    cfg = make_config(tp=tp, pp=pp, train_batch_size=1, mini_batch_size=1, n=2, lr=1e-2)
+    layout = ParallelLayout.from_config(cfg.megatron, world, model_dir).initialize()
+    learner = MegatronLearner(cfg, model_dir, layout)
+    load_hf_into_megatron(learner.model_chunks, learner.info, layout, HFCheckpointReader(model_dir))
+    learner.train_step([TrainSample([5, 6, 7], [8, 9, 10], advantage=1.0),
+                        TrainSample([5, 6, 7], [11, 12], advantage=-1.0)])
+    plan = HandoverPlan.for_rank(rank, ipc_ranks)
+    posters = {e: WeightSyncer([engine_urls[e]], mode="colocated", timeout_s=120) for e in plan.posts}
+    driver = WeightSyncer(engine_urls, mode="colocated", timeout_s=120) if rank == 0 else None
+    stats = sync_colocated_learner_weights(driver, posters, learner.model_chunks, learner.info, layout, "9", plan,
+                                           bucket_bytes=20_000, device=torch.device("cpu"))
+    export_learner_to_hf(learner.model_chunks, learner.info, layout, export_dir)
+    for syncer in [*posters.values(), driver]:
+        if syncer is not None:
+            syncer.close()
+    return plan.posts, None if stats is None else (stats.num_tensors, stats.num_buckets)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_handover"), seed=5)
+
+
+def test_pp2_handover_into_two_engines_bit_identical_to_export(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    with EngineFleet(RolloutConfig(), str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
+        urls = [e.url for e in fleet.start(2)]
+        export_dir = tmp_path / "export"
+        # engine 0 "on rank 0's GPU" (stage 0), engine 1 on rank 1's (stage 1): engine 1 gets
+        # stage 0's weights from rank 1, through the learners' broadcast
+        results = run_distributed(_learner_handover, 2, args=(1, 2, str(model_dir), urls, {0: (0,), 1: (1,)},
+                                                              str(export_dir)), timeout_s=400)
+        assert [posts for posts, _ in results] == [[0], [1]]
+        exported = {}
+        for shard in export_dir.glob("*.safetensors"):
+            exported.update(load_file(str(shard)))
+        assert sum(s[0] for _, s in results if s is not None) == len(exported)
+        assert all(s is not None and s[1] > 1 for _, s in results), "each stage sent several buckets"
+        before = load_file(str(model_dir / "model.safetensors"))
+        assert any(not torch.equal(before[n], t) for n, t in exported.items()), "the update changed nothing"
+        for url in urls:
+            weights, version, sample = asyncio.run(_engine_view(url, list(exported)))
+            for name, tensor in exported.items():
+                assert torch.equal(weights[name], tensor), f"{url}: {name} differs from the HF export"
+            assert version == "9" and sample.versions == ["9"]
