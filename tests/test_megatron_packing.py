@@ -310,3 +310,45 @@ def test_plan_reports_padding_efficiency_and_dp_imbalance_for_32b():
     cfg.megatron.balance_data_parallel = cfg.megatron.sequence_packing = False
     assert compute_plan(cfg)["learner_efficiency"]["configured"]["dp_imbalance"] == pytest.approx(
         eff["padded_contiguous"]["dp_imbalance"])
+
+
+def _shuffle_run(rank, world):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.config import DapoConfig
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    def learner(shuffle):
+        cfg = DapoConfig()
+        cfg.model.tiny_num_layers = 1
+        cfg.megatron.micro_batch_tokens, cfg.megatron.transformer_impl = 64, "local"
+        a = cfg.algo
+        a.train_batch_size, a.mini_batch_size, a.n_samples_per_prompt, a.lr, a.lr_warmup_steps = 2, 1, 4, 1e-2, 0
+        a.shuffle_mini_batches = shuffle
+        return cfg, MegatronLearner(cfg, hf, layout)
+
+    cfg = DapoConfig()
+    cfg.model.tiny_num_layers = 1
+    hf = tiny_hf_config(cfg.model)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
+    samples = _make_samples()
+    # a step whose seed swaps the two groups
+    step = next(s for s in range(50) if shuffle_groups(8, 4, seed=cfg.megatron.seed * 1_000_003 + s)[0] == 4)
+    order = shuffle_groups(8, 4, seed=cfg.megatron.seed * 1_000_003 + step)
+    out = {}
+    for name, shuffle, batch in (("shuffled", True, samples), ("reordered", False, [samples[i] for i in order]),
+                                 ("prompt_order", False, samples)):
+        _, lrn = learner(shuffle)
+        lrn.train_step(batch, step=step)
+        out[name] = lrn.compute_log_probs(samples)
+    return out
+
+
+def test_mini_batches_see_the_groups_in_seeded_shuffled_order():
+    out = run_distributed(_shuffle_run, 1, timeout_s=300)[0]
+    for a, b in zip(out["shuffled"], out["reordered"]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # shuffle == training on the permuted batch
+    assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(out["shuffled"], out["prompt_order"]))
