@@ -2,8 +2,14 @@
 
     python bench/bench_learner.py [--quick]          -> bench/results/learner.json
 
-Both sides train the same Qwen2-shaped model on the same batch of variable-length samples
-on the same machine in this process: forward + backward + AdamW step per mini-batch.
+Both sides train the same Qwen2-shaped model on the same batch of samples with a
+long-tailed length distribution (log-normal responses, median 1/8 of the longest, a few
+at the cap, as DAPO's responses are) on the same machine in this process: forward +
+backward + AdamW step per mini-batch. Megatron runs twice: with sequence packing (the
+default, `megatron.sequence_packing`) and with one sample per padded row, to measure what
+packing buys; the result also gives each run's padding efficiency (real tokens / tokens
+computed) and, from `packing.measure_layout`, the data-parallel imbalance the same batch
+would have over 4 ranks with and without balancing (the benchmark itself runs DP 1).
 
 * megatron: `MegatronLearner._update` (megatron-core GPTModel, get_forward_backward_func,
   Megatron DDP + get_megatron_optimizer) with the DAPO loss, one process (TP=PP=DP=1).
@@ -14,7 +20,7 @@ on the same machine in this process: forward + backward + AdamW step per mini-ba
 * pytorch: transformers `Qwen2ForCausalLM` with the same padded micro-batches, the same
   token-level policy loss (`compute_policy_loss`), `torch.optim.AdamW`.
 
-Tokens/s counts real (unpadded) prompt + response tokens. The old-log-prob pass is
+Tokens/s counts useful (unpadded) prompt + response tokens. The old-log-prob pass is
 excluded on both sides. `run(quick)` returns the result dict (for a future bench/run.py).
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -48,13 +55,18 @@ def _model_shape(quick: bool, gpu: bool) -> Dict[str, int]:
 
 
 def _samples(num: int, max_len: int, vocab: int, seed: int = 0):
+    """Prompts of max_len/16..max_len/8 tokens; responses log-normal (median max_len/8, σ 1),
+    capped so that prompt + response <= max_len; the longest sample is at the cap."""
     from dapo_mega.backends.megatron.batch import TrainSample
 
     rng = random.Random(seed)
     out = []
     for i in range(num):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(max_len // 8, max_len // 4))]
-        response = [rng.randrange(3, vocab) for _ in range(rng.randint(max_len // 4, max_len // 2))]
+        prompt_len = rng.randint(max(1, max_len // 16), max(1, max_len // 8))
+        cap = max_len - prompt_len
+        response_len = cap if i == 0 else max(1, min(cap, int(rng.lognormvariate(math.log(max_len / 8), 1.0))))
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        response = [rng.randrange(3, vocab) for _ in range(response_len)]
         out.append(TrainSample(prompt_ids=prompt, response_ids=response, advantage=1.0 if i % 2 else -1.0))
     return out
 
@@ -69,7 +81,7 @@ def _flops_per_token(shape: Dict[str, int], vocab: int, seq: int) -> float:
     return 6.0 * params + 6.0 * layers * h * seq
 
 
-def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool) -> Dict[str, Any]:
+def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool, packing: bool = True) -> Dict[str, Any]:
     from functools import partial
 
     from dapo_mega.backends.megatron.batch import count_loss_tokens
@@ -78,6 +90,7 @@ def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool)
     from dapo_mega.distributed import free_port
 
     cfg.megatron.transformer_impl = impl
+    cfg.megatron.sequence_packing = packing
     cfg.megatron.fp8.enabled = fp8
     cfg.megatron.fp8.recipe = "tensorwise" if fp8 else cfg.megatron.fp8.recipe
     layout = ParallelLayout.from_config(cfg.megatron, 1, hf_config).initialize(
@@ -102,7 +115,8 @@ def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool)
     result = {"layer_spec": learner.info.layer_spec, "params_dtype": learner.info.params_dtype,
               "fp8": learner.info.fp8, "seconds": elapsed,
               "tokens_per_s": repeats * sum(s.length for s in samples) / elapsed,
-              "micro_batches": len(micro)}
+              "micro_batches": len(micro), "sequence_packing": packing,
+              "padding_efficiency": sum(mb.real_tokens for mb in micro) / sum(mb.tokens.numel() for mb in micro)}
     torch.distributed.destroy_process_group()
     layout.destroy()
     return result
@@ -148,7 +162,8 @@ def _bench_pytorch(cfg, hf_config, samples, repeats: int, dtype: torch.dtype) ->
     _sync()
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tokens_per_s": repeats * sum(s.length for s in samples) / elapsed,
-            "params_dtype": str(dtype).replace("torch.", "")}
+            "params_dtype": str(dtype).replace("torch.", ""), "micro_batches": len(micro),
+            "padding_efficiency": sum(mb.real_tokens for mb in micro) / sum(mb.tokens.numel() for mb in micro)}
 
 
 def _sync() -> None:
@@ -183,18 +198,28 @@ def run(quick: bool) -> Dict[str, Any]:
                               "samples": num, "tokens_per_update": sum(s.length for s in samples),
                               "repeats": repeats, "quick": quick}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from dapo_mega.backends.megatron.packing import measure_layout
+
+    lengths = [s.length for s in samples]
+    result["dp4_imbalance"] = {
+        "contiguous": measure_layout(lengths, 4, cfg.megatron.micro_batch_tokens, False, False).dp_imbalance,
+        "balanced": measure_layout(lengths, 4, cfg.megatron.micro_batch_tokens, True, True).dp_imbalance}
     if not gpu:
         megatron = _bench_megatron(cfg, hf_config, samples, repeats, impl="local", fp8=False)
+        padded = _bench_megatron(cfg, hf_config, samples, repeats, impl="local", fp8=False, packing=False)
         pytorch = _bench_pytorch(cfg, hf_config, samples, repeats, torch.float32)
-        result.update(megatron=megatron, pytorch=pytorch,
+        result.update(megatron=megatron, megatron_padded=padded, pytorch=pytorch,
                       note="CPU: megatron local spec fp32 with the CPU substitutions (a TorchFunctionMode adds "
-                           "Python overhead per op) vs HF transformers fp32")
+                           "Python overhead per op), packed rows with a per-sample causal mask, vs HF "
+                           "transformers fp32 with padded rows")
     else:
         from dapo_mega.backends.megatron.model import transformer_engine_available
 
         te = transformer_engine_available()
-        runs = {"megatron_bf16": _bench_megatron(cfg, hf_config, samples, repeats,
-                                                 impl="transformer_engine" if te else "local", fp8=False)}
+        impl = "transformer_engine" if te else "local"
+        runs = {"megatron_bf16": _bench_megatron(cfg, hf_config, samples, repeats, impl=impl, fp8=False),
+                "megatron_padded": _bench_megatron(cfg, hf_config, samples, repeats, impl=impl, fp8=False,
+                                                   packing=False)}
         if te:
             runs["megatron_fp8"] = _bench_megatron(cfg, hf_config, samples, repeats, impl="transformer_engine", fp8=True)
         else:
@@ -206,8 +231,10 @@ def run(quick: bool) -> Dict[str, Any]:
             run_result["mfu"] = run_result["tokens_per_s"] * flops / peak
         result.update(runs, pytorch=pytorch, megatron=runs["megatron_bf16"], peak_tflops=peak / 1e12)
     result["ratio_megatron_over_pytorch"] = result["megatron"]["tokens_per_s"] / result["pytorch"]["tokens_per_s"]
+    result["ratio_packed_over_padded"] = (result["megatron"]["tokens_per_s"]
+                                          / result["megatron_padded"]["tokens_per_s"])
     # the keys bench/run.py tabulates
-    result.update(name="learner", metric="train tokens/s", ours=result["megatron"]["tokens_per_s"],
+    result.update(name="learner", metric="useful train tokens/s", ours=result["megatron"]["tokens_per_s"],
                   baseline=result["pytorch"]["tokens_per_s"], baseline_name="HF transformers + AdamW",
                   ratio=result["ratio_megatron_over_pytorch"], higher_is_better=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -220,8 +247,9 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch (seconds)")
     args = parser.parse_args(argv)
     result = run(args.quick)
-    print(json.dumps({k: result[k] for k in ("device", "megatron", "pytorch", "ratio_megatron_over_pytorch")},
-                     indent=2))
+    print(json.dumps({k: result[k] for k in ("device", "megatron", "megatron_padded", "pytorch",
+                                             "ratio_megatron_over_pytorch", "ratio_packed_over_padded",
+                                             "dp4_imbalance")}, indent=2))
 
 
 if __name__ == "__main__":
