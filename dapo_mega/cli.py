@@ -1,10 +1,12 @@
-"""`dapo-mega` command line: train, eval, plan.
+"""`dapo-mega` command line: train, eval, plan, ablate.
 
     dapo-mega train [hydra overrides]      the DAPO run (no overrides: embedded CPU default)
     dapo-mega train --cfg job [overrides]  print the composed config and exit
     dapo-mega train --help                 every config field with its default and meaning
     dapo-mega eval  [overrides] eval.checkpoint=... avg@k on the held-out set
     dapo-mega plan  [overrides] [--json]   layout and memory per GPU, without starting anything
+    dapo-mega ablate +ablation=dapo_ladder [overrides] [--slurm] [--report]
+                                           rungs x seeds of training runs -> ablation.md/.json/.png
 
 Overrides use Hydra syntax (`algo.lr=2e-6`, `+experiment=dapo_qwen2.5_32b`).
 """
@@ -16,7 +18,7 @@ from typing import List, Optional
 
 from dapo_mega.config import ConfigError, describe_fields, load_config, to_yaml
 
-COMMANDS = ("train", "eval", "plan")
+COMMANDS = ("train", "eval", "plan", "ablate")
 
 
 def _usage() -> str:
@@ -37,6 +39,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("Config fields (override with key=value):")
         print("\n".join("  " + line for line in describe_fields()))
         return 0
+    if command == "ablate":  # its own config group besides the train overrides
+        return _ablate(rest)
     show_cfg = False
     as_json = False
     overrides: List[str] = []
@@ -60,6 +64,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
 
+def _ablate(rest: List[str]) -> int:
+    from dapo_mega.ablation import run_ablate_command
+
+    try:
+        return run_ablate_command(rest)
+    except ConfigError as exc:
+        print(f"dapo-mega: config error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
@@ -67,6 +81,9 @@ def _one_line(exc: BaseException) -> str:
 def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
     if command == "train":
         from dapo_mega.data import DataError
+        from dapo_mega.driver.console import route_known_warnings
+
+        route_known_warnings(cfg.run_dir)  # before the preflight imports megatron-core
         from dapo_mega.preflight import check_before_start
         from dapo_mega.trainer import run_training
 

@@ -33,6 +33,7 @@ Verifier = Literal["dapo", "math_verify"]
 OnNonfinite = Literal["skip", "stop"]
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
+SyntheticTask = Literal["arithmetic", "chain"]
 RolloutBackend = Literal["embedded", "sglang"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Fp8Format = Literal["e4m3", "hybrid"]
@@ -248,7 +249,11 @@ class DataConfig:
     synthetic_ops: str = "+-"
     """Synthetic task: operators to draw from (subset of +-*)."""
     synthetic_num_operands: int = 2
-    """Synthetic task: operands per problem."""
+    """Synthetic task: operands per problem (chain: the most; each problem draws 2..this)."""
+    synthetic_task: str = "arithmetic"
+    """Synthetic task: arithmetic (the answer only, ~4 tokens) or chain (a worked solution,
+    one line per operation with the intermediate result, then `Answer:`; its length grows
+    with the number of operands, so truncation and length shaping matter)."""
 
     def validate(self) -> None:
         """This component's own rules (data files are checked by `preflight`)."""
@@ -263,6 +268,7 @@ class DataConfig:
                 raise err("data.synthetic_ops", f"{d.synthetic_ops!r} must be a non-empty subset of '+-*'", "use '+-'")
             if d.synthetic_num_operands < 2:
                 raise err("data.synthetic_num_operands", "must be >= 2", "use 2")
+            _check_choice("data.synthetic_task", d.synthetic_task, SyntheticTask)
 
 
 @dataclass

@@ -21,6 +21,7 @@ CONSOLE_COLUMNS = (
     ("rollout/accuracy", "acc {:.3f}"),
     ("rollout/kept_group_frac", "kept {:.2f}"),
     ("rollout/response_length_mean", "len {:6.1f}"),
+    ("rollout/entropy_mc", "ent {:.3f}"),  # rollout policy entropy estimate, −mean log p (rollout/metrics.py)
     ("loss/pg", "loss {:+.4f}"),
     ("actor/grad_norm", "gnorm {:.3f}"),
 )
@@ -35,6 +36,8 @@ PLOT_PANELS = [
     ("kept-group fraction", ["rollout/kept_group_frac"]),
     ("seconds per phase", ["time/rollout_s", "time/train_s", "time/sync_s", "time/eval_s"]),
     ("clip fraction", ["loss/clip_frac_low", "loss/clip_frac_high"]),
+    ("entropy (nats/token)", ["rollout/entropy_mc", "actor/entropy"]),
+    ("truncated fraction", ["rollout/clip_rate"]),
 ]
 
 
@@ -158,7 +161,9 @@ def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    columns = 4
+    rows_of_panels = -(-len(PLOT_PANELS) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(5 * columns, 4 * rows_of_panels))
     for ax, (title, keys) in zip(axes.flat, PLOT_PANELS):
         for key in keys:
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]

@@ -39,6 +39,8 @@ def train(cfg: DapoConfig) -> int:
     try:
         if run.state.step == 0 and cfg.trainer.sft_warmup_steps > 0 and not run.resumed:
             s.warm_start()                      # supervised warm start (embedded default)
+            if cfg.trainer.total_steps == 0:    # a warm start only (`dapo-mega ablate`'s shared start)
+                s.save_checkpoint(0)
         s.sync_weights()                        # engines serve the learner's weights at v
         if run.state.step == 0 and cfg.trainer.eval_interval > 0:
             role.log_step(0, role.evaluate(), {})  # held-out accuracy before any RL step

@@ -43,12 +43,13 @@ def test_console_line_missing_values():
 
 def test_console_line_of_a_training_step():
     row = {"step": 20, "policy_version": 20, "rollout/reward_mean": -0.484, "rollout/accuracy": 0.258,
-           "rollout/kept_group_frac": 0.51, "rollout/response_length_mean": 4.2, "loss/pg": 0.0005,
+           "rollout/kept_group_frac": 0.51, "rollout/response_length_mean": 4.2, "rollout/entropy_mc": 0.412,
+           "loss/pg": 0.0005,
            "actor/grad_norm": 3.618, "time/rollout_s": 0.3, "time/train_s": 0.3, "time/sync_s": 0.0,
            "eval/avg_at_k": 0.318}
     # the line the README shows
     assert format_console_line(row) == ("step    20 | v20   | reward -0.484 | acc 0.258 | kept 0.51 | len    4.2 | "
-                                        "loss +0.0005 | gnorm 3.618 | gen   0.3s train   0.3s sync  0.0s | eval 0.318")
+                                        "ent 0.412 | loss +0.0005 | gnorm 3.618 | gen   0.3s train   0.3s sync  0.0s | eval 0.318")
 
 
 def test_wandb_offline_resume_same_id(tmp_path):

@@ -42,3 +42,29 @@ def test_age_buckets():
     assert m["age/1/num_samples"] == 1 and m["age/1/reward_mean"] == 1.0
     assert m["age/3+/num_samples"] == 1 and m["rollout/age_max"] == 4
     assert m["rollout/stale_groups"] == 1
+
+
+def test_rollout_entropy_estimate_is_minus_mean_logprob_over_tokens():
+    from types import SimpleNamespace
+
+    from dapo_mega.rollout.metrics import rollout_entropy_estimate
+
+    # tokens weigh equally: (-(-0.5 - 1.5) - (-1.0)) / 3 = 1.0, not the mean of per-sample means
+    samples = [SimpleNamespace(logprobs=[-0.5, -1.5]), SimpleNamespace(logprobs=[-1.0]), SimpleNamespace(logprobs=None)]
+    assert math.isclose(rollout_entropy_estimate(samples), 1.0)
+    assert rollout_entropy_estimate([SimpleNamespace(logprobs=None)]) is None
+    # ledger records carry no log-probs: no key rather than a made-up value
+    assert "rollout/entropy_mc" not in compute_rollout_metrics([rec("a", True, "kept")], seconds=1.0)
+
+
+def test_rollout_entropy_estimate_converges_to_the_sampling_entropy():
+    import numpy as np
+
+    from types import SimpleNamespace
+
+    from dapo_mega.rollout.metrics import rollout_entropy_estimate
+
+    p = np.array([0.5, 0.25, 0.125, 0.125])  # entropy = 1.75 bits = 1.2130 nats
+    draws = np.random.default_rng(0).choice(4, size=200_000, p=p)
+    estimate = rollout_entropy_estimate([SimpleNamespace(logprobs=list(np.log(p[draws])))])
+    assert abs(estimate - float(-(p * np.log(p)).sum())) < 0.01

@@ -17,19 +17,24 @@ from dapo_mega.data.problem import (
     Problem,
     compute_dataset_revision,
     format_prompt,
+    reference_response,
     verification_prefix,
 )
 from dapo_mega.data.readers import ReadReport, read_problems
 from dapo_mega.data.synthetic import (
     ANSWER_PREFIX,
+    CHAIN_SOURCE,
     SYNTHETIC_SOURCE,
     evaluate_expression,
     generate_synthetic_problems,
     make_arithmetic_problem,
+    make_chain_problem,
+    solve_chain,
 )
 
 __all__ = [
     "ANSWER_PREFIX",
+    "CHAIN_SOURCE",
     "DAPO_PROMPT_TEMPLATE",
     "DataError",
     "Problem",
@@ -43,7 +48,10 @@ __all__ = [
     "format_prompt",
     "generate_synthetic_problems",
     "make_arithmetic_problem",
+    "make_chain_problem",
     "read_problems",
+    "reference_response",
+    "solve_chain",
     "token_ids_of",
     "verification_prefix",
 ]

@@ -1,6 +1,7 @@
 """`build_datasets`: what the trainer calls to get its prompts.
 
-    data.train_path empty  → the synthetic arithmetic task (train + disjoint held-out)
+    data.train_path empty  → the synthetic task of data.synthetic_task (arithmetic or the
+                             worked chain; train + disjoint held-out)
     data.train_path set    → that file; data.eval_path, if set, the held-out file
                              (empty: no held-out set, evaluation is skipped)
 """
@@ -34,7 +35,8 @@ def build_datasets(data_cfg: Any, report: Optional[Dict[str, Any]] = None) -> Tu
         train, held_out = generate_synthetic_problems(
             num_train=data_cfg.synthetic_num_train, num_eval=data_cfg.synthetic_num_eval,
             min_digits=data_cfg.synthetic_min_digits, max_digits=data_cfg.synthetic_max_digits,
-            ops=data_cfg.synthetic_ops, num_operands=data_cfg.synthetic_num_operands, seed=data_cfg.seed)
+            ops=data_cfg.synthetic_ops, num_operands=data_cfg.synthetic_num_operands, seed=data_cfg.seed,
+            task=data_cfg.synthetic_task)
         info["source"] = "synthetic"
     else:
         train, info["train"] = read_problems(data_cfg.train_path, data_cfg.on_bad_row, data_cfg.dedup)

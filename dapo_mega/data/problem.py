@@ -40,6 +40,8 @@ class Problem:
     answer_prefix: the tail of a raw prompt that is part of the answer line. The synthetic
         task's prompt ends with "Answer:" and the model only writes " 46"; the reward
         scores answer_prefix + response (see `verification_prefix`). Empty for real data.
+    reference_response: a worked response the supervised warm start trains on (the chain
+        task's solution lines and `Answer:` line); empty: " " + ground_truth.
     """
 
     id: str
@@ -48,6 +50,7 @@ class Problem:
     data_source: str
     messages: Tuple[Dict[str, str], ...] = field(default=(), compare=False)
     answer_prefix: str = ""
+    reference_response: str = ""
 
 
 def format_prompt(problem: Problem, template: str) -> str:
@@ -57,6 +60,11 @@ def format_prompt(problem: Problem, template: str) -> str:
     if template == "dapo":
         return DAPO_PROMPT_TEMPLATE.format(problem=problem.prompt)
     raise ValueError(f"unknown prompt template {template!r}; use one of {PROMPT_TEMPLATES} (data.prompt_template)")
+
+
+def reference_response(problem: Problem) -> str:
+    """What the supervised warm start trains the model to write for `problem`."""
+    return problem.reference_response or " " + problem.ground_truth
 
 
 def verification_prefix(problem: Problem, template: str) -> str:

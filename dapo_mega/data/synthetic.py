@@ -14,6 +14,19 @@ Operands have `min_digits..max_digits` digits (1-digit operands include 0), oper
 drawn from `ops` (+, -, *) with the usual precedence, so answers are integers (possibly
 negative). Train and held-out problems are disjoint as expressions; both are a pure
 function of the seed.
+
+The chain task (`task="chain"`, data.synthetic_task=chain) asks for a worked solution:
+
+    prompt              "Q: 12+34-5\n"
+    reference_response  "12+34=46\n46-5=41\nAnswer: 41"
+
+one line per operation with its intermediate result (`*` first, leftmost first, then `+`
+and `-` left to right), then the answer line. Each problem draws its number of operands
+uniformly from 2..num_operands, so the solution length varies with the problem (about 9
+characters per operation with 2-digit operands, plus ~10 for the answer line): a response
+budget below the longest solutions truncates some, and length shaping, token-level loss and
+entropy collapse can show with the tiny model. The verifier checks the final `Answer:`
+line only (answer_prefix is empty: the model writes that line itself).
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from dapo_mega.data.problem import DataError, Problem
 logger = logging.getLogger(__name__)
 
 SYNTHETIC_SOURCE = "synthetic_arithmetic"
+CHAIN_SOURCE = "synthetic_chain"
+SYNTHETIC_TASKS = ("arithmetic", "chain")
 ANSWER_PREFIX = "Answer:"
 
 
@@ -90,6 +105,39 @@ def make_arithmetic_problem(expression: str, split: str) -> Problem:
     )
 
 
+def solve_chain(operands: Sequence[int], operators: Sequence[str]) -> Tuple[List[str], int]:
+    """(worked lines "a op b=c", value): `*` first (leftmost first), then + and - left to right.
+    The value equals `evaluate_expression`."""
+    values, ops, lines = list(operands), list(operators), []
+    for wanted in ("*", "+-"):
+        i = 0
+        while i < len(ops):
+            if ops[i] not in wanted:
+                i += 1
+                continue
+            a, op, b = values[i], ops[i], values[i + 1]
+            c = a * b if op == "*" else a + b if op == "+" else a - b
+            lines.append(f"{a}{op}{b}={c}")
+            values[i:i + 2] = [c]
+            del ops[i]
+    return lines, values[0]
+
+
+def make_chain_problem(expression: str, split: str) -> Problem:
+    """The chain-task Problem of one expression such as "12+34-5" (see the module docstring)."""
+    operands, operators = _parse(expression)
+    lines, value = solve_chain(operands, operators)
+    prompt = f"Q: {expression}\n"
+    return Problem(
+        id=f"chain-{split}-{expression}",
+        prompt=prompt,
+        ground_truth=str(value),
+        data_source=CHAIN_SOURCE,
+        messages=({"role": "user", "content": prompt},),
+        reference_response="\n".join([*lines, f"{ANSWER_PREFIX} {value}"]),
+    )
+
+
 def generate_synthetic_problems(
     num_train: int,
     num_eval: int,
@@ -98,8 +146,12 @@ def generate_synthetic_problems(
     ops: str = "+-",
     num_operands: int = 2,
     seed: int = 1234,
+    task: str = "arithmetic",
 ) -> Tuple[List[Problem], List[Problem]]:
     """Disjoint (train, held-out) arithmetic problems, deterministic in `seed`.
+
+    task: "arithmetic" (num_operands operands, the answer only) or "chain" (2..num_operands
+    operands, a worked solution; see the module docstring).
 
     When the expression space is smaller than num_train + num_eval, the held-out split is
     served first and the training split gets what is left (with a warning).
@@ -111,7 +163,10 @@ def generate_synthetic_problems(
         raise DataError(f"synthetic task: ops {ops!r} must be a non-empty subset of '+-*' (data.synthetic_ops)")
     if num_operands < 2:
         raise DataError(f"synthetic task: num_operands must be >= 2, got {num_operands}")
-    space = _operand_count(min_digits, max_digits) ** num_operands * len(op_set) ** (num_operands - 1)
+    if task not in SYNTHETIC_TASKS:
+        raise DataError(f"synthetic task: unknown task {task!r}; use one of {SYNTHETIC_TASKS} (data.synthetic_task)")
+    counts = list(range(2, num_operands + 1)) if task == "chain" else [num_operands]
+    space = sum(_operand_count(min_digits, max_digits) ** n * len(op_set) ** (n - 1) for n in counts)
     if num_eval > space:
         raise DataError(f"synthetic task: {num_eval} held-out problems requested but only {space} distinct "
                         "expressions exist; lower data.synthetic_num_eval or raise data.synthetic_max_digits")
@@ -123,7 +178,7 @@ def generate_synthetic_problems(
     rng = random.Random(seed)
     if space <= 2 * needed:
         # dense: enumerate and shuffle (rejection sampling would need ~space·log(space) draws)
-        expressions = _enumerate_all(min_digits, max_digits, op_set, num_operands)
+        expressions = [e for n in counts for e in _enumerate_all(min_digits, max_digits, op_set, n)]
         rng.shuffle(expressions)
         chosen = expressions[:needed]
     else:
@@ -131,12 +186,14 @@ def generate_synthetic_problems(
         seen: Set[str] = set()
         chosen = []
         while len(chosen) < needed:
-            operands = [_draw_operand(rng, min_digits, max_digits) for _ in range(num_operands)]
-            operators = [rng.choice(op_set) for _ in range(num_operands - 1)]
+            n = rng.choice(counts) if len(counts) > 1 else counts[0]  # no extra draw: arithmetic sets stay as they were
+            operands = [_draw_operand(rng, min_digits, max_digits) for _ in range(n)]
+            operators = [rng.choice(op_set) for _ in range(n - 1)]
             expression = "".join(f"{v}{op}" for v, op in zip(operands, operators)) + str(operands[-1])
             if expression not in seen:
                 seen.add(expression)
                 chosen.append(expression)
-    eval_problems = [make_arithmetic_problem(e, "eval") for e in chosen[:num_eval]]
-    train_problems = [make_arithmetic_problem(e, "train") for e in chosen[num_eval:]]
+    make = make_chain_problem if task == "chain" else make_arithmetic_problem
+    eval_problems = [make(e, "eval") for e in chosen[:num_eval]]
+    train_problems = [make(e, "train") for e in chosen[num_eval:]]
     return train_problems, eval_problems

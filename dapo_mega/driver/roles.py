@@ -105,10 +105,11 @@ class DriverRole(LearnerRankRole):
 
     def sft_samples(self, batch_size: int) -> list:
         from dapo_mega.backends.megatron.batch import TrainSample
+        from dapo_mega.data import reference_response
 
         encoder = self.rollouts.encoder
         samples = [TrainSample(prompt_ids=encoder.encode(p),
-                               response_ids=encoder.encode_text(" " + p.ground_truth) + [encoder.eos_token_id])
+                               response_ids=encoder.encode_text(reference_response(p)) + [encoder.eos_token_id])
                    for p in self.sft_prompts.next_batch(batch_size)]
         return broadcast_from_driver(samples)
 

@@ -4,11 +4,13 @@ Computed from the same `ScoredSample`s whose rows go into the ledger (or from th
 `LedgerRecord`s: the fields read here have the same names in both), so a metric and the
 ledger can never disagree. Rewards, accuracy and lengths are over every sample generated in the step
 (kept or not); the `rollout/kept_*` variants are over the samples the learner trains on.
+`rollout/entropy_mc` estimates the rollout policy's entropy from the engine's log-probs
+(`rollout_entropy_estimate`).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -40,6 +42,9 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
         "rollout/kept_samples": float(len(kept)),
         "rollout/samples_per_trained_sample": float(len(records) / max(len(kept), 1)),
     }
+    entropy = rollout_entropy_estimate(records)
+    if entropy is not None:
+        out["rollout/entropy_mc"] = entropy
     if kept:
         out["rollout/kept_reward_mean"] = float(np.mean([r.reward for r in kept]))
         out["rollout/kept_accuracy"] = float(np.mean([r.correct for r in kept]))
@@ -58,6 +63,27 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
     out["rollout/kept_group_frac"] = sum(
         any(r.reject_reason in ("kept", "verifier_error") for r in g) for g in groups.values()) / n_groups
     return out
+
+
+def rollout_entropy_estimate(records: Sequence) -> Optional[float]:
+    """`rollout/entropy_mc`: −mean log p(y_t) over every generated token of the step, with
+    log p the engine's log-prob of the token it sampled (`ScoredSample.logprobs`).
+
+    A Monte-Carlo estimate of the rollout policy's per-token entropy E_t[H(π(·|s_t))] (the
+    mean of −log π(y_t|s_t) over y_t ~ π is the entropy at s_t) that costs no forward pass:
+    exact in expectation when sampling uses the full distribution (top-p = 1, no top-k, the
+    DAPO training setting); with top-p/top-k it is the cross-entropy of the truncated sampling
+    distribution under the full one (engines report log-probs before truncation). Tokens
+    are weighted equally, so long responses weigh more (as in the token-level loss).
+    None when the engine returned no log-probs. `actor/entropy` is the exact entropy of the
+    learner's distribution on the trained tokens (computed from its logits)."""
+    total, count = 0.0, 0
+    for r in records:
+        logprobs = getattr(r, "logprobs", None)
+        if logprobs:
+            total += float(np.sum(np.asarray(logprobs, dtype=np.float64)))
+            count += len(logprobs)
+    return -total / count if count else None
 
 
 def compute_age_metrics(records: Sequence, num_stale_groups: int) -> Dict[str, float]:
