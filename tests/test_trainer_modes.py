@@ -10,6 +10,7 @@ per-step metrics recomputed by hand from the ledger rows.
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ DESIGN_KEYS = [
     "rollout/tokens_per_s", "perf/train_tokens_per_s",
 ]
 
-LEDGER_FIELDS = ["run_id", "step", "prompt_id", "dataset_revision", "sample_index", "policy_version_min",
+LEDGER_FIELDS = ["run_id", "step", "prompt_id", "dataset_revision", "sample_index", "seed", "policy_version_min",
                  "policy_version_max", "learner_version", "age", "engine_id", "queue_delay_s",
                  "generation_latency_s", "response_length", "truncated", "reward", "correct", "reward_components",
                  "verifier", "verifier_version", "reject_reason"]
@@ -182,9 +183,20 @@ def test_colocated_sync_end_to_end(tmp_path):
         assert d.length_p90 == pytest.approx(by_row[d.step]["rollout/response_length_p90"])
         assert d.metrics_verifier_errors == by_row[d.step]["verifier/num_errors"]
     assert {a.label for a in report.ages} == {"0", "1"}       # age 1: only the stale surplus
-    # the console line: one fixed-format line per step
+    # the ledger's seed is the request's sampling_seed, from (trainer.seed, step, round, prompt)
+    from dapo_mega.rollout.manager import request_seed
+
+    seed = from_yaml((run_dir / "config.yaml").read_text()).trainer.seed
+    fresh = [r for r in by_step[3] if r.reject_reason != "stale"]
+    assert fresh and all(r.seed == request_seed(seed, 3, r.gen_round, r.prompt_id) for r in fresh)
+    # the console line: one fixed-format line per step; step 0 holds only the evaluation
     lines = [line for line in output.splitlines() if line.startswith("step ")]
     assert len(lines) == 4 and lines[-1].startswith("step     3 | v3 ")
+    assert lines[0].startswith("step     0 | v0    | eval ") and not any(re.search(r"\bnan\b", x) for x in lines)
+    # known library warnings are in the run's log, once each, not on the console
+    assert "Apex is not installed" not in output and "all_gather_into_tensor" not in output
+    logged = (run_dir / "logs" / "warnings.log").read_text()
+    assert "Apex is not installed" in logged and len(logged.splitlines()) == len(set(logged.splitlines()))
 
 
 @pytest.mark.slow
