@@ -82,6 +82,10 @@ class Session:
         self.engines: List[Any] = []
         self.engine_urls: List[str] = []
         self.syncer: Any = None
+        self.handover: Any = None
+        """Colocated on GPUs: this rank's part in the hand-over (weights.handover.HandoverPlan)."""
+        self.posters: Dict[int, Any] = {}
+        """Colocated on GPUs: engine index -> WeightSyncer on the rank that posts its payloads."""
 
     @property
     def state(self):
@@ -215,7 +219,7 @@ class Session:
         from dapo_mega.rollout.fleet import open_fleet
 
         self.fleet = open_fleet(self.cfg, self.cfg.rollout.model_path or str(self.model_dir), self.run_dir / "logs",
-                                weight_version=str(self.state.policy_version))
+                                weight_version=str(self.state.policy_version), learner_ranks=self.layout.world_size)
         self.engines = self.fleet.engines
         return [e.url for e in self.fleet.endpoints]
 
@@ -224,13 +228,21 @@ class Session:
         from dapo_mega.rollout.fleet import endpoint_of
         from dapo_mega.weights.sync import WeightSyncer
 
+        from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
+
         urls = broadcast_from_driver(self.engine_urls)
         self.engine_urls = urls
+        # how weights reach the engines: the placement's rule (colocated on GPUs: hand-over on
+        # each GPU, never a NCCL group holding two ranks of one device)
+        transport = trainer_placement(self.cfg, self.layout.world_size, torch.cuda.is_available(), os.environ)
+        if transport.transport == CUDA_IPC:
+            self._start_handover(urls, transport)
+            return
         needs_syncer = (self.layout.dp_rank == 0 and self.layout.is_weight_source) or self.role.is_driver
         if not needs_syncer:
             return
         local = all(u.startswith(("http://127.0.0.1", "http://localhost")) for u in urls)
-        colocated = self.cfg.cluster.mode == "colocated" and local
+        colocated = transport.transport == SHARED_MEMORY and local
         self.syncer = WeightSyncer([endpoint_of(u, self.cfg.rollout) for u in urls],
                                    bucket_mb=self.cfg.rollout.weight_sync_bucket_mb,
                                    mode="colocated" if colocated else "distributed",
@@ -242,6 +254,23 @@ class Session:
                                    engine_tp_size=self.cfg.rollout.engine_tp_size)
         if not colocated and self.layout.is_weight_source:
             self.syncer.init_group(free_port(), stage=self.layout.pp_rank)
+
+    def _start_handover(self, urls: List[str], placement) -> None:
+        """Colocated on GPUs (weights.handover): every rank takes part; the learner rank on
+        each engine's first GPU posts its requests; the driver pauses and resumes engines."""
+        from dapo_mega.rollout.fleet import endpoint_of
+        from dapo_mega.weights.handover import HandoverPlan
+        from dapo_mega.weights.sync import WeightSyncer
+
+        problems = placement.problems()
+        if problems:
+            raise RuntimeError("colocated placement: " + "; ".join(problems))
+        self.handover = HandoverPlan.for_rank(self.layout.rank, {e.index: e.ipc_ranks for e in placement.engines})
+        self.posters = {e: WeightSyncer([endpoint_of(urls[e], self.cfg.rollout)], mode="colocated")
+                        for e in self.handover.posts}
+        if self.role.is_driver:
+            self.syncer = WeightSyncer([endpoint_of(u, self.cfg.rollout) for u in urls], mode="colocated",
+                                       engine_tp_size=self.cfg.rollout.engine_tp_size)
 
     # ================================================================== the loop's verbs
     def warm_start(self) -> None:
@@ -279,8 +308,16 @@ class Session:
 
         self.drop_dead_engines()
         version = self.run.state.policy_version
-        stats = sync_learner_weights(self.syncer, self.learner.model_chunks, self.learner.info, self.layout,
-                                     str(version))
+        if self.handover is not None:
+            from dapo_mega.weights.handover import sync_colocated_learner_weights
+
+            stats = sync_colocated_learner_weights(
+                self.syncer, self.posters, self.learner.model_chunks, self.learner.info, self.layout, str(version),
+                self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
+                torch.device("cuda", torch.cuda.current_device()))
+        else:
+            stats = sync_learner_weights(self.syncer, self.learner.model_chunks, self.learner.info, self.layout,
+                                         str(version))
         self.role.engines_serve(version)
         metrics = stats.as_metrics() if stats is not None else {}
         if self.syncer is not None:
@@ -294,9 +331,11 @@ class Session:
     # ================================================================== shutdown
     def close(self) -> None:
         self.role.close()
-        if self.syncer is not None:
+        for syncer in [self.syncer, *self.posters.values()]:
+            if syncer is None:
+                continue
             try:
-                self.syncer.close()
+                syncer.close()
             except Exception as exc:  # an engine already gone must not hide the real error
                 print(f"[trainer] closing the weight syncer: {exc}", file=sys.stderr)
         if self.fleet is not None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega.config import DapoConfig
 
@@ -391,3 +391,19 @@ def weight_update_rank_offset(engine_index: int, engine_tp_size: int) -> int:
 def weight_update_world_size(num_engines: int, engine_tp_size: int) -> int:
     """Source rank + every engine TP rank (engine DP must be 1: SGLang asserts it)."""
     return 1 + num_engines * engine_tp_size
+
+
+NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
+"""'n1=10.0.0.1,n2=10.0.0.2': every node of a Slurm job, exported by slurm/lib.sh."""
+
+
+def trainer_placement(cfg: DapoConfig, learner_ranks: int, use_gpu: bool, env: Mapping[str, str]) -> Placement:
+    """The placement a running trainer sees: the Slurm job's nodes (DAPO_MEGA_NODE_ADDRS, in
+    the environment the launcher passes to learners) or, outside Slurm, one node — the
+    trainer then starts the engines itself, on that node's GPUs (`Placement.engines[i].gpu_ids`)."""
+    nodes = [item.split("=", 1) for item in env.get(NODE_ADDRS_ENV, "").split(",") if "=" in item]
+    num_nodes = max(1, len(nodes))
+    engine_nodes = num_nodes if cfg.cluster.mode == "colocated" else (cfg.cluster.engine_nodes or 1)
+    shape = ClusterShape.from_config(cfg, use_gpu, num_nodes=num_nodes, engine_nodes=min(engine_nodes, num_nodes),
+                                     node_addrs=[addr.strip() for _, addr in nodes], learner_ranks=learner_ranks)
+    return place(cfg, shape)

@@ -48,9 +48,14 @@ def endpoint_of(url: str, rollout: RolloutConfig) -> EngineEndpoint:
     return EngineEndpoint(url, api_key=rollout.api_key, timeout_s=rollout.request_timeout_s)
 
 
-def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: str = "0") -> "EngineFleet":
+def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: str = "0",
+               learner_ranks: int = 1) -> "EngineFleet":
     """The run's engines: `rollout.engine_urls` attached, or those announced in
-    `rollout.engine_registry`, or else `rollout.num_engines` started here serving `model_path`."""
+    `rollout.engine_registry`, or else `rollout.num_engines` started here serving `model_path`,
+    each on its own GPUs from the placement (`backends.placement.trainer_placement`; the
+    trainer's `learner_ranks` hold the first GPUs when disaggregated on one node)."""
+    from dapo_mega.backends.placement import trainer_placement
+
     r = cfg.rollout
     if r.engine_urls:
         return EngineFleet.attach(r.engine_urls, r)
@@ -58,7 +63,8 @@ def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: 
         return EngineFleet.from_registry(Path(r.engine_registry), r)
     fleet = EngineFleet(r, model_path, log_dir, device=cfg.cluster.device, weight_version=weight_version,
                         memory_saver=cfg.cluster.mode == "colocated")
-    fleet.start()
+    engines = trainer_placement(cfg, learner_ranks, fleet.on_gpu(), {}).engines if fleet.on_gpu() else ()
+    fleet.start(gpu_ids=[list(e.gpu_ids) for e in engines], base_gpu_ids=[e.base_gpu_id for e in engines])
     return fleet
 
 
