@@ -142,6 +142,10 @@ def test_wrong_weight_names_and_shapes_rejected_state_unchanged(engine, hf):
     name = "model.layers.0.mlp.up_proj.weight"
     before = call(engine, "/get_weights_by_name", {"name": name, "truncate_size": 10**6})[1]
     assert torch.equal(torch.tensor(before), model.state_dict()[name])
+    body = {"names": [name], "dtypes": ["float32"], "shapes": [list(model.state_dict()[name].shape)]}
+    status, out = call(engine, "/update_weights_from_distributed", body)  # outside a session, as SGLang
+    assert status == 400 and "between begin_weight_update() and end_weight_update()" in out["message"]
+    assert call(engine, "/begin_weight_update", {})[0] == 200
     status, out = call(engine, "/update_weights_from_distributed", {
         "names": ["model.layers.0.mlp.up_proj.weight", "model.nope.weight"], "dtypes": ["float32"] * 2,
         "shapes": [list(model.state_dict()[name].shape), [3]]})
@@ -149,6 +153,7 @@ def test_wrong_weight_names_and_shapes_rejected_state_unchanged(engine, hf):
     status, out = call(engine, "/update_weights_from_distributed", {
         "names": [name], "dtypes": ["float32"], "shapes": [[1, 2]]})
     assert status == 400 and name in out["message"] and "shape" in out["message"]
+    assert call(engine, "/end_weight_update", {})[0] == 200
     after = call(engine, "/get_weights_by_name", {"name": name, "truncate_size": 10**6})[1]
     assert after == before
     assert call(engine, "/model_info")[1]["weight_version"] == "7"

@@ -101,6 +101,9 @@ def engine(tmp_path_factory):
     with EngineFleet(RolloutConfig(api_key=API_KEY), str(model_dir), tmp_path_factory.mktemp("sec_log"),
                      weight_version="3") as fleet:
         fleet.start(1)
+        # updates run inside a weight-update session (as SGLang requires); the tests here
+        # are about what an update inside one may carry
+        assert call(fleet.engines[0], "/begin_weight_update", {})[0] == 200
         yield fleet.engines[0]
 
 

@@ -18,6 +18,12 @@ Sampling follows SGLang 0.5.23 (`srt/layers/sampler.py`), per row:
 Every generated token is stamped with the weight version current at the forward step that
 produced it; runs of equal versions become SGLang's `weight_versions` spans.
 
+Limits (as SGLang 0.5.23): at most `max_running_requests` sequences run in one batch; the
+rest wait in a queue (bounded by `max_queued_requests` when set); the HTTP layer refuses
+prompts that do not fit the context. `abort` finishes chosen sequences (SGLang's
+`/abort_request`), `shutdown` finishes every one with finish_reason abort so a SIGTERM
+never waits for a generation to run out.
+
 Pausing (SGLang's `/pause_generation` modes): `abort` finishes running and queued
 sequences at once with finish_reason abort; `in_place` stops between decode steps and
 keeps the KV cache (tokens after a weight update then attend to keys computed by the old
@@ -84,6 +90,8 @@ class Sequence_:
     spec: SamplingSpec
     on_done: Callable[["Sequence_"], None]
     generator: torch.Generator
+    rid: str = ""
+    """The request id (SGLang's rid); `/abort_request` aborts by it."""
     output_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     spans: List[Dict[str, object]] = field(default_factory=list)
@@ -107,7 +115,8 @@ class GenerationEngine:
 
     def __init__(self, model_path: str, dtype: str = "float32", max_running_requests: int = 256,
                  weight_version: str = "default", batch_wait_s: float = 0.005, seed: int = 0,
-                 enable_weights_cpu_backup: bool = False, device: str = "cpu"):
+                 enable_weights_cpu_backup: bool = False, device: str = "cpu",
+                 max_queued_requests: Optional[int] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch_dtype = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -118,6 +127,7 @@ class GenerationEngine:
         self.model_path = model_path
         self.weight_version = str(weight_version)
         self.max_running_requests = max_running_requests
+        self.max_queued_requests = max_queued_requests
         self.batch_wait_s = batch_wait_s
         self.enable_weights_cpu_backup = enable_weights_cpu_backup
         self.tied_embeddings = bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -140,6 +150,9 @@ class GenerationEngine:
         self._pause_mode = "abort"
         self._recompute_kv = False
         self._stop = False
+        self._abort_rids: set = set()
+        self._abort_all = False
+        self.max_batch_seen = 0
         self.num_generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self._thread.start()
@@ -150,10 +163,34 @@ class GenerationEngine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         return torch.Generator().manual_seed(int(seed))
 
-    def submit(self, seqs: Sequence[Sequence_]) -> None:
+    def submit(self, seqs: Sequence[Sequence_]) -> bool:
+        """Queue `seqs`; False (nothing queued) when the queue would exceed max_queued_requests."""
         with self._cv:
+            if self._stop:
+                return False
+            if self.max_queued_requests is not None and \
+                    len(self._waiting) + len(seqs) > self.max_queued_requests:
+                return False
             self._waiting.extend(seqs)
             self._cv.notify_all()
+            return True
+
+    def abort(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """Finish the sequences of request `rid` (or every one) with finish_reason abort.
+
+        Queued ones finish at once; running ones after the forward step in flight.
+        """
+        def hit(seq: Sequence_) -> bool:
+            return abort_all or (bool(rid) and (seq.rid == rid or seq.rid.startswith(f"{rid}_")))
+
+        with self._cv:
+            for seq in [s for s in self._waiting if hit(s)]:
+                self._finish(seq, {"type": "abort", "message": "Abort by abort_request."})
+            self._waiting = [s for s in self._waiting if s.finish_reason is None]
+            if abort_all:
+                self._abort_all = bool(self._running)
+            elif rid:
+                self._abort_rids |= {s.rid for s in self._running if hit(s)}
 
     def pause(self, mode: str) -> None:
         """Stop generating (see module docstring for the modes); returns once the thread is idle."""
@@ -186,10 +223,16 @@ class GenerationEngine:
                 return False
             return True
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop generating: every queued or running sequence finishes with finish_reason abort
+        (running ones after the forward step in flight); waits up to `timeout_s` for the thread."""
         with self._cv:
             self._stop = True
+            for seq in self._waiting:
+                self._finish(seq, {"type": "abort", "message": "The server is shutting down."})
+            self._waiting.clear()
             self._cv.notify_all()
+        self._thread.join(timeout=timeout_s)
 
     # ------------------------------------------------------------------ weights
     def check_named_meta(self, names: Sequence[str], dtypes: Sequence[str],
@@ -292,6 +335,7 @@ class GenerationEngine:
             batch = self._waiting[: self.max_running_requests]
             del self._waiting[: len(batch)]
             self._running = list(batch)
+            self.max_batch_seen = max(self.max_batch_seen, len(batch))
             return batch
 
     def _loop(self) -> None:
@@ -351,7 +395,23 @@ class GenerationEngine:
                 if self._recompute_kv:
                     need_prefill, cache, self._recompute_kv = True, None, False
                 if self._stop:
+                    for seq in rows:
+                        self._finish(seq, {"type": "abort", "message": "The server is shutting down."})
                     return
+                if self._abort_all or self._abort_rids:
+                    gone = [i for i, r in enumerate(rows) if self._abort_all or r.rid in self._abort_rids]
+                    self._abort_all = False
+                    self._abort_rids -= {rows[i].rid for i in gone}
+                    for i in gone:
+                        self._finish(rows[i], {"type": "abort", "message": "Abort by abort_request."})
+                    if gone:
+                        keep = [i for i in range(len(rows)) if i not in set(gone)]
+                        rows = [rows[i] for i in keep]
+                        if not rows:
+                            return
+                        if cache is not None:
+                            cache.batch_select_indices(torch.tensor(keep, dtype=torch.long).to(self.device))
+                            mask = mask[torch.tensor(keep, dtype=torch.long)]
             with self.model_lock, torch.no_grad():
                 if self.weights_released:
                     need_prefill = True

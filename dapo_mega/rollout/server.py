@@ -7,9 +7,20 @@ It serves the paths, JSON fields and replies of `sglang.launch_server` (0.5.23; 
 tables are in `dapo_mega.backends.sglang.api`) for what an RL trainer uses: /generate,
 /health, /model_info, /server_info, /pause_generation, /continue_generation, /flush_cache,
 /release_memory_occupation, /resume_memory_occupation, /init_weights_update_group,
-/destroy_weights_update_group, /update_weights_from_distributed, /update_weights_from_tensor,
-/update_weight_version and /get_weights_by_name. The launcher starts it exactly as it starts
-SGLang. Generation runs in `engine.GenerationEngine`'s thread; weight receives run in worker
+/destroy_weights_update_group, /begin_weight_update, /end_weight_update,
+/update_weights_from_distributed, /update_weights_from_tensor, /update_weight_version,
+/abort_request and /get_weights_by_name. The launcher starts it exactly as it starts
+SGLang. `tests/rollout/test_conformance.py` runs the same tests against both servers.
+
+What it enforces as SGLang 0.5.23 does: weight updates only inside a
+`/begin_weight_update` ... `/end_weight_update` session (else 400); a prompt of at least
+the context length, or prompt + `max_new_tokens` beyond it, is a 400 naming the numbers
+(SGLang's messages), as are `max_new_tokens < 0` and `top_p` outside (0, 1]; /generate
+errors reply `{"error": {"message": ...}}`; sequences beyond --max-running-requests wait
+in a queue (--max-queued-requests bounds it: 503 "The request queue is full."); SIGTERM
+aborts every sequence and exits within seconds.
+
+Generation runs in `engine.GenerationEngine`'s thread; weight receives run in worker
 threads, so the event loop keeps answering /health during a sync.
 
 Where it departs from SGLang, deliberately:
@@ -20,7 +31,10 @@ Where it departs from SGLang, deliberately:
   carries, per entry of `serialized_named_tensors`, base64 of a JSON handle to a /dev/shm
   file (`weights.transport.write_shm_bucket`).
 * Names, dtypes and shapes of an update are checked against the model before anything is
-  received; a bad one is a 400 naming the tensor and the weights are unchanged.
+  received; a bad one is a 400 naming the tensor and the weights are unchanged. (SGLang
+  0.5.23 joins the broadcast first, ignores an unknown name with a log line, answers a
+  wrong shape with a 400 after a partial load, and dies on a wrong shape sent with
+  /update_weights_from_tensor.)
 * On a CPU, releasing `weights` frees the parameter storage (contents lost unless
   --enable-weights-cpu-backup, as in SGLang); `kv_cache` has nothing persistent to free
   (KV lives only as long as a batch). --mem-fraction-static is accepted and ignored.
@@ -34,6 +48,8 @@ import asyncio
 import base64
 import json
 import logging
+import math
+import signal
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -57,8 +73,29 @@ class BadRequest(Exception):
     """Turned into a 400 reply; the engine state is unchanged."""
 
 
+class BadGenerateRequest(BadRequest):
+    """A refused /generate: SGLang's reply shape `{"error": {"message": ...}}`."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
 def _fail(message: str, status: int = 400) -> web.Response:
     return web.json_response({"success": False, "message": message}, status=status)
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
+    """SGLang 0.5.23's length rules (`TokenizerManager._validate_one_request`), its messages."""
+    if prompt_len >= context_len:
+        raise BadGenerateRequest(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                                 f"({context_len} tokens).")
+    if prompt_len + max_new_tokens > context_len:
+        raise BadGenerateRequest(
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. You "
+            f"requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} tokens from the input "
+            f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+            "the input messages or the completion to fit within the limit.")
 
 
 def parse_control_body(path: str, body: Any) -> Dict[str, Any]:
@@ -80,13 +117,13 @@ def parse_sampling(params: Any) -> Tuple[SamplingSpec, int]:
     """SGLang sampling_params dict -> (SamplingSpec, n)."""
     params = params or {}
     if not isinstance(params, dict):
-        raise BadRequest("sampling_params must be an object or a list of objects")
+        raise BadGenerateRequest("sampling_params must be an object or a list of objects")
     unknown = set(params) - SAMPLING_FIELDS
     if unknown:
-        raise BadRequest(f"unknown sampling_params field(s) {sorted(unknown)}")
+        raise BadGenerateRequest(f"unknown sampling_params field(s) {sorted(unknown)}")
     for key, neutral in SAMPLING_NEUTRAL.items():
         if key in params and params[key] not in (neutral, None):
-            raise BadRequest(f"sampling_params.{key}={params[key]!r} is not supported by the embedded engine")
+            raise BadGenerateRequest(f"sampling_params.{key}={params[key]!r} is not supported by the embedded engine")
     p = {**SAMPLING_DEFAULTS, **{k: v for k, v in params.items() if k in SAMPLING_DEFAULTS and v is not None}}
     stop = p["stop"] or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -101,9 +138,16 @@ def parse_sampling(params: Any) -> Tuple[SamplingSpec, int]:
             sampling_seed=None if p["sampling_seed"] is None else int(p["sampling_seed"]))
         n = int(p["n"])
     except (TypeError, ValueError) as exc:
-        raise BadRequest(f"bad sampling_params: {exc}") from exc
-    if spec.max_new_tokens < 0 or n < 1 or not 0 < spec.top_p <= 1 or spec.temperature < 0:
-        raise BadRequest("sampling_params out of range (max_new_tokens >= 0, n >= 1, 0 < top_p <= 1, temperature >= 0)")
+        raise BadGenerateRequest(f"bad sampling_params: {exc}") from exc
+    # SGLang's SamplingParams.verify messages
+    if not math.isfinite(spec.temperature) or spec.temperature < 0:
+        raise BadGenerateRequest(f"temperature must be a non-negative finite number, got {p['temperature']}.")
+    if not 0 < spec.top_p <= 1:
+        raise BadGenerateRequest(f"top_p must be in (0, 1], got {p['top_p']}.")
+    if spec.max_new_tokens < 0:
+        raise BadGenerateRequest(f"max_new_tokens must be at least 0, got {spec.max_new_tokens}.")
+    if n < 1:
+        raise BadGenerateRequest(f"n must be at least 1, got {n}.")
     return spec, n
 
 
@@ -115,6 +159,8 @@ class EngineServer:
         self.api_key = api_key or ""
         self.served_args = served_args or {}
         self.groups: Dict[str, Any] = {}
+        self.update_session: Optional[str] = None
+        """The open weight-update session's selector (None: no session; updates are refused)."""
         self._update_lock = asyncio.Lock()
         self.app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 30)
         r = self.app.router
@@ -135,6 +181,9 @@ class EngineServer:
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_post("/update_weights_from_tensor", self.update_from_tensor)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_post("/abort_request", self.abort_request)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         # Not SGLang: receive-and-discard one flat broadcast, the raw-transport baseline of
         # bench/bench_weight_sync.py.
@@ -148,6 +197,8 @@ class EngineServer:
                 return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)
+        except BadGenerateRequest as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=exc.status)
         except BadRequest as exc:
             return _fail(str(exc))
 
@@ -184,44 +235,46 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         if not isinstance(body, dict):
-            raise BadRequest("the JSON body must be an object")
+            raise BadGenerateRequest("the JSON body must be an object")
         unknown = set(body) - GENERATE_FIELDS
         if unknown:
-            raise BadRequest(f"unknown /generate field(s) {sorted(unknown)}")
+            raise BadGenerateRequest(f"unknown /generate field(s) {sorted(unknown)}")
         for key in GENERATE_FIELDS_OTHER & set(body):
             if body[key] not in (None, False, 0, [], {}, "") and key not in ("http_worker_ipc",):
-                raise BadRequest(f"/generate field {key!r} is not supported by the embedded engine")
+                raise BadGenerateRequest(f"/generate field {key!r} is not supported by the embedded engine")
         if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the embedded engine")
+            raise BadGenerateRequest("stream=true is not supported by the embedded engine")
         text, input_ids = body.get("text"), body.get("input_ids")
         if (text is None) == (input_ids is None):
-            raise BadRequest("give exactly one of text or input_ids")
+            raise BadGenerateRequest("give exactly one of text or input_ids")
         if text is not None:
             is_single = isinstance(text, str)
             texts = [text] if is_single else text
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise BadRequest("text must be a string or a list of strings")
+                raise BadGenerateRequest("text must be a string or a list of strings")
             prompts = [self.engine.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
         else:
             is_single = isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)
             prompts = [input_ids] if is_single else input_ids
             if not isinstance(prompts, list) or not all(
                     isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
-                raise BadRequest("input_ids must be a list of ints or a list of lists of ints")
+                raise BadGenerateRequest("input_ids must be a list of ints or a list of lists of ints")
         vocab = self.engine.model.config.vocab_size
         for p in prompts:
             if not p:
-                raise BadRequest("empty prompt")
+                raise BadGenerateRequest("empty prompt")
             if min(p) < 0 or max(p) >= vocab:
-                raise BadRequest(f"token id out of range [0, {vocab})")
+                raise BadGenerateRequest(f"token id out of range [0, {vocab})")
         sp = body.get("sampling_params")
         sp_list = sp if isinstance(sp, list) else [sp] * len(prompts)
         if len(sp_list) != len(prompts):
-            raise BadRequest("sampling_params list length differs from the batch size")
+            raise BadGenerateRequest("sampling_params list length differs from the batch size")
         parsed = [parse_sampling(s) for s in sp_list]
+        for prompt, (spec, _) in zip(prompts, parsed):
+            check_lengths(len(prompt), spec.max_new_tokens, self.engine.max_context)
         n = parsed[0][1]
         if any(k != n for _, k in parsed):
-            raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
+            raise BadGenerateRequest("The parallel_sample_num should be the same for all samples in sample params.")
         rl = body.get("return_logprob") or False
         rl_list = rl if isinstance(rl, list) else [rl] * len(prompts)
         rid = body.get("rid") or uuid.uuid4().hex
@@ -233,13 +286,14 @@ class EngineServer:
                 fut = loop.create_future()
                 seed = None if spec.sampling_seed is None else spec.sampling_seed + j
                 seq = Sequence_(prompt_ids=list(prompt), spec=spec, generator=self.engine.new_generator(seed),
-                                on_done=lambda s, f=fut: loop.call_soon_threadsafe(_set_result, f, s))
+                                on_done=lambda s, f=fut: loop.call_soon_threadsafe(_set_result, f, s),
+                                rid=f"{rid}_{len(seqs)}" if len(prompts) * n > 1 else rid)
                 futures.append(fut)
                 seqs.append((i, seq))
-        self.engine.submit([s for _, s in seqs])
+        if not self.engine.submit([s for _, s in seqs]):
+            raise BadGenerateRequest("The request queue is full.", status=503)
         await asyncio.gather(*futures)
-        replies = [self._reply(seq, f"{rid}_{k}" if len(seqs) > 1 else rid, bool(rl_list[i]))
-                   for k, (i, seq) in enumerate(seqs)]
+        replies = [self._reply(seq, seq.rid, bool(rl_list[i])) for i, seq in seqs]
         if is_single and n == 1:
             return web.json_response(replies[0])
         return web.json_response(replies)
@@ -329,6 +383,33 @@ class EngineServer:
         await asyncio.to_thread(transport.destroy_custom_process_group, pg)
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        b = parse_control_body("/begin_weight_update", await self._json(request, allow_empty=True))
+        if b["selector"] not in ("target", "draft", "all"):
+            raise BadRequest(f"selector must be one of target, draft, all; got {b['selector']!r}")
+        if self.update_session is not None:
+            return _fail("a weight-update session is already open; call end_weight_update() first")
+        self.update_session = b["selector"]
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        parse_control_body("/end_weight_update", await self._json(request, allow_empty=True))
+        if self.update_session is None:
+            return _fail("no weight-update session is open; call begin_weight_update() first")
+        async with self._update_lock:  # loads still running finish inside the session
+            self.update_session = None
+        return web.json_response({"success": True, "message": "Success"})
+
+    def _require_session(self, path: str) -> None:
+        if self.update_session is None:
+            raise BadRequest(f"{path.lstrip('/')} must run between begin_weight_update() and end_weight_update()")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        b = parse_control_body("/abort_request", await self._json(request, allow_empty=True))
+        if b["abort_all"] or b.get("rid"):
+            await asyncio.to_thread(self.engine.abort, b.get("rid"), bool(b["abort_all"]))
+        return web.Response(status=200)
+
     async def _maybe_abort(self, abort_all: bool) -> None:
         if abort_all:
             was_paused = self.engine.paused
@@ -338,6 +419,7 @@ class EngineServer:
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         b = parse_control_body("/update_weights_from_distributed", await self._json(request))
+        self._require_session("/update_weights_from_distributed")
         names, dtypes, shapes = b["names"], b["dtypes"], b["shapes"]
         if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
             raise BadRequest("names, dtypes and shapes must be lists")
@@ -366,6 +448,7 @@ class EngineServer:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         b = parse_control_body("/update_weights_from_tensor", await self._json(request))
+        self._require_session("/update_weights_from_tensor")
         if b["load_format"] != SHM_LOAD_FORMAT:
             raise BadRequest(f"load_format {b['load_format']!r}: the embedded engine never unpickles "
                              f"(SGLang's default format); send load_format={SHM_LOAD_FORMAT!r}")
@@ -466,6 +549,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted, ignored on CPU")
     p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="refuse /generate with 503 beyond this many waiting sequences (default: no bound)")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always work")
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
@@ -490,10 +575,33 @@ def main(argv: Optional[List[str]] = None) -> None:
         torch.set_num_threads(args.num_threads)
     engine = GenerationEngine(args.model_path, dtype=args.dtype, max_running_requests=args.max_running_requests,
                               weight_version=args.weight_version, batch_wait_s=args.batch_wait_ms / 1000,
-                              seed=args.random_seed, enable_weights_cpu_backup=args.enable_weights_cpu_backup)
+                              seed=args.random_seed, enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+                              max_queued_requests=args.max_queued_requests)
     served = {k: v for k, v in vars(args).items() if k != "api_key"}
     server = EngineServer(engine, api_key=args.api_key, served_args=served)
-    web.run_app(server.app, host=args.host, port=args.port, print=None, access_log=None)
+    serve(server, args.host, args.port)
+
+
+def serve(server: EngineServer, host: str, port: int) -> None:
+    """Run the app until SIGTERM / SIGINT; then abort every sequence and exit within seconds.
+
+    aiohttp's own shutdown waits up to a minute for handlers in flight; here the engine
+    first finishes every sequence with finish_reason abort, so each handler replies at once.
+    """
+    async def _main() -> None:
+        runner = web.AppRunner(server.app, access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await asyncio.to_thread(server.engine.shutdown, 5.0)
+        await asyncio.sleep(0.05)  # let the aborted handlers send their replies
+        await runner.cleanup()
+
+    asyncio.run(_main())
 
 
 if __name__ == "__main__":

@@ -63,12 +63,19 @@ REQUEST_DEFAULTS: Dict[str, Dict[str, object]] = {
     "/resume_memory_occupation": {"tags": None},
     "/pause_generation": {"mode": "abort"},
     "/continue_generation": {"torch_empty_cache": True},
+    # A weight-update session: every update from distributed / tensor must run between the
+    # two, else 400 (`scheduler_components/weight_updater.py`).
+    "/begin_weight_update": {"selector": "all"},
+    "/end_weight_update": {},
+    # `rid` (from BaseReq) or `abort_all`; the reply is 200 with an empty body.
+    "/abort_request": {"abort_all": False, "finished_reason": None, "abort_message": None,
+                       "weight_versions": None},
 }
 
 #: Required fields (no default in the struct).
 REQUEST_REQUIRED: Dict[str, FrozenSet[str]] = {
     path: frozenset(k for k, v in fields.items() if v is None and k not in (
-        "weight_version", "load_format", "tags"))
+        "weight_version", "load_format", "tags", "finished_reason", "abort_message", "weight_versions"))
     for path, fields in REQUEST_DEFAULTS.items()
 }
 

@@ -4,13 +4,24 @@ Request bodies use exactly SGLang 0.5.23's JSON field names (`backends.sglang.ap
 `build_*_body` functions are pure so the tests check them against the pinned table.
 `/generate` replies are parsed into one `SampleResult` per sample, in SGLang's order
 (prompt-major: result `i * n + j` is sample `j` of prompt `i`).
+
+Seeds: SGLang copies a request's `sampling_params` to each of its `n` samples, so one
+`sampling_seed` would give all G samples of a prompt the same seed (identical samples
+where the seed is honoured). A seeded request with n > 1 is therefore sent as n copies of
+the prompt with n = 1 and seeds `seed + j` (`expand_seeded_samples`); the replies come back
+in the same prompt-major order. SGLang 0.5.23 honours `sampling_seed` only when started with
+`--enable-deterministic-inference` (which needs a GPU attention backend; elsewhere it ignores
+the seed); the embedded engine always honours it.
+
+Weight updates: `/update_weights_from_distributed` and `/update_weights_from_tensor` must run
+between `begin_weight_update()` and `end_weight_update()` (SGLang 0.5.23 answers 400 otherwise).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
@@ -89,6 +100,23 @@ def build_generate_body(prompts: Sequence, sampling_params: Dict[str, Any], retu
     return body
 
 
+def expand_seeded_samples(prompts: Sequence, sampling_params: Any) -> Tuple[List, Any, int]:
+    """(prompts, sampling_params, n) to send: a seeded request with n > 1 becomes n copies of
+    each prompt with n = 1 and `sampling_seed` seed + j for copy j (see the module docstring);
+    anything else is sent as given."""
+    per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+    n = int((per_prompt[0] or {}).get("n", 1)) if per_prompt else 1
+    if n <= 1 or not any((sp or {}).get("sampling_seed") is not None for sp in per_prompt):
+        return list(prompts), sampling_params, n
+    out_prompts, out_params = [], []
+    for prompt, sp in zip(prompts, per_prompt):
+        seed = sp.get("sampling_seed")
+        for j in range(n):
+            out_prompts.append(prompt)
+            out_params.append({**sp, "n": 1, **({"sampling_seed": int(seed) + j} if seed is not None else {})})
+    return out_prompts, out_params, 1
+
+
 def parse_generate_reply(reply: Any, num_prompts: int, n: int) -> List[SampleResult]:
     """Replies (a list of batch*n dicts, or one dict) -> SampleResults in SGLang's order."""
     items = reply if isinstance(reply, list) else [reply]
@@ -158,10 +186,15 @@ class EngineClient:
 
         `sampling_params`: one dict for every prompt, or a list of one dict per prompt (same n).
         """
-        body = build_generate_body(prompts, sampling_params, return_logprob)
-        reply = await self._request("POST", "/generate", body, timeout_s=timeout_s)
         first = sampling_params[0] if isinstance(sampling_params, list) else sampling_params
-        return parse_generate_reply(reply, len(prompts), int(first.get("n", 1)))
+        n = int(first.get("n", 1))
+        sent_prompts, sent_params, sent_n = expand_seeded_samples(prompts, sampling_params)
+        body = build_generate_body(sent_prompts, sent_params, return_logprob)
+        reply = await self._request("POST", "/generate", body, timeout_s=timeout_s)
+        results = parse_generate_reply(reply, len(sent_prompts), sent_n)
+        for k, r in enumerate(results):  # copies of a prompt are its samples
+            r.prompt_index, r.sample_index = k // n, k % n
+        return results
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -181,6 +214,19 @@ class EngineClient:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}")
         return await self._request("POST", "/pause_generation", control_body("/pause_generation", mode=mode))
+
+    async def abort_request(self, rid: Optional[str] = None, abort_all: bool = False) -> None:
+        """Finish request `rid` (or every request) with finish_reason abort; 200, empty body."""
+        await self._request("POST", "/abort_request", control_body("/abort_request", rid=rid, abort_all=abort_all),
+                            expect_json=False)
+
+    async def begin_weight_update(self, selector: str = "all") -> Any:
+        """Open the weight-update session every update must run in (one at a time per engine)."""
+        return await self._request("POST", "/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> Any:
+        """Close the session `begin_weight_update` opened."""
+        return await self._request("POST", "/end_weight_update", {})
 
     async def continue_generation(self) -> Any:
         return await self._request("POST", "/continue_generation", {})
