@@ -6,12 +6,14 @@ Distributed mode (disaggregated; also usable colocated on CPU):
                `<prefix>_pp<stage>` = {that rank (rank 0)} ∪ {engine e at rank 1+e}, while
                POSTing /init_weights_update_group to every engine (both sides must enter
                the rendezvous together or they hang).
-    each sync: rank 0 pauses the engines and flushes their cache; then every stage's
+    each sync: rank 0 pauses the engines, flushes their cache and opens their weight-update
+               session (/begin_weight_update); then every stage's
                source streams `iter_megatron_to_hf` into buckets of ≤ bucket_mb; per
                bucket it starts one broadcast of the flattened bytes (SGLang's
                load_format="flattened_bucket") and POSTs /update_weights_from_distributed
                with the bucket's names/dtypes/shapes to every engine; the last bucket of
-               the last stage carries `weight_version`; rank 0 continues generation.
+               the last stage carries `weight_version`; rank 0 closes the session
+               (/end_weight_update) and continues generation.
 
 An engine that rejects a bucket (400: unknown name, wrong shape) answers before joining the
 broadcast; the syncer raises at once, naming the engine and its message, instead of
@@ -199,14 +201,22 @@ class WeightSyncer:
 
     # ---------------------------------------------------------------- engine state
     def pause_engines(self) -> None:
-        """Pause generation and flush the KV cache on every engine."""
+        """Pause generation, flush the KV cache and open the weight-update session on every
+        engine (SGLang 0.5.23 refuses updates outside `/begin_weight_update` ... `/end_weight_update`)."""
         async def _pause(c):
             await c.pause_generation(self.pause_mode)
             await c.flush_cache()
+            await c.begin_weight_update()
         self._io.run(self._all(_pause), timeout=self.timeout_s)
 
     def continue_engines(self) -> None:
-        self._io.run(self._all(lambda c: c.continue_generation()), timeout=self.timeout_s)
+        """Close the weight-update session and continue generation on every engine."""
+        async def _continue(c):
+            try:
+                await c.end_weight_update()
+            finally:
+                await c.continue_generation()
+        self._io.run(self._all(_continue), timeout=self.timeout_s)
 
     def release_engine_memory(self) -> None:
         """Colocated: free engine weights + KV cache before training."""
@@ -267,8 +277,9 @@ class WeightSyncer:
             names, dtypes, shapes, group_name=self.group_name, weight_version=version,
             load_format=FLATTENED_BUCKET, flush_cache=False, timeout_s=self.timeout_s)))
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        if self._flat is None or self._flat.numel() < nbytes:
-            self._flat = torch.empty(nbytes, dtype=torch.uint8)  # reused: no page faults per bucket
+        device = bucket[0][1].device  # NCCL broadcasts GPU tensors; SGLang receives on its own device
+        if self._flat is None or self._flat.numel() < nbytes or self._flat.device != device:
+            self._flat = torch.empty(nbytes, dtype=torch.uint8, device=device)  # reused: no page faults per bucket
         flat = transport.flatten_bucket([t for _, t in bucket], out=self._flat)
         work = torch.distributed.broadcast(flat, src=0, group=self.group, async_op=True)
         # A 400 (bad name/shape) arrives before the engine joins the broadcast: watch for
