@@ -4,7 +4,8 @@ CLI prints it) instead of after the base model was built, or with a traceback.
 
     check_before_start(cfg)     every config rule (`validate_config`), the parallel layout
                                 against the learner world size and the model's shape (its
-                                config.json, or the tiny model's fields), and the data files
+                                config.json, or the tiny model's fields), the model provider's
+                                choices on this machine (layer spec, dtype, FP8), the data files
     check_data_paths(cfg.data)  data.train_path / data.eval_path exist
 
 Nothing here starts a process, opens a process group or writes a file.
@@ -53,9 +54,17 @@ def check_data_paths(data_cfg: Any) -> None:
 
 def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
     """Every check that needs no process group, model or engine; ConfigError names the field and the fix."""
+    import torch
+
     from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.model import plan_transformer_config, transformer_engine_available
+    from dapo_mega.models.shape import ModelShape
 
     world = learner_world_size(cfg) if world_size is None else world_size
     validate_config(cfg, world_size=world)
-    ParallelLayout.from_config(cfg.megatron, world, hf_config=model_hf_config(cfg)).validate()
+    hf_config = model_hf_config(cfg)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf_config=hf_config).validate()
+    # What the model provider will decide on this machine (layer spec, dtype, FP8), as build_model does.
+    plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
+                            transformer_engine_available())
     check_data_paths(cfg.data)

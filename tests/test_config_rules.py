@@ -172,6 +172,8 @@ def test_choice_fields_are_str_for_omegaconf_and_checked_against_their_literal()
 
 
 def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_path):
+    import torch
+
     from dapo_mega.preflight import check_before_start
 
     cfg = load_config([f"trainer.output_dir={tmp_path}"])
@@ -185,6 +187,10 @@ def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_pat
     cfg = load_config([f"trainer.output_dir={tmp_path}", f"model.hf_path={tmp_path / 'no_model'}"])
     with pytest.raises(ConfigError, match=r"^model.hf_path:.*config.json"):
         check_before_start(cfg, world_size=1)
+    if not torch.cuda.is_available():  # the model provider's choice on this machine, found before the build
+        cfg = load_config([f"trainer.output_dir={tmp_path}", "megatron.params_dtype=bf16"])
+        with pytest.raises(ConfigError, match=r"^megatron.params_dtype: bf16 on the CPU.*Fix:"):
+            check_before_start(cfg, world_size=1)
     cfg = load_config([f"trainer.output_dir={tmp_path}", f"data.train_path={tmp_path / 'x.jsonl'}"])
     with pytest.raises(ConfigError, match=r"^data.train_path:.*x.jsonl.*Fix:"):
         check_before_start(cfg, world_size=1)

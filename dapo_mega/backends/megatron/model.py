@@ -117,11 +117,12 @@ def choose_layer_spec(transformer_impl: str, has_gpu: bool, te_available: bool) 
     if transformer_impl == "transformer_engine":
         if not (has_gpu and te_available):
             raise ConfigError("megatron.transformer_impl: transformer_engine needs a GPU and an importable "
-                              "transformer_engine; use auto or local on this machine")
+                              "transformer_engine. Fix: use megatron.transformer_impl=auto or local on this machine")
         return TE_SPEC
     if transformer_impl == "auto":
         return TE_SPEC if (has_gpu and te_available) else LOCAL_SPEC
-    raise ConfigError(f"megatron.transformer_impl: unknown {transformer_impl!r}; use auto, local or transformer_engine")
+    raise ConfigError(f"megatron.transformer_impl: unknown {transformer_impl!r}. Fix: use auto, local or "
+                      "transformer_engine")
 
 
 def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: ParallelLayout, has_gpu: bool,
@@ -139,10 +140,11 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
     else:
         params_dtype = {"float32": "float32", "bf16": "bfloat16", "fp16": "float16"}[mcfg.params_dtype]
     if params_dtype == "float16":
-        raise ConfigError("megatron.params_dtype: fp16 needs loss scaling, which this learner does not do; use bf16")
+        raise ConfigError("megatron.params_dtype: fp16 needs loss scaling, which this learner does not do. "
+                          "Fix: use bf16")
     if params_dtype == "bfloat16" and not has_gpu:
-        raise ConfigError("megatron.params_dtype: bf16 on the CPU is not supported by the learner; use float32 "
-                          "or auto")
+        raise ConfigError("megatron.params_dtype: bf16 on the CPU is not supported by the learner. Fix: use "
+                          "float32 or auto")
     notes: List[str] = []
     kwargs: Dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -185,15 +187,16 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
     )
     if mcfg.fp8.enabled:
         if spec != TE_SPEC:
-            raise ConfigError("megatron.fp8.enabled: FP8 needs the Transformer Engine layer spec (GPU + TE); "
-                              "set megatron.fp8.enabled=false")
+            raise ConfigError("megatron.fp8.enabled: FP8 needs the Transformer Engine layer spec (GPU + TE). "
+                              "Fix: set megatron.fp8.enabled=false")
         if mcfg.fp8.format not in _FP8_FORMATS:
-            raise ConfigError(f"megatron.fp8.format: unknown {mcfg.fp8.format!r}; use e4m3 or hybrid")
+            raise ConfigError(f"megatron.fp8.format: unknown {mcfg.fp8.format!r}. Fix: use e4m3 or hybrid")
         if mcfg.fp8.recipe not in _FP8_RECIPES:
-            raise ConfigError(f"megatron.fp8.recipe: unknown {mcfg.fp8.recipe!r}; use delayed, tensorwise or blockwise")
+            raise ConfigError(f"megatron.fp8.recipe: unknown {mcfg.fp8.recipe!r}. Fix: use delayed, tensorwise or "
+                              "blockwise")
         if params_dtype != "bfloat16":
-            raise ConfigError("megatron.params_dtype: FP8 training keeps bf16 master copies in the GEMMs; "
-                              "set megatron.params_dtype=bf16 (or auto on GPU)")
+            raise ConfigError("megatron.params_dtype: FP8 training keeps bf16 master copies in the GEMMs. "
+                              "Fix: set megatron.params_dtype=bf16 (or auto on GPU)")
         kwargs.update(fp8=_FP8_FORMATS[mcfg.fp8.format], fp8_recipe=_FP8_RECIPES[mcfg.fp8.recipe], fp8_margin=0,
                       fp8_amax_history_len=mcfg.fp8.amax_history_len,
                       fp8_amax_compute_algo=mcfg.fp8.amax_compute_algo)
@@ -206,7 +209,7 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
                 per_stage = arch.num_layers // layout.pp
                 if start > per_stage or end > per_stage:
                     raise ConfigError(f"megatron.fp8.num_layers_at_start_in_bf16: {start}/{end} bf16 edge layers "
-                                      f"exceed the {per_stage} layers of a pipeline stage")
+                                      f"exceed the {per_stage} layers of a pipeline stage. Fix: lower them or the PP size")
                 kwargs.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
                               num_layers_at_end_in_bf16=end)
     return TransformerPlan(config_kwargs=kwargs, layer_spec=spec, params_dtype=params_dtype, notes=notes)
