@@ -9,9 +9,6 @@ flags) everywhere else. Flag names come from `api.SERVER_FLAGS`, pinned from sgl
 from __future__ import annotations
 
 import sys
-import time
-import urllib.error
-import urllib.request
 from typing import List, Optional, Sequence
 
 from dapo_mega.backends.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
@@ -94,31 +91,3 @@ def build_router_command(
     return [python, "-m", ROUTER_MODULE, ROUTER_FLAGS["worker_urls"], *worker_urls,
             ROUTER_FLAGS["host"], host, ROUTER_FLAGS["port"], str(port),
             ROUTER_FLAGS["policy"], policy]
-
-
-def wait_for_health(url: str, timeout_s: float, api_key: str = "", process=None,
-                    poll_s: float = 0.2) -> float:
-    """Poll GET `url`/health until 200; returns the seconds waited.
-
-    Raises TimeoutError after `timeout_s`, or RuntimeError at once when `process`
-    (a subprocess.Popen) has exited, with its return code.
-    """
-    start = time.monotonic()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    attempts = max(1, int(timeout_s / poll_s) + 1)
-    for _ in range(attempts):
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"engine process for {url} exited with code {process.returncode} before "
-                               "becoming healthy; see its log")
-        try:
-            req = urllib.request.Request(url.rstrip("/") + "/health", headers=headers)
-            with urllib.request.urlopen(req, timeout=max(poll_s, 1.0)) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - start
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        if time.monotonic() - start > timeout_s:
-            break
-        time.sleep(poll_s)
-    raise TimeoutError(f"engine at {url} not healthy after {timeout_s:.0f} s "
-                       "(raise rollout.health_timeout_s for large models)")
