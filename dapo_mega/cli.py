@@ -95,9 +95,9 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
             return 2
     if command == "eval":
         from dapo_mega.evaluate import run_eval_command
-        from dapo_mega.preflight import check_data_paths
+        from dapo_mega.preflight import check_eval_inputs
 
-        check_data_paths(cfg.data)
+        check_eval_inputs(cfg)  # data files, a held-out set, the checkpoints: before engines start
         return run_eval_command(cfg)
     from dapo_mega.plan import run_plan_command
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
 from dapo_mega.backends.sglang.endpoint import EngineAddress
-from dapo_mega.config import DapoConfig
+from dapo_mega.config import ConfigError, DapoConfig
 
 
 @dataclass
@@ -117,7 +117,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
     if cfg.eval.max_problems:
         problems = problems[:cfg.eval.max_problems]
     if not problems:
-        raise ValueError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
+        raise ConfigError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
 
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device) as fleet:

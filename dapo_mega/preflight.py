@@ -7,6 +7,7 @@ CLI prints it) instead of after the base model was built, or with a traceback.
                                 config.json, or the tiny model's fields), the model provider's
                                 choices on this machine (layer spec, dtype, FP8), the data files
     check_data_paths(cfg.data)  data.train_path / data.eval_path exist
+    check_eval_inputs(cfg)      `dapo-mega eval`: data files, a held-out set, the checkpoints
 
 Nothing here starts a process, opens a process group or writes a file.
 """
@@ -50,6 +51,21 @@ def check_data_paths(data_cfg: Any) -> None:
             raise ConfigError(f"data.{name}: {value} does not exist. Fix: point data.{name} at a .parquet or "
                               ".jsonl file (tools/prepare_data.py writes them), or leave data.train_path empty "
                               "for the synthetic task")
+
+
+def check_eval_inputs(cfg: DapoConfig) -> None:
+    """What `dapo-mega eval` needs before it starts engines: the data files, a held-out set
+    (the synthetic task has one; a training file needs data.eval_path) and the checkpoints
+    (eval.checkpoint empty is answered by the command's own usage line)."""
+    check_data_paths(cfg.data)
+    if cfg.data.train_path and not cfg.data.eval_path:
+        raise ConfigError("data.eval_path: empty, so there are no held-out problems to evaluate. Fix: set "
+                          "data.eval_path to the held-out .parquet / .jsonl file (AIME 2024 for the recipe)")
+    for name in ("checkpoint", "compare_checkpoint"):
+        value = getattr(cfg.eval, name)
+        if value and not Path(value).exists():
+            raise ConfigError(f"eval.{name}: {value} does not exist. Fix: point it at an HF directory, a Megatron "
+                              "checkpoint or a run directory")
 
 
 def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> None:

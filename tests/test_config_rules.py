@@ -195,3 +195,18 @@ def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_pat
     with pytest.raises(ConfigError, match=r"^data.train_path:.*x.jsonl.*Fix:"):
         check_before_start(cfg, world_size=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_preflight_names_missing_inputs(tmp_path, capsys):
+    from dapo_mega.preflight import check_eval_inputs
+
+    check_eval_inputs(load_config([]))  # synthetic task: its held-out split
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"id": "q", "prompt": "1+1?", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=r"^data.eval_path: empty.*Fix:"):
+        check_eval_inputs(load_config([f"data.train_path={train}"]))
+    with pytest.raises(ConfigError, match=r"^eval.checkpoint:.*nope.*Fix:"):
+        check_eval_inputs(load_config([f"eval.checkpoint={tmp_path / 'nope'}"]))
+    assert cli_main(["eval", f"eval.checkpoint={tmp_path / 'nope'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dapo-mega: config error: eval.checkpoint:"), err
