@@ -55,7 +55,7 @@ def train(cfg: DapoConfig) -> int:
 
             t = time.perf_counter()
             s.engines_release_memory()          # colocated: engines free memory
-            train_metrics = s.learner.train_step(samples)
+            train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
             s.engines_resume_memory()
             timings["time/train_s"] = time.perf_counter() - t
 
