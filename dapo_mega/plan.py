@@ -253,8 +253,8 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
             roles.append(f"engines {engines[0].index}-{engines[-1].index} (TP {r.engine_tp_size})")
         layout.append({"node": node, "roles": roles,
                        "engine_gpus": {e.index: list(e.gpu_ids) for e in engines}})
-    groups = [{"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size}
-              for g in placement.groups]
+    groups = [{"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size,
+               "learner_ranks": [m.index for m in g.members if m.role == "learner"]} for g in placement.groups]
 
     efficiency = learner_efficiency(cfg, dp, lengths)
     if efficiency["configured"]["dp_imbalance"] > 1.10:
@@ -315,9 +315,14 @@ def format_plan(plan: dict) -> str:
               f"DP imbalance {base['dp_imbalance']:.3f}, <= {base['max_micro_batches']} micro-batches per rank",
               "", "layout:"]
     lines += [f"  node {n['node']:>3}: " + "; ".join(n["roles"]) for n in plan["layout"]]
-    kinds = sorted({g["kind"] for g in plan["sync"]["groups"]})
-    lines += [f"weight sync: {plan['sync']['transport']}, {len(plan['sync']['groups'])} process groups "
-              f"({', '.join(kinds) or 'none'})"]
+    groups = plan["sync"]["groups"]
+    if plan["sync"]["transport"] == "cuda_ipc":
+        lines += [f"weight sync: CUDA IPC hand-over on each GPU ({len(groups)} engines, each fed by the learner "
+                  "ranks on its GPUs; no NCCL group with an engine)"]
+    else:
+        lines += [f"weight sync: {plan['sync']['transport']}; " + ", ".join(
+            f"{g['name']} (source rank {g['learner_ranks'][0]} + {g['world_size'] - 1} engine ranks)"
+            for g in groups)]
     lines += [""] + [f"WARNING: {w}" for w in plan["warnings"]] if plan["warnings"] else ["", "no warnings"]
     return "\n".join(lines)
 
