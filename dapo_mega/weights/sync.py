@@ -7,8 +7,9 @@ Distributed mode (disaggregated; also usable colocated on CPU):
                POSTing /init_weights_update_group to every engine (both sides must enter
                the rendezvous together or they hang).
     each sync: rank 0 pauses the engines, flushes their cache and opens their weight-update
-               session (/begin_weight_update); then every stage's
-               source streams `iter_megatron_to_hf` into buckets of ≤ bucket_mb; per
+               session (/begin_weight_update); then the stages take turns
+               (`run_stages_in_turn`: engines serve requests in arrival order), each
+               stage's source streams `iter_megatron_to_hf` into buckets of ≤ bucket_mb; per
                bucket it starts one broadcast of the flattened bytes (SGLang's
                load_format="flattened_bucket") and POSTs /update_weights_from_distributed
                with the bucket's names/dtypes/shapes to every engine; the last bucket of
@@ -20,9 +21,13 @@ broadcast; the syncer raises at once, naming the engine and its message, instead
 waiting for the broadcast (the group should then be destroyed and re-initialised).
 
 Colocated mode: per bucket, the tensors go into a shared-memory file (CPU; JSON handle,
-load_format "shared_memory_json") or CUDA IPC handles (GPU, SGLang's pickled format) and
-are sent with /update_weights_from_tensor; engines release their memory while the learner
-trains (`release_engine_memory` / `resume_engine_memory`).
+load_format "shared_memory_json") and are sent with /update_weights_from_tensor. On GPUs
+an engine shares its devices with learner ranks and cannot join a NCCL group with them
+("Duplicate GPU detected"): `weights.handover` has every learner rank take part, and the
+rank on each engine TP rank's GPU makes that rank's CUDA IPC payload (one per TP rank);
+here a TP-1 engine on the syncing rank's own GPU is all one process can serve. Engines
+release their memory while the learner trains (`release_engine_memory` /
+`resume_engine_memory`; SGLang needs `--enable-memory-saver` for that to free anything).
 
 Memory beyond the model is bounded by two buckets (the one being broadcast and the one the
 engines are still loading; a tensor larger than a bucket is a bucket of its own).
