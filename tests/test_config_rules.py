@@ -187,6 +187,9 @@ def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_pat
     cfg = load_config([f"trainer.output_dir={tmp_path}", f"model.hf_path={tmp_path / 'no_model'}"])
     with pytest.raises(ConfigError, match=r"^model.hf_path:.*config.json"):
         check_before_start(cfg, world_size=1)
+    cfg = load_config([f"trainer.output_dir={tmp_path}", "megatron.context_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"^megatron.context_parallel_size:.*Fix: use 1"):
+        check_before_start(cfg, world_size=2)
     if not torch.cuda.is_available():  # the model provider's choice on this machine, found before the build
         cfg = load_config([f"trainer.output_dir={tmp_path}", "megatron.params_dtype=bf16"])
         with pytest.raises(ConfigError, match=r"^megatron.params_dtype: bf16 on the CPU.*Fix:"):

@@ -67,13 +67,18 @@ class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient with `algo.on_nonfinite=stop`."""
 
 
+def check_learner_supports(layout: ParallelLayout) -> None:
+    """What this learner does not do yet, as a ConfigError (also checked by `preflight`)."""
+    if layout.cp != 1:
+        raise ConfigError("megatron.context_parallel_size: the learner does not split sequences over CP yet. "
+                          "Fix: use 1")
+
+
 class MegatronLearner:
     """Megatron-core policy model, optimizer and the DAPO train step on one rank."""
 
     def __init__(self, cfg: DapoConfig, hf_config: Any, layout: ParallelLayout):
-        if layout.cp != 1:
-            raise ConfigError("megatron.context_parallel_size: the learner does not split sequences over CP yet; "
-                              "use 1")
+        check_learner_supports(layout)
         self.cfg = cfg
         self.layout = layout
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
