@@ -126,8 +126,9 @@ def test_ladder_rungs_reproduce_the_paper_recipes():
     assert g.gen_batch_size == g.train_batch_size
     default_dapo = load_config([]).algo
     for name in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "dynamic_sampling",
-                 "overlong_buffer_enable", "overlong_filter", "gen_batch_size"):
+                 "overlong_buffer_enable", "overlong_filter"):
         assert getattr(d, name) == getattr(default_dapo, name), name
+    assert d.gen_batch_size == d.train_batch_size  # every rung: the generation batch is the train batch
     assert first.data.synthetic_task == "chain"
     # each rung changes what its name says on top of the previous one
     algos = [load_config(plan.runs_of(n)[0].overrides).algo for n in plan.rungs]
@@ -162,7 +163,7 @@ def test_plan_runs_seeds_dirs_quick_and_warm_start(tmp_path):
     assert composed.trainer.seed == 5 and Path(composed.trainer.output_dir) / composed.trainer.run_name == Path(run.run_dir)
     assert composed.model.megatron_path == plan.warm_start.run_dir and composed.trainer.sft_warmup_steps == 0
     warm = load_config(plan.warm_start.overrides)
-    assert warm.trainer.total_steps == 0 and warm.trainer.sft_warmup_steps == load_config([]).trainer.sft_warmup_steps
+    assert warm.trainer.total_steps == 0 and warm.trainer.sft_warmup_steps == load_config(cfg.quick_overrides).trainer.sft_warmup_steps > 0
     plan.save()
     again = AblationPlan.load(plan.directory)
     assert again.runs == plan.runs and again.warm_start == plan.warm_start
