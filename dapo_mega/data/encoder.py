@@ -23,7 +23,8 @@ main thread encode through the same object.
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Mapping
+from typing import Any, Dict, List, Tuple
 
 from dapo_mega.config import ConfigError
 from dapo_mega.data.problem import Problem, format_prompt
@@ -35,8 +36,7 @@ def token_ids_of(encoded: Any) -> List[int]:
     Accepts a list of ints, a `BatchEncoding` / dict with `input_ids`, or a tensor / array
     (one row); `list(BatchEncoding)` would give its keys, so that is read by key.
     """
-    if isinstance(encoded, dict) or (hasattr(encoded, "keys") and hasattr(encoded, "__getitem__")
-                                     and not isinstance(encoded, (list, tuple))):
+    if isinstance(encoded, Mapping):  # BatchEncoding is a UserDict
         encoded = encoded["input_ids"]
     if hasattr(encoded, "tolist"):
         encoded = encoded.tolist()
@@ -104,9 +104,6 @@ class PromptEncoder:
                 ids = self._tokenize(self.render(problem))
                 self._cache[key] = ids
             return list(ids)
-
-    def encode_many(self, problems: Sequence[Problem]) -> List[List[int]]:
-        return [self.encode(p) for p in problems]
 
     def encode_text(self, text: str) -> List[int]:
         """Token ids of plain text (a reference answer), no special tokens added."""
