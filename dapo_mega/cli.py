@@ -38,6 +38,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(_usage())
         print("Config fields (override with key=value):")
         print("\n".join("  " + line for line in describe_fields()))
+        if command == "ablate":
+            from dapo_mega.ablation.plan import AblationConfig
+
+            print("Ablation fields (ablation.key=value; pick one with +ablation=dapo_ladder or one_factor):")
+            print("\n".join("  " + line for line in describe_fields(AblationConfig, prefix="ablation.")))
         return 0
     if command == "ablate":  # its own config group besides the train overrides
         return _ablate(rest)

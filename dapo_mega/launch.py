@@ -279,6 +279,12 @@ def completed_steps(cfg: DapoConfig) -> int:
     return int(latest.name.split("_")[-1]) if latest is not None else 0
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    from dapo_mega.run_dir import find_latest_checkpoint
+
+    return find_latest_checkpoint(run_dir) is not None
+
+
 def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> int:
     """Validate, create the run/log dirs, clear the stale registry; print shell assignments."""
     if cfg.cluster.mode != mode:
@@ -286,7 +292,9 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
                            f"pass cluster.mode={mode} or submit slurm/{cfg.cluster.mode}.sbatch")
     run_dir = cfg.run_dir.resolve()
     done = completed_steps(cfg)
-    if done >= cfg.trainer.total_steps:  # a chain's tail job: nothing left, start nothing
+    # a run of 0 steps (a warm start only, `dapo-mega ablate`) is complete once its step-0 checkpoint exists
+    saved = done > 0 or (cfg.trainer.resume and _has_checkpoint(run_dir))
+    if done >= cfg.trainer.total_steps and saved:  # a chain's tail job: nothing left, start nothing
         for key, value in {"RUN_DIR": str(run_dir), "RUN_COMPLETE": "1", "COMPLETED_STEPS": str(done),
                            "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
             print(f"{key}={shlex.quote(value)}")

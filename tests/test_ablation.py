@@ -320,3 +320,25 @@ def test_cli_config_error_is_one_line(capsys):
     assert main(["ablate", "ablation.mode=diagonal"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dapo-mega: config error: ablation.mode") and "\n" not in err
+
+
+def test_slurm_prepare_runs_a_zero_step_warm_start_once(tmp_path):
+    """The shared warm start is a run of 0 steps: the topology script's prepare step must
+    start it while it has no checkpoint, and report it complete once step 0 is saved."""
+    import io
+    import shlex
+    from contextlib import redirect_stdout
+
+    from dapo_mega.launch import run_prepare
+
+    def prepare():
+        cfg = load_config(["+experiment=tiny_cpu_slurm", f"trainer.output_dir={tmp_path}", "trainer.run_name=w",
+                           "trainer.total_steps=0"])
+        out = io.StringIO()
+        with redirect_stdout(out):
+            assert run_prepare(cfg, "colocated", 2, "5") == 0
+        return dict(shlex.split(line)[0].split("=", 1) for line in out.getvalue().splitlines())
+
+    assert prepare()["RUN_COMPLETE"] == "0"
+    _fake_checkpoint(tmp_path / "w", 0)
+    assert prepare()["RUN_COMPLETE"] == "1"
