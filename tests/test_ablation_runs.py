@@ -90,7 +90,8 @@ def test_slurm_array_runs_the_ladder_and_builds_the_table(tmp_path_factory, tmp_
         directory = tmp_path / "dapo_ladder_quick"
         script = (directory / "slurm" / "array.sbatch").read_text()
         assert "algo." not in script and "colocated.sbatch" in script
-        _check_outputs(directory, ["naive_grpo", "+dynamic_sampling"], [1, 2])
-        assert cluster.job_state(array_job) in ("COMPLETED", "")
+        _check_outputs(directory, ["naive_grpo", "+dynamic_sampling"], [1, 2])  # every array task finished
+        logs = sorted((directory / "slurm").glob(f"slurm-{array_job}_*.out"))
+        assert len(logs) == 4, logs  # one task per rung x seed
     finally:
         cluster.stop()
