@@ -6,6 +6,11 @@ Sources, cited per value below:
   [notes]  ../shared/notes/dapo-recipe.md, where both are summarised.
 A change to one of these numbers is a departure from the published run: it must be made
 here too, with its reason, or the test fails.
+
+Not pinned, on purpose: the system knobs of verl's script that have no counterpart here or
+depend on this implementation's memory layout (Ulysses sequence parallel size, vLLM's
+gpu_memory_utilization, dynamic batch sizes, offloading, test/save frequency), and the
+learner / engine parallel layout (`dapo-mega plan` checks it against memory instead).
 """
 
 from __future__ import annotations
