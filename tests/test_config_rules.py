@@ -213,3 +213,14 @@ def test_eval_preflight_names_missing_inputs(tmp_path, capsys):
     assert cli_main(["eval", f"eval.checkpoint={tmp_path / 'nope'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dapo-mega: config error: eval.checkpoint:"), err
+
+
+def test_learner_world_size_is_the_launchers_when_launched(monkeypatch):
+    from dapo_mega.preflight import learner_world_size
+
+    cfg = load_config(["cluster.num_learner_processes=2"])
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")  # without RANK this process is not a launched rank
+    assert learner_world_size(cfg) == 2
+    monkeypatch.setenv("RANK", "3")
+    assert learner_world_size(cfg) == 16
