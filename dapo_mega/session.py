@@ -30,7 +30,7 @@ from dapo_mega.config import DapoConfig, save_config, validate_config
 from dapo_mega.distributed import free_port
 from dapo_mega.driver.console import route_known_warnings
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole, broadcast_from_driver
-from dapo_mega.driver.run_state import RunState
+from dapo_mega.driver.run_state import RunState, prune_records_after
 
 
 def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
@@ -202,17 +202,17 @@ class Session:
                                  max_retries=cfg.rollout.max_retries, run_id=cfg.trainer.run_name,
                                  prompt_to_input=encoder.encode, seed=cfg.trainer.seed)
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier), manager)
-        if self.run.resumed:
+        if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
+            print(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
+                  f"{state.policy_version}", flush=True)
             rollouts.load_state_dict(state.data_cursor, state.rollout_carry, lambda d: Problem(**_problem_fields(d)))
+            prune_records_after(self.run_dir, state.step)
+        recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, _config_dict(cfg), state.step,
+                               wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,
+                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot)
+        state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)
-        # A resumed run first prunes the records of steps after its checkpoint (DriverRole),
-        # then the recorder cuts metrics.jsonl back to the same step.
-        role = DriverRole(cfg, self.run, rollouts, sft_prompts, eval_problems, recorder=None)
-        role.recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, _config_dict(cfg), state.step,
-                                    wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,
-                                    wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot)
-        state.wandb_run_id = role.recorder.wandb_run_id
-        return role
+        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_problems, recorder)
 
     def _start_engines(self) -> List[str]:
         """Engines given by URL, announced in a registry directory, or started here (the fleet)."""

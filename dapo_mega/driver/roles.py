@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 from dapo_mega import distributed as D
 from dapo_mega.driver import advantages
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
-from dapo_mega.driver.run_state import RunState, prune_records_after, write_ledger
+from dapo_mega.driver.run_state import RunState, write_ledger
 
 DRIVER_RANK = 0
 
@@ -95,10 +95,6 @@ class DriverRole(LearnerRankRole):
         self.producer: Optional[AsyncRollouts] = None
         self.last_batch: Optional[RolloutBatch] = None
         """The last batch whose ledger shard was written: its cursor and carry go into the checkpoint."""
-        if run.resumed:
-            s = run.state
-            self.say(f"[trainer] resumed from {run.checkpoint} at step {s.step}, policy version {s.policy_version}")
-            prune_records_after(run.run_dir, s.step)
 
     def say(self, message: str, error: bool = False) -> None:
         print(message, file=sys.stderr if error else sys.stdout, flush=True)
