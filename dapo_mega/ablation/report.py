@@ -195,7 +195,8 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
         lines.append("| " + " | ".join(cells) + " |")
     legend = (f"Mean ± {pct} t-interval over seeds (Student, n−1 degrees of freedom). Δ: difference of "
               f"final held-out avg@k to the {vs}, Welch's {pct} interval; `*` marks an interval that excludes "
-              "zero. Steps to target: mean over the seeds that reached it (reached/finished). Entropy: "
+              "zero. Steps to target: mean over the seeds that reached it (reached/finished), at the "
+              "resolution of trainer.eval_interval. Entropy: "
               "−mean log p of the sampled tokens under the rollout policy over the last 20% of steps. "
               "Clip low/high: fraction of tokens clipped by 1−ε_low / 1+ε_high. Truncated: fraction of "
               "responses cut at max_response_length.")
