@@ -90,6 +90,7 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
 
         route_known_warnings(cfg.run_dir)  # before the preflight imports megatron-core
         from dapo_mega.preflight import check_before_start
+        from dapo_mega.rollout.engine_process import EngineStartError
         from dapo_mega.trainer import run_training
 
         check_before_start(cfg)  # layout, model shape, data files: before anything is built
@@ -98,12 +99,20 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
         except DataError as exc:  # the user's data, not a bug: the message names file, row and field
             print(f"dapo-mega: data error: {exc}", file=sys.stderr)
             return 2
+        except EngineStartError as exc:  # names the engine's log and quotes its last lines
+            print(f"dapo-mega: engine error: {exc}", file=sys.stderr)
+            return 1
     if command == "eval":
         from dapo_mega.evaluate import run_eval_command
         from dapo_mega.preflight import check_eval_inputs
+        from dapo_mega.rollout.engine_process import EngineStartError
 
         check_eval_inputs(cfg)  # data files, a held-out set, the checkpoints: before engines start
-        return run_eval_command(cfg)
+        try:
+            return run_eval_command(cfg)
+        except EngineStartError as exc:  # names the engine's log and quotes its last lines
+            print(f"dapo-mega: engine error: {exc}", file=sys.stderr)
+            return 1
     from dapo_mega.plan import run_plan_command
 
     return run_plan_command(cfg, as_json=as_json)
