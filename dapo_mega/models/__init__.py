@@ -1,1 +1,1 @@
-"""Model definitions built from config (the tiny model of the CPU default)."""
+"""Models: the one model-shape record (shape.py, read from an HF config) and the tiny model of the CPU default (tiny.py)."""
