@@ -273,6 +273,8 @@ def test_train_step_reports_tis_ratio_statistics():
     assert 0.0 < metrics["tis/weight_mean"] <= 1.5
     assert 0.0 < metrics["tis/truncated_frac"] < 1.0
     assert metrics["tis/mismatch_kl"] > 0.0 and math.isfinite(metrics["tis/log_ratio_mean"])
+    # packed rows as wide as the longest sample carry some padding; one DP rank: no imbalance
+    assert 0.5 < metrics["perf/padding_efficiency"] <= 1.0 and metrics["perf/dp_imbalance"] == 1.0
 
 
 def test_layout_measurement_by_hand():

@@ -313,12 +313,16 @@ class MegatronLearner:
         totals = {"loss/pg": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0, **{k: 0.0 for k in self._metric_keys}}
         applied, tokens_trained = 0, 0.0
         lr = self.scheduler.current_lr
+        useful, computed = 0, 0  # this rank's real and computed (rows x columns) tokens
         for mini_batch, shard in zip(mini_batches, shards):
             # Denominators of the whole mini-batch (all micro-batches, all DP ranks):
             # tokens for token-mean, non-empty responses for the seq-mean ablation modes.
             global_tokens = float(count_loss_tokens(samples, mini_batch))
             global_seqs = float(sum(1 for i in mini_batch if any(samples[i].response_loss_mask())))
-            info = self._update(self._micro_batches(samples, shard),
+            micro_batches = self._micro_batches(samples, shard)
+            useful += sum(mb.real_tokens for mb in micro_batches)
+            computed += sum(mb.tokens.numel() for mb in micro_batches)
+            info = self._update(micro_batches,
                                 partial(self._policy_loss_func, max(global_tokens, 1.0), max(global_seqs, 1.0)),
                                 lr=None)
             tokens_trained += sum(samples[i].length for i in mini_batch)
@@ -333,6 +337,7 @@ class MegatronLearner:
                 totals[key] += info[key]
         elapsed = time.perf_counter() - start
         metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
+        metrics.update(self._layout_metrics(useful, computed))
         metrics.update({
             "actor/lr": lr,
             "perf/train_tokens_per_s": tokens_trained / max(elapsed, 1e-9),
@@ -341,6 +346,19 @@ class MegatronLearner:
             "train/skipped_updates": float(len(mini_batches) - applied),
         })
         return metrics
+
+    def _layout_metrics(self, useful: int, computed: int) -> Dict[str, float]:
+        """perf/padding_efficiency (real / computed tokens, all DP ranks) and perf/dp_imbalance
+        (computed tokens of the busiest DP rank / the mean). One all-reduce."""
+        dp, rank = self.layout.dp, self.layout.dp_rank
+        slots = [0.0] * (2 * dp)
+        if self._is_loss_rank():  # one rank per DP replica reports
+            slots[2 * rank], slots[2 * rank + 1] = float(useful), float(computed)
+        totals = self._all_reduce_sum(slots)
+        per_rank = totals[1::2]
+        mean = sum(per_rank) / dp
+        return {"perf/padding_efficiency": sum(totals[0::2]) / max(sum(per_rank), 1.0),
+                "perf/dp_imbalance": max(per_rank) / mean if mean else 1.0}
 
     def sft_step(self, samples: Sequence[TrainSample], lr: float) -> Dict[str, float]:
         """One supervised update: cross-entropy on response tokens, mean over all of them, at `lr`."""
