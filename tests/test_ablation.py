@@ -206,6 +206,10 @@ def test_run_locally_skips_finished_runs_and_restarts_unfinished(tmp_path):
     outcomes = run_locally(plan, say=messages.append,
                            command=lambda run: [sys.executable, "-c", FAKE_TRAIN, *run.overrides])
     assert [o.status for o in outcomes] == ["skipped", "finished", "finished"]
+    timings = (Path(plan.directory) / "logs" / "timings.jsonl").read_text().splitlines()
+    assert [json.loads(t)["seed"] for t in timings] == [2, 1]  # the two runs that ran
+    from dapo_mega.ablation.runner import total_run_seconds
+    assert total_run_seconds(plan.directory) == pytest.approx(sum(json.loads(t)["seconds"] for t in timings))
     assert not (Path(plan.runs[0].run_dir) / "started.txt").exists()
     assert "resuming at step 2" in messages[1] and "finished" in messages[2] and "starting" in messages[3]
     again = run_locally(plan, say=messages.append, command=lambda run: ["false"])

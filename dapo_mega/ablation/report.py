@@ -211,6 +211,11 @@ def render_markdown(plan: AblationPlan, results: List[RungResult], elapsed_s: Op
            else "each rung changes the base alone")
     parts = [title, "", f"Mode: {mode} ({how}). Train overrides: `{' '.join(plan.train_overrides) or '(none)'}`.",
              f"Base: `{' '.join(cfg.get('base') or []) or '(none)'}`."]
+    from dapo_mega.ablation.runner import total_run_seconds
+
+    run_seconds = total_run_seconds(plan.directory)
+    if run_seconds is not None:
+        parts.append(f"Wall clock of the runs (local, warm start included, every invocation): {run_seconds / 60:.1f} min.")
     if elapsed_s is not None:
         parts.append(f"Wall clock of this invocation: {elapsed_s / 60:.1f} min.")
     parts += ["", render_table(results, mode, level, target), "Rungs:", ""]
@@ -235,8 +240,11 @@ def to_json(plan: AblationPlan, results: List[RungResult], elapsed_s: Optional[f
         rungs.append({"name": row.name, "runs": runs, "missing_seeds": row.missing_seeds,
                       "stats": {k: interval(v) for k, v in row.stats.items()}, "reached_target": row.reached_target,
                       "compared_with": row.compared_with, "final_avg_at_k_difference": diff})
+    from dapo_mega.ablation.runner import total_run_seconds
+
     return {"config": plan.config, "train_overrides": plan.train_overrides, "directory": plan.directory,
-            "rungs": rungs, "elapsed_s": elapsed_s, "written_unix": time.time()}
+            "rungs": rungs, "elapsed_s": elapsed_s, "run_seconds": total_run_seconds(plan.directory),
+            "written_unix": time.time()}
 
 
 def _finite(x: float) -> Optional[float]:

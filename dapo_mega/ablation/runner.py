@@ -111,9 +111,36 @@ def run_locally(plan: AblationPlan, say: Callable[[str], None] = print, timeout_
                 raise
         seconds = time.perf_counter() - start
         status = "finished" if code == 0 and is_finished(run.run_dir, total) else "failed"
+        record_timing(plan, run, seconds, status)
         say(f"{label}: {status} in {seconds:.0f} s" + ("" if status == "finished" else f" (exit {code}; see {log})"))
         outcomes.append(RunOutcome(run, status, seconds, code))
     return outcomes
+
+
+TIMINGS_FILE = "timings.jsonl"
+"""`<ablation>/logs/timings.jsonl`: one line per local run attempt (rung, seed, seconds, status),
+kept across invocations, so the report can say how long the runs took in all."""
+
+
+def record_timing(plan: AblationPlan, run: PlannedRun, seconds: float, status: str) -> None:
+    path = Path(plan.directory) / "logs" / TIMINGS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"rung": run.rung, "seed": run.seed, "seconds": round(seconds, 1), "status": status}) + "\n")
+
+
+def total_run_seconds(directory: Path | str) -> Optional[float]:
+    """Wall clock of every local run attempt so far (None when nothing ran locally)."""
+    path = Path(directory) / "logs" / TIMINGS_FILE
+    if not path.exists():
+        return None
+    total = 0.0
+    for line in path.read_text().splitlines():
+        try:
+            total += float(json.loads(line)["seconds"])
+        except (ValueError, KeyError):
+            continue
+    return total
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
