@@ -402,7 +402,7 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
             dead = fleet.dead()
             return _exit_status(dead[0].proc.returncode) if dead else 1
         if router_wanted(cfg, task.node_id):
-            failed = _start_router(cfg, registry, advertise, bind_host, log_dir, procs, logs, task)
+            failed = _start_router(cfg, registry, advertise, bind_host, log_dir, procs, logs, task, api_key=api_key)
             if failed is not None:
                 return failed
         while True:  # watch: any engine (or the router) ending while the job runs is a failure
@@ -422,13 +422,13 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
 
 
 def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: str, log_dir: Path,
-                  procs: Dict[str, subprocess.Popen], logs: Dict[str, Path], task: SlurmTask) -> Optional[int]:
+                  procs: Dict[str, subprocess.Popen], logs: Dict[str, Path], task: SlurmTask,
+                  api_key: str = "") -> Optional[int]:
     """sglang-router in front of every engine of the job (all nodes): waits until all are
     announced, starts it, waits for its /health, announces it as router.json. Returns a
     failure status, or None when the router runs. Its flags are the pinned ones of
-    `build_router_command`, which has no flag for the engines' API key (not in the
-    pinned sglang-router 0.3.2 table): the router's requests to key-protected engines are
-    not authenticated by this launcher. The trainer never depends on the router."""
+    `build_router_command`; `api_key` (the engines' key) goes to sglang-router's
+    `--api-key`, which it sends to its workers. The trainer never depends on the router."""
     from dapo_mega.backends.sglang.launch import build_router_command
 
     deadline = time.monotonic() + cfg.rollout.health_timeout_s
@@ -440,7 +440,7 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
         time.sleep(0.5)
     workers = [json.loads(p.read_text())["url"] for p in sorted(registry.glob("engine-*.json"))]
     port = cfg.rollout.base_port + cfg.rollout.num_engines if cfg.rollout.base_port else free_port(bind_host)
-    cmd = build_router_command(workers, port, host=bind_host)
+    cmd = build_router_command(workers, port, host=bind_host, api_key=api_key)
     logs["router"] = log_dir / "router.log"
     with open(logs["router"], "ab") as log_file:
         procs["router"] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)

@@ -139,7 +139,8 @@ SERVER_FLAGS: Dict[str, str] = {
 
 #: `python -m sglang_router.launch_router` flags (sglang-router 0.3.2 router_args.py).
 ROUTER_FLAGS: Dict[str, str] = {
-    "worker_urls": "--worker-urls", "host": "--host", "port": "--port", "policy": "--policy"}
+    "worker_urls": "--worker-urls", "host": "--host", "port": "--port", "policy": "--policy",
+    "api_key": "--api-key"}
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
 
 #: Default name of the weight-update process group (io_struct defaults).

@@ -82,12 +82,20 @@ def build_router_command(
     host: str = "127.0.0.1",
     policy: str = "cache_aware",
     python: str = sys.executable,
+    api_key: str = "",
 ) -> List[str]:
-    """argv of sglang-router in front of `worker_urls` (cache-aware routing by default)."""
+    """argv of sglang-router in front of `worker_urls` (cache-aware routing by default).
+
+    `api_key`: the engines' key; sglang-router 0.3.2 sends it to its workers
+    (`--api-key`, "the api key used for the authorization with the worker").
+    """
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy {policy!r} not in {ROUTER_POLICIES}")
     if not worker_urls:
         raise ValueError("sglang-router needs at least one worker url")
-    return [python, "-m", ROUTER_MODULE, ROUTER_FLAGS["worker_urls"], *worker_urls,
+    argv = [python, "-m", ROUTER_MODULE, ROUTER_FLAGS["worker_urls"], *worker_urls,
             ROUTER_FLAGS["host"], host, ROUTER_FLAGS["port"], str(port),
             ROUTER_FLAGS["policy"], policy]
+    if api_key:
+        argv += [ROUTER_FLAGS["api_key"], api_key]
+    return argv
