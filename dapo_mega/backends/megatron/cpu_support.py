@@ -23,6 +23,12 @@ The substitutions, process-wide:
 5. `Tensor.type()` reports CPU float tensors under their CUDA names
    ("torch.cuda.FloatTensor", ...), because the optimizer and grad clipping compare these
    strings and raise otherwise.
+6. The default causal mask (`transformer.utils.get_default_causal_mask`, imported by the
+   fused-softmax fallback) is built on the CPU, so that a micro-batch's forward, loss and
+   backward make no CUDA call of their own: the pipeline schedules' per-micro-batch
+   `forward_step` and `backward_step` run outside the function mode
+   (`without_function_mode`), which saves its per-op cost. The schedule skeletons (their
+   `device="cuda"` token counters), p2p, DDP's grad sync and the optimizer stay under it.
 
 Any other CUDA call megatron-core makes fails loudly (torch raises "Torch not compiled
 with CUDA enabled"): that is deliberate, so a new code path is noticed, not skipped.
@@ -32,8 +38,10 @@ path never installs it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -96,6 +104,36 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's `get_default_causal_mask` (True above the diagonal = masked), on the CPU."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+@contextlib.contextmanager
+def without_function_mode() -> Iterator[None]:
+    """Run the block without `CudaToCpuMode` (a no-op unless the CPU support is enabled).
+
+    For code that makes no CUDA call of its own once the substitutions 1, 2 and 6 are in
+    place: a micro-batch's forward, loss and backward on the local spec. A CUDA call inside
+    still fails loudly.
+    """
+    if not _ENABLED:
+        yield
+        return
+    with torch._C.DisableTorchFunction():
+        yield
+
+
+def _outside_function_mode(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with without_function_mode():
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
 def enable_cpu_support(force: bool = False) -> bool:
     """Install the CPU substitutions for megatron-core. Idempotent.
 
@@ -119,6 +157,15 @@ def enable_cpu_support(force: bool = False) -> bool:
         torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))  # type: ignore
         mp_random._get_cuda_rng_state = _cpu_get_rng_state
         mp_random._set_cuda_rng_state = _cpu_set_rng_state
+        import megatron.core.fusions.fused_softmax as fused_softmax
+        import megatron.core.transformer.utils as transformer_utils
+
+        import megatron.core.pipeline_parallel.schedules as schedules
+
+        transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+        fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+        schedules.forward_step = _outside_function_mode(schedules.forward_step)
+        schedules.backward_step = _outside_function_mode(schedules.backward_step)
 
         _MODE = CudaToCpuMode()
         _MODE.__enter__()  # stays on the (thread-local) function-mode stack for good
