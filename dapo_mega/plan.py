@@ -25,7 +25,8 @@ KV cache per engine (TP=e GPUs, mem_fraction_static f, GPU memory G):
 Weight sync per step: 2·Φ bytes (bf16) to every engine.
 
 Learner efficiency (`LengthAssumption`, default: log-normal responses of median
-max_response_length/8 and σ 1, capped at max_response_length, prompts of 150 tokens): one
+max_response_length/8 and σ 1, capped at max_response_length, prompts of
+min(150, max_prompt_length/4) tokens): one
 mini-batch of mini_batch_size × G such samples, drawn from a fixed seed, laid out the way
 the learner lays it out (backends/megatron/packing.py) as configured and, for comparison,
 without packing and balancing:
@@ -138,23 +139,31 @@ class LengthAssumption:
     """Median response length in tokens; None = max_response_length / 8."""
     response_sigma: float = 1.0
     """σ of log(response length): 1.0 spans ~0.1× to ~7× the median (two σ)."""
-    prompt_tokens: int = 150
-    """Tokens of every prompt (DAPO-Math prompts with the chat template are ~100-300)."""
+    prompt_tokens: Optional[int] = None
+    """Tokens of every prompt; None = min(150, max_prompt_length / 4) (DAPO-Math prompts
+    with the chat template are ~100-300 tokens)."""
     seed: int = 0
     """Seed of the drawn mini-batch (the figures are deterministic)."""
 
+    def resolved(self, max_prompt_length: int, max_response_length: int) -> "LengthAssumption":
+        """The assumption with its defaults filled in from the config's length limits."""
+        return LengthAssumption(response_median=self.response_median or max(1, max_response_length // 8),
+                                response_sigma=self.response_sigma,
+                                prompt_tokens=self.prompt_tokens or min(150, max(1, max_prompt_length // 4)),
+                                seed=self.seed)
+
     def draw(self, num: int, max_response_length: int) -> List[int]:
-        """`num` sample lengths (prompt + response), responses capped at max_response_length."""
-        median = self.response_median or max(1, max_response_length // 8)
+        """`num` sample lengths (prompt + response), responses capped at max_response_length
+        (call on a `resolved` assumption)."""
         rng = random.Random(self.seed)
-        return [self.prompt_tokens + max(1, min(max_response_length, int(rng.lognormvariate(
-            math.log(median), self.response_sigma)))) for _ in range(num)]
+        return [int(self.prompt_tokens) + max(1, min(max_response_length, int(rng.lognormvariate(
+            math.log(int(self.response_median)), self.response_sigma)))) for _ in range(num)]
 
 
 def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumption] = None) -> dict:
     """Padding efficiency and DP imbalance of one mini-batch under `cfg` (module docstring)."""
     m, a = cfg.megatron, cfg.algo
-    assumption = lengths or LengthAssumption()
+    assumption = (lengths or LengthAssumption()).resolved(a.max_prompt_length, a.max_response_length)
     samples = assumption.draw(a.mini_batch_size * a.n_samples_per_prompt, a.max_response_length)
     thd = m.transformer_impl != "local"  # the GPU spec: Transformer Engine, THD packing
     multiple = token_multiple(m.tensor_model_parallel_size, m.sequence_parallel, m.fp8.enabled, m.fp8.recipe)
@@ -166,7 +175,7 @@ def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumpt
         stats["max_micro_batches"] = max(stats.pop("micro_batches"))
         return stats
 
-    return {"assumption": {"response_median": assumption.response_median or max(1, a.max_response_length // 8),
+    return {"assumption": {"response_median": assumption.response_median,
                            "response_sigma": assumption.response_sigma, "prompt_tokens": assumption.prompt_tokens,
                            "samples": len(samples), "mean_length": sum(samples) / len(samples),
                            "max_length": max(samples)},
@@ -257,7 +266,7 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
                "learner_ranks": [m.index for m in g.members if m.role == "learner"]} for g in placement.groups]
 
     efficiency = learner_efficiency(cfg, dp, lengths)
-    if efficiency["configured"]["dp_imbalance"] > 1.10:
+    if efficiency["configured"]["dp_imbalance"] > 1.10 and not m.balance_data_parallel:
         warnings.append(f"data-parallel ranks uneven: the busiest carries "
                         f"{efficiency['configured']['dp_imbalance']:.2f}x the mean tokens; set "
                         "megatron.balance_data_parallel=true (or more samples per rank)")
