@@ -354,3 +354,43 @@ def test_mini_batches_see_the_groups_in_seeded_shuffled_order():
     for a, b in zip(out["shuffled"], out["reordered"]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # shuffle == training on the permuted batch
     assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(out["shuffled"], out["prompt_order"]))
+
+
+def test_thd_micro_batch_becomes_megatron_packed_seq_params():
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+
+    a = TrainSample([1, 2], [3, 4, 5])
+    b = TrainSample([6], [7, 8])
+    thd = collate_packed_micro_batch([a, b], [[0, 1]], seq_multiple=16, attention="thd")
+    params = MegatronLearner._packed_seq_params(thd)
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 8
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 5, 8, 16]
+    assert MegatronLearner._packed_seq_params(collate_packed_micro_batch([a, b], [[0, 1]])) is None
+
+
+def _cpu_mode_probe(rank, world):
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    from dapo_mega.backends.megatron.cpu_support import enable_cpu_support, without_function_mode
+
+    assert enable_cpu_support()
+    outside = torch.zeros(1, device="cuda").device.type  # redirected by the mode
+    try:
+        with without_function_mode():
+            torch.zeros(1, device="cuda")
+        inside = "no error"
+    except (RuntimeError, AssertionError) as exc:  # "Torch not compiled with CUDA enabled"
+        inside = type(exc).__name__
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    return {"outside": outside, "inside": inside, "wrapped": hasattr(schedules.forward_step, "__wrapped__")
+            and hasattr(schedules.backward_step, "__wrapped__"),
+            "mask": get_default_causal_mask(3).tolist()}
+
+
+def test_cpu_support_leaves_the_micro_batch_step_outside_the_function_mode():
+    got = run_distributed(_cpu_mode_probe, 1, timeout_s=120)[0]
+    assert got["outside"] == "cpu"
+    assert got["inside"] != "no error"  # a CUDA call in the unintercepted part still fails loudly
+    assert got["wrapped"]
+    assert got["mask"] == [[False, True, True], [False, False, True], [False, False, False]]
