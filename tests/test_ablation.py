@@ -346,3 +346,35 @@ def test_slurm_prepare_runs_a_zero_step_warm_start_once(tmp_path):
     assert prepare()["RUN_COMPLETE"] == "0"
     _fake_checkpoint(tmp_path / "w", 0)
     assert prepare()["RUN_COMPLETE"] == "1"
+
+
+def test_submit_slurm_chains_warm_start_array_and_report(tmp_path):
+    """With a stand-in `sbatch` that records its arguments: warm start, then the array after it
+    succeeded, then the report after every task ended; finished runs are left out."""
+    import os
+
+    from dapo_mega.ablation.runner import submit_slurm
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.jsonl"
+    fake = bin_dir / "sbatch"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"lines = open({str(calls)!r}).read().splitlines() if __import__('os').path.exists({str(calls)!r}) else []\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                    "print(100 + len(lines))\n")
+    fake.chmod(0o755)
+    cfg = load_ablation_config(["ablation.quick=true"])
+    plan = build_plan(cfg, ["trainer.total_steps=2"], tmp_path / "out", sft_warmup_steps=10)
+    _fake_checkpoint(Path(plan.runs[0].run_dir), 2)  # finished: not in the array
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    sub = submit_slurm(plan, "colocated.sbatch", ["--nodes=1", "--mem=4000"], max_parallel=2, repo=REPO, env=env,
+                       say=lambda m: None)
+    warm, array, report = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert (sub.warm_start_job, sub.array_job, sub.report_job, sub.num_tasks) == (100, 101, 102, len(plan.runs) - 1)
+    assert "--array=0" in warm and warm[-1].endswith("warm_start.json") and "--nodes=1" in warm
+    assert f"--array=0-{len(plan.runs) - 2}%2" in array and "--dependency=afterok:100" in array
+    assert report[-1].endswith("report.sbatch") and "--dependency=afterany:101" in report and "--mem=4000" in report
+    tasks = json.loads((Path(plan.directory) / "slurm" / "runs.json").read_text())
+    assert tasks == [r.overrides for r in plan.runs[1:]]
+    assert "dapo_mega.ablation report" in (Path(plan.directory) / "slurm" / "report.sbatch").read_text()
