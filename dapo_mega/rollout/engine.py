@@ -444,9 +444,8 @@ class GenerationEngine:
     def _stop_reason(self, seq: Sequence_) -> Optional[dict]:
         spec, token, n = seq.spec, seq.output_ids[-1], len(seq.output_ids)
         if n >= spec.min_new_tokens:
-            if not spec.ignore_eos and token in self.eos_token_ids:
-                return {"type": "stop", "matched": token}
-            if token in spec.stop_token_ids:
+            # ignore_eos ignores stop_token_ids too (SGLang's Req._check_token_based_finish)
+            if not spec.ignore_eos and (token in self.eos_token_ids or token in spec.stop_token_ids):
                 return {"type": "stop", "matched": token}
             if spec.stop:
                 tail = self.tokenizer.decode(seq.output_ids[-64:], skip_special_tokens=spec.skip_special_tokens)

@@ -96,6 +96,10 @@ def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int) -> Non
             f"requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} tokens from the input "
             f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
             "the input messages or the completion to fit within the limit.")
+    max_input = context_len - 6  # the scheduler's max_req_input_len: context - 1 - 5 (tp_worker.py)
+    if prompt_len >= max_input:
+        raise BadGenerateRequest(f"Input length ({prompt_len} tokens) exceeds the maximum allowed length ({max_input} "
+                                 "tokens). Use a shorter input or enable --allow-auto-truncate.")
 
 
 def parse_control_body(path: str, body: Any) -> Dict[str, Any]:
@@ -272,6 +276,9 @@ class EngineServer:
         parsed = [parse_sampling(s) for s in sp_list]
         for prompt, (spec, _) in zip(prompts, parsed):
             check_lengths(len(prompt), spec.max_new_tokens, self.engine.max_context)
+            # SGLang's scheduler clamps max_new_tokens to max_req_len - input_len - 1, with
+            # max_req_len = context - 1: a sequence ends (length) 2 tokens short of the context
+            spec.max_new_tokens = min(spec.max_new_tokens, self.engine.max_context - 2 - len(prompt))
         n = parsed[0][1]
         if any(k != n for _, k in parsed):
             raise BadGenerateRequest("The parallel_sample_num should be the same for all samples in sample params.")
@@ -302,9 +309,10 @@ class EngineServer:
         reason = seq.finish_reason or {"type": "abort", "message": "unfinished"}
         out_ids = list(seq.output_ids)
         matched = reason.get("matched")
+        text_ids = out_ids
         if isinstance(matched, int) and not seq.spec.no_stop_trim and out_ids:
-            out_ids = out_ids[:-1]  # SGLang trims the matched stop token from output_ids
-        text = self.engine.tokenizer.decode(out_ids, skip_special_tokens=seq.spec.skip_special_tokens)
+            text_ids = out_ids[:-1]  # SGLang trims a matched stop token from the text, not from output_ids
+        text = self.engine.tokenizer.decode(text_ids, skip_special_tokens=seq.spec.skip_special_tokens)
         if isinstance(matched, str):
             pos = text.find(matched)
             if pos >= 0:
@@ -444,7 +452,7 @@ class EngineServer:
             await asyncio.to_thread(self.engine.load_named_tensors, named, b["weight_version"])
         except Exception as exc:
             return _fail(f"Failed to update parameter online: {exc}. The weights may be partially updated.")
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+        return web.json_response({"success": True, "message": _updated("Succeeded to update parameter online.", b["weight_version"])})
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         b = parse_control_body("/update_weights_from_tensor", await self._json(request))
@@ -473,7 +481,7 @@ class EngineServer:
                 await asyncio.to_thread(self.engine.load_named_tensors, named, b["weight_version"])
             except (OSError, ValueError) as exc:
                 return _fail(f"Failed to read shared-memory tensors: {exc}")
-        return web.json_response({"success": True, "message": "Success"})
+        return web.json_response({"success": True, "message": _updated("Success", b["weight_version"])})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         b = parse_control_body("/update_weight_version", await self._json(request))
@@ -507,6 +515,11 @@ class EngineServer:
             torch.distributed.broadcast(buf, src=0, group=pg)
         await asyncio.to_thread(_recv)
         return web.json_response({"success": True, "message": "received"})
+
+
+def _updated(message: str, weight_version: Optional[str]) -> str:
+    """SGLang's reply to an update that set a version (tokenizer_control_mixin.py)."""
+    return message if weight_version is None else f"{message} Weight version updated to {weight_version}."
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -16,9 +16,12 @@ Distributed mode (disaggregated; also usable colocated on CPU):
                the last stage carries `weight_version`; rank 0 closes the session
                (/end_weight_update) and continues generation.
 
-An engine that rejects a bucket (400: unknown name, wrong shape) answers before joining the
+The embedded engine rejects a bad bucket (400: unknown name, wrong shape) before joining the
 broadcast; the syncer raises at once, naming the engine and its message, instead of
 waiting for the broadcast (the group should then be destroyed and re-initialised).
+SGLang 0.5.23 receives the bucket first, then answers a wrong shape with a 400 (after a
+partial load) and ignores an unknown name (a log line): names come from the HF mapping, and
+`tests/rollout/test_conformance.py` pins both behaviours.
 
 Colocated mode: per bucket, the tensors go into a shared-memory file (CPU; JSON handle,
 load_format "shared_memory_json") and are sent with /update_weights_from_tensor. On GPUs

@@ -23,8 +23,9 @@ Facts read from that source that the code relies on:
   (temperature 0) requests report the raw `log_softmax(logits)`.
 * `meta_info.finish_reason` is `{"type": "stop", "matched": <token id or stop string>}`,
   `{"type": "length", "length": n}` or `{"type": "abort", "message": ...}`. A matched stop
-  token is trimmed from `output_ids`; a matched stop string is trimmed from `text`
-  (not from `output_ids`) unless `no_stop_trim`.
+  token or stop string is trimmed from `text`, never from `output_ids` (checked against the
+  0.5.23 server: `tests/rollout/test_conformance.py`) unless `no_stop_trim`. The scheduler
+  clamps `max_new_tokens` to context - 2 - prompt length.
 * `meta_info.weight_versions` is a list of `{"version", "start", "end"}` spans over the
   output tokens and `meta_info.weight_version` the version of the last span.
 * Control endpoints reply `{"success", "message"}` with status 200 or 400; pause/continue

@@ -41,7 +41,7 @@ class EngineError(RuntimeError):
 class SampleResult:
     """One generated sample, parsed from a /generate reply.
 
-    output_ids: the reply's output_ids (a matched stop token trimmed, as SGLang does).
+    output_ids: the reply's output_ids (SGLang 0.5.23 keeps a matched stop token in them).
     token_ids: every generated token including a matched stop token (from the log-prob
         list when asked for; else output_ids) — what the learner trains on.
     logprobs: [len(token_ids)] log p(token) under softmax(z/T) (SGLang's convention), or None.
