@@ -5,8 +5,8 @@ run directory, the Megatron learner with its initial weights (latest checkpoint 
 via `RunState.resume`, else `model.megatron_path`, else the HF weights), the rank's role
 (`driver.roles`: on global rank 0 the `DriverRole` with the data, the verifier, the engines
 and their rollout manager inside a `RolloutSource`, the ledger and the records; a
-`LearnerRankRole` elsewhere), and on the ranks that are the weight source of a pipeline
-stage a `WeightSyncer`. The verbs that involve the learner and the engines together (warm
+`LearnerRankRole` elsewhere), and the rank's part in pushing weights to the engines
+(`driver.policy_sync`). The verbs that involve the learner and the engines together (warm
 start, weight sync, colocated memory hand-over, checkpoint save) are here; the loop
 (`trainer.py`) calls them and the role's.
 
@@ -17,9 +17,6 @@ engines report the version of every token they produce.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -27,44 +24,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from dapo_mega.config import DapoConfig, save_config, validate_config
-from dapo_mega.distributed import free_port
 from dapo_mega.driver.console import route_known_warnings
-from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole, broadcast_from_driver
+from dapo_mega.driver.learner_ranks import init_world_env
+from dapo_mega.driver.policy_sync import PolicySync
+from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
-
-
-def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
-    """Start `cluster.num_learner_processes` ranks with torchrun when not already a rank.
-
-    Returns their exit code, or None when this process should train itself (one learner,
-    or already launched by torchrun / srun).
-    """
-    n = cfg.cluster.num_learner_processes
-    if n <= 1 or "RANK" in os.environ:
-        return None
-    validate_config(cfg, world_size=n)
-    run_dir = cfg.run_dir
-    config_path = save_config(cfg, run_dir)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            "-m", "dapo_mega.trainer", "--config", str(config_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(argv, env=env)
-
-
-def _init_world_env() -> int:
-    """Single process started by hand: make env:// work. Returns the world size."""
-    if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    return int(os.environ["WORLD_SIZE"])
-
-
-def _init_world_env() -> int:
-    """Single process started by hand: make env:// work. Returns the world size."""
-    if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    return int(os.environ["WORLD_SIZE"])
 
 
 class Session:
@@ -81,11 +45,7 @@ class Session:
         self.fleet: Any = None
         self.engines: List[Any] = []
         self.engine_urls: List[str] = []
-        self.syncer: Any = None
-        self.handover: Any = None
-        """Colocated on GPUs: this rank's part in the hand-over (weights.handover.HandoverPlan)."""
-        self.posters: Dict[int, Any] = {}
-        """Colocated on GPUs: engine index -> WeightSyncer on the rank that posts its payloads."""
+        self.policy_sync: Optional[PolicySync] = None
 
     @property
     def state(self):
@@ -109,7 +69,7 @@ class Session:
         from dapo_mega.backends.megatron.train_step import MegatronLearner
 
         cfg = self.cfg
-        world_size = _init_world_env()
+        world_size = init_world_env()
         validate_config(cfg, world_size=world_size)
         is_driver = int(os.environ["RANK"]) == DRIVER_RANK  # the one place the rank decides a role
         if is_driver:
@@ -125,7 +85,7 @@ class Session:
             self._load_initial_weights()
         if is_driver:
             self.role = self._start_driver()
-        self._start_syncer()
+        self.policy_sync = PolicySync.start(cfg, self.layout, self.role, self.engine_urls)
 
     def _model_dir(self) -> Path:
         if self.cfg.model.hf_path:
@@ -223,55 +183,6 @@ class Session:
         self.engines = self.fleet.engines
         return [e.url for e in self.fleet.endpoints]
 
-    def _start_syncer(self) -> None:
-        """Weight sources of each PP stage join a weight-update group with the engines."""
-        from dapo_mega.rollout.fleet import endpoint_of
-        from dapo_mega.weights.sync import WeightSyncer
-
-        from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
-
-        urls = broadcast_from_driver(self.engine_urls)
-        self.engine_urls = urls
-        # how weights reach the engines: the placement's rule (colocated on GPUs: hand-over on
-        # each GPU, never a NCCL group holding two ranks of one device)
-        transport = trainer_placement(self.cfg, self.layout.world_size, torch.cuda.is_available(), os.environ)
-        if transport.transport == CUDA_IPC:
-            self._start_handover(urls, transport)
-            return
-        needs_syncer = (self.layout.dp_rank == 0 and self.layout.is_weight_source) or self.role.is_driver
-        if not needs_syncer:
-            return
-        local = all(u.startswith(("http://127.0.0.1", "http://localhost")) for u in urls)
-        colocated = transport.transport == SHARED_MEMORY and local
-        self.syncer = WeightSyncer([endpoint_of(u, self.cfg.rollout) for u in urls],
-                                   bucket_mb=self.cfg.rollout.weight_sync_bucket_mb,
-                                   mode="colocated" if colocated else "distributed",
-                                   backend="nccl" if torch.cuda.is_available() else "gloo",
-                                   # DAPO_MEGA_SYNC_ADDR: this node's Slurm NodeAddr (dapo_mega.launch);
-                                   # the hostname can resolve to a loopback alias
-                                   master_address="127.0.0.1" if local else (os.environ.get("DAPO_MEGA_SYNC_ADDR")
-                                                                             or socket.gethostbyname(socket.gethostname())),
-                                   engine_tp_size=self.cfg.rollout.engine_tp_size)
-        if not colocated and self.layout.is_weight_source:
-            self.syncer.init_group(free_port(), stage=self.layout.pp_rank)
-
-    def _start_handover(self, urls: List[str], placement) -> None:
-        """Colocated on GPUs (weights.handover): every rank takes part; the learner rank on
-        each engine's first GPU posts its requests; the driver pauses and resumes engines."""
-        from dapo_mega.rollout.fleet import endpoint_of
-        from dapo_mega.weights.handover import HandoverPlan
-        from dapo_mega.weights.sync import WeightSyncer
-
-        problems = placement.problems()
-        if problems:
-            raise RuntimeError("colocated placement: " + "; ".join(problems))
-        self.handover = HandoverPlan.for_rank(self.layout.rank, {e.index: e.ipc_ranks for e in placement.engines})
-        self.posters = {e: WeightSyncer([endpoint_of(urls[e], self.cfg.rollout)], mode="colocated")
-                        for e in self.handover.posts}
-        if self.role.is_driver:
-            self.syncer = WeightSyncer([endpoint_of(u, self.cfg.rollout) for u in urls], mode="colocated",
-                                       engine_tp_size=self.cfg.rollout.engine_tp_size)
-
     # ================================================================== the loop's verbs
     def warm_start(self) -> None:
         """Supervised steps on reference answers so that the tiny model's rewards are informative."""
@@ -284,45 +195,16 @@ class Session:
                               f"({time.perf_counter() - start:.0f} s)")
         self.run.state.warm_started = True
 
-    def drop_dead_engines(self) -> None:
-        """Engines the rollout manager found dead (no reply within rollout.request_timeout_s,
-        connection refused) leave the weight sync too, so a lost engine costs the run its share
-        of generation and nothing else. Collective: every learner rank calls it."""
-        dead = self.role.dead_engines()
-        if self.syncer is None or not dead:
-            return
-        for url in self.syncer.drop_engines(sorted(dead)):
-            self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
-
     def engines_release_memory(self) -> None:
-        """Colocated: engines free their GPU memory for the learner's step (driver's request)."""
-        self.drop_dead_engines()
-        self.role.release_engine_memory(self.syncer)
+        """Colocated: engines free their memory for the learner's step."""
+        self.policy_sync.release_engine_memory()
 
     def engines_resume_memory(self) -> None:
-        self.role.resume_engine_memory(self.syncer)
+        self.policy_sync.resume_engine_memory()
 
     def sync_weights(self) -> Dict[str, float]:
         """Push the learner's weights into every engine as version `state.policy_version`."""
-        from dapo_mega.weights.sync import sync_learner_weights
-
-        self.drop_dead_engines()
-        version = self.run.state.policy_version
-        if self.handover is not None:
-            from dapo_mega.weights.handover import sync_colocated_learner_weights
-
-            stats = sync_colocated_learner_weights(
-                self.syncer, self.posters, self.learner.model_chunks, self.learner.info, self.layout, str(version),
-                self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
-                torch.device("cuda", torch.cuda.current_device()))
-        else:
-            stats = sync_learner_weights(self.syncer, self.learner.model_chunks, self.learner.info, self.layout,
-                                         str(version))
-        self.role.engines_serve(version)
-        metrics = stats.as_metrics() if stats is not None else {}
-        if self.syncer is not None:
-            metrics["sync/engines"] = len(self.syncer.clients)
-        return metrics
+        return self.policy_sync.push(self.learner, self.run.state.policy_version)
 
     def save_checkpoint(self, step: int) -> None:
         """Weights, optimizer, RNG and trainer state of `step` (collective)."""
@@ -331,13 +213,8 @@ class Session:
     # ================================================================== shutdown
     def close(self) -> None:
         self.role.close()
-        for syncer in [self.syncer, *self.posters.values()]:
-            if syncer is None:
-                continue
-            try:
-                syncer.close()
-            except Exception as exc:  # an engine already gone must not hide the real error
-                print(f"[trainer] closing the weight syncer: {exc}", file=sys.stderr)
+        if self.policy_sync is not None:
+            self.policy_sync.close()
         if self.fleet is not None:
             self.fleet.close()
         try:

@@ -83,7 +83,7 @@ def train(cfg: DapoConfig) -> int:
 
 def run_training(cfg: DapoConfig) -> int:
     """`dapo-mega train`: spawn learner ranks when asked for several, else run here."""
-    from dapo_mega.session import maybe_spawn_learners
+    from dapo_mega.driver.learner_ranks import maybe_spawn_learners
 
     code = maybe_spawn_learners(cfg)
     if code is not None:

@@ -9,8 +9,12 @@
     roles.py       rank roles: DriverRole (global rank 0: data, rollouts, ledger, records,
                    evaluation) and LearnerRankRole (every other learner rank: does nothing,
                    or receives what the driver broadcasts), so call sites never test the rank
+    policy_sync.py PolicySync: this rank's part in pushing weights to the engines (weight-
+                   update group, shared memory, or the colocated CUDA-IPC hand-over), dead
+                   engines dropped, engine memory released and resumed around a step
+    learner_ranks.py  how learner ranks come to exist (torchrun here, Slurm, or by hand)
     console.py     known library warnings off the console, recorded once in the run's log
 
-`dapo_mega/session.py` wires them (process groups, learner, engines, weight sync) and
+`dapo_mega/session.py` wires them (process groups, learner, engines) and
 `dapo_mega/trainer.py` is the loop over them.
 """

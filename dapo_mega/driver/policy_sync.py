@@ -1,0 +1,131 @@
+"""Policy sync: how the learner's weights reach the engines, and the engines' memory around a step.
+
+One `PolicySync` per learner rank, built from the placement's rule
+(`backends.placement.trainer_placement`):
+
+- colocated on GPUs: the hand-over (`weights.handover`): every rank takes part; the learner
+  rank on each engine's first GPU posts that engine's CUDA-IPC payloads; the driver pauses
+  and resumes the engines. Never a NCCL group holding two ranks of one device.
+- colocated on a CPU (engines on this machine): shared-memory tensors through
+  `/update_weights_from_tensor`, posted by the driver.
+- otherwise: the weight source of each pipeline stage (DP rank 0) joins a weight-update
+  group with the engines (`/init_weights_update_group`, then broadcasts per bucket).
+
+Ranks with no part hold an empty `PolicySync`; every method is still called on every rank
+because dropping dead engines and the hand-over are collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from dapo_mega.config import DapoConfig
+from dapo_mega.distributed import free_port
+from dapo_mega.driver.roles import LearnerRankRole, broadcast_from_driver
+
+
+class PolicySync:
+    """This rank's part in pushing weights to the engines (see the module docstring)."""
+
+    def __init__(self, cfg: DapoConfig, layout: Any, role: LearnerRankRole):
+        self.cfg, self.layout, self.role = cfg, layout, role
+        self.syncer: Any = None
+        """WeightSyncer of this rank: the driver's (pause/resume, memory) or a stage source's."""
+        self.handover: Any = None
+        """Colocated on GPUs: this rank's part in the hand-over (weights.handover.HandoverPlan)."""
+        self.posters: Dict[int, Any] = {}
+        """Colocated on GPUs: engine index -> WeightSyncer on the rank that posts its payloads."""
+
+    @classmethod
+    def start(cls, cfg: DapoConfig, layout: Any, role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
+        """Collective: the driver's engine URLs reach every rank, each takes its part."""
+        from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
+        from dapo_mega.rollout.fleet import endpoint_of
+        from dapo_mega.weights.sync import WeightSyncer
+
+        sync = cls(cfg, layout, role)
+        urls = broadcast_from_driver(engine_urls)
+        placement = trainer_placement(cfg, layout.world_size, torch.cuda.is_available(), os.environ)
+        endpoints = [endpoint_of(u, cfg.rollout) for u in urls]
+        if placement.transport == CUDA_IPC:
+            sync._start_handover(endpoints, placement)
+            return sync
+        if not ((layout.dp_rank == 0 and layout.is_weight_source) or role.is_driver):
+            return sync
+        local = all(u.startswith(("http://127.0.0.1", "http://localhost")) for u in urls)
+        colocated = placement.transport == SHARED_MEMORY and local
+        sync.syncer = WeightSyncer(endpoints, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                                   mode="colocated" if colocated else "distributed",
+                                   backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   # DAPO_MEGA_SYNC_ADDR: this node's Slurm NodeAddr (dapo_mega.launch);
+                                   # the hostname can resolve to a loopback alias
+                                   master_address="127.0.0.1" if local else (os.environ.get("DAPO_MEGA_SYNC_ADDR")
+                                                                             or socket.gethostbyname(socket.gethostname())),
+                                   engine_tp_size=cfg.rollout.engine_tp_size)
+        if not colocated and layout.is_weight_source:
+            sync.syncer.init_group(free_port(), stage=layout.pp_rank)
+        return sync
+
+    def _start_handover(self, endpoints: List[Any], placement: Any) -> None:
+        from dapo_mega.weights.handover import HandoverPlan
+        from dapo_mega.weights.sync import WeightSyncer
+
+        problems = placement.problems()
+        if problems:
+            raise RuntimeError("colocated placement: " + "; ".join(problems))
+        self.handover = HandoverPlan.for_rank(self.layout.rank, {e.index: e.ipc_ranks for e in placement.engines})
+        self.posters = {e: WeightSyncer([endpoints[e]], mode="colocated") for e in self.handover.posts}
+        if self.role.is_driver:
+            self.syncer = WeightSyncer(endpoints, mode="colocated", engine_tp_size=self.cfg.rollout.engine_tp_size)
+
+    def drop_dead_engines(self) -> None:
+        """Engines the rollout manager found dead (no reply within rollout.request_timeout_s,
+        connection refused) leave the weight sync too, so a lost engine costs the run its share
+        of generation and nothing else. Collective: every learner rank calls it."""
+        dead = self.role.dead_engines()
+        if self.syncer is None or not dead:
+            return
+        for url in self.syncer.drop_engines(sorted(dead)):
+            self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
+
+    def release_engine_memory(self) -> None:
+        """Colocated: engines free their memory for the learner's step (driver's request)."""
+        self.drop_dead_engines()
+        self.role.release_engine_memory(self.syncer)
+
+    def resume_engine_memory(self) -> None:
+        self.role.resume_engine_memory(self.syncer)
+
+    def push(self, learner: Any, version: int) -> Dict[str, float]:
+        """Push the learner's weights into every engine as `version` (collective)."""
+        from dapo_mega.weights.sync import sync_learner_weights
+
+        self.drop_dead_engines()
+        if self.handover is not None:
+            from dapo_mega.weights.handover import sync_colocated_learner_weights
+
+            stats = sync_colocated_learner_weights(
+                self.syncer, self.posters, learner.model_chunks, learner.info, self.layout, str(version),
+                self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
+                torch.device("cuda", torch.cuda.current_device()))
+        else:
+            stats = sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version))
+        self.role.engines_serve(version)
+        metrics = stats.as_metrics() if stats is not None else {}
+        if self.syncer is not None:
+            metrics["sync/engines"] = len(self.syncer.clients)
+        return metrics
+
+    def close(self) -> None:
+        for syncer in [self.syncer, *self.posters.values()]:
+            if syncer is None:
+                continue
+            try:
+                syncer.close()
+            except Exception as exc:  # an engine already gone must not hide the real error
+                print(f"[trainer] closing the weight syncer: {exc}", file=sys.stderr)
