@@ -130,9 +130,16 @@ class WeightSyncer:
     def __init__(self, engines: Sequence[EngineAddress], bucket_mb: float = 512,
                  mode: str = "distributed", backend: str = "gloo", master_address: str = "127.0.0.1",
                  group_prefix: str = "dapo_weight_sync", pause_mode: str = "retract",
-                 timeout_s: Optional[float] = None, engine_tp_size: int = 1):
+                 timeout_s: Optional[float] = None, engine_tp_size: int = 1,
+                 cpu_tensor_format: str = SHM_LOAD_FORMAT):
+        """`cpu_tensor_format`: how colocated mode hands CPU tensors over: "shared_memory_json"
+        (the embedded engine, which never unpickles) or "sglang" (SGLang's own serializer,
+        torch's reductions over shared-memory files, what a real SGLang server on a CPU loads)."""
         if mode not in ("distributed", "colocated"):
             raise ValueError(f"mode must be distributed or colocated, got {mode!r}")
+        if cpu_tensor_format not in (SHM_LOAD_FORMAT, "sglang"):
+            raise ValueError(f"cpu_tensor_format must be {SHM_LOAD_FORMAT} or sglang, got {cpu_tensor_format!r}")
+        self.cpu_tensor_format = cpu_tensor_format
         endpoints = [as_endpoint(e) for e in engines]
         self.engine_urls = [e.url for e in endpoints]
         # group rendezvous and broadcasts: the engines' request timeout unless given
@@ -313,6 +320,14 @@ class WeightSyncer:
                                       "payload per engine TP rank: use weights.handover")
             self.post_tensor_payloads(transport.build_tp_payloads([bucket], [bucket[0][1].device],
                                                                   transport.serialize_cuda_ipc), None, version)
+            return
+        if self.cpu_tensor_format == "sglang":
+            # SGLang's MultiprocessingSerializer format; between unrelated processes CPU
+            # storages must travel as files (the default fd strategy fails and takes the
+            # scheduler down). The tensors stay alive here until every engine has loaded them.
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            named = [(n, t.detach().cpu().contiguous()) for n, t in bucket]
+            self.post_tensor_payloads([transport.serialize_cuda_ipc(named)] * self.engine_tp_size, None, version)
             return
         handle = transport.write_shm_bucket([(n, t.detach().cpu()) for n, t in bucket])
         try:

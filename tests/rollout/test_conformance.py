@@ -434,6 +434,26 @@ def test_update_from_tensor_each_server_in_its_format(server, new_weights, refer
     assert greedy(server, PROMPT, 8).token_ids == hf_greedy(reference(server.dtype), PROMPT, 8)
 
 
+def test_colocated_sync_via_the_syncer_release_resume(server, new_weights, reference):
+    """The colocated path: engine memory released while the learner trains, resumed, then the
+    weights handed over with update from tensor, each server in its format (CPU tensors:
+    SGLang's serializer for SGLang, shared-memory JSON for the embedded engine)."""
+    fmt = "sglang" if server.kind == "sglang" else SHM_LOAD_FORMAT
+    state = {k: v.to(server.dtype) for k, v in new_weights.items()}
+    syncer = WeightSyncer([server.endpoint], bucket_mb=0.02, mode="colocated", timeout_s=120, cpu_tensor_format=fmt)
+    try:
+        syncer.release_engine_memory()
+        syncer.resume_engine_memory()
+        stats = syncer.sync(iter(state.items()), weight_version="11")
+        assert stats.num_buckets > 2 and run(lambda c: c.weight_version(), server) == "11"
+        assert greedy(server, PROMPT, 8).token_ids == hf_greedy(reference(server.dtype, state), PROMPT, 8)
+        original = {k: v.to(server.dtype) for k, v in reference(server.dtype).state_dict().items() if k in state}
+        syncer.sync(iter(original.items()), weight_version=VERSION)
+    finally:
+        syncer.close()
+    assert greedy(server, PROMPT, 8).token_ids == hf_greedy(reference(server.dtype), PROMPT, 8)
+
+
 def post_bucket(server, pg, group_name, names, dtypes, shapes, tensors):
     """POST one flattened bucket and broadcast it unless the engine refused it first."""
     async def go(c):
