@@ -66,7 +66,11 @@ class PolicySync:
                                    # the hostname can resolve to a loopback alias
                                    master_address="127.0.0.1" if local else (os.environ.get("DAPO_MEGA_SYNC_ADDR")
                                                                              or socket.gethostbyname(socket.gethostname())),
-                                   engine_tp_size=cfg.rollout.engine_tp_size)
+                                   engine_tp_size=cfg.rollout.engine_tp_size,
+                                   # CPU hand-over: SGLang loads its own serializer's format, the
+                                   # embedded engine only shared-memory JSON (it never unpickles)
+                                   cpu_tensor_format="sglang" if cfg.rollout.backend == "sglang"
+                                   else "shared_memory_json")
         if not colocated and layout.is_weight_source:
             sync.syncer.init_group(free_port(), stage=layout.pp_rank)
         return sync
