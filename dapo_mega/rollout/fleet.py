@@ -150,8 +150,11 @@ class EngineFleet:
     def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
         """argv of one engine on `port`: the shared command line plus what this machine needs."""
         r = self.rollout
+        # SGLang's --enable-memory-saver imports torch_memory_saver, a CUDA library: without a GPU
+        # SGLang does not start with it (release/resume still answer, there is no GPU memory to free)
+        memory_saver = self.memory_saver and (r.backend != "sglang" or self.on_gpu())
         argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
-                                    host=self.bind_host, python=self.python, memory_saver=self.memory_saver,
+                                    host=self.bind_host, python=self.python, memory_saver=memory_saver,
                                     base_gpu_id=base_gpu_id)
         if r.backend == "sglang":
             if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
