@@ -6,6 +6,10 @@ to end through its HTTP API (one batched /generate with n samples per prompt); t
 runs `model.generate(do_sample=True, num_return_sequences=n)` on the left-padded batch
 in this process. JSON to bench/results/engine.json.
 
+Where the real SGLang CPU venv exists (`$DAPO_MEGA_SGLANG_PYTHON` or `.venv-sglang`, built by
+../shared/sglang-cpu/setup.sh), the same rollout also runs on a real SGLang 0.5.23 server
+(float32, the same thread count): keys `sglang_*`.
+
     python bench/bench_engine.py [--quick]
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +54,7 @@ def run(quick: bool = False) -> dict:
                                                      "ignore_eos": True})
                     return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
             engine_s, engine_tokens = asyncio.run(engine_rollout())
+        sglang = run_sglang(tmp, prompts, n, new_tokens, threads)
 
         torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(tmp).eval()
@@ -66,7 +72,9 @@ def run(quick: bool = False) -> dict:
     result = {"quick": quick, "num_prompts": num_prompts, "n": n, "max_new_tokens": new_tokens, "threads": threads,
               "engine_seconds": engine_s, "engine_tokens": engine_tokens, "engine_tokens_per_s": engine_tokens / engine_s,
               "hf_generate_seconds": hf_s, "hf_tokens": hf_tokens, "hf_tokens_per_s": hf_tokens / hf_s,
-              "ratio_engine_over_hf": (engine_tokens / engine_s) / (hf_tokens / hf_s)}
+              "ratio_engine_over_hf": (engine_tokens / engine_s) / (hf_tokens / hf_s), **sglang}
+    if "sglang_tokens_per_s" in sglang:
+        result["sglang_ratio_over_hf"] = sglang["sglang_tokens_per_s"] / result["hf_tokens_per_s"]
     # the keys bench/run.py tabulates
     result.update(name="engine", metric="rollout tokens/s", ours=result["engine_tokens_per_s"],
                   baseline=result["hf_tokens_per_s"], baseline_name="transformers generate",
@@ -74,6 +82,30 @@ def run(quick: bool = False) -> dict:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return result
+
+
+def run_sglang(model_dir: str, prompts, n: int, new_tokens: int, threads: int) -> dict:
+    """The same rollout on a real SGLang server; {} (with the reason) without the SGLang venv."""
+    python = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or Path(__file__).resolve().parents[1] / ".venv-sglang"
+                  / "bin" / "python")
+    if not python.exists():
+        return {"sglang_skipped": f"no SGLang venv at {python} (../shared/sglang-cpu/setup.sh)"}
+    rollout = RolloutConfig(backend="sglang", engine_python=str(python), dtype="float32", health_timeout_s=300,
+                            max_running_requests=len(prompts) * n,
+                            extra_server_args=["--max-total-tokens", "8192"])
+    with EngineFleet(rollout, model_dir, Path(model_dir) / "sglang_logs", device="cpu",
+                     extra_env={"OMP_NUM_THREADS": str(threads)}) as fleet:
+        engine = fleet.start(1)[0]
+
+        async def rollout_once():
+            async with EngineClient(engine) as c:
+                await c.generate(prompts[:1], {"max_new_tokens": 2, "n": 1})  # warm-up
+                t0 = time.perf_counter()
+                out = await c.generate(prompts, {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
+                                                 "ignore_eos": True})
+                return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
+        seconds, tokens = asyncio.run(rollout_once())
+    return {"sglang_seconds": seconds, "sglang_tokens": tokens, "sglang_tokens_per_s": tokens / seconds}
 
 
 if __name__ == "__main__":
