@@ -144,3 +144,81 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
         assert fresh == [] and len(stale) == 2 and stale[0].reasons == ["stale"] * G
     finally:
         engines[0].kill()
+
+
+def every_other_kept(groups):
+    """Prompt p<k> has mixed rewards (kept) for even k, all wrong (rejected) for odd k."""
+    return [[SampleReward(float(s.sample_index % 2), bool(s.sample_index % 2)) if int(g.prompt_id[1:]) % 2 == 0
+             else SampleReward(-1.0, False) for s in g.samples] for g in groups]
+
+
+def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_dir, tmp_path):
+    engines = start_engines(model_dir, 1, weight_version="0")
+    try:
+        G = 2
+        make = lambda: RolloutManager([engines[0].url], n_samples=G, sampling_params={"max_new_tokens": 2},
+                                      prompts_per_request=1, requests_per_engine=1)
+        mgr = make()
+        source = prompt_stream()
+        kept, records = mgr.collect_step(step=1, learner_version=0, prompt_source=source, reward_fn=every_other_kept,
+                                         train_batch_size=3, gen_batch_size=4, max_staleness=0)
+        # round 0: gen_batch_size=4 prompts (no keep rate yet) keeps p0, p2; the measured keep
+        # rate is ~1/2, so round 1 asks for ceil(1 x 1.2 / rate) = 3 prompts and stops at p4.
+        assert [g.prompt_id for g in kept] == ["p0", "p2", "p4"]
+        assert abs(mgr.keep_rate - 3 / 5) < 0.02                        # 3 of the 5 groups seen were kept
+        m = mgr.metrics
+        assert (m["rollout/gen_batches"], m["rollout/groups_generated"], m["rollout/prompts_requested"]) == (2, 5, 7)
+        assert m["rollout/aborted_requests"] == 0 and m["rollout/carried_groups"] == 0
+        # p5, p6 were drawn but never sent: pending, not ledger rows, drawn first next time
+        assert [p.id for p in mgr.pending] == ["p5", "p6"] and m["rollout/pending_prompts"] == 2
+        assert sorted({s.prompt_id for s in records}) == ["p0", "p1", "p2", "p3", "p4"]
+        assert all(s.reject_reason == ("kept" if int(s.prompt_id[1:]) % 2 == 0 else "all_wrong_group")
+                   for s in records)
+        # A checkpoint keeps the estimate and the pending prompts.
+        restored = make()
+        restored.load_state_dict(mgr.state_dict(), lambda d: Prompt(**d))
+        assert restored.keep_rate == mgr.keep_rate and [p.id for p in restored.pending] == ["p5", "p6"]
+        assert restored.round_size(3, 4) == mgr.round_size(3, 4) == 6   # ceil(3 x 1.2 / ~0.6); not gen_batch_size
+        kept, records = restored.collect_step(step=2, learner_version=1, prompt_source=source,
+                                              reward_fn=every_other_kept, train_batch_size=3, gen_batch_size=4,
+                                              max_staleness=0)
+        assert [g.prompt_id for g in kept] == ["p6", "p8", "p10"]    # pending first, then the cursor (p7 on)
+        assert restored.metrics["rollout/gen_batches"] == 1
+        # A checkpoint written before streaming (carry only) still loads.
+        old = make()
+        old.load_state_dict({"carry": []}, lambda d: Prompt(**d))
+        assert old.keep_rate is None and old.pending == [] and old.round_size(3, 4) == 4
+    finally:
+        engines[0].kill()
+
+
+class ShortFirst(RolloutManager):
+    """p0's request is short, every other one long: the batch fills while they are in flight."""
+
+    def _params_for(self, prompts, gen_round):
+        return [{**self.sampling_params, "max_new_tokens": 2 if p.id == "p0" else 250} for p in prompts]
+
+
+def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_path):
+    engines = start_engines(model_dir, 1, weight_version="0")
+    try:
+        G = 2
+        mgr = ShortFirst([EngineEndpoint(engines[0].url, timeout_s=120)], n_samples=G,
+                         sampling_params={"ignore_eos": True}, prompts_per_request=1, requests_per_engine=3)
+        kept, records = mgr.collect_step(step=1, learner_version=0, prompt_source=prompt_stream(),
+                                         reward_fn=every_other_kept, train_batch_size=1, gen_batch_size=6,
+                                         max_staleness=0)
+        assert [g.prompt_id for g in kept] == ["p0"]
+        m = mgr.metrics
+        # p1, p2 were in flight and aborted (partial, never completed: no ledger rows); p3-p5 never sent
+        assert m["rollout/aborted_requests"] == 2 and m["rollout/aborted_samples"] == 2 * G
+        assert 0 <= m["rollout/aborted_tokens"] < 2 * G * 250
+        assert m["rollout/groups_generated"] == 1 and m["rollout/carried_groups"] == 0
+        assert {s.prompt_id for s in records} == {"p0"} and len(records) == G
+        assert [p.id for p in mgr.pending] == ["p1", "p2", "p3", "p4", "p5"]
+        # the engine is not marked dead, and generates normally afterwards
+        assert mgr.dead == {}
+        ledger.write_step(tmp_path, 1, [ledger.ledger_record(s, "t") for s in records])
+        assert len(ledger.read_records(tmp_path)) == G
+    finally:
+        engines[0].kill()

@@ -7,10 +7,22 @@
   others; an aborted reply (the engine was paused with mode abort) is retried without
   marking the engine. A chunk's samples are taken only from a complete reply, so a killed
   engine loses no prompt and duplicates none.
-* Dynamic sampling (DAPO §3.2): rounds of `gen_batch_size` prompts from `prompt_source`,
-  scored by `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups` (Eq. 11),
-  until `train_batch_size` groups are kept; the surplus is carried to the next step
+* Dynamic sampling (DAPO §3.2): rounds of prompts from `prompt_source`, scored by
+  `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups` (Eq. 11), until
+  `train_batch_size` groups are kept; the surplus is carried to the next step
   (`state_dict`). `max_num_gen_batches` bounds the rounds (0 = no limit).
+* Synchronous modes (`max_staleness == 0`, where a carried surplus is dropped as stale next
+  step) stream instead: a round asks for gen_batch_size prompts until a keep rate has been
+  measured, then for (groups still needed) / keep_rate with a margin (`round_size`; the
+  estimate is a ratio of exponentially decayed counts carried in `state_dict`, so a resume
+  keeps it). Each request's groups are
+  scored and filtered as soon as it finishes (in prompt order), and once the batch is full no
+  request is sent any more and those in flight are aborted (`POST /abort_request` with
+  `abort_all` on each engine that has one, SGLang's and the embedded engine's). Aborted and
+  unsent prompts are kept (`pending`, in `state_dict`) and drawn first next round; an aborted
+  sample was never completed, so it is no ledger row: it is counted in the metrics
+  (`rollout/aborted_requests`, `_samples`, `_tokens`). Asynchronous modes generate whole
+  rounds of gen_batch_size and carry the surplus as before.
 * With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
   `sampling_seed` made from (seed, step, round, prompt id): a step redone after a resume,
   or a chunk retried on another engine, samples the same tokens.
@@ -24,8 +36,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
@@ -38,6 +52,14 @@ from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, pa
 
 __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample",
            "drop_stale_groups", "parse_version", "request_seed"]
+
+
+ROUND_MARGIN = 1.2
+"""A streamed round asks for need / keep_rate x this many prompts (see `round_size`)."""
+MAX_ROUND_FACTOR = 4
+"""A streamed round is at most this many x gen_batch_size prompts."""
+KEEP_RATE_EMA = 0.03
+"""Weight of each finished group in the keep-rate estimate (half-life ~23 groups)."""
 
 
 class RolloutError(RuntimeError):
@@ -85,15 +107,23 @@ class RolloutManager:
         copies with `dead_engines()`)."""
         self._dead_lock = threading.Lock()
         self.carry: List[Group] = []
+        self.pending: List[Any] = []
+        """Prompts drawn but never completed (a streamed round stopped first): drawn again first."""
+        self._keep_counts = [0.0, 0.0]
+        """Exponentially decayed counts of kept and finished groups (`keep_rate`)."""
         self.metrics: Dict[str, float] = {}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Carried groups (plain data) for checkpoints."""
-        return {"carry": [g.to_dict() for g in self.carry]}
+        """Carried groups, pending prompts (plain data) and the keep-rate estimate for checkpoints."""
+        return {"carry": [g.to_dict() for g in self.carry], "pending": [_plain(p) for p in self.pending],
+                "keep_counts": list(self._keep_counts)}
 
     def load_state_dict(self, state: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> None:
+        """What `state_dict` wrote (checkpoints from before streaming have only `carry`)."""
         self.carry = [Group.from_dict(d, prompt_factory, self.prompt_to_input) for d in state["carry"]]
+        self.pending = [prompt_factory(d) for d in state.get("pending", [])]
+        self._keep_counts = [float(x) for x in state.get("keep_counts", (0.0, 0.0))]
 
     def dead_engines(self) -> Dict[str, str]:
         """A copy of `dead` (safe to read while another thread generates)."""
@@ -111,37 +141,97 @@ class RolloutManager:
     # ---------------------------------------------------------------- generation
     async def generate_groups(self, prompts: Sequence[Any], gen_round: int = 0) -> List[Group]:
         """One group of n_samples per prompt, in prompt order, spread over live engines."""
-        queue: asyncio.Queue = asyncio.Queue()
+        out = await self._generate(prompts, gen_round)
+        if len(out.groups) != len(prompts):
+            raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
+                               f"dead engines: {self.dead}; failures: {out.failures[-5:]}")
+        return [out.groups[i] for i in range(len(prompts))]
+
+    async def _generate(self, prompts: Sequence[Any], gen_round: int,
+                        on_groups: Optional[Callable[[List[Group]], bool]] = None) -> "_RoundOutcome":
+        """Generate `prompts` in chunks of prompts_per_request over the live engines.
+
+        With `on_groups`, each finished chunk's groups are handed to it as soon as every
+        earlier chunk has been handed over (prompt order, so the outcome does not depend on
+        which engine is faster); once it returns True no new request is sent, the requests
+        still in flight are aborted (`/abort_request` with abort_all on each engine that has
+        one: only this manager generates on the engines in the modes that stream) and their
+        prompts, with those never sent, are returned in `unsent`. Chunks finishing after the
+        stop are still handed over, in chunk order.
+        """
+        out = _RoundOutcome()
         chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
                   for i in range(0, len(prompts), self.prompts_per_request)]
+        if not chunks:
+            return out
+        queue: asyncio.Queue = asyncio.Queue()
         attempts = [0] * len(chunks)
         for c in range(len(chunks)):
             queue.put_nowait(c)
-        results: Dict[int, Group] = {}
-        failures: List[str] = []
+        failures = out.failures
         start = time.monotonic()
         remaining = [len(chunks)]
         done_event = asyncio.Event()
-        if not chunks:
-            return []
+        stop_event = asyncio.Event()
+        finished: Dict[int, List[Group]] = {}
+        settled = set()  # chunks finished or aborted: nothing more will come for them
+        next_chunk = [0]
+        in_flight: Dict[str, int] = {}
+        errors: List[BaseException] = []
+        abort_tasks: List[asyncio.Task] = []
+
+        def hand_over(c_groups: List[Group]) -> None:
+            if on_groups is None:
+                return
+            try:
+                full = on_groups(c_groups)
+            except BaseException as exc:  # raised by collect_step after the round
+                errors.append(exc)
+                full = True
+            if full and not stop_event.is_set():
+                stop_event.set()
+                abort_tasks.append(asyncio.create_task(self._abort_in_flight(
+                    [u for u, k in in_flight.items() if k > 0], failures)))
+
+        def deliver_in_order() -> None:
+            while next_chunk[0] < len(chunks) and next_chunk[0] in settled:
+                c = next_chunk[0]
+                next_chunk[0] += 1
+                if c in finished:
+                    hand_over(finished.pop(c))
+
+        def settle(c: int) -> None:
+            settled.add(c)
+            remaining[0] -= 1
+            deliver_in_order()
+            if remaining[0] == 0:
+                done_event.set()
 
         async def worker(url: str):
             async with EngineClient(self.endpoints[url]) as client:
-                while not done_event.is_set() and url not in self.dead:
+                while not done_event.is_set() and not stop_event.is_set() and url not in self.dead:
                     try:
                         c = await asyncio.wait_for(queue.get(), timeout=0.1)
                     except asyncio.TimeoutError:
                         continue
-                    if url in self.dead:  # a sibling worker found this engine dead meanwhile: no attempt spent
+                    if url in self.dead or stop_event.is_set():  # no attempt spent
                         queue.put_nowait(c)
                         return
                     idx = chunks[c]
                     inputs = [self.prompt_to_input(prompts[i]) for i in idx]
                     params = self._params_for([prompts[i] for i in idx], gen_round)
                     t0 = time.monotonic()
+                    in_flight[url] = in_flight.get(url, 0) + 1
                     try:
                         samples = await client.generate(inputs, params, return_logprob=self.return_logprob)
                         if any(s.aborted for s in samples):
+                            if stop_event.is_set():  # our own abort: the prompts go back unsent
+                                out.aborted_requests += 1
+                                out.aborted_samples += len(samples)
+                                out.aborted_tokens += sum(len(s.token_ids) for s in samples)
+                                out.unsent_chunks.append(c)
+                                settle(c)
+                                continue
                             raise _Retry(f"{url}: request aborted by the engine")
                     except (_Retry, EngineError) as exc:
                         fatal = isinstance(exc, EngineError) and exc.status < 500
@@ -154,34 +244,58 @@ class RolloutManager:
                         self._mark_dead(url, f"{type(exc).__name__}: {exc}")
                         self._requeue(queue, c, attempts, failures, f"{url}: {self.dead[url]}", False)
                         return
+                    finally:
+                        in_flight[url] -= 1
                     latency = time.monotonic() - t0
+                    c_groups = []
                     for k, i in enumerate(idx):
-                        seed = params[k]["sampling_seed"] if isinstance(params, list) else params.get("sampling_seed")
+                        seed = (params[k] if isinstance(params, list) else params).get("sampling_seed")
                         replies = samples[k * self.n_samples:(k + 1) * self.n_samples]
-                        results[i] = Group(prompt=prompts[i], prompt_input=inputs[k], engine_id=url,
-                                           queue_delay_s=t0 - start, latency_s=latency, gen_round=gen_round,
-                                           samples=[_scored_sample(r, prompts[i], seed, url, t0 - start, latency,
-                                                                   gen_round) for r in replies])
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        done_event.set()
+                        out.groups[i] = Group(prompt=prompts[i], prompt_input=inputs[k], engine_id=url,
+                                              queue_delay_s=t0 - start, latency_s=latency, gen_round=gen_round,
+                                              samples=[_scored_sample(r, prompts[i], seed, url, t0 - start, latency,
+                                                                      gen_round) for r in replies])
+                        c_groups.append(out.groups[i])
+                    finished[c] = c_groups
+                    settle(c)
 
         workers = [asyncio.create_task(worker(e.url)) for e in self.alive_engines()
                    for _ in range(self.requests_per_engine)]
         if not workers:
             raise RolloutError(f"no live engine (dead: {self.dead})")
-        while not done_event.is_set():
+        while not done_event.is_set() and not stop_event.is_set():
             if failures and failures[-1].startswith("FATAL"):
                 break
             if all(w.done() for w in workers):
                 break
             await asyncio.sleep(0.05)
+        # Workers return once their request in flight (aborted after a stop) is answered.
         done_event.set()
-        await asyncio.gather(*workers, return_exceptions=True)
-        if len(results) != len(prompts):
-            raise RolloutError(f"{len(prompts) - len(results)} of {len(prompts)} prompts not generated; "
-                               f"dead engines: {self.dead}; failures: {failures[-5:]}")
-        return [results[i] for i in range(len(prompts))]
+        errors += [r for r in await asyncio.gather(*workers, return_exceptions=True)
+                   if isinstance(r, Exception)]  # a worker's own bug, not an engine's failure
+        await asyncio.gather(*abort_tasks, return_exceptions=True)
+        for c in sorted(finished):  # finished after a gap (an aborted or failed chunk before them)
+            hand_over(finished.pop(c))
+        out.stopped = stop_event.is_set()
+        if out.stopped:
+            while not queue.empty():
+                out.unsent_chunks.append(queue.get_nowait())
+            out.unsent = [prompts[i] for c in sorted(out.unsent_chunks) for i in chunks[c] if i not in out.groups]
+        if errors:
+            raise errors[0]
+        return out
+
+    async def _abort_in_flight(self, urls: Sequence[str], failures: List[str]) -> None:
+        """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised
+        (the request in flight then simply finishes)."""
+        async def one(url: str) -> None:
+            try:
+                async with EngineClient(self.endpoints[url]) as client:
+                    await client.abort_request(abort_all=True)
+            except Exception as exc:  # noqa: BLE001 - best effort
+                failures.append(f"{url}: abort_request failed: {type(exc).__name__}: {exc}")
+
+        await asyncio.gather(*(one(u) for u in urls))
 
     def _params_for(self, prompts: Sequence[Any], gen_round: int) -> Any:
         """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
@@ -204,42 +318,40 @@ class RolloutManager:
     def collect_step(self, step: int, learner_version: int, prompt_source: Callable[[int], List[Any]],
                      reward_fn: Callable[[List[Group]], List[List[SampleReward]]], train_batch_size: int,
                      gen_batch_size: int, dynamic_sampling: bool = True, max_num_gen_batches: int = 0,
-                     max_staleness: Optional[int] = None) -> Tuple[List[Group], List[ScoredSample]]:
+                     max_staleness: Optional[int] = None, stream: Optional[bool] = None
+                     ) -> Tuple[List[Group], List[ScoredSample]]:
         """Groups to train on at `step` (exactly train_batch_size of them) and every sample
         the step generated or dropped (kept or not, each with its reject reason), stamped with
         `step` and `learner_version`: the step's ledger rows.
 
         `reward_fn(groups)` returns, per group, per sample, its `SampleReward`.
+        `stream` (default: `max_staleness == 0`, where a surplus could only be dropped as
+        stale) sizes each round from the keep rate, scores groups as their request finishes
+        and aborts the requests in flight once the batch is full (module docstring).
         """
-        kept: List[Group] = []
+        if stream is None:
+            stream = max_staleness == 0
         samples: List[ScoredSample] = []
         self._step = step
         carried, self.carry = self.carry, []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
             samples += [s for g in stale for s in g.stamp(step, learner_version)]
-        kept += carried
-        rounds = seen = all_correct = all_wrong = 0
-        while len(kept) < train_batch_size:
-            if max_num_gen_batches and rounds >= max_num_gen_batches:
-                raise DynamicSamplingExhausted(
-                    f"step {step}: dynamic sampling kept {len(kept)} of algo.train_batch_size={train_batch_size} "
-                    f"groups after {rounds} rounds (algo.max_num_gen_batches={max_num_gen_batches}): {seen} groups "
-                    f"generated, {all_correct} all-correct and {all_wrong} all-wrong (uniform rewards carry no "
-                    "gradient). Fix: use easier data (all wrong) or harder data (all correct), raise "
-                    "algo.n_samples_per_prompt, raise algo.max_num_gen_batches or set it to 0 (no limit), or set "
-                    "algo.dynamic_sampling=false.")
-            prompts = prompt_source(gen_batch_size)
-            groups = asyncio.run(self.generate_groups(prompts, gen_round=rounds))
-            rounds += 1
-            seen += len(groups)
+        kept: List[Group] = list(carried)
+        counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0, "aborted_requests": 0,
+                  "aborted_samples": 0, "aborted_tokens": 0}
+
+        def filter_groups(groups: List[Group]) -> bool:
+            """Score and filter finished groups into kept / rejected; True once the batch is full."""
+            if not groups:
+                return len(kept) >= train_batch_size
             for g, rewards in zip(groups, reward_fn(groups)):
                 for s, reward in zip(g.samples, rewards):
                     s.score = reward
             if dynamic_sampling:
                 sel = _select(groups)
-                all_correct += sel.num_all_correct
-                all_wrong += sel.num_all_wrong
+                counts["all_correct"] += sel.num_all_correct
+                counts["all_wrong"] += sel.num_all_wrong
                 offset = 0
                 for g in groups:
                     g.set_reasons(sel.sample_reasons[offset:offset + len(g.samples)])
@@ -247,23 +359,91 @@ class RolloutManager:
             else:
                 for g in groups:
                     g.set_reasons(["kept"] * len(g.samples))
+            n_kept = 0
             for g in groups:
                 for s in g.samples:
                     if s.score.verifier_error and s.reject_reason == "kept":
                         s.reject_reason = "verifier_error"
                 if all(s.reject_reason not in ("kept", "verifier_error") for s in g.samples):
-                    samples += g.stamp(step, learner_version)
+                    samples.extend(g.stamp(step, learner_version))
                 else:
                     kept.append(g)
+                    n_kept += 1
+            counts["seen"] += len(groups)
+            self._observe_keep_rate(n_kept, len(groups))
+            return len(kept) >= train_batch_size
+
+        while len(kept) < train_batch_size:
+            rounds = counts["rounds"]
+            if max_num_gen_batches and rounds >= max_num_gen_batches:
+                raise DynamicSamplingExhausted(
+                    f"step {step}: dynamic sampling kept {len(kept)} of algo.train_batch_size={train_batch_size} "
+                    f"groups after {rounds} rounds (algo.max_num_gen_batches={max_num_gen_batches}): "
+                    f"{counts['seen']} groups generated, {counts['all_correct']} all-correct and "
+                    f"{counts['all_wrong']} all-wrong (uniform rewards carry no "
+                    "gradient). Fix: use easier data (all wrong) or harder data (all correct), raise "
+                    "algo.n_samples_per_prompt, raise algo.max_num_gen_batches or set it to 0 (no limit), or set "
+                    "algo.dynamic_sampling=false.")
+            size = self.round_size(train_batch_size - len(kept), gen_batch_size) if stream else gen_batch_size
+            prompts = self._draw(prompt_source, size)
+            counts["requested"] += len(prompts)
+            counts["rounds"] += 1
+            if stream:
+                out = asyncio.run(self._generate(prompts, rounds, filter_groups))
+                if not out.stopped and len(out.groups) != len(prompts):
+                    raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
+                                       f"dead engines: {self.dead}; failures: {out.failures[-5:]}")
+                self.pending = out.unsent + self.pending
+                for key in ("aborted_requests", "aborted_samples", "aborted_tokens"):
+                    counts[key] += getattr(out, key)
+            else:
+                filter_groups(asyncio.run(self.generate_groups(prompts, gen_round=rounds)))
         self.carry = kept[train_batch_size:]
         kept = kept[:train_batch_size]
         for g in kept:
             samples += g.stamp(step, learner_version)
         # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
         # samples by rollout/metrics.py, so that they exist with dynamic sampling off.
-        self.metrics = {"rollout/gen_batches": rounds, "rollout/groups_generated": seen,
-                        "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead)}
+        self.metrics = {"rollout/gen_batches": counts["rounds"], "rollout/groups_generated": counts["seen"],
+                        "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead),
+                        "rollout/prompts_requested": counts["requested"],
+                        "rollout/aborted_requests": counts["aborted_requests"],
+                        "rollout/aborted_samples": counts["aborted_samples"],
+                        "rollout/aborted_tokens": counts["aborted_tokens"],
+                        "rollout/pending_prompts": len(self.pending)}
+        if self.keep_rate is not None:
+            self.metrics["rollout/keep_rate_estimate"] = self.keep_rate
         return kept, samples
+
+    def round_size(self, need: int, gen_batch_size: int) -> int:
+        """Prompts to request for `need` more kept groups: gen_batch_size until a keep rate has
+        been measured, then need / keep_rate with a margin (ROUND_MARGIN), at most
+        MAX_ROUND_FACTOR x gen_batch_size. Prompts not sent when the batch fills are not lost
+        (`pending`), so a margin costs little and saves a round."""
+        rate = self.keep_rate
+        if rate is None:
+            return gen_batch_size
+        cap = MAX_ROUND_FACTOR * gen_batch_size
+        return cap if rate * cap <= need * ROUND_MARGIN else max(1, math.ceil(need * ROUND_MARGIN / rate))
+
+    def _observe_keep_rate(self, kept: int, seen: int) -> None:
+        """Update the exponentially weighted (KEEP_RATE_EMA per finished group) counts of kept
+        and finished groups whose ratio is `keep_rate`."""
+        if seen <= 0:
+            return
+        decay = (1.0 - KEEP_RATE_EMA) ** seen
+        self._keep_counts = [self._keep_counts[0] * decay + kept, self._keep_counts[1] * decay + seen]
+
+    @property
+    def keep_rate(self) -> Optional[float]:
+        """Estimated fraction of generated groups dynamic sampling keeps (None: nothing seen yet)."""
+        kept, seen = self._keep_counts
+        return kept / seen if seen > 0 else None
+
+    def _draw(self, prompt_source: Callable[[int], List[Any]], n: int) -> List[Any]:
+        """n prompts: those returned unsent by an earlier round first, then fresh ones."""
+        taken, self.pending = self.pending[:n], self.pending[n:]
+        return taken + (list(prompt_source(n - len(taken))) if n > len(taken) else [])
 
 
 def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
@@ -279,12 +459,38 @@ def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine
         prompt_text=text if isinstance(text, str) else "")
 
 
+def _plain(prompt: Any) -> Any:
+    """A prompt item as plain data (as Group.to_dict stores it)."""
+    from dataclasses import asdict
+
+    return asdict(prompt) if hasattr(prompt, "__dataclass_fields__") else prompt
+
+
 def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:
     """A 56-bit sampling seed of one prompt's request (the engine adds the sample index)."""
     import hashlib
 
     digest = hashlib.sha256(f"{seed}:{step}:{gen_round}:{prompt_id}".encode()).digest()
     return int.from_bytes(digest[:7], "big")
+
+
+@dataclass
+class _RoundOutcome:
+    """What one generation round produced (RolloutManager._generate)."""
+
+    groups: Dict[int, Group] = field(default_factory=dict)
+    """prompt index -> its finished group."""
+    failures: List[str] = field(default_factory=list)
+    stopped: bool = False
+    """The batch filled and the rest of the round was cancelled."""
+    unsent_chunks: List[int] = field(default_factory=list)
+    unsent: List[Any] = field(default_factory=list)
+    """Prompts of the round never completed (never sent, or aborted in flight), in order."""
+    aborted_requests: int = 0
+    aborted_samples: int = 0
+    """Samples of the aborted requests (never completed: no ledger rows)."""
+    aborted_tokens: int = 0
+    """Tokens those samples had generated when aborted."""
 
 
 class _Retry(Exception):
