@@ -606,22 +606,22 @@ def _check_choice(path: str, value: Any, choices: Any, fix: str = "") -> None:
         raise _field_error(path, f"unknown {value!r}", fix or "use " + ", ".join(map(str, allowed)))
 
 
-def load_config(overrides: Optional[List[str]] = None, config_name: str = "config") -> DapoConfig:
-    """Compose `configs/<config_name>.yaml` with Hydra overrides into a validated DapoConfig.
+def compose_config(config_name: str, overrides: List[str]) -> Any:
+    """Compose `configs/<config_name>.yaml` with Hydra overrides into its structured object.
 
-    A bad override (unknown key, wrong type) raises ConfigError naming the key.
+    The schema of the config must be registered in Hydra's ConfigStore first. A bad override
+    (unknown key, wrong type, missing group option, bad syntax) raises ConfigError naming it.
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = compose(config_name=config_name, overrides=list(overrides or []))
-        obj = OmegaConf.to_object(cfg)
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         raise ConfigError(f"{key or 'override'}: {exc}".strip()) from exc
@@ -629,6 +629,17 @@ def load_config(overrides: Optional[List[str]] = None, config_name: str = "confi
         if type(exc).__module__.startswith("hydra"):
             raise ConfigError(f"override: {exc}") from exc
         raise
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def load_config(overrides: Optional[List[str]] = None, config_name: str = "config") -> DapoConfig:
+    """Compose `configs/<config_name>.yaml` with Hydra overrides into a validated DapoConfig.
+
+    A bad override (unknown key, wrong type) raises ConfigError naming the key.
+    """
+    register_configs()
+    obj = compose_config(config_name, list(overrides or []))
     assert isinstance(obj, DapoConfig)
     validate_config(obj)
     return obj

@@ -181,32 +181,15 @@ def split_arguments(args: List[str]) -> tuple:
 def load_ablation_config(overrides: List[str]) -> AblationConfig:
     """Compose `configs/ablate.yaml` + the ablation group; `ablation=X` and `+ablation=X`
     both select X (default dapo_ladder). A bad key or value raises ConfigError."""
-    from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    from dapo_mega.config import ConfigError, config_dir
+    from dapo_mega.config import compose_config
 
     ConfigStore.instance().store(name="ablate_schema", node=AblationRoot)
     chosen = [o for o in overrides if o.lstrip("+").startswith(ABLATION_GROUP + "=")]
     rest = [o for o in overrides if o not in chosen]
     group = chosen[-1].split("=", 1)[1] if chosen else DEFAULT_ABLATION
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-            cfg = compose(config_name="ablate", overrides=[f"+{ABLATION_GROUP}={group}", *rest])
-        obj = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        raise ConfigError(f"{key or 'override'}: {exc}".strip()) from exc
-    except Exception as exc:  # hydra's own errors (missing group option, bad syntax)
-        if type(exc).__module__.startswith("hydra"):
-            raise ConfigError(f"override: {exc}") from exc
-        raise
-    finally:
-        GlobalHydra.instance().clear()
+    obj = compose_config("ablate", [f"+{ABLATION_GROUP}={group}", *rest])
     assert isinstance(obj, AblationRoot)
     obj.ablation.validate()
     return obj.ablation
