@@ -14,7 +14,8 @@ rounds larger than needed, ...). The benchmark runs a short real `dapo-mega trai
 sampling on, from the cached warm start of `bench_e2e_trl`) and reads its ledger:
 
     measured = samples generated / samples trained
-             = (ledger rows + groups still carried at the end x G) / rows of kept groups
+             = (ledger rows + groups still carried at the end x G
+                + tokens of aborted requests / mean response length) / rows of kept groups
     minimum  = Eq. (2) with the estimator below
     ratio    = minimum / measured      (1.0 = no waste beyond what the accuracy forces)
 
@@ -162,9 +163,21 @@ def run(quick: bool = False, keep_work: bool = False) -> Dict[str, Any]:
         from dapo_mega.config import from_yaml
 
         cfg = from_yaml(config)
-        rows = read_ledger(run_dir).select(["step", "prompt_id", "correct", "reject_reason"]).to_pylist()
+        rows = read_ledger(run_dir).select(["step", "prompt_id", "correct", "reject_reason",
+                                            "response_length"]).to_pylist()
         last = max(metrics, key=lambda m: m["step"])
         waste = ledger_waste(rows, cfg.algo.n_samples_per_prompt, int(last.get("rollout/carried_groups", 0)))
+        # Requests aborted once a batch was full (synchronous streaming) are no ledger rows; their
+        # partial tokens count here as samples of the mean completed length.
+        aborted_tokens = sum(m.get("rollout/aborted_tokens", 0) for m in metrics)
+        mean_length = sum(r["response_length"] for r in rows) / max(len(rows), 1)
+        waste["aborted_samples"] = sum(m.get("rollout/aborted_samples", 0) for m in metrics)
+        waste["aborted_tokens"] = aborted_tokens
+        waste["aborted_sample_equivalents"] = aborted_tokens / mean_length if mean_length else 0.0
+        waste["measured_completed_only"] = waste["measured"]
+        waste["measured"] = (waste["samples_generated"] + waste["aborted_sample_equivalents"]) / \
+            waste["samples_trained"]
+        waste["ratio"] = waste["minimum"] / waste["measured"]
         from_metrics = sum(m.get("rollout/groups_generated", 0) for m in metrics) * cfg.algo.n_samples_per_prompt
     finally:
         if not keep_work:

@@ -5,7 +5,10 @@
 (verifier + overlong penalty, `reward.compute_rewards`) and filter them (dynamic sampling),
 and returns a `RolloutBatch`: the kept groups, every `ScoredSample` of the step (kept or
 rejected, each with its reason: the ledger rows), the step's metrics, and snapshots of the
-data cursor and the rollout carry-over for the checkpoint.
+data cursor and the manager's state (carry-over, prompts drawn but not completed, keep-rate
+estimate) for the checkpoint. In the synchronous modes the manager sizes each round from
+its keep rate and aborts the requests still in flight once the batch is full
+(`rollout/aborted_*` metrics; an aborted sample is no ledger row).
 
 `AsyncRollouts` runs one `RolloutSource` on its own thread (disaggregated mode with
 `cluster.max_staleness = k > 0`). The thread owns the source: its counters, its data cursor
@@ -41,7 +44,7 @@ class RolloutBatch:
     data_cursor: Optional[Dict[str, Any]] = None
     """The prompt iterator's state right after this batch's prompts were drawn."""
     rollout_carry: Optional[Dict[str, Any]] = None
-    """The manager's carry-over right after this batch."""
+    """The manager's state right after this batch (carry-over, pending prompts, keep rate)."""
 
 
 class RolloutSource:
@@ -63,7 +66,9 @@ class RolloutSource:
         t = time.perf_counter()
         stats: List[VerifyStats] = []  # this step's scoring rounds
         # Surplus groups carried from an older version obey max_staleness too: in the
-        # synchronous modes (0) they are dropped as `stale`, so every trained sample is on-policy.
+        # synchronous modes (0) they are dropped as `stale`, so every trained sample is on-policy;
+        # there the manager streams (rounds sized from its keep rate, requests in flight aborted
+        # once the batch is full) so that little surplus is generated in the first place.
         groups, samples = self.manager.collect_step(
             step, learner_version, self._next_prompts, lambda gs: self._score(gs, stats), a.train_batch_size,
             a.gen_batch_size, dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,

@@ -58,6 +58,8 @@ ROUND_MARGIN = 1.2
 """A streamed round asks for need / keep_rate x this many prompts (see `round_size`)."""
 MAX_ROUND_FACTOR = 4
 """A streamed round is at most this many x gen_batch_size prompts."""
+IN_FLIGHT_MARGIN = 1.0
+"""A streamed round keeps requests in flight for want x this many expected kept groups."""
 KEEP_RATE_EMA = 0.03
 """Weight of each finished group in the keep-rate estimate (half-life ~23 groups)."""
 
@@ -148,7 +150,8 @@ class RolloutManager:
         return [out.groups[i] for i in range(len(prompts))]
 
     async def _generate(self, prompts: Sequence[Any], gen_round: int,
-                        on_groups: Optional[Callable[[List[Group]], bool]] = None) -> "_RoundOutcome":
+                        on_groups: Optional[Callable[[List[Group]], bool]] = None,
+                        want: Optional[Callable[[], int]] = None) -> "_RoundOutcome":
         """Generate `prompts` in chunks of prompts_per_request over the live engines.
 
         With `on_groups`, each finished chunk's groups are handed to it as soon as every
@@ -157,7 +160,9 @@ class RolloutManager:
         still in flight are aborted (`/abort_request` with abort_all on each engine that has
         one: only this manager generates on the engines in the modes that stream) and their
         prompts, with those never sent, are returned in `unsent`. Chunks finishing after the
-        stop are still handed over, in chunk order.
+        stop are still handed over, in chunk order. With `want` (groups still needed) and a
+        keep-rate estimate, a request is sent only while the prompts in flight or not yet
+        handed over are expected to keep fewer than want() x IN_FLIGHT_MARGIN groups.
         """
         out = _RoundOutcome()
         chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
@@ -179,8 +184,14 @@ class RolloutManager:
         in_flight: Dict[str, int] = {}
         errors: List[BaseException] = []
         abort_tasks: List[asyncio.Task] = []
+        open_prompts = [0]  # sent, not yet handed over (nor aborted, nor failed)
+
+        def may_send() -> bool:
+            rate = self.keep_rate
+            return want is None or rate is None or open_prompts[0] * rate < want() * IN_FLIGHT_MARGIN
 
         def hand_over(c_groups: List[Group]) -> None:
+            open_prompts[0] -= len(c_groups)
             if on_groups is None:
                 return
             try:
@@ -210,10 +221,10 @@ class RolloutManager:
         async def worker(url: str):
             async with EngineClient(self.endpoints[url]) as client:
                 while not done_event.is_set() and not stop_event.is_set() and url not in self.dead:
-                    try:
-                        c = await asyncio.wait_for(queue.get(), timeout=0.1)
-                    except asyncio.TimeoutError:
+                    if queue.empty() or not may_send():
+                        await asyncio.sleep(0.02)
                         continue
+                    c = queue.get_nowait()  # no await from the check to open_prompts += below
                     if url in self.dead or stop_event.is_set():  # no attempt spent
                         queue.put_nowait(c)
                         return
@@ -222,6 +233,8 @@ class RolloutManager:
                     params = self._params_for([prompts[i] for i in idx], gen_round)
                     t0 = time.monotonic()
                     in_flight[url] = in_flight.get(url, 0) + 1
+                    open_prompts[0] += len(idx)
+                    failed = True
                     try:
                         samples = await client.generate(inputs, params, return_logprob=self.return_logprob)
                         if any(s.aborted for s in samples):
@@ -230,6 +243,8 @@ class RolloutManager:
                                 out.aborted_samples += len(samples)
                                 out.aborted_tokens += sum(len(s.token_ids) for s in samples)
                                 out.unsent_chunks.append(c)
+                                open_prompts[0] -= len(idx)
+                                failed = False
                                 settle(c)
                                 continue
                             raise _Retry(f"{url}: request aborted by the engine")
@@ -244,8 +259,12 @@ class RolloutManager:
                         self._mark_dead(url, f"{type(exc).__name__}: {exc}")
                         self._requeue(queue, c, attempts, failures, f"{url}: {self.dead[url]}", False)
                         return
+                    else:
+                        failed = False
                     finally:
                         in_flight[url] -= 1
+                        if failed:  # requeued (or fatal): no longer in flight
+                            open_prompts[0] -= len(idx)
                     latency = time.monotonic() - t0
                     c_groups = []
                     for k, i in enumerate(idx):
@@ -389,7 +408,8 @@ class RolloutManager:
             counts["requested"] += len(prompts)
             counts["rounds"] += 1
             if stream:
-                out = asyncio.run(self._generate(prompts, rounds, filter_groups))
+                out = asyncio.run(self._generate(prompts, rounds, filter_groups,
+                                                 want=lambda: train_batch_size - len(kept)))
                 if not out.stopped and len(out.groups) != len(prompts):
                     raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
                                        f"dead engines: {self.dead}; failures: {out.failures[-5:]}")
