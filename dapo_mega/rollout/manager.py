@@ -161,15 +161,15 @@ class RolloutManager:
         one: only this manager generates on the engines in the modes that stream) and their
         prompts, with those never sent, are returned in `unsent`. Chunks finishing after the
         stop are still handed over, in chunk order. With `want` (groups still needed) and a
-        keep-rate estimate, a request is sent only while the prompts in flight or not yet
-        handed over are expected to keep fewer than want() x IN_FLIGHT_MARGIN groups.
+        keep-rate estimate, a request is sent only while the prompts in flight are expected
+        to keep fewer than want() x IN_FLIGHT_MARGIN groups.
         """
         out = _RoundOutcome()
         chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
                   for i in range(0, len(prompts), self.prompts_per_request)]
         if not chunks:
             return out
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first
         attempts = [0] * len(chunks)
         for c in range(len(chunks)):
             queue.put_nowait(c)
@@ -184,11 +184,13 @@ class RolloutManager:
         in_flight: Dict[str, int] = {}
         errors: List[BaseException] = []
         abort_tasks: List[asyncio.Task] = []
-        open_prompts = [0]  # sent, not yet handed over (nor aborted, nor failed)
+        open_prompts = [0]  # sent, not handed over yet (nor aborted, nor failed)
 
-        def may_send() -> bool:
+        def may_send(c: int) -> bool:
+            """The gate (docstring); a chunk that finished chunks wait for (a retry) always goes."""
             rate = self.keep_rate
-            return want is None or rate is None or open_prompts[0] * rate < want() * IN_FLIGHT_MARGIN
+            return (want is None or rate is None or any(f > c for f in finished)
+                    or open_prompts[0] * rate < want() * IN_FLIGHT_MARGIN)
 
         def hand_over(c_groups: List[Group]) -> None:
             open_prompts[0] -= len(c_groups)
@@ -221,10 +223,14 @@ class RolloutManager:
         async def worker(url: str):
             async with EngineClient(self.endpoints[url]) as client:
                 while not done_event.is_set() and not stop_event.is_set() and url not in self.dead:
-                    if queue.empty() or not may_send():
+                    if queue.empty():
                         await asyncio.sleep(0.02)
                         continue
-                    c = queue.get_nowait()  # no await from the check to open_prompts += below
+                    c = queue.get_nowait()  # no await from here to open_prompts += below
+                    if not may_send(c):
+                        queue.put_nowait(c)
+                        await asyncio.sleep(0.02)
+                        continue
                     if url in self.dead or stop_event.is_set():  # no attempt spent
                         queue.put_nowait(c)
                         return
@@ -243,9 +249,7 @@ class RolloutManager:
                                 out.aborted_samples += len(samples)
                                 out.aborted_tokens += sum(len(s.token_ids) for s in samples)
                                 out.unsent_chunks.append(c)
-                                open_prompts[0] -= len(idx)
-                                failed = False
-                                settle(c)
+                                settle(c)  # failed stays True: no longer open
                                 continue
                             raise _Retry(f"{url}: request aborted by the engine")
                     except (_Retry, EngineError) as exc:
@@ -263,7 +267,7 @@ class RolloutManager:
                         failed = False
                     finally:
                         in_flight[url] -= 1
-                        if failed:  # requeued (or fatal): no longer in flight
+                        if failed:  # aborted, requeued or fatal: no longer open
                             open_prompts[0] -= len(idx)
                     latency = time.monotonic() - t0
                     c_groups = []
