@@ -1,6 +1,6 @@
 """`dapo-mega ablate`: statistics against published t-table values and hand computations,
 config composition, rung expansion, resume skip, table rendering and the sbatch array
-script. The runs themselves are exercised by tests/test_ablation_runs.py (slow)."""
+script. The runs themselves are exercised by tests/ablation/test_ablation_runs.py (slow)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from dapo_mega.ablation.runner import (
 from dapo_mega.ablation.stats import Difference, Interval, mean_interval, t_cdf, t_quantile, welch_interval
 from dapo_mega.config import ConfigError, load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- statistics

@@ -21,7 +21,7 @@ import pytest
 from dapo_mega.config import from_yaml
 from dapo_mega.rollout.ledger import LedgerRecord, read_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "run"
 TRAIN_GROUPS, GROUP_SIZE = 4, 4
 

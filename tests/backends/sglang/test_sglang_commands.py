@@ -15,7 +15,7 @@ import pytest
 from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
 from dapo_mega.config import RolloutConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 
 PARSE_SERVER = """

@@ -11,7 +11,7 @@ import torch
 
 from dapo_mega.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = ["data.synthetic_max_digits=1", "data.synthetic_num_eval=40", "eval.max_problems=6",
              "eval.n_samples=2", "eval.temperature=0.0", "rollout.health_timeout_s=300"]
 

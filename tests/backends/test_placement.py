@@ -18,7 +18,7 @@ from dapo_mega.backends.placement import (CUDA_IPC, DISTRIBUTED, SHARED_MEMORY, 
 from dapo_mega.config import ConfigError, load_config
 from dapo_mega.launch import compute_engine_slots, engine_addresses, job_shape
 
-EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs" / "experiment").glob("*.yaml"))
 
 
 def _layouts(name):

@@ -1,6 +1,6 @@
 """Fault injection for the trainer fault tests (test-only; holds no tests itself).
 
-    python tests/test_faults_common.py --fault kill:train:3 [--fault ...] -- <hydra overrides>
+    python tests/faults/test_faults_common.py --fault kill:train:3 [--fault ...] -- <hydra overrides>
 
 runs `dapo-mega train <overrides>` in this process after patching the named phase, so the
 fault hits a deterministic point of a real run without any hook in the product code:

@@ -30,7 +30,7 @@ from dapo_mega.distributed import free_port
 
 pytestmark = [pytest.mark.slurm]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 180
 TOTAL_STEPS = 3  # configs/experiment/tiny_cpu_slurm.yaml
 

@@ -11,7 +11,7 @@ from dapo_mega.ledger_report import (build_report, compute_age_buckets, compute_
                                      is_near_empty, render_markdown, repeats_prompt, sample_high_reward, write_report)
 from dapo_mega.rollout.ledger import LedgerRecord, write_step
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def rec(step, prompt_id, index, correct, length, reason, age=0, truncated=False, text=" 12",

@@ -13,7 +13,7 @@ import pytest
 
 from dapo_mega.data import compute_dataset_revision, read_problems
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the "
             "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
             "Remember to put your answer on its own line after \"Answer:\".")

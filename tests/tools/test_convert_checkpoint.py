@@ -17,7 +17,7 @@ from dapo_mega.weights import convert
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import INDEX_NAME, HFCheckpointReader
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _assert_same_tensors(src: Path, dst: Path) -> None:
