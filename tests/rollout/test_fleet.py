@@ -207,3 +207,33 @@ def test_eval_starts_the_configured_backend(tmp_path, model_dir):
     assert argv[argv.index("--model-path") + 1] == str(model_dir)
     assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--dtype") + 1] == "bfloat16"
     assert run["env"]["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+def test_health_probe_waits_for_a_health_check_that_takes_over_a_second():
+    """Issue 12 defect 3: SGLang's /health runs a one-token generation and sleeps 1 s before
+    answering; a probe with a 1-second timeout never saw it healthy. A stand-in server answers
+    /health after 1.5 s: the fleet's probe must still say healthy."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class SlowHealth(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            time.sleep(1.5)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowHealth)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = EngineEndpoint(f"http://127.0.0.1:{server.server_address[1]}")
+        assert is_healthy(endpoint)
+        assert not is_healthy(endpoint, timeout_s=1.0)  # what the old 1-second probe saw
+    finally:
+        server.shutdown()
+        server.server_close()
