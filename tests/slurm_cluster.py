@@ -290,3 +290,22 @@ class LocalSlurmCluster:
                 return
             time.sleep(0.5)
         raise TimeoutError(f"nodes not idle after {timeout_s:.0f}s: {last}\n{self.debug_tail()}")
+
+
+def start_or_skip(workdir) -> "LocalSlurmCluster":
+    """A started local cluster in `workdir`, or pytest.skip saying why it cannot run here.
+    The caller stops it."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root here")
+    reason = ensure_installed()
+    if reason:
+        pytest.skip(f"no local Slurm: {reason}")
+    cluster = LocalSlurmCluster(workdir)
+    try:
+        cluster.start()
+    except Exception as exc:  # the daemons could not come up on this machine
+        cluster.stop()
+        pytest.skip(f"local Slurm cluster did not start: {exc}")
+    return cluster

@@ -59,19 +59,9 @@ def test_quick_ladder_writes_table_json_and_curves(tmp_path):
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_array_runs_the_ladder_and_builds_the_table(tmp_path_factory, tmp_path):
-    from tests.slurm_cluster import LocalSlurmCluster, ensure_installed
+    from slurm_cluster import start_or_skip
 
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root here")
-    reason = ensure_installed()
-    if reason:
-        pytest.skip(f"no local Slurm: {reason}")
-    cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-    except Exception as exc:  # the daemons could not come up on this machine
-        cluster.stop()
-        pytest.skip(f"local Slurm cluster did not start: {exc}")
+    cluster = start_or_skip(tmp_path_factory.mktemp("slurm"))
     try:
         env = {**cluster.env(), "LEARNERS_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
         # one node per run (two runs at once on the two nodes), a 2-step reduced ladder; not the

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import LocalSlurmCluster, ensure_installed
+from slurm_cluster import start_or_skip
 
 from dapo_mega.distributed import free_port
 
@@ -37,17 +37,7 @@ TOTAL_STEPS = 3  # configs/experiment/tiny_cpu_slurm.yaml
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root here")
-    reason = ensure_installed()
-    if reason:
-        pytest.skip(f"no local Slurm: {reason}")
-    c = LocalSlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        c.start()
-    except Exception as exc:  # the daemons could not come up on this machine
-        c.stop()
-        pytest.skip(f"local Slurm cluster did not start: {exc}")
+    c = start_or_skip(tmp_path_factory.mktemp("slurm"))
     yield c
     c.stop()
 

@@ -38,6 +38,7 @@ from dapo_mega.backends.sglang.client import EngineClient, EngineError, expand_s
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
 from dapo_mega.rollout.fleet import EngineFleet, free_port
+from sglang_venv import sglang_python_or_skip
 from dapo_mega.weights import transport
 from dapo_mega.weights.sync import SHM_LOAD_FORMAT, WeightSyncer
 
@@ -46,10 +47,6 @@ CONTEXT = 256  # the tiny model's max_position_embeddings
 MAX_RUNNING = 2
 VERSION = "7"
 OUTSIDE_SESSION = "must run between begin_weight_update() and end_weight_update()"
-
-
-def sglang_python() -> Path:
-    return Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 
 
 @dataclass
@@ -96,10 +93,7 @@ def new_weights(tmp_path_factory):
 def server(request, model_dir, tmp_path_factory):
     kind = request.param
     if kind == "sglang":
-        python = sglang_python()
-        if not python.exists():
-            pytest.skip(f"no SGLang venv at {python}: build one with ../shared/sglang-cpu/setup.sh "
-                        f"{REPO / '.venv-sglang'} (or set DAPO_MEGA_SGLANG_PYTHON)")
+        python = sglang_python_or_skip()
         # float32, as the embedded engine: a random tiny model's logits are nearly tied, and
         # bf16 rounding (SGLang's CPU kernels vs transformers') flips its greedy choices
         cfg = RolloutConfig(backend="sglang", engine_python=str(python), max_running_requests=MAX_RUNNING,

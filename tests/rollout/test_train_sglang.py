@@ -15,21 +15,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_venv import sglang_python_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
-SGLANG_PYTHON = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 
 
 @pytest.mark.parametrize("mode,update_path", [("colocated", "/update_weights_from_tensor"),
                                               ("disaggregated", "/update_weights_from_distributed")])
 def test_train_with_real_sglang(tmp_path, mode, update_path):
-    if not SGLANG_PYTHON.exists():
-        pytest.skip(f"no SGLang venv at {SGLANG_PYTHON}: build one with ../shared/sglang-cpu/setup.sh "
-                    f"{REPO / '.venv-sglang'} (or set DAPO_MEGA_SGLANG_PYTHON)")
+    sglang_python = sglang_python_or_skip()
     import pyarrow.parquet as pq
 
     cmd = [sys.executable, "-m", "dapo_mega.cli", "train", f"cluster.mode={mode}", "rollout.backend=sglang",
-           f"rollout.engine_python={SGLANG_PYTHON}", "trainer.total_steps=2", "trainer.sft_warmup_steps=0",
+           f"rollout.engine_python={sglang_python}", "trainer.total_steps=2", "trainer.sft_warmup_steps=0",
            "algo.dynamic_sampling=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
            "rollout.extra_server_args=[--max-total-tokens,4096]"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
 from dapo_mega.config import RolloutConfig
 
 REPO = Path(__file__).resolve().parents[3]
-SGLANG_PYTHON = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or REPO / ".venv-sglang" / "bin" / "python")
 
 PARSE_SERVER = """
 import argparse, json, sys
@@ -38,13 +38,11 @@ print(json.dumps({k: getattr(args, k) for k in ("worker_urls", "host", "port", "
 
 
 def parse_in_sglang_venv(code: str, argv, module: str) -> dict:
-    if not SGLANG_PYTHON.exists():
-        pytest.skip(f"no SGLang venv at {SGLANG_PYTHON}: build one with ../shared/sglang-cpu/setup.sh "
-                    f"{REPO / '.venv-sglang'} (or set DAPO_MEGA_SGLANG_PYTHON)")
-    check = subprocess.run([str(SGLANG_PYTHON), "-c", f"import {module}"], capture_output=True, text=True)
+    python = sglang_python_or_skip()
+    check = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True)
     if check.returncode != 0:
-        pytest.skip(f"{module} is not installed in {SGLANG_PYTHON}")
-    out = subprocess.run([str(SGLANG_PYTHON), "-c", code, json.dumps(list(argv))], capture_output=True, text=True,
+        pytest.skip(f"{module} is not installed in {python}")
+    out = subprocess.run([str(python), "-c", code, json.dumps(list(argv))], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
