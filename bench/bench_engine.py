@@ -44,16 +44,7 @@ def run(quick: bool = False) -> dict:
         prompts = [tok(f"{a}+{b}=", add_special_tokens=False).input_ids for a, b in
                    zip(range(10, 10 + num_prompts), range(37, 37 + num_prompts))]
         with EngineFleet(RolloutConfig(), tmp, Path(tmp) / "logs", num_threads=threads) as fleet:
-            engine = fleet.start(1)[0]
-
-            async def engine_rollout():
-                async with EngineClient(engine) as c:
-                    await c.generate(prompts[:1], {"max_new_tokens": 2, "n": 1})  # warm-up
-                    t0 = time.perf_counter()
-                    out = await c.generate(prompts, {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
-                                                     "ignore_eos": True})
-                    return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
-            engine_s, engine_tokens = asyncio.run(engine_rollout())
+            engine_s, engine_tokens = timed_rollout(fleet.start(1)[0], prompts, n, new_tokens)
         sglang = run_sglang(tmp, prompts, n, new_tokens, threads)
 
         torch.set_num_threads(threads)
@@ -84,6 +75,18 @@ def run(quick: bool = False) -> dict:
     return result
 
 
+def timed_rollout(endpoint, prompts, n: int, new_tokens: int) -> tuple:
+    """(seconds, generated tokens) of one sampled rollout on `endpoint`, after a warm-up request."""
+    async def rollout_once():
+        async with EngineClient(endpoint) as c:
+            await c.generate(prompts[:1], {"max_new_tokens": 2, "n": 1})  # warm-up
+            t0 = time.perf_counter()
+            out = await c.generate(prompts, {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
+                                             "ignore_eos": True})
+            return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
+    return asyncio.run(rollout_once())
+
+
 def run_sglang(model_dir: str, prompts, n: int, new_tokens: int, threads: int) -> dict:
     """The same rollout on a real SGLang server; {} (with the reason) without the SGLang venv."""
     python = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or Path(__file__).resolve().parents[1] / ".venv-sglang"
@@ -95,16 +98,7 @@ def run_sglang(model_dir: str, prompts, n: int, new_tokens: int, threads: int) -
                             extra_server_args=["--max-total-tokens", "8192"])
     with EngineFleet(rollout, model_dir, Path(model_dir) / "sglang_logs", device="cpu",
                      extra_env={"OMP_NUM_THREADS": str(threads)}) as fleet:
-        engine = fleet.start(1)[0]
-
-        async def rollout_once():
-            async with EngineClient(engine) as c:
-                await c.generate(prompts[:1], {"max_new_tokens": 2, "n": 1})  # warm-up
-                t0 = time.perf_counter()
-                out = await c.generate(prompts, {"n": n, "max_new_tokens": new_tokens, "temperature": 1.0,
-                                                 "ignore_eos": True})
-                return time.perf_counter() - t0, sum(len(s.token_ids) for s in out)
-        seconds, tokens = asyncio.run(rollout_once())
+        seconds, tokens = timed_rollout(fleet.start(1)[0], prompts, n, new_tokens)
     return {"sglang_seconds": seconds, "sglang_tokens": tokens, "sglang_tokens_per_s": tokens / seconds}
 
 

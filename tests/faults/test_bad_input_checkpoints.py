@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from dapo_mega.weights.spawn import spawn_gloo
-from test_megatron_parallel import make_config
+from dist_helpers import make_config
 
 
 def _learner(world, **model_overrides):
@@ -43,7 +43,7 @@ def _run(rank, world, root):
     from dapo_mega.backends.megatron import checkpoint as C
     from dapo_mega.run_dir import MODEL_OPTIM_DIR
     from dapo_mega.backends.megatron.layout import ParallelLayout  # noqa: F401
-    from test_megatron_parallel import make_samples
+    from dist_helpers import make_samples
 
     root = Path(root)
     source = _learner(world)

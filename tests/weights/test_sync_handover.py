@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
-from test_megatron_parallel import make_config
-from test_sync_learner_engines import _engine_view
+from test_sync_learner_engines import _engine_view, trained_learner
 
 from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import RolloutConfig, load_config
@@ -40,24 +39,11 @@ def test_plan_of_each_rank_follows_the_placement():
 
 
 def _learner_handover(rank, world, tp, pp, model_dir, engine_urls, ipc_ranks, export_dir):
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from dapo_mega.backends.megatron.batch import TrainSample
-    from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
     from dapo_mega.weights.convert import export_learner_to_hf
     from dapo_mega.weights.handover import HandoverPlan, sync_colocated_learner_weights
-    from dapo_mega.weights.hf_io import HFCheckpointReader
-    from dapo_mega.weights.stream import load_hf_into_megatron
     from dapo_mega.weights.sync import WeightSyncer
 
-    cfg = make_config(tp=tp, pp=pp, train_batch_size=1, mini_batch_size=1, n=2, lr=1e-2)
-    layout = ParallelLayout.from_config(cfg.megatron, world, model_dir).initialize()
-    learner = MegatronLearner(cfg, model_dir, layout)
-    load_hf_into_megatron(learner.model_chunks, learner.info, layout, HFCheckpointReader(model_dir))
-    learner.train_step([TrainSample([5, 6, 7], [8, 9, 10], advantage=1.0),
-                        TrainSample([5, 6, 7], [11, 12], advantage=-1.0)])
+    learner, layout = trained_learner(world, tp, pp, model_dir)
     plan = HandoverPlan.for_rank(rank, ipc_ranks)
     posters = {e: WeightSyncer([engine_urls[e]], mode="colocated", timeout_s=120) for e in plan.posts}
     driver = WeightSyncer(engine_urls, mode="colocated", timeout_s=120) if rank == 0 else None

@@ -12,33 +12,39 @@ import asyncio
 import pytest
 import torch
 
-from dist_helpers import run_distributed
-from test_megatron_parallel import make_config
+from dist_helpers import make_config, run_distributed
 
 from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import RolloutConfig
 from dapo_mega.rollout.fleet import EngineFleet, free_port
 
 
-def _learner_sync(rank, world, tp, pp, model_dir, engine_urls, ports, export_dir):
+def trained_learner(world, tp, pp, model_dir):
+    """(learner, layout) of this rank: the HF weights of `model_dir`, then one real update, so
+    the synced weights differ from what the engines loaded at start."""
     import warnings
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.batch import TrainSample
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.train_step import MegatronLearner
-    from dapo_mega.weights.convert import export_learner_to_hf
     from dapo_mega.weights.hf_io import HFCheckpointReader
     from dapo_mega.weights.stream import load_hf_into_megatron
-    from dapo_mega.weights.sync import WeightSyncer, sync_learner_weights
 
     cfg = make_config(tp=tp, pp=pp, train_batch_size=1, mini_batch_size=1, n=2, lr=1e-2)
     layout = ParallelLayout.from_config(cfg.megatron, world, model_dir).initialize()
     learner = MegatronLearner(cfg, model_dir, layout)
     load_hf_into_megatron(learner.model_chunks, learner.info, layout, HFCheckpointReader(model_dir))
-    # One real update, so the synced weights differ from what the engines loaded at start.
     learner.train_step([TrainSample([5, 6, 7], [8, 9, 10], advantage=1.0),
                         TrainSample([5, 6, 7], [11, 12], advantage=-1.0)])
+    return learner, layout
+
+
+def _learner_sync(rank, world, tp, pp, model_dir, engine_urls, ports, export_dir):
+    from dapo_mega.weights.convert import export_learner_to_hf
+    from dapo_mega.weights.sync import WeightSyncer, sync_learner_weights
+
+    learner, layout = trained_learner(world, tp, pp, model_dir)
     syncer = None
     if layout.is_weight_source or rank == 0:
         syncer = WeightSyncer(engine_urls, bucket_mb=0.02, mode="distributed", backend="gloo", timeout_s=120)

@@ -18,7 +18,7 @@ import pytest
 from dapo_mega import run_dir as R
 from dapo_mega.backends.megatron import checkpoint as C
 from dapo_mega.weights.spawn import spawn_gloo
-from test_megatron_parallel import make_config, make_samples
+from dist_helpers import make_config, make_samples
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:

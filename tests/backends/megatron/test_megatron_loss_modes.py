@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from dist_helpers import run_distributed
-from test_megatron_parallel import make_config
+from dist_helpers import make_config
 
 
 def _modes_run(rank, world):

@@ -10,40 +10,10 @@ the whole batch in one micro-batch and differs from a per-micro-batch mean.
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
-from dist_helpers import run_distributed
-
-
-def make_samples(seed: int = 0, num: int = 8, vocab: int = 90):
-    """Variable-length prompts/responses with +/- advantages (2 groups of 4)."""
-    from dapo_mega.backends.megatron.batch import TrainSample
-
-    rng = random.Random(seed)
-    samples = []
-    for i in range(num):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
-        response = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
-        samples.append(TrainSample(prompt_ids=prompt, response_ids=response, advantage=(1.0 if i % 2 == 0 else -1.0)))
-    return samples
-
-
-def make_config(tp=1, pp=1, micro_batch_tokens=32, train_batch_size=2, mini_batch_size=1, n=4, lr=1e-2):
-    from dapo_mega.config import DapoConfig
-
-    cfg = DapoConfig()
-    cfg.model.tiny_num_layers = 2
-    m = cfg.megatron
-    m.tensor_model_parallel_size, m.pipeline_model_parallel_size = tp, pp
-    m.micro_batch_tokens = micro_batch_tokens
-    m.transformer_impl = "local"
-    a = cfg.algo
-    a.train_batch_size, a.mini_batch_size, a.n_samples_per_prompt = train_batch_size, mini_batch_size, n
-    a.lr, a.lr_warmup_steps, a.grad_clip = lr, 0, 1.0
-    a.temperature = 0.7
-    return cfg
+from dist_helpers import make_config, make_samples, run_distributed
 
 
 def _learner_run(rank, world, tp, pp):

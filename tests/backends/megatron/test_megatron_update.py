@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from dist_helpers import run_distributed
-from test_megatron_parallel import make_config
+from dist_helpers import make_config
 
 
 def _direction_run(rank, world):
