@@ -325,9 +325,17 @@ class WeightSyncer:
             # SGLang's MultiprocessingSerializer format; between unrelated processes CPU
             # storages must travel as files (the default fd strategy fails and takes the
             # scheduler down). The tensors stay alive here until every engine has loaded them.
+            # One pickle per receiving process (engine x TP rank): pickling a storage gives it
+            # one reference that its unpickler takes over and drops; one payload read by two
+            # processes drops the sender's own, the file is unlinked, and the next sync of the
+            # same storage fails in the engine ("unable to open shared memory object").
             torch.multiprocessing.set_sharing_strategy("file_system")
             named = [(n, t.detach().cpu().contiguous()) for n, t in bucket]
-            self.post_tensor_payloads([transport.serialize_cuda_ipc(named)] * self.engine_tp_size, None, version)
+            payloads = {c.url: [transport.serialize_cuda_ipc(named) for _ in range(self.engine_tp_size)]
+                        for c in self.clients}
+            self._io.run(self._all(lambda c: c.update_weights_from_tensor(
+                payloads[c.url], load_format=None, weight_version=version, flush_cache=False)),
+                timeout=self.timeout_s)
             return
         handle = transport.write_shm_bucket([(n, t.detach().cpu()) for n, t in bucket])
         try:
