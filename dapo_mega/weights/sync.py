@@ -14,7 +14,9 @@ Distributed mode (disaggregated; also usable colocated on CPU):
                load_format="flattened_bucket") and POSTs /update_weights_from_distributed
                with the bucket's names/dtypes/shapes to every engine; the last bucket of
                the last stage carries `weight_version`; rank 0 closes the session
-               (/end_weight_update) and continues generation.
+               (/end_weight_update) and continues generation. Pipelined: the next bucket
+               is produced and flattened while the current one is being broadcast; its
+               POST waits for that broadcast to complete (see `_sync_distributed`).
 
 The embedded engine rejects a bad bucket (400: unknown name, wrong shape) before joining the
 broadcast; the syncer raises at once, naming the engine and its message, instead of
@@ -32,8 +34,10 @@ here a TP-1 engine on the syncing rank's own GPU is all one process can serve. E
 release their memory while the learner trains (`release_engine_memory` /
 `resume_engine_memory`; SGLang needs `--enable-memory-saver` for that to free anything).
 
-Memory beyond the model is bounded by two buckets (the one being broadcast and the one the
-engines are still loading; a tensor larger than a bucket is a bucket of its own).
+Memory beyond the model is bounded by two buckets on each side: on the engines, the one
+being received and the one still being loaded; on the learner, two flat buffers (the one
+being broadcast and the next one being filled) besides the stream's tensors of up to two
+buckets (`iter_buckets`' lookahead). A tensor larger than a bucket is a bucket of its own.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import base64
 import json
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -124,6 +129,16 @@ class _LoopThread:
         self.thread.join(timeout=5)
 
 
+@dataclass
+class _Broadcast:
+    """One bucket in flight: its broadcast and the engines' replies to its POST."""
+
+    work: object
+    posts: Future
+    first: str
+    last: str
+
+
 class WeightSyncer:
     """Pushes learner weights (HF names) into every engine; see the module docstring."""
 
@@ -152,7 +167,7 @@ class WeightSyncer:
         self.clients = [EngineClient(e) for e in endpoints]
         self.group = None
         self.group_name: Optional[str] = None
-        self._flat: Optional[torch.Tensor] = None
+        self._flats: List[Optional[torch.Tensor]] = [None, None]  # the bucket being filled, the one in flight
 
     def close(self) -> None:
         async def _close():
@@ -253,26 +268,51 @@ class WeightSyncer:
         total, count, buckets = 0, 0, 0
         if pause:
             self.pause_engines()
-        pending = []  # replies of buckets already broadcast (engines may still be loading them)
         try:
-            for bucket, is_last in iter_buckets(named_tensors, self.bucket_bytes):
-                version = weight_version if (is_last and is_last_stage) else None
-                if self.mode == "distributed":
-                    pending.append(self._send_bucket_distributed(bucket, version))
-                    # At most two buckets in flight: bounds engine-side memory.
-                    while len(pending) > 1:
-                        pending.pop(0).result(self.timeout_s)
-                else:
-                    self._send_bucket_colocated(bucket, version)
-                total += sum(t.numel() * t.element_size() for _, t in bucket)
-                count += len(bucket)
-                buckets += 1
-            for fut in pending:
-                fut.result(self.timeout_s)
+            if self.mode == "distributed":
+                total, count, buckets = self._sync_distributed(named_tensors, weight_version, is_last_stage)
+            else:
+                for bucket, is_last in iter_buckets(named_tensors, self.bucket_bytes):
+                    self._send_bucket_colocated(bucket, weight_version if (is_last and is_last_stage) else None)
+                    total += sum(t.numel() * t.element_size() for _, t in bucket)
+                    count += len(bucket)
+                    buckets += 1
         finally:
             if pause:
                 self.continue_engines()
         return SyncStats(time.perf_counter() - start, total, count, buckets)
+
+    def _sync_distributed(self, named_tensors, weight_version: Optional[str], is_last_stage: bool
+                          ) -> Tuple[int, int, int]:
+        """Buckets through the group, pipelined: bucket k is produced (the stream's gathers
+        and conversions) and flattened into one of two buffers while bucket k-1 is still
+        being broadcast. Bucket k's POST goes out only once broadcast k-1 has completed, so
+        every engine has already taken request k-1 and serves k after it (SGLang queues its
+        update requests in arrival order; a POST sent earlier could overtake it). Before
+        POSTing bucket k, the reply to bucket k-2 is awaited: at most two buckets are being
+        received or loaded by an engine at once. Returns (bytes, tensors, buckets)."""
+        if self.group is None:
+            raise WeightSyncError("call init_group() before sync() in distributed mode")
+        total, count, index = 0, 0, 0
+        inflight: Optional[_Broadcast] = None
+        replies: List[Future] = []  # the POSTs of buckets already broadcast
+        for bucket, is_last in iter_buckets(named_tensors, self.bucket_bytes):
+            flat = self._flatten(bucket, slot=index % 2)  # overlaps the broadcast in flight
+            if inflight is not None:
+                self._finish(inflight)
+            while len(replies) > 1:
+                replies.pop(0).result(self.timeout_s)
+            version = weight_version if (is_last and is_last_stage) else None
+            inflight = self._start(bucket, flat, version)
+            replies.append(inflight.posts)
+            total += flat.numel()
+            count += len(bucket)
+            index += 1
+        if inflight is not None:
+            self._finish(inflight)
+        for fut in replies:
+            fut.result(self.timeout_s)
+        return total, count, index
 
     def post_tensor_payloads(self, payloads: List[str], load_format: Optional[str],
                              weight_version: Optional[str]) -> None:
@@ -282,33 +322,41 @@ class WeightSyncer:
             payloads, load_format=load_format, weight_version=weight_version, flush_cache=False)),
             timeout=self.timeout_s)
 
-    def _send_bucket_distributed(self, bucket, version: Optional[str]) -> None:
-        if self.group is None:
-            raise WeightSyncError("call init_group() before sync() in distributed mode")
+    def _flatten(self, bucket, slot: int) -> torch.Tensor:
+        """The bucket's bytes in flat buffer `slot` (0 or 1, reused: no page faults per
+        bucket), on the parameters' device (NCCL broadcasts GPU tensors; SGLang receives on
+        its own device)."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        device = bucket[0][1].device
+        buf = self._flats[slot]
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._flats[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return transport.flatten_bucket([t for _, t in bucket], out=buf)
+
+    def _start(self, bucket, flat: torch.Tensor, version: Optional[str]) -> "_Broadcast":
+        """POST the bucket's names/dtypes/shapes to every engine and start its broadcast."""
         names = [n for n, _ in bucket]
         dtypes = [transport.dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         posts = self._io.submit(self._all(lambda c: c.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self.group_name, weight_version=version,
             load_format=FLATTENED_BUCKET, flush_cache=False, timeout_s=self.timeout_s)))
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        device = bucket[0][1].device  # NCCL broadcasts GPU tensors; SGLang receives on its own device
-        if self._flat is None or self._flat.numel() < nbytes or self._flat.device != device:
-            self._flat = torch.empty(nbytes, dtype=torch.uint8, device=device)  # reused: no page faults per bucket
-        flat = transport.flatten_bucket([t for _, t in bucket], out=self._flat)
         work = torch.distributed.broadcast(flat, src=0, group=self.group, async_op=True)
-        # A 400 (bad name/shape) arrives before the engine joins the broadcast: watch for
-        # it instead of blocking in work.wait() until the group times out.
+        return _Broadcast(work, posts, names[0], names[-1])
+
+    def _finish(self, b: "_Broadcast") -> None:
+        """Wait for a broadcast to complete. A 400 (bad name/shape) arrives before the
+        engine joins the broadcast: watch for it instead of blocking in work.wait() until
+        the group times out."""
         deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            if posts.done() and posts.exception() is not None:
-                raise WeightSyncError(f"engine refused bucket {names[0]}..{names[-1]}: {posts.exception()}; "
+        while not b.work.is_completed():
+            if b.posts.done() and b.posts.exception() is not None:
+                raise WeightSyncError(f"engine refused bucket {b.first}..{b.last}: {b.posts.exception()}; "
                                       "destroy and re-create the weight-update group before retrying")
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"broadcast of bucket {names[0]}.. timed out after {self.timeout_s} s")
+                raise WeightSyncError(f"broadcast of bucket {b.first}.. timed out after {self.timeout_s} s")
             time.sleep(0.001)
-        work.wait()
-        return posts
+        b.work.wait()
 
     def _send_bucket_colocated(self, bucket, version: Optional[str]) -> None:
         if bucket[0][1].is_cuda:

@@ -20,6 +20,16 @@ class _DoneWork:
         return True
 
 
+def _accept_posts(syncer, log=None):
+    """The engines' replies, without engines: every bucket's POST succeeds (and is logged)."""
+    for client in syncer.clients:
+        async def update(names, *args, **kwargs):
+            if log is not None:
+                log.append(("post", names[0]))
+            return {"success": True}
+        client.update_weights_from_distributed = update
+
+
 def test_flat_broadcast_buffer_is_on_the_parameters_device(monkeypatch):
     sent = []
 
@@ -30,13 +40,69 @@ def test_flat_broadcast_buffer_is_on_the_parameters_device(monkeypatch):
     monkeypatch.setattr(sync_module.torch.distributed, "broadcast", fake_broadcast)
     syncer = WeightSyncer(["http://127.0.0.1:9"], mode="distributed", timeout_s=5)
     try:
-        syncer.group, syncer.group_name = object(), "g"  # the engines' replies are not awaited here
+        syncer.group, syncer.group_name = object(), "g"
+        _accept_posts(syncer)
         bucket = [("a.weight", torch.empty(4, 8, device="meta")), ("b.weight", torch.empty(3, device="meta",
                                                                                             dtype=torch.bfloat16))]
-        syncer._send_bucket_distributed(bucket, None)
+        syncer.sync(iter(bucket), None, pause=False)
         cpu_bucket = [("a.weight", torch.ones(2, 2))]
-        syncer._send_bucket_distributed(cpu_bucket, None)
+        syncer.sync(iter(cpu_bucket), None, pause=False)
     finally:
         syncer.close()
     assert sent[0].device.type == "meta" and sent[0].dtype == torch.uint8 and sent[0].numel() == 4 * 8 * 4 + 3 * 2
     assert sent[1].device.type == "cpu" and torch.equal(sent[1].view(torch.float32), torch.ones(4))
+
+
+class _SlowWork:
+    """A broadcast in flight until it is polled twice; checks its buffer was not touched meanwhile."""
+
+    def __init__(self, tensor, log, key):
+        self.tensor, self.snapshot, self.log, self.key, self.polls = tensor, tensor.clone(), log, key, 0
+
+    def is_completed(self):
+        self.polls += 1
+        if self.polls < 2:
+            return False
+        assert torch.equal(self.tensor, self.snapshot), f"buffer of bucket {self.key} changed while in flight"
+        self.log.append(("done", self.key))
+        return True
+
+    def wait(self):
+        return True
+
+
+def test_next_bucket_is_flattened_while_the_current_one_is_broadcast(monkeypatch):
+    """Pipelining: bucket k+1 is flattened (into the other buffer) before broadcast k completes;
+    POST k+1 only after it has (SGLang serves update requests in arrival order); every
+    broadcast carries exactly its own bucket's bytes."""
+    log, sent = [], []
+
+    def fake_broadcast(tensor, src, group=None, async_op=False):
+        key = len(sent)
+        sent.append(tensor.clone())
+        log.append(("bcast", key))
+        return _SlowWork(tensor, log, key)
+
+    monkeypatch.setattr(sync_module.torch.distributed, "broadcast", fake_broadcast)
+    tensors = [(f"t{i}", torch.full((8,), float(i))) for i in range(5)]  # 32 bytes each: one per bucket
+    syncer = WeightSyncer(["http://127.0.0.1:9"], mode="distributed", bucket_mb=40 / (1 << 20), timeout_s=5)
+    flatten = syncer._flatten
+
+    def logged_flatten(bucket, slot):
+        log.append(("flatten", bucket[0][0]))
+        return flatten(bucket, slot)
+
+    try:
+        syncer.group, syncer.group_name = object(), "g"
+        _accept_posts(syncer, log)
+        syncer._flatten = logged_flatten
+        stats = syncer.sync(iter(tensors), "7", pause=False)
+    finally:
+        syncer.close()
+    assert stats.num_buckets == 5 and stats.bytes == 5 * 32
+    for i, flat in enumerate(sent):
+        assert torch.equal(flat.view(torch.float32), tensors[i][1])
+    order = [e for e in log if e[0] != "post"]
+    for k in range(1, 5):
+        assert order.index(("flatten", f"t{k}")) < order.index(("done", k - 1)) < order.index(("bcast", k))
+        assert log.index(("done", k - 1)) < log.index(("post", f"t{k}"))
