@@ -14,6 +14,10 @@ fault hits a deterministic point of a real run without any hook in the product c
     engine:SIG:K:N        send SIG (KILL or STOP) to engine K just before its first /generate
                           request of step N (the other engines' first requests wait for it,
                           up to 10 s, so that engine K surely takes a chunk)
+    engine:SIG:K:N:inflight  the same, but once that request is in flight: sent, and (SGLang)
+                          its prefill logged by the engine; prints whether it was still in flight
+                          and whether the engine's child processes (SGLang's scheduler and
+                          detokenizer) outlived it
     verifier:RAISE:HANG   the verifier raises on ground truths in RAISE and never returns on
                           those in HANG (comma-separated; it runs in the verifier pool)
 
@@ -151,8 +155,8 @@ def _install(fault: str) -> None:
             return original(state, ckpt_dir)
         C.save_dist_checkpoint = save_dist_checkpoint
     elif kind == "engine":
-        sig, k, step = rest.split(":")
-        _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step))
+        sig, k, step, *when = rest.split(":")
+        _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step), in_flight=when == ["inflight"])
     elif kind == "verifier":
         raise_on, hang_on = rest.split(":")
         import dapo_mega.reward as R
@@ -219,7 +223,7 @@ def _install_kill(phase: str, step: int) -> None:
         raise SystemExit(f"unknown phase {phase!r}")
 
 
-def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
+def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: bool = False) -> None:
     from dapo_mega.backends.sglang.client import EngineClient
     from dapo_mega.rollout.fleet import EngineFleet
 
@@ -239,6 +243,8 @@ def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
 
         engine = fleets[0].engines[engine_index]
         if _current_step[0] == step and not done[0]:
+            if self.url == engine.url and in_flight:
+                return await _signal_in_flight(engine, engine_index, sig, step, original(self, *args, **kwargs), done)
             if self.url == engine.url:
                 done[0] = True
                 print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid "
@@ -250,6 +256,58 @@ def _install_engine_fault(sig: int, engine_index: int, step: int) -> None:
                     await asyncio.sleep(0.02)
         return await original(self, *args, **kwargs)
     EngineClient.generate = generate
+
+
+PREFILL_MARKERS = (b"Prefill batch",)
+"""What an engine logs once a request reached its scheduler (SGLang 0.5.23's metrics reporter)."""
+
+
+async def _signal_in_flight(engine, engine_index: int, sig: int, step: int, request, done: List[bool]):
+    """Send `request`; once the engine logged its prefill (at most 30 s), send `sig` to the
+    engine's process; then report whether the request was still in flight and whether the
+    engine's child processes exited with it (bounded wait). Returns (or raises) what the
+    request does."""
+    import asyncio
+
+    import psutil
+
+    offset = engine.log_path.stat().st_size
+    task = asyncio.ensure_future(request)
+    deadline = time.monotonic() + 30.0
+    while not task.done() and time.monotonic() < deadline:
+        with open(engine.log_path, "rb") as f:
+            f.seek(offset)
+            if any(m in f.read() for m in PREFILL_MARKERS):
+                break
+        await asyncio.sleep(0.02)
+    children = psutil.Process(engine.proc.pid).children(recursive=True)
+    state = "with a /generate request in flight" if not task.done() else "after its /generate request finished"
+    print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid {engine.proc.pid} "
+          f"at step {step} {state}; children {[c.pid for c in children]}", flush=True)
+    os.kill(engine.proc.pid, sig)
+    done[0] = True
+    try:
+        return await task
+    except BaseException as exc:
+        print(f"[fault] the in-flight request to engine {engine_index} failed: {type(exc).__name__}: {exc}",
+              flush=True)
+        raise
+    finally:
+        end = time.monotonic() + 20.0
+        while time.monotonic() < end and any(_alive(c) for c in children):
+            await asyncio.sleep(0.1)
+        left = [c.pid for c in children if _alive(c)]
+        print(f"[fault] engine {engine_index}'s children after its death: "
+              f"{'still alive ' + str(left) if left else 'all exited'}", flush=True)
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class FaultyVerifier:

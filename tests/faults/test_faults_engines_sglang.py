@@ -1,0 +1,74 @@
+"""A real SGLang engine SIGKILLed mid-rollout inside `dapo-mega train` loses and duplicates no prompt.
+
+Two SGLang 0.5.23 engines on this CPU (`rollout.backend=sglang`, colocated: update from
+tensor), 36 prompts x 2 samples a step in 9 requests (more than one engine's 8 request
+slots, so engine 1 surely takes one). Engine 1's launch process is SIGKILLed once its first
+request of step 1 is in flight: SGLang has logged the request's prefill and not answered.
+The HTTP connection drops, the rollout manager marks the engine dead and sends the prompts
+to engine 0; the weight sync after step 1 leaves engine 1 out, and step 2 runs on engine 0.
+
+Judged from the run's own records: each step's ledger (parquet under run/ledger) holds every
+prompt of the step exactly n times, each sample index once; no sample of step 2 comes from
+engine 1; SGLang's scheduler and detokenizer processes (children of the launch process,
+which set PR_SET_PDEATHSIG) do not outlive it. The same fault against the embedded engine,
+with 3 engines and a hung engine too, is test_faults_engines.py.
+
+Needs the SGLang venv (tests/sglang_venv.py); skips without it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+from sglang_venv import sglang_python_or_skip
+from test_faults_common import read_metric_rows, run_trainer
+
+from dapo_mega.rollout.ledger import read_records
+
+N_SAMPLES = 2
+PROMPTS_PER_STEP = 36
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sglang_engine_killed_mid_request_loses_and_duplicates_no_prompt(tmp_path):
+    python = sglang_python_or_skip()
+    result = run_trainer(tmp_path, "sglkill", [
+        "cluster.mode=colocated", "rollout.backend=sglang", f"rollout.engine_python={python}",
+        "rollout.num_engines=2", "rollout.extra_server_args=[--max-total-tokens,4096]",
+        "rollout.request_timeout_s=120", "rollout.max_retries=3",
+        "trainer.total_steps=2", "trainer.save_interval=0",
+        f"algo.n_samples_per_prompt={N_SAMPLES}", f"algo.train_batch_size={PROMPTS_PER_STEP}",
+        f"algo.gen_batch_size={PROMPTS_PER_STEP}", "algo.mini_batch_size=18",
+    ], faults=["engine:KILL:1:1:inflight"], timeout_s=900)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    fault = re.search(r"SIGKILL to engine 1 \((\S+)\) pid \d+ at step 1 (.*); children \[(.*)\]", out)
+    assert fault, out[-4000:]
+    killed, when, children = fault.group(1), fault.group(2), fault.group(3)
+    assert when == "with a /generate request in flight", when
+    assert children, "SGLang's launch process had no child processes (scheduler, detokenizer)"
+    assert "the in-flight request to engine 1 failed" in out
+    assert "engine 1's children after its death: all exited" in out
+    dropped = [line for line in out.splitlines() if "dropped from rollouts and weight sync" in line]
+    assert len(dropped) == 1 and killed in dropped[0], dropped
+
+    run_dir = tmp_path / "sglkill"
+    rows = read_metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["rollout/dead_engines"] for r in rows] == [1, 1]
+    assert [r["sync/engines"] for r in rows] == [1, 1]
+    for step in (1, 2):
+        recs = read_records(run_dir, steps=[step])
+        per_prompt = Counter(r.prompt_id for r in recs)
+        assert len(per_prompt) == PROMPTS_PER_STEP, f"step {step}: {len(per_prompt)} prompts in the ledger"
+        assert set(per_prompt.values()) == {N_SAMPLES}, f"step {step}: a prompt lost samples or was repeated"
+        keys = [(r.prompt_id, r.sample_index) for r in recs]
+        assert len(keys) == len(set(keys)) == PROMPTS_PER_STEP * N_SAMPLES
+        assert all(r.learner_version == step - 1 for r in recs)
+        # versions read from SGLang's replies: engine 0 got every sync
+        assert {r.policy_version_min for r in recs} == {r.policy_version_max for r in recs} == {step - 1}
+    survivors = {r.engine_id for r in read_records(run_dir, steps=[2])}
+    assert len(survivors) == 1 and killed not in survivors
