@@ -233,11 +233,12 @@ class WeightSyncer:
     def pause_engines(self) -> None:
         """Pause generation, flush the KV cache and open the weight-update session on every
         engine (SGLang 0.5.23 refuses updates outside `/begin_weight_update` ... `/end_weight_update`)."""
-        async def _pause(c):
-            await c.pause_generation(self.pause_mode)
-            await c.flush_cache()
-            await c.begin_weight_update()
-        self._io.run(self._all(_pause), timeout=self.timeout_s)
+        self._io.run(self._all(self._pause_one), timeout=self.timeout_s)
+
+    async def _pause_one(self, c: EngineClient) -> None:
+        await c.pause_generation(self.pause_mode)
+        await c.flush_cache()
+        await c.begin_weight_update()
 
     def continue_engines(self) -> None:
         """Close the weight-update session and continue generation on every engine."""
@@ -262,35 +263,44 @@ class WeightSyncer:
 
         Call on the source rank of each PP stage (the other ranks of the stage must still
         drain their copy of the TP-gathering iterator). `pause=True` pauses/flushes before
-        and continues after (set it False when a caller coordinates several stages).
+        and continues after (set it False when a caller coordinates several stages); the
+        pause runs while the first bucket is produced, and nothing is sent before it is done.
         """
         start = time.perf_counter()
         total, count, buckets = 0, 0, 0
-        if pause:
-            self.pause_engines()
+        pausing = self._io.submit(self._all(self._pause_one)) if pause else None
+
+        def paused() -> None:
+            if pausing is not None:
+                pausing.result(self.timeout_s)  # raises the engines' refusal
+
         try:
             if self.mode == "distributed":
-                total, count, buckets = self._sync_distributed(named_tensors, weight_version, is_last_stage)
+                total, count, buckets = self._sync_distributed(named_tensors, weight_version, is_last_stage, paused)
             else:
                 for bucket, is_last in iter_buckets(named_tensors, self.bucket_bytes):
+                    paused()
                     self._send_bucket_colocated(bucket, weight_version if (is_last and is_last_stage) else None)
                     total += sum(t.numel() * t.element_size() for _, t in bucket)
                     count += len(bucket)
                     buckets += 1
+            paused()
         finally:
-            if pause:
+            # continue only engines this sync paused (a failed pause leaves them as they are)
+            if pausing is not None and pausing.exception(self.timeout_s) is None:
                 self.continue_engines()
         return SyncStats(time.perf_counter() - start, total, count, buckets)
 
-    def _sync_distributed(self, named_tensors, weight_version: Optional[str], is_last_stage: bool
-                          ) -> Tuple[int, int, int]:
+    def _sync_distributed(self, named_tensors, weight_version: Optional[str], is_last_stage: bool,
+                          paused: Callable[[], None]) -> Tuple[int, int, int]:
         """Buckets through the group, pipelined: bucket k is produced (the stream's gathers
         and conversions) and flattened into one of two buffers while bucket k-1 is still
         being broadcast. Bucket k's POST goes out only once broadcast k-1 has completed, so
         every engine has already taken request k-1 and serves k after it (SGLang queues its
         update requests in arrival order; a POST sent earlier could overtake it). Before
         POSTing bucket k, the reply to bucket k-2 is awaited: at most two buckets are being
-        received or loaded by an engine at once. Returns (bytes, tensors, buckets)."""
+        received or loaded by an engine at once. `paused()` returns once the engines are
+        paused (called before each POST). Returns (bytes, tensors, buckets)."""
         if self.group is None:
             raise WeightSyncError("call init_group() before sync() in distributed mode")
         total, count, index = 0, 0, 0
@@ -303,6 +313,7 @@ class WeightSyncer:
             while len(replies) > 1:
                 replies.pop(0).result(self.timeout_s)
             version = weight_version if (is_last and is_last_stage) else None
+            paused()
             inflight = self._start(bucket, flat, version)
             replies.append(inflight.posts)
             total += flat.numel()

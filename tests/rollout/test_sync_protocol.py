@@ -6,6 +6,7 @@ flat bucket the learner broadcasts must live on the parameters' device. Paramete
 update session (defect 1) is checked against real SGLang in test_conformance.py.
 """
 
+import pytest
 import torch
 
 from dapo_mega.weights import sync as sync_module
@@ -106,3 +107,52 @@ def test_next_bucket_is_flattened_while_the_current_one_is_broadcast(monkeypatch
     for k in range(1, 5):
         assert order.index(("flatten", f"t{k}")) < order.index(("done", k - 1)) < order.index(("bcast", k))
         assert log.index(("done", k - 1)) < log.index(("post", f"t{k}"))
+
+
+def _fake_session(syncer, log, fail_pause=False):
+    """Pause/flush/begin/end/continue of every engine, logged; the pause takes a while."""
+    import asyncio
+
+    for client in syncer.clients:
+        async def pause_generation(mode):
+            await asyncio.sleep(0.05)
+            if fail_pause:
+                raise RuntimeError("pause refused")
+            log.append(("pause",))
+
+        async def step(name):
+            log.append((name,))
+
+        client.pause_generation = pause_generation
+        client.flush_cache = lambda: step("flush")
+        client.begin_weight_update = lambda: step("begin")
+        client.end_weight_update = lambda: step("end")
+        client.continue_generation = lambda: step("continue")
+
+
+def test_pause_overlaps_the_first_bucket_but_nothing_is_sent_before_it(monkeypatch):
+    log = []
+
+    def fake_broadcast(tensor, src, group=None, async_op=False):
+        log.append(("bcast",))
+        return _DoneWork()
+
+    monkeypatch.setattr(sync_module.torch.distributed, "broadcast", fake_broadcast)
+    tensors = [(f"t{i}", torch.full((8,), float(i))) for i in range(3)]
+    syncer = WeightSyncer(["http://127.0.0.1:9"], mode="distributed", bucket_mb=40 / (1 << 20), timeout_s=5)
+    try:
+        syncer.group, syncer.group_name = object(), "g"
+        _accept_posts(syncer, log)
+        _fake_session(syncer, log)
+        syncer.sync(iter(tensors), "1")
+        names = [e[0] for e in log]
+        assert names[:3] == ["pause", "flush", "begin"] and names[-2:] == ["end", "continue"]
+        assert names.count("post") == 3 and names.count("bcast") == 3
+
+        log.clear()
+        _fake_session(syncer, log, fail_pause=True)
+        with pytest.raises(Exception, match="pause refused"):
+            syncer.sync(iter(tensors), "2")
+        assert log == []  # no bucket sent, and engines this sync did not pause are not continued
+    finally:
+        syncer.close()
