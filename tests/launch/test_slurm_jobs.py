@@ -8,7 +8,9 @@ this machine) once; each test submits the real sbatch script with the tiny CPU e
 bound and checks the run directory and the job's exit state. Nothing is stubbed: metrics,
 ledger shards and checkpoints are the trainer's own, and the policy versions the engines
 report in the ledger show that the learner's weights reached engine processes started by
-another srun step (another "node", another heterogeneous component).
+another srun step (another "node", another heterogeneous component). The disaggregated job
+runs once more with two real SGLang servers as its engines (`rollout.backend=sglang`, the
+SGLang venv's interpreter; skipped without one, tests/sglang_venv.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_venv import sglang_python_or_skip
 from slurm_cluster import start_or_skip
 
 from dapo_mega.distributed import free_port
@@ -168,6 +171,41 @@ def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster
     assert len(engine_nodes) == 1 and engine_nodes != {learner_node}, (engine_nodes, learner_node)
     # distributed-mode sync (a gloo group of learner rank 0 + both engine processes) moved
     # the whole tiny model every step: same byte count each step, nonzero
+    sync_bytes = {m["sync/bytes"] for m in metrics}
+    assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
+
+
+@pytest.fixture
+def sglang_python():
+    """The SGLang venv's interpreter (skips before the cluster starts when there is none)."""
+    return sglang_python_or_skip()
+
+
+SGLANG_JOB_TIMEOUT_S = 900  # two SGLang servers start on the engine node: about a minute each on 2 cores
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_disaggregated_job_with_sglang_engines(sglang_python, cluster, tmp_path):
+    # the same job with two real SGLang 0.5.23 servers (CPU) on the engine component, run by
+    # the SGLang venv's interpreter (the local nodes share this filesystem)
+    overrides = [*DISAGG_OVERRIDES, "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
+                 "rollout.extra_server_args=[--max-total-tokens,4096]", "rollout.health_timeout_s=600"]
+    job = _submit(cluster, "disaggregated.sbatch", tmp_path, "sgl", DISAGGREGATED, overrides)
+    info = cluster.wait_job(job, SGLANG_JOB_TIMEOUT_S)
+    run_dir = tmp_path / "sgl"
+    metrics = _assert_completed_run(cluster, tmp_path, run_dir, job, info)
+    logs = run_dir / "logs" / f"job-{job}"
+    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
+                                                      "learner-0.log"]
+    assert f"{sglang_python} -m sglang.launch_server" in (logs / "engines-node0.log").read_text()
+    for i in (0, 1):  # each server took the first push and one sync per step inside a weight-update session
+        engine_log = (logs / f"engine-{i}.log").read_text(errors="replace")
+        assert engine_log.count("POST /update_weights_from_distributed ") >= TOTAL_STEPS + 1, engine_log[-3000:]
+        assert engine_log.count("POST /begin_weight_update ") == engine_log.count("POST /end_weight_update ") \
+            >= TOTAL_STEPS + 1
+    engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
+    assert len(engine_nodes) == 1 and engine_nodes != {info.get("NodeList")}
     sync_bytes = {m["sync/bytes"] for m in metrics}
     assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
 
