@@ -16,8 +16,9 @@ fault hits a deterministic point of a real run without any hook in the product c
                           up to 10 s, so that engine K surely takes a chunk)
     engine:SIG:K:N:inflight  the same, but once that request is in flight: sent, and (SGLang)
                           its prefill logged by the engine; prints whether it was still in flight
-                          and whether the engine's child processes (SGLang's scheduler and
-                          detokenizer) outlived it
+                          and whether any process of the engine (SGLang: launch process,
+                          scheduler, detokenizer) outlived the fault
+    engine:SIG:K:N:inflight-scheduler  the same, sent to SGLang's scheduler process instead
     verifier:RAISE:HANG   the verifier raises on ground truths in RAISE and never returns on
                           those in HANG (comma-separated; it runs in the verifier pool)
 
@@ -156,7 +157,8 @@ def _install(fault: str) -> None:
         C.save_dist_checkpoint = save_dist_checkpoint
     elif kind == "engine":
         sig, k, step, *when = rest.split(":")
-        _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step), in_flight=when == ["inflight"])
+        in_flight = when[0].partition("-")[2] if when and when[0].startswith("inflight") else None
+        _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step), in_flight=in_flight)
     elif kind == "verifier":
         raise_on, hang_on = rest.split(":")
         import dapo_mega.reward as R
@@ -223,7 +225,9 @@ def _install_kill(phase: str, step: int) -> None:
         raise SystemExit(f"unknown phase {phase!r}")
 
 
-def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: bool = False) -> None:
+def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Optional[str] = None) -> None:
+    """`in_flight`: None (before the request), "" (the engine's process, once the request is in
+    flight) or a child's title after `sglang::` (that child instead)."""
     from dapo_mega.backends.sglang.client import EngineClient
     from dapo_mega.rollout.fleet import EngineFleet
 
@@ -243,8 +247,9 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: boo
 
         engine = fleets[0].engines[engine_index]
         if _current_step[0] == step and not done[0]:
-            if self.url == engine.url and in_flight:
-                return await _signal_in_flight(engine, engine_index, sig, step, original(self, *args, **kwargs), done)
+            if self.url == engine.url and in_flight is not None:
+                return await _signal_in_flight(engine, engine_index, sig, step, original(self, *args, **kwargs), done,
+                                               in_flight)
             if self.url == engine.url:
                 done[0] = True
                 print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid "
@@ -262,11 +267,13 @@ PREFILL_MARKERS = (b"Prefill batch",)
 """What an engine logs once a request reached its scheduler (SGLang 0.5.23's metrics reporter)."""
 
 
-async def _signal_in_flight(engine, engine_index: int, sig: int, step: int, request, done: List[bool]):
+async def _signal_in_flight(engine, engine_index: int, sig: int, step: int, request, done: List[bool],
+                            target: str = ""):
     """Send `request`; once the engine logged its prefill (at most 30 s), send `sig` to the
-    engine's process; then report whether the request was still in flight and whether the
-    engine's child processes exited with it (bounded wait). Returns (or raises) what the
-    request does."""
+    engine's launch process, or (`target` "scheduler") to its child whose title is SGLang's
+    `sglang::scheduler` (the biggest process, an OOM killer's pick); then report whether the
+    request was still in flight and whether every process of the engine (launch process and
+    children) exited (bounded wait). Returns (or raises) what the request does."""
     import asyncio
 
     import psutil
@@ -280,11 +287,15 @@ async def _signal_in_flight(engine, engine_index: int, sig: int, step: int, requ
             if any(m in f.read() for m in PREFILL_MARKERS):
                 break
         await asyncio.sleep(0.02)
-    children = psutil.Process(engine.proc.pid).children(recursive=True)
+    launch = psutil.Process(engine.proc.pid)
+    processes = [launch, *launch.children(recursive=True)]
+    victim = launch
+    if target:
+        victim = next(c for c in processes[1:] if " ".join(c.cmdline()).startswith(f"sglang::{target}"))
     state = "with a /generate request in flight" if not task.done() else "after its /generate request finished"
-    print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid {engine.proc.pid} "
-          f"at step {step} {state}; children {[c.pid for c in children]}", flush=True)
-    os.kill(engine.proc.pid, sig)
+    print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) {target or 'launch'} pid "
+          f"{victim.pid} at step {step} {state}; children {[c.pid for c in processes[1:]]}", flush=True)
+    os.kill(victim.pid, sig)
     done[0] = True
     try:
         return await task
@@ -293,11 +304,11 @@ async def _signal_in_flight(engine, engine_index: int, sig: int, step: int, requ
               flush=True)
         raise
     finally:
-        end = time.monotonic() + 20.0
-        while time.monotonic() < end and any(_alive(c) for c in children):
+        end = time.monotonic() + 30.0
+        while time.monotonic() < end and any(_alive(c) for c in processes):
             await asyncio.sleep(0.1)
-        left = [c.pid for c in children if _alive(c)]
-        print(f"[fault] engine {engine_index}'s children after its death: "
+        left = [c.pid for c in processes if _alive(c)]
+        print(f"[fault] engine {engine_index}'s processes after the fault: "
               f"{'still alive ' + str(left) if left else 'all exited'}", flush=True)
 
 
