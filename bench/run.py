@@ -5,8 +5,9 @@
     python bench/run.py --only learner,weight_sync
 
 Each benchmark module has `run(quick: bool) -> dict` returning at least
-`{"name", "metric", "ours", "baseline", "baseline_name", "ratio", "higher_is_better"}`;
-both figures are measured in the same run on the same machine. A benchmark that fails is
+`{"name", "metric", "ours", "baseline", "baseline_name", "ratio", "higher_is_better"}`
+(and optionally `"rows"`: more such dicts, each a further line of the table); both figures
+are measured in the same run on the same machine. A benchmark that fails is
 reported as failed with its error; the others still run.
 """
 
@@ -57,8 +58,9 @@ def render_markdown(results: dict) -> str:
         if r.get("status") == "failed":
             lines.append(f"| {name} | failed: {r['error'][:80]} | | | | |")
             continue
-        lines.append(f"| {name} | {r['metric']} | {r['ours']:.4g} | {r['baseline_name']} | {r['baseline']:.4g} "
-                     f"| {r['ratio']:.3f} |")
+        for row in [dict(r, name=name)] + list(r.get("rows", [])):
+            lines.append(f"| {row['name']} | {row['metric']} | {row['ours']:.4g} | {row['baseline_name']} "
+                         f"| {row['baseline']:.4g} | {row['ratio']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
