@@ -3,7 +3,11 @@
 `GenerationEngine` owns a transformers `AutoModelForCausalLM`, a queue of sequences and one
 generation thread. The thread collects queued sequences for `batch_wait_s`, left-pads them
 into one batch, prefills, then decodes token by token with the model's KV cache, dropping
-finished rows from the cache as it goes. The HTTP layer (`server.py`) never touches the
+finished rows from the cache as it goes. Batching is continuous, as SGLang's: between two
+decode steps, sequences queued meanwhile join the running batch (up to
+`max_running_requests`): they are prefilled on their own and their KV cache is merged into
+the batch's, both left-padded to one width (`merge_caches`); columns that no live row uses
+any more are trimmed from the left (`trim_cache`), so a long-lived batch does not grow. The HTTP layer (`server.py`) never touches the
 model: it enqueues sequences, and weight updates go through `load_named_tensors`, which
 takes the same lock as a forward step, so a step never sees half-loaded weights.
 
@@ -154,6 +158,8 @@ class GenerationEngine:
         self._abort_all = False
         self.max_batch_seen = 0
         self.num_generated_tokens = 0
+        self.num_forward_steps = 0
+        """Model forward calls (prefill or decode of a batch): the engine's cost on a small model."""
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self._thread.start()
 
@@ -338,6 +344,20 @@ class GenerationEngine:
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             return batch
 
+    def _admit(self, running: int) -> List[Sequence_]:
+        """Queued sequences that join a running batch of `running` rows (call under `_cv`)."""
+        room = self.max_running_requests - running
+        if room <= 0 or not self._waiting or self._paused or self._stop or self.weights_released:
+            return []
+        admitted = self._waiting[:room]
+        del self._waiting[:len(admitted)]
+        now = time.monotonic()
+        for seq in admitted:
+            seq.start_time = now
+        self._running.extend(admitted)
+        self.max_batch_seen = max(self.max_batch_seen, running + len(admitted))
+        return admitted
+
     def _loop(self) -> None:
         while not self._stop:
             batch = self._take_batch()
@@ -384,6 +404,7 @@ class GenerationEngine:
         rows = list(batch)
         cache, mask, need_prefill = None, None, True
         while rows:
+            admitted: List[Sequence_] = []
             with self._cv:
                 if self._paused:
                     if self._pause_mode == "abort":
@@ -412,16 +433,26 @@ class GenerationEngine:
                         if cache is not None:
                             cache.batch_select_indices(torch.tensor(keep, dtype=torch.long).to(self.device))
                             mask = mask[torch.tensor(keep, dtype=torch.long)]
+                admitted = self._admit(len(rows))
+                if need_prefill:  # the whole batch is prefilled anyway: newcomers simply join
+                    rows, admitted = rows + admitted, []
             with self.model_lock, torch.no_grad():
                 if self.weights_released:
                     need_prefill = True
+                    rows += admitted
                     continue
                 if need_prefill:
                     logits, cache, mask = self._forward_prefill(rows)
                     need_prefill = False
                 else:
                     logits, cache, mask = self._forward_decode(rows, cache, mask)
+                    if admitted:
+                        new_logits, new_cache, new_mask = self._forward_prefill(admitted)
+                        logits = torch.cat([logits, new_logits])
+                        cache, mask = merge_caches(cache, mask, new_cache, new_mask)
+                        rows = rows + admitted
                 version = self.weight_version
+                self.num_forward_steps += 1
             tokens, logprobs = sample_tokens(logits, [r.spec for r in rows], [r.generator for r in rows])
             keep = []
             for i, seq in enumerate(rows):
@@ -438,8 +469,7 @@ class GenerationEngine:
                     index = torch.tensor(keep, dtype=torch.long)
                     cache.batch_select_indices(index.to(self.device))
                     mask = mask[index]
-                    # Rows that were all padding on the left can be trimmed from the cache:
-                    # not worth it on a CPU batch of this size.
+                    cache, mask = trim_cache(cache, mask)
 
     def _stop_reason(self, seq: Sequence_) -> Optional[dict]:
         spec, token, n = seq.spec, seq.output_ids[-1], len(seq.output_ids)
@@ -455,6 +485,50 @@ class GenerationEngine:
         if n >= spec.max_new_tokens or len(seq.prompt_ids) + n >= self.max_context:
             return {"type": "length", "length": n}
         return None
+
+
+def _cache_layers(cache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(cache).__name__}: expected a transformers>=4.56 cache with .layers "
+                        "(continuous batching merges caches layer by layer)")
+    return layers
+
+
+def merge_caches(cache, mask: torch.Tensor, other, other_mask: torch.Tensor):
+    """Append the rows of `other` (a prefilled cache, mask [B2, T2]) to `cache` (mask [B1, T1]).
+
+    Both are left-padded: each is padded on the left to max(T1, T2) with masked zero
+    keys/values, then the two are concatenated along the batch. Positions come from the mask
+    (`_forward_decode`), so left padding changes no row's positions or attention.
+    Returns (cache, mask [B1 + B2, max(T1, T2)]).
+    """
+    width = max(mask.shape[1], other_mask.shape[1])
+
+    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - t.shape[dim]
+        if missing == 0:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+    for mine, theirs in zip(_cache_layers(cache), _cache_layers(other)):
+        mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
+        mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
+    return cache, torch.cat([pad(mask, 1), pad(other_mask, 1)])
+
+
+def trim_cache(cache, mask: torch.Tensor):
+    """Drop the leading cache columns that every row masks (rows that needed them are gone)."""
+    used = mask.any(dim=0).nonzero()
+    first = int(used[0]) if len(used) else 0
+    if first == 0:
+        return cache, mask
+    for layer in _cache_layers(cache):
+        layer.keys = layer.keys[..., first:, :]
+        layer.values = layer.values[..., first:, :]
+    return cache, mask[:, first:]
 
 
 def sample_tokens(logits: torch.Tensor, specs: Sequence[SamplingSpec],

@@ -185,6 +185,18 @@ class RolloutManager:
         errors: List[BaseException] = []
         abort_tasks: List[asyncio.Task] = []
         open_prompts = [0]  # sent, not handed over yet (nor aborted, nor failed)
+        changed = [asyncio.Event()]  # set (and replaced) whenever a request ends: idle workers look again
+
+        def notify() -> None:
+            changed[0].set()
+            changed[0] = asyncio.Event()
+
+        async def wait_for_change(timeout_s: float = 1.0) -> None:
+            """Until a request ends (or timeout_s: a safety net, not the mechanism)."""
+            try:
+                await asyncio.wait_for(changed[0].wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
 
         def may_send(c: int) -> bool:
             """The gate (docstring); a chunk that finished chunks wait for (a retry) always goes."""
@@ -203,6 +215,7 @@ class RolloutManager:
                 full = True
             if full and not stop_event.is_set():
                 stop_event.set()
+                notify()
                 abort_tasks.append(asyncio.create_task(self._abort_in_flight(
                     [u for u, k in in_flight.items() if k > 0], failures)))
 
@@ -220,17 +233,23 @@ class RolloutManager:
             if remaining[0] == 0:
                 done_event.set()
 
-        async def worker(url: str):
-            async with EngineClient(self.endpoints[url]) as client:
-                while not done_event.is_set() and not stop_event.is_set() and url not in self.dead:
-                    if queue.empty():
-                        await asyncio.sleep(0.02)
-                        continue
-                    c = queue.get_nowait()  # no await from here to open_prompts += below
-                    if not may_send(c):
-                        queue.put_nowait(c)
-                        await asyncio.sleep(0.02)
-                        continue
+        async def worker(url: str, client: EngineClient):
+            try:
+                await work(url, client)
+            finally:
+                notify()
+
+        async def work(url: str, client: EngineClient):
+            while not done_event.is_set() and not stop_event.is_set() and url not in self.dead:
+                if queue.empty():
+                    await wait_for_change()
+                    continue
+                c = queue.get_nowait()  # no await from here to open_prompts += below
+                if not may_send(c):
+                    queue.put_nowait(c)
+                    await wait_for_change()
+                    continue
+                try:
                     if url in self.dead or stop_event.is_set():  # no attempt spent
                         queue.put_nowait(c)
                         return
@@ -281,22 +300,37 @@ class RolloutManager:
                         c_groups.append(out.groups[i])
                     finished[c] = c_groups
                     settle(c)
+                finally:
+                    notify()
 
-        workers = [asyncio.create_task(worker(e.url)) for e in self.alive_engines()
-                   for _ in range(self.requests_per_engine)]
-        if not workers:
+        # One HTTP session (connection pool) per engine, shared by its concurrent requests.
+        clients = {e.url: EngineClient(e) for e in self.alive_engines()}
+        if not clients:
             raise RolloutError(f"no live engine (dead: {self.dead})")
-        while not done_event.is_set() and not stop_event.is_set():
-            if failures and failures[-1].startswith("FATAL"):
-                break
-            if all(w.done() for w in workers):
-                break
-            await asyncio.sleep(0.05)
+        for client in clients.values():
+            await client.__aenter__()
+        workers = [asyncio.create_task(worker(url, client)) for url, client in clients.items()
+                   for _ in range(self.requests_per_engine)]
+        try:
+            while not done_event.is_set() and not stop_event.is_set():
+                if failures and failures[-1].startswith("FATAL"):
+                    break
+                if all(w.done() for w in workers):
+                    break
+                await wait_for_change()
+        except BaseException:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
+            raise
         # Workers return once their request in flight (aborted after a stop) is answered.
         done_event.set()
+        notify()
         errors += [r for r in await asyncio.gather(*workers, return_exceptions=True)
                    if isinstance(r, Exception)]  # a worker's own bug, not an engine's failure
         await asyncio.gather(*abort_tasks, return_exceptions=True)
+        await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
         for c in sorted(finished):  # finished after a gap (an aborted or failed chunk before them)
             hand_over(finished.pop(c))
         out.stopped = stop_event.is_set()

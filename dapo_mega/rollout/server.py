@@ -233,6 +233,8 @@ class EngineServer:
         return web.json_response({**self.served_args, "weight_version": self.engine.weight_version,
                                   "paused": self.engine.paused, "weights_released": self.engine.weights_released,
                                   "num_generated_tokens": self.engine.num_generated_tokens,
+                                  "num_forward_steps": self.engine.num_forward_steps,
+                                  "max_running_seen": self.engine.max_batch_seen,
                                   "engine": "dapo_mega.rollout.server"})
 
     # ------------------------------------------------------------------ generate

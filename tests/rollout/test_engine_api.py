@@ -207,3 +207,40 @@ def test_pause_abort_finishes_requests_with_abort(engine):
     call(engine, "/continue_generation", {})
     assert result["out"][1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert result["out"][1]["meta_info"]["completion_tokens"] < 240
+
+
+def test_continuous_batching_joins_running_batch_and_matches_transformers(engine, hf):
+    """A request sent while a long one decodes joins its batch (SGLang batches continuously):
+    it finishes first, and both outputs still equal transformers' greedy generation (the
+    newcomer's KV cache is merged into the running batch's, left-padded to one width)."""
+    import threading
+
+    model, tok = hf
+    long_prompt = tok("9*9=", add_special_tokens=False).input_ids
+    short_prompts = [tok("1+2=", add_special_tokens=False).input_ids, tok("40-7=", add_special_tokens=False).input_ids]
+    long_new = 200
+    replies, done_at = {}, {}
+
+    def send(name, body):
+        replies[name] = call(engine, "/generate", body)
+        done_at[name] = time.monotonic()
+
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    slow = threading.Thread(target=send, args=("long", {"input_ids": long_prompt, "sampling_params": {
+        **greedy, "max_new_tokens": long_new}}))
+    slow.start()
+    time.sleep(0.3)
+    send("short", {"input_ids": short_prompts, "sampling_params": {**greedy, "max_new_tokens": 12}})
+    slow.join(timeout=120)
+    assert replies["long"][0] == 200 and replies["short"][0] == 200
+    assert done_at["short"] < done_at["long"], "the short request waited for the long one's batch to end"
+
+    def reference(prompt, n):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
+
+    assert replies["long"][1]["output_ids"] == reference(long_prompt, long_new)
+    for prompt, out in zip(short_prompts, replies["short"][1]):
+        assert out["output_ids"] == reference(prompt, 12)

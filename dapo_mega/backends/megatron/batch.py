@@ -129,6 +129,24 @@ class MicroBatch:
     def sample_indices(self) -> List[int]:
         return [p.sample_index for p in self.placements]
 
+    def response_index(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """([samples, longest response] flat indices into a [B, S] tensor, same-shape valid
+        mask), in `placements` order; built once per micro-batch (`gather_responses`)."""
+        cached = self.__dict__.get("_response_index")
+        if cached is None:
+            width = self.tokens.shape[1]
+            longest = max(1, max((p.response_length for p in self.placements), default=0))
+            index, valid = [], []
+            for p in self.placements:
+                first = p.row * width + p.response_columns.start
+                pad = longest - p.response_length
+                index.append(list(range(first, first + p.response_length)) + [0] * pad)
+                valid.append([True] * p.response_length + [False] * pad)
+            cached = (torch.tensor(index, dtype=torch.long).reshape(len(index), longest),
+                      torch.tensor(valid, dtype=torch.bool).reshape(len(valid), longest))
+            self.__dict__["_response_index"] = cached
+        return cached
+
     @property
     def real_tokens(self) -> int:
         """Prompt + response tokens of the samples (the rest of rows × columns is padding)."""
@@ -228,43 +246,49 @@ def collate_packed_micro_batch(samples: Sequence[TrainSample], rows: Sequence[Se
     seq = seq_len or round_up(max(max(used, default=0), 2), seq_multiple)
     if max(used, default=0) > seq:
         raise ValueError(f"a row of {max(used)} tokens does not fit seq_len={seq}")
-    batch = len(rows)
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
-    labels = torch.zeros(batch, seq, dtype=torch.long)
-    positions = torch.zeros(batch, seq, dtype=torch.long)
-    segments = torch.zeros(batch, seq, dtype=torch.long)
-    mask = torch.zeros(batch, seq)
-    adv = torch.zeros(batch, seq)
-    old = torch.zeros(batch, seq)
+    # Rows are built as Python lists and become tensors once: per-sample tensor ops would
+    # cost more than the model's forward on a small batch.
     has_engine = any(samples[i].engine_log_probs is not None for row in rows for i in row)
-    engine = torch.zeros(batch, seq) if has_engine else None
+    fields = {name: [] for name in ("tokens", "labels", "positions", "segments", "mask", "adv", "old", "engine")}
     placements: List[Placement] = []
     for r, row in enumerate(rows):
+        tokens, labels, positions, segments = [0] * seq, [0] * seq, [0] * seq, [0] * seq
+        mask, adv, old, engine = [0.0] * seq, [0.0] * seq, [0.0] * seq, [0.0] * seq
         col = 0
         for k, index in enumerate(row):
             s = samples[index]
             p, n = len(s.prompt_ids), len(s.response_ids)
             if p < 1:
                 raise ValueError(f"sample {index} has an empty prompt; the first response token needs a context")
-            ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+            ids = list(s.prompt_ids) + list(s.response_ids)
             end = col + p + n
-            tokens[r, col:end] = ids
-            labels[r, col:end - 1] = ids[1:]
-            positions[r, col:end] = torch.arange(p + n)
-            segments[r, col:end] = k
+            tokens[col:end] = ids
+            labels[col:end - 1] = ids[1:]
+            positions[col:end] = range(p + n)
+            segments[col:end] = [k] * (p + n)
             place = Placement(sample_index=index, row=r, start=col, prompt_length=p, response_length=n)
             cols = place.response_columns
-            mask[r, cols] = torch.tensor(s.response_loss_mask(), dtype=torch.float32)
-            adv[r, cols] = float(s.advantage)
+            _put(mask, cols, s.response_loss_mask(), "loss_mask", index)
+            adv[cols] = [float(s.advantage)] * n
             if s.old_log_probs is not None:
-                old[r, cols] = torch.tensor(s.old_log_probs, dtype=torch.float32)
-            if engine is not None and s.engine_log_probs is not None:
-                engine[r, cols] = torch.tensor(s.engine_log_probs, dtype=torch.float32)
+                _put(old, cols, s.old_log_probs, "old_log_probs", index)
+            if has_engine and s.engine_log_probs is not None:
+                _put(engine, cols, s.engine_log_probs, "engine_log_probs", index)
             placements.append(place)
             col = end
         # pad columns: positions continue, each its own segment
-        positions[r, col:] = torch.arange(seq - col) + (positions[r, col - 1] + 1 if col else 0)
-        segments[r, col:] = torch.arange(seq - col) + len(row)
+        first = positions[col - 1] + 1 if col else 0
+        positions[col:] = range(first, first + seq - col)
+        segments[col:] = range(len(row), len(row) + seq - col)
+        for name, values in zip(fields, (tokens, labels, positions, segments, mask, adv, old, engine)):
+            fields[name].append(values)
+    as_long = {name: torch.tensor(fields[name], dtype=torch.long).reshape(len(rows), seq)
+               for name in ("tokens", "labels", "positions", "segments")}
+    as_float = {name: torch.tensor(fields[name], dtype=torch.float32).reshape(len(rows), seq)
+                for name in ("mask", "adv", "old", "engine")}
+    tokens, labels, positions, segments = (as_long[k] for k in ("tokens", "labels", "positions", "segments"))
+    mask, adv, old = as_float["mask"], as_float["adv"], as_float["old"]
+    engine = as_float["engine"] if has_engine else None
     micro = MicroBatch(tokens=tokens, position_ids=positions, labels=labels, response_mask=mask, advantages=adv,
                        old_log_probs=old, engine_log_probs=engine, placements=placements, attention=attention)
     if attention == ATTENTION_MASK:
@@ -280,6 +304,14 @@ def collate_packed_micro_batch(samples: Sequence[TrainSample], rows: Sequence[Se
     return micro
 
 
+def _put(row: List[float], cols: slice, values: Sequence[float], what: str, index: int) -> None:
+    """row[cols] = values, one per response token (a list slice would silently resize)."""
+    if len(values) != cols.stop - cols.start:
+        raise ValueError(f"sample {index}: {what} has {len(values)} entries for {cols.stop - cols.start} "
+                         "response tokens")
+    row[cols] = [float(x) for x in values]
+
+
 def micro_batch_shape_ok(micro: MicroBatch, token_multiple: int) -> bool:
     """Whether rows × columns of `micro` is a multiple of `token_multiple` (FP8 GEMM inputs)."""
     return micro.tokens.shape[0] * micro.tokens.shape[1] % token_multiple == 0
@@ -292,14 +324,7 @@ def gather_responses(values: torch.Tensor, micro_batch: MicroBatch) -> torch.Ten
 
     Loss functions that aggregate per sequence (seq-mean modes) read packed rows this way.
     """
-    longest = max((p.response_length for p in micro_batch.placements), default=0)
-    width = values.shape[1]
-    index = torch.zeros(len(micro_batch.placements), max(longest, 1), dtype=torch.long)
-    valid = torch.zeros(len(micro_batch.placements), max(longest, 1), dtype=torch.bool)
-    for k, p in enumerate(micro_batch.placements):
-        cols = p.response_columns
-        index[k, : p.response_length] = p.row * width + torch.arange(cols.start, cols.stop)
-        valid[k, : p.response_length] = True
+    index, valid = micro_batch.response_index()
     gathered = values.reshape(-1)[index.to(values.device)]
     return torch.where(valid.to(values.device), gathered, torch.zeros_like(gathered))
 

@@ -114,19 +114,28 @@ def pack_rows(lengths: Sequence[int], indices: Sequence[int], row_tokens: int, m
     """
     rows: List[List[int]] = []
     used: List[int] = []
-    for i in sorted(indices, key=lambda j: (-lengths[j], j)):
+    order = sorted(indices, key=lambda j: (-lengths[j], j))
+    shortest = lengths[order[-1]] if order else 0
+    open_rows: List[int] = []  # rows that can still take the shortest sample, in row order
+    for i in order:
         length = lengths[i]
         if round_up(length, multiple) > row_tokens:
             raise ValueError(f"a sample of {length} tokens (padded to a multiple of {multiple}) exceeds the row "
                              f"of {row_tokens} tokens (megatron.micro_batch_tokens)")
-        for r, total in enumerate(used):
-            if round_up(total + length, multiple) <= row_tokens:
+        for k, r in enumerate(open_rows):
+            if round_up(used[r] + length, multiple) <= row_tokens:
                 rows[r].append(i)
                 used[r] += length
                 break
         else:
+            k, r = len(open_rows), len(rows)
             rows.append([i])
             used.append(length)
+            open_rows.append(r)
+        # A row that cannot take the shortest sample can take none: skipping it changes no
+        # placement and keeps the search linear when samples nearly fill their rows.
+        if round_up(used[r] + shortest, multiple) > row_tokens:
+            del open_rows[k]
     return rows
 
 

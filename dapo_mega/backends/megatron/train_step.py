@@ -29,6 +29,7 @@ Every rank receives the same full sample list and returns the same metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -126,9 +127,9 @@ class MegatronLearner:
     def _to_device(self, mb: MicroBatch) -> MicroBatch:
         if self.device.type == "cpu":
             return mb
-        fields = {k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                  for k, v in mb.__dict__.items()}
-        return MicroBatch(**fields)
+        values = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
+        return MicroBatch(**{k: (v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                             for k, v in values.items()})
 
     @staticmethod
     def _packed_seq_params(mb: MicroBatch):

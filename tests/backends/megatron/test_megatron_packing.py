@@ -92,6 +92,34 @@ def test_pack_rows_first_fit_decreasing_respects_the_budget():
     assert all(-(-sum(lengths[i] for i in r) // 8) * 8 <= 16 for r in rows)
 
 
+def test_pack_rows_places_every_sample_where_textbook_first_fit_decreasing_does():
+    """Skipping rows too full for the shortest sample must change no placement: compare with
+    the textbook FFD (every row tried in order), on near-full rows (the local spec's rows as
+    wide as the longest sample) and on wide THD rows, with and without alignment."""
+    def textbook(lengths, row_tokens, multiple):
+        rows, used = [], []
+        for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+            fit = next((r for r in range(len(rows))
+                        if -(-(used[r] + lengths[i]) // multiple) * multiple <= row_tokens), None)
+            if fit is None:
+                rows.append([i])
+                used.append(lengths[i])
+            else:
+                rows[fit].append(i)
+                used[fit] += lengths[i]
+        return rows
+
+    rng = random.Random(7)
+    for trial in range(60):
+        lengths = [rng.randint(1, 60) for _ in range(rng.randint(1, 120))]
+        multiple = rng.choice([1, 1, 8, 16])
+        widest = -(-max(lengths) // multiple) * multiple
+        for row_tokens in (widest, widest + rng.randint(0, 40), 4 * widest):
+            row_tokens = -(-row_tokens // multiple) * multiple
+            assert pack_rows(lengths, range(len(lengths)), row_tokens, multiple) == \
+                textbook(lengths, row_tokens, multiple), (trial, row_tokens, multiple)
+
+
 def test_uniform_plan_for_pipeline_parallel_has_one_shape():
     lengths = [9, 3, 7, 2, 5, 1, 4]
     groups, width = plan_packed_micro_batches(lengths, range(7), micro_batch_tokens=20, uniform=True)
