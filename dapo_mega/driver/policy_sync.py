@@ -46,7 +46,7 @@ class PolicySync:
         """Collective: the driver's engine URLs reach every rank, each takes its part."""
         from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
         from dapo_mega.rollout.fleet import endpoint_of
-        from dapo_mega.weights.sync import WeightSyncer
+        from dapo_mega.weights.sync import run_stages_in_turn
 
         sync = cls(cfg, layout, role)
         urls = broadcast_from_driver(engine_urls)
@@ -55,11 +55,27 @@ class PolicySync:
         if placement.transport == CUDA_IPC:
             sync._start_handover(endpoints, placement)
             return sync
-        if not ((layout.dp_rank == 0 and layout.is_weight_source) or role.is_driver):
-            return sync
         local = all(u.startswith(("http://127.0.0.1", "http://localhost")) for u in urls)
         colocated = placement.transport == SHARED_MEMORY and local
-        sync.syncer = WeightSyncer(endpoints, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+        if not colocated:
+            # the stages' groups form in turn, as their broadcasts do: each engine serves
+            # /init_weights_update_group in arrival order and blocks in the rendezvous, so two
+            # stages at once could enter engine A as pp0, engine B as pp1, and wait forever
+            run_stages_in_turn(layout.pp, layout.pp_rank, lambda: sync._start_syncer(endpoints, local, colocated),
+                               torch.distributed.barrier)
+        else:
+            sync._start_syncer(endpoints, local, colocated)
+        return sync
+
+    def _start_syncer(self, endpoints: List[Any], local: bool, colocated: bool) -> None:
+        """The syncer of a stage's weight source (which joins its group with the engines), or
+        of the driver (pause, resume, memory); nothing on other ranks."""
+        from dapo_mega.weights.sync import WeightSyncer
+
+        cfg, layout, role = self.cfg, self.layout, self.role
+        if not ((layout.dp_rank == 0 and layout.is_weight_source) or role.is_driver):
+            return
+        self.syncer = WeightSyncer(endpoints, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
                                    mode="colocated" if colocated else "distributed",
                                    backend="nccl" if torch.cuda.is_available() else "gloo",
                                    # DAPO_MEGA_SYNC_ADDR: this node's Slurm NodeAddr (dapo_mega.launch);
@@ -72,8 +88,7 @@ class PolicySync:
                                    cpu_tensor_format="sglang" if cfg.rollout.backend == "sglang"
                                    else "shared_memory_json")
         if not colocated and layout.is_weight_source:
-            sync.syncer.init_group(free_port(), stage=layout.pp_rank)
-        return sync
+            self.syncer.init_group(free_port(), stage=layout.pp_rank)
 
     def _start_handover(self, endpoints: List[Any], placement: Any) -> None:
         from dapo_mega.weights.handover import HandoverPlan

@@ -55,7 +55,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
-from dapo_mega.backends.sglang.client import EngineClient
+from dapo_mega.backends.sglang.client import EngineClient, EngineError
 from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 from dapo_mega.weights import transport
 
@@ -170,6 +170,13 @@ class WeightSyncer:
         self._flats: List[Optional[torch.Tensor]] = [None, None]  # the bucket being filled, the one in flight
 
     def close(self) -> None:
+        """Leave the weight-update group (engines that outlive this trainer, attached by URL or
+        a registry, keep serving) and close the clients."""
+        if self.group is not None:
+            try:
+                self.destroy_group(timeout_s=10)
+            except Exception as exc:  # an engine already gone must not hide the real error
+                print(f"[weight sync] leaving group {self.group_name}: {exc}", flush=True)
         async def _close():
             for c in self.clients:
                 await c.close()
@@ -212,6 +219,13 @@ class WeightSyncer:
         """On a stage's source rank: create the group with all engines (group-local rank 0)."""
         name = f"{self.group_prefix}_pp{stage}"
         world = 1 + len(self.clients) * self.engine_tp_size
+
+        async def forget(c):  # a trainer killed before close() left its group on engines that outlive it
+            try:
+                await c.destroy_weights_update_group(name)
+            except EngineError:  # 400: no such group (the usual case)
+                pass
+        self._io.run(self._all(forget), timeout=self.timeout_s)
         fut = self._io.submit(self._all(lambda c: c.init_weights_update_group(
             self.master_address, master_port, 1 + self.clients.index(c) * self.engine_tp_size, world,
             group_name=name, backend=self.backend, timeout_s=self.timeout_s)))
@@ -221,13 +235,15 @@ class WeightSyncer:
         fut.result(self.timeout_s)
         self.group_name = name
 
-    def destroy_group(self) -> None:
+    def destroy_group(self, timeout_s: Optional[float] = None) -> None:
         if self.group is None:
             return
-        name = self.group_name
-        self._io.run(self._all(lambda c: c.destroy_weights_update_group(name)), timeout=self.timeout_s)
-        transport.destroy_custom_process_group(self.group)
+        name, group = self.group_name, self.group
         self.group = self.group_name = None
+        try:
+            self._io.run(self._all(lambda c: c.destroy_weights_update_group(name)), timeout=timeout_s or self.timeout_s)
+        finally:
+            transport.destroy_custom_process_group(group)
 
     # ---------------------------------------------------------------- engine state
     def pause_engines(self) -> None:

@@ -5,7 +5,11 @@
   rendezvous, a `PrefixStore(group_name, store)` and torch's `_new_process_group_helper`.
   The learner's source rank and every engine call this one function with the same
   address, world size and group name, so both sides build the identical group (NCCL on
-  GPU, gloo on CPU).
+  GPU, gloo on CPU). One difference: rank 0 here always hosts the rendezvous store.
+  torch's `tcp://` rendezvous does not under torchrun (TORCHELASTIC_USE_AGENT_STORE=True
+  makes every rank a client of a store it expects torchrun's agent to host), and a
+  learner rank started by torchrun is rank 0 of the weight-update group: nobody would
+  host its store and every engine would wait out the timeout.
 * Flattened buckets: SGLang's `load_format="flattened_bucket"` layout
   (`weight_sync/tensor_bucket.py`): the bytes of every tensor of a bucket concatenated
   into one uint8 tensor in list order; one broadcast moves the whole bucket.
@@ -67,12 +71,18 @@ def init_custom_process_group(
     Returns:
         the ProcessGroup; use it as `group=` in collectives with group-local ranks.
     """
+    from urllib.parse import urlparse
+
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
-        Backend, PrefixStore, _new_process_group_helper, _world, default_pg_timeout, rendezvous)
+        Backend, PrefixStore, _new_process_group_helper, _world, default_pg_timeout)
 
     timeout = timeout or default_pg_timeout
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    # rank 0 hosts the store itself, also under torchrun (see the module docstring)
+    store = TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name,

@@ -90,3 +90,36 @@ def test_distributed_then_colocated_sync_bit_identical(engines, model_dir):
         syncer.mode = "distributed"
         syncer.destroy_group()
         syncer.close()
+
+
+KILLED_TRAINER = """
+import os, sys
+from dapo_mega.rollout.fleet import free_port
+from dapo_mega.weights.sync import WeightSyncer
+syncer = WeightSyncer(sys.argv[1:], mode="distributed", backend="gloo", timeout_s=60)
+syncer.init_group(master_port=free_port(), stage=0)
+os._exit(0)  # killed: no close(), the engines keep its group
+"""
+
+
+def test_a_new_trainer_joins_engines_that_a_killed_one_left_in_its_group(engines, model_dir):
+    """Engines outlive trainers (attached by URL, a registry, a resumed run): a trainer killed
+    after joining its weight-update group leaves the group's name on every engine, and both
+    SGLang and the embedded engine refuse a second group of that name. The next trainer
+    still joins (it asks the engines to forget the old group first), syncs, and on close
+    leaves the group, so a third joins too."""
+    import subprocess
+    import sys
+
+    urls = [e.url for e in engines]
+    subprocess.run([sys.executable, "-c", KILLED_TRAINER, *urls], check=True, timeout=120)
+    for seed, version in ((3, "3"), (4, "4")):
+        syncer = WeightSyncer(urls, bucket_mb=0.05, mode="distributed", backend="gloo", timeout_s=60)
+        try:
+            syncer.init_group(master_port=free_port(), stage=0)
+            _, state = perturbed_state(model_dir, seed=seed)
+            syncer.sync(iter(state.items()), weight_version=version)
+            check_engines(engines, model_dir, state, version)
+        finally:
+            syncer.close()
+        assert syncer.group is None

@@ -1,0 +1,38 @@
+"""`transport.init_custom_process_group` (the learner's side of a weight-update group) under
+torchrun: torch's `tcp://` rendezvous makes every rank a client there
+(TORCHELASTIC_USE_AGENT_STORE=True), so the learner, rank 0 of the group, must host the
+store itself or the engines wait out the timeout."""
+
+import os
+import subprocess
+import sys
+
+from dapo_mega.distributed import free_port
+
+MEMBER = """
+import sys
+from datetime import timedelta
+import torch
+from dapo_mega.weights import transport
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "dapo_weight_sync_pp0",
+                                         timeout=timedelta(seconds=20))
+t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+torch.distributed.broadcast(t, src=0, group=pg)
+print("got", t.tolist(), flush=True)
+transport.destroy_custom_process_group(pg)
+"""
+
+
+def test_group_forms_when_the_learner_rank_runs_under_torchrun():
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # rank 0: a learner rank started by torchrun; rank 1: an engine, started outside it
+    learner = subprocess.Popen([sys.executable, "-c", MEMBER, "0", str(port)], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**env, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    engine = subprocess.Popen([sys.executable, "-c", MEMBER, "1", str(port)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    outs = [p.communicate(timeout=120)[0] for p in (learner, engine)]
+    assert [p.returncode for p in (learner, engine)] == [0, 0], outs
+    assert all("got [0.0, 1.0, 2.0, 3.0]" in out for out in outs), outs
