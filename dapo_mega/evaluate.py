@@ -13,7 +13,6 @@ on the same problems, prompt encoding, length limit and verifier:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import tempfile
@@ -62,14 +61,14 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
     from dapo_mega.backends.sglang.client import build_sampling_params
-    from dapo_mega.rollout.manager import RolloutManager
+    from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
     e = cfg.eval
     max_len = e.max_response_length or cfg.algo.max_response_length
     params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
     manager = RolloutManager(engines, e.n_samples, params, max_retries=cfg.rollout.max_retries,
                              run_id=cfg.trainer.run_name, return_logprob=False, prompt_to_input=prompt_to_input)
-    groups = asyncio.run(manager.generate_groups(list(problems)))
+    groups = run_coroutine(manager.generate_groups(list(problems)))
     samples = [(g, s) for g in groups for s in g.samples]
     scored = compute_rewards(verifier, [s.response_text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
                              [len(s.token_ids) for _, s in samples], cfg.algo,

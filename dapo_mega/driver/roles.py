@@ -17,6 +17,7 @@ from dapo_mega import distributed as D
 from dapo_mega.driver import advantages
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, write_ledger
+from dapo_mega.rollout.ledger import prepare_writer
 
 DRIVER_RANK = 0
 
@@ -95,6 +96,7 @@ class DriverRole(LearnerRankRole):
         self.producer: Optional[AsyncRollouts] = None
         self.last_batch: Optional[RolloutBatch] = None
         """The last batch whose ledger shard was written: its cursor and carry go into the checkpoint."""
+        prepare_writer()
 
     def say(self, message: str, error: bool = False) -> None:
         print(message, file=sys.stderr if error else sys.stdout, flush=True)

@@ -11,6 +11,7 @@ Rules, as the recipe describes them:
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -43,6 +44,7 @@ _SHORT_FRAC = re.compile(r"(frac)([^{])(.)")
 _SHORT_SQRT = re.compile(r"(sqrt)([^{])")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_final_answer(answer: str) -> str:
     """Minerva normalisation of a final answer string.
 

@@ -51,7 +51,7 @@ from dapo_mega.reward.types import SampleReward
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, parse_version
 
 __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample",
-           "drop_stale_groups", "parse_version", "request_seed"]
+           "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
 
 
 ROUND_MARGIN = 1.2
@@ -446,7 +446,7 @@ class RolloutManager:
             counts["requested"] += len(prompts)
             counts["rounds"] += 1
             if stream:
-                out = asyncio.run(self._generate(prompts, rounds, filter_groups,
+                out = run_coroutine(self._generate(prompts, rounds, filter_groups,
                                                  want=lambda: train_batch_size - len(kept)))
                 if not out.stopped and len(out.groups) != len(prompts):
                     raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
@@ -455,7 +455,7 @@ class RolloutManager:
                 for key in ("aborted_requests", "aborted_samples", "aborted_tokens"):
                     counts[key] += getattr(out, key)
             else:
-                filter_groups(asyncio.run(self.generate_groups(prompts, gen_round=rounds)))
+                filter_groups(run_coroutine(self.generate_groups(prompts, gen_round=rounds)))
         self.carry = kept[train_batch_size:]
         kept = kept[:train_batch_size]
         for g in kept:
@@ -502,6 +502,20 @@ class RolloutManager:
         """n prompts: those returned unsent by an earlier round first, then fresh ones."""
         taken, self.pending = self.pending[:n], self.pending[n:]
         return taken + (list(prompt_source(n - len(taken))) if n > len(taken) else [])
+
+
+def run_coroutine(coro):
+    """Run `coro` to completion on a fresh event loop (what `asyncio.run` does, minus its
+    SIGINT handler: on Python 3.11, checking that handler at exit formats the repr of the
+    finished task, result included, which costs more than a small rollout round)."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
 
 
 def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
