@@ -375,8 +375,21 @@ class GenerationEngine:
                     self._running = []
 
     def _forward_prefill(self, rows: List[Sequence_]):
-        """Left-padded prefill of prompt + output so far. Returns (last logits [B,V], cache, mask [B,T])."""
-        seqs = [r.prompt_ids + r.output_ids for r in rows]
+        """Left-padded prefill of prompt + output so far. Returns (last logits [B,V], cache, mask [B,T]).
+
+        Rows with the same tokens (the n samples of one prompt) are computed once and their
+        cache rows copied, as SGLang's prefix cache shares a prompt's KV among its samples.
+        """
+        unique: Dict[Tuple[int, ...], int] = {}
+        inverse = [unique.setdefault(tuple(r.prompt_ids + r.output_ids), len(unique)) for r in rows]
+        logits, cache, mask = self._prefill_tokens([list(s) for s in unique])
+        if len(unique) < len(rows):
+            index = torch.tensor(inverse, dtype=torch.long)
+            cache.batch_select_indices(index.to(self.device))
+            logits, mask = logits[index.to(logits.device)], mask[index]
+        return logits, cache, mask
+
+    def _prefill_tokens(self, seqs: List[List[int]]):
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)

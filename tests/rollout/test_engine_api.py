@@ -244,3 +244,26 @@ def test_continuous_batching_joins_running_batch_and_matches_transformers(engine
     assert replies["long"][1]["output_ids"] == reference(long_prompt, long_new)
     for prompt, out in zip(short_prompts, replies["short"][1]):
         assert out["output_ids"] == reference(prompt, 12)
+
+
+def test_samples_sharing_a_prompt_match_transformers_each(engine, hf):
+    """The n samples of a prompt share one prefill (their cache rows are copies, as SGLang's
+    prefix cache shares the prompt): every sample's log-probs still equal transformers' on
+    its own tokens, and the samples are not copies of each other."""
+    model, tok = hf
+    prompts = [tok("6*7=", add_special_tokens=False).input_ids, tok("13+29=", add_special_tokens=False).input_ids]
+    T = 0.9
+    status, out = call(engine, "/generate", {"input_ids": prompts, "sampling_params": {
+        "n": 4, "max_new_tokens": 10, "temperature": T, "ignore_eos": True, "sampling_seed": 5},
+        "return_logprob": True})
+    assert status == 200 and len(out) == 8
+    for k, reply in enumerate(out):
+        prompt = prompts[k // 4]
+        gen = [t[1] for t in reply["meta_info"]["output_token_logprobs"]]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:-1]
+        ref = torch.log_softmax(logits / T, dim=-1).gather(1, torch.tensor(gen)[:, None])[:, 0]
+        got = torch.tensor([t[0] for t in reply["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, ref, atol=1e-4), k
+    for first in (0, 4):
+        assert len({tuple(o["output_ids"]) for o in out[first:first + 4]}) > 1
