@@ -104,13 +104,19 @@ def dapo_mega_eval_curve(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, float
         return []
     start = rows[0]["time/unix"]
     excluded = 0.0
+    parts = {"rollout_s": 0.0, "learner_s": 0.0, "sync_s": 0.0}
     curve = []
     for r in rows:
         if r["step"] > 0:
             excluded += r.get("time/eval_s", 0.0) + r.get("time/save_s", 0.0)
+            parts["rollout_s"] += r.get("time/rollout_s", 0.0)
+            parts["learner_s"] += r.get("time/train_s", 0.0)
+            parts["sync_s"] += r.get("time/sync_s", 0.0)
         if "eval/avg_at_k" in r:
-            curve.append({"step": r["step"], "train_s": r["time/unix"] - start - excluded,
-                          "avg_at_k": r["eval/avg_at_k"]})
+            train_s = r["time/unix"] - start - excluded
+            curve.append({"step": r["step"], "train_s": train_s, "avg_at_k": r["eval/avg_at_k"],
+                          "split": {**{k: round(v, 4) for k, v in parts.items()},
+                                    "other_s": round(train_s - sum(parts.values()), 4)}})
     return curve
 
 
@@ -299,7 +305,9 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
             syncer.sync(iter(state.items()), weight_version=str(step))
             result = evaluate_problems([engine], held_out, cfg, prompt_ids, verifier)
             train_s = t - self.start - self.excluded
-            curve.append({"step": step, "train_s": max(train_s, 0.0), "avg_at_k": result.avg_at_k})
+            split = {"generate_score_s": round(generation_s[0], 4),
+                     "learner_s": round(max(train_s, 0.0) - generation_s[0], 4)}
+            curve.append({"step": step, "train_s": max(train_s, 0.0), "avg_at_k": result.avg_at_k, "split": split})
             print(f"[trl] step {step}: avg@{result.k} = {result.avg_at_k:.4f} after {train_s:.1f} s", flush=True)
             self.excluded += time.perf_counter() - t
             return result.avg_at_k
@@ -308,6 +316,7 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
             self.start = time.perf_counter()
             self.evaluate(model, 0)
             self.start, self.excluded = time.perf_counter(), 0.0
+            generation_s[0] = 0.0
 
         def on_step_end(self, args, state, control, model=None, **kw):
             if state.global_step % (eval_interval * updates_per_step) == 0:
@@ -330,6 +339,19 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
     callback = HeldOutEval()
     trainer = GRPOTrainer(model=model, reward_funcs=dapo_reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[callback])
+    # Where TRL's step time goes: `_generate_and_score_completions` (generation, rewards,
+    # old log-probs) against the rest (the updates), as ours splits rollout / learner / sync.
+    generation_s = [0.0]
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate_and_score(*a, **kw)
+        finally:
+            generation_s[0] += time.perf_counter() - t
+
+    trainer._generate_and_score_completions = timed_generate_and_score
     t0 = time.perf_counter()
     try:
         trainer.train()

@@ -104,9 +104,13 @@ def test_dapo_mega_eval_curve_excludes_eval_and_save():
             {"step": 2, "time/unix": 125.0, "time/eval_s": 3.0, "eval/avg_at_k": 0.2},
             {"step": 3, "time/unix": 140.0, "time/save_s": 2.0},
             {"step": 4, "time/unix": 160.0, "time/eval_s": 4.0, "eval/avg_at_k": 0.3}]
+    for r, (roll, learn) in zip(rows[1:], [(4.0, 3.0), (5.0, 4.0), (6.0, 5.0), (7.0, 6.0)]):
+        r.update({"time/rollout_s": roll, "time/train_s": learn, "time/sync_s": 0.5})
     curve = e2e.dapo_mega_eval_curve(rows)
     assert [p["step"] for p in curve] == [0, 2, 4]
     assert [p["train_s"] for p in curve] == pytest.approx([0.0, 22.0, 51.0])
+    # where the time to step 4 went: 22 s rollout, 18 s learner, 2 s sync, the rest 9 s
+    assert curve[2]["split"] == pytest.approx({"rollout_s": 22.0, "learner_s": 18.0, "sync_s": 2.0, "other_s": 9.0})
     assert e2e.time_to_target(curve, 0.25)["step"] == 4
     assert e2e.time_to_target(curve, 0.5) is None
 
