@@ -3,6 +3,12 @@
 and disaggregated (update from distributed over a gloo group): two steps each, and the
 ledger's policy versions, read from SGLang's replies, equal the learner's versions.
 
+Then disaggregated with two learner processes (TP 2, and PP 2) and two SGLang engines that
+the test starts through the fleet and the runs attach to by URL, so the engines outlive each
+run: one step, then resumed to a second; after each run every engine serves the learner's
+version, and its greedy output (tokens and log-probs) equals transformers' on the HF export
+of the checkpoint the run saved.
+
 Needs the SGLang venv (`../shared/sglang-cpu/setup.sh`, see test_conformance.py); skips
 without it. The model is random (no warm start), so dynamic sampling is off: every group
 is all-wrong and would be filtered.
@@ -10,12 +16,15 @@ is all-wrong and would be filtered.
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from sglang_venv import sglang_python_or_skip
+
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,3 +50,151 @@ def test_train_with_real_sglang(tmp_path, mode, update_path):
         table = pq.read_table(glob.glob(str(run / "ledger" / f"step_{step:08d}.parquet"))[0]).to_pydict()
         assert set(map(int, table["learner_version"])) == {step - 1}
         assert set(map(int, table["policy_version_min"])) == set(map(int, table["policy_version_max"])) == {step - 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# Disaggregated, TP 2 and PP 2 learners, two SGLang engines that outlive each `dapo-mega train`
+
+
+PROMPTS = ([20, 21, 22, 23, 24], [30, 31, 32], [5, 40, 41, 42, 7, 60])
+GREEDY_STEPS = 8
+LOGPROB_ATOL = 1e-3
+"""fp32 on both sides: SGLang's CPU kernels and transformers agree to ~1e-5 in log-probs."""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The trainer and its torchrun ranks (their own process group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _engine_greedy(url: str) -> tuple:
+    """(weight version, [(token ids, log-probs) per prompt]) of one engine, temperature 0."""
+    import asyncio
+
+    from dapo_mega.backends.sglang.client import EngineClient
+
+    async def main():
+        async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
+            res = await client.generate(list(PROMPTS), {"n": 1, "temperature": 0.0, "max_new_tokens": GREEDY_STEPS,
+                                                        "ignore_eos": True}, return_logprob=True)
+            return await client.weight_version(), [(r.token_ids, r.logprobs) for r in res]
+    return asyncio.run(main())
+
+
+def _hf_greedy(model_dir: Path) -> list:
+    """[(token ids, log-probs) per prompt]: transformers' argmax decoding of the HF checkpoint, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids, logprobs = list(prompt), []
+            for _ in range(GREEDY_STEPS):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+                ids.append(int(logp.argmax()))
+                logprobs.append(float(logp[ids[-1]]))
+            out.append((ids[len(prompt):], logprobs))
+    return out
+
+
+def _assert_same_greedy(got: list, want: list, what: str) -> None:
+    for prompt, (g, w) in zip(PROMPTS, zip(got, want)):
+        assert g[0] == w[0], f"{what}: greedy tokens of prompt {prompt}: {g[0]} != transformers' {w[0]}"
+        assert max(abs(a - b) for a, b in zip(g[1], w[1])) < LOGPROB_ATOL, f"{what}: log-probs {g[1]} vs {w[1]}"
+
+
+def _differs(a: list, b: list) -> bool:
+    return any(x[0] != y[0] or max(abs(p - q) for p, q in zip(x[1], y[1])) > 10 * LOGPROB_ATOL for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def two_sglang_engines(tmp_path_factory):
+    """Two real SGLang engines (fp32, CPU) serving a tiny model of another seed than the
+    learner's, as weight version "engine-start": only a weight sync makes them answer as the
+    learner's export does. Started through the project's fleet; the runs attach by URL."""
+    from dapo_mega.config import RolloutConfig
+    from dapo_mega.models.tiny import build_tiny_model_dir
+    from dapo_mega.rollout.fleet import EngineFleet
+
+    python = sglang_python_or_skip()
+    root = tmp_path_factory.mktemp("two_engines")
+    engine_model, learner_model = root / "engine_model", root / "learner_model"
+    build_tiny_model_dir(engine_model, seed=11)
+    build_tiny_model_dir(learner_model, seed=12)
+    cfg = RolloutConfig(backend="sglang", engine_python=str(python), dtype="float32", health_timeout_s=600,
+                        request_timeout_s=600, extra_server_args=["--max-total-tokens", "4096"], num_engines=2)
+    fleet = EngineFleet(cfg, str(engine_model), root / "logs", device="cpu", weight_version="engine-start",
+                        extra_env={"OMP_NUM_THREADS": "1"})
+    try:
+        urls = [e.url for e in fleet.start(2)]
+        learner_greedy = _hf_greedy(learner_model)
+        for url in urls:  # the check below can tell the learner's weights from the engines' own
+            version, got = _engine_greedy(url)
+            assert version == "engine-start"
+            _assert_same_greedy(got, _hf_greedy(engine_model), f"engine {url} at start")
+            assert _differs(got, learner_greedy)
+        yield urls, learner_model, root / "logs"
+    finally:
+        fleet.close()
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.parametrize("parallel", ["megatron.tensor_model_parallel_size=2",
+                                      "megatron.pipeline_model_parallel_size=2"], ids=["tp2", "pp2"])
+def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_sglang_engines, parallel):
+    """`dapo-mega train` disaggregated with two learner processes (TP 2, or PP 2: two stages
+    taking turns to broadcast) attached by URL to two SGLang engines, one step, then resumed
+    to a second. After each run every engine reports the learner's version and its greedy
+    output (tokens and log-probs) equals transformers' on the HF export of the checkpoint
+    that run saved; the ledger's versions are those SGLang's replies carried."""
+    import pyarrow.parquet as pq
+
+    from dapo_mega.weights.convert import export_megatron_checkpoint
+
+    urls, learner_model, engine_logs = two_sglang_engines
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "dapo_mega.cli", "train", "cluster.mode=disaggregated", "rollout.backend=sglang",
+            f"rollout.engine_python={sglang_python_or_skip()}", f"rollout.engine_urls=[{','.join(urls)}]",
+            "rollout.num_engines=2", "cluster.num_learner_processes=2", parallel, f"model.hf_path={learner_model}",
+            "trainer.sft_warmup_steps=0", "trainer.eval_interval=0", "algo.dynamic_sampling=false",
+            "algo.n_samples_per_prompt=4", "algo.train_batch_size=4", "algo.gen_batch_size=4",
+            "algo.mini_batch_size=2", "algo.lr=2e-3", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+            "trainer.wandb_mode=disabled", "trainer.plot=false"]
+    exported: dict = {}
+    for steps in (1, 2):
+        log_path = tmp_path / f"train-{steps}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(base + [f"trainer.total_steps={steps}"], stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        try:
+            proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            code = proc.poll()
+            _kill_group(proc)
+        assert code == 0, f"run to step {steps} exited with {code}:\n" + log_path.read_text(errors="replace")[-6000:]
+
+        table = pq.read_table(glob.glob(str(run / "ledger" / f"step_{steps:08d}.parquet"))[0]).to_pydict()
+        assert set(map(int, table["learner_version"])) == {steps - 1}
+        assert set(map(int, table["policy_version_min"])) == set(map(int, table["policy_version_max"])) == {steps - 1}
+        assert len(table["learner_version"]) == 4 * 4 and set(table["engine_id"]) <= set(urls)
+
+        export = tmp_path / f"hf-{steps}"
+        export_megatron_checkpoint(run, export, hf_config_from=learner_model, progress=False)
+        want = _hf_greedy(export)
+        if steps == 2:  # the step moved the weights: the check below tells step 2 from step 1
+            assert _differs(want, exported[1])
+        exported[steps] = want
+        for url in urls:
+            version, got = _engine_greedy(url)
+            assert version == str(steps), f"engine {url} serves version {version} after step {steps}"
+            _assert_same_greedy(got, want, f"engine {url} after step {steps}")
+    if "pipeline" in parallel:  # each stage broadcast on a group of its own
+        for log in sorted(engine_logs.glob("engine-*.log")):
+            assert "group_name=dapo_weight_sync_pp1" in log.read_text(errors="replace"), log
