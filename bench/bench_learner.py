@@ -28,6 +28,7 @@ excluded on both sides. `run(quick)` returns the result dict (for a future bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -99,9 +100,7 @@ def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool,
     learner = MegatronLearner(cfg, hf_config, layout)
     indices = list(range(len(samples)))
     old = learner._local_log_probs(samples, indices)
-    from dapo_mega.backends.megatron.train_step import _with_old_log_probs
-
-    samples = [_with_old_log_probs(s, old[i]) for i, s in enumerate(samples)]
+    samples = [dataclasses.replace(s, old_log_probs=old[i].tolist()) for i, s in enumerate(samples)]
     tokens = float(count_loss_tokens(samples, indices))
     micro = learner._micro_batches(samples, indices)
     seqs = float(sum(1 for i in indices if any(samples[i].response_loss_mask())))  # seq-mean denominators

@@ -8,17 +8,18 @@
 
 0. the groups are shuffled (`algo.shuffle_mini_batches`, seeded by the step) and cut
    into mini-batches of `algo.mini_batch_size` prompts × G samples;
-1. old log-probs π_old of every response token, once, before the first update (forward
-   only; or the engine's log-probs when `algo.use_engine_logprobs`);
-2. for each mini-batch:
-   N = loss tokens of the whole mini-batch over all DP ranks (before any forward);
-   each DP rank takes its share of the mini-batch (split by token count,
-   `megatron.balance_data_parallel`), packs it into micro-batches of at most
+1. each DP rank takes its share of every mini-batch (split by token count,
+   `megatron.balance_data_parallel`) and packs it into micro-batches of at most
    `megatron.micro_batch_tokens` (`megatron.sequence_packing`; THD rows on the
    Transformer Engine spec, rows with a per-sample causal mask on the local spec, padded
-   to the FP8 alignment when FP8 is on; see batch.py / packing.py), and runs megatron's
-   `get_forward_backward_func`
-   (no-pipelining, 1F1B or interleaved) with loss
+   to the FP8 alignment when FP8 is on; see batch.py / packing.py), once;
+2. old log-probs π_old of every response token, before the first update: a forward-only
+   pass over those same micro-batches writes them in place (or the engine's log-probs
+   when `algo.use_engine_logprobs`);
+3. for each mini-batch:
+   N = loss tokens of the whole mini-batch over all DP ranks (before any forward);
+   megatron's `get_forward_backward_func`
+   (no-pipelining, 1F1B or interleaved) runs over its micro-batches with loss
    `compute_policy_loss(..., global_num_tokens=N)` per micro-batch; gradients add up over
    micro-batches and DP ranks to the exact whole-mini-batch token mean (optimizer.py);
    a NaN/Inf loss or gradient skips the update (or raises NonFiniteError);
@@ -190,6 +191,30 @@ class MegatronLearner:
                 result.update({i: values.clone() for i, values in response_values(log_probs, mb).items()})
         return result
 
+    def _write_old_log_probs(self, micro_batches: List[MicroBatch]) -> None:
+        """π_old into each micro-batch's `old_log_probs` at its response columns (forward only;
+        on the last pipeline stage, the only one whose loss reads them)."""
+        temperature, vocab = self.cfg.algo.temperature, self.info.shape.vocab_size
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            log_probs, _ = compute_token_log_probs(logits, mb.labels, temperature, vocab, with_entropy=False)
+            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {"log_probs": log_probs.detach()}
+
+        for chunk in self.ddp_chunks:
+            chunk.eval()
+        with torch.no_grad():
+            outputs = self._run_schedule(micro_batches, loss_func, forward_only=True)
+        for chunk in self.ddp_chunks:
+            chunk.train()
+        if not self.layout.is_last_stage:
+            return
+        for mb, out in zip(micro_batches, outputs):
+            index, valid = mb.response_index()
+            columns = index[valid]
+            old = torch.zeros(mb.labels.shape, dtype=torch.float32)
+            old.view(-1)[columns] = out["log_probs"].float().cpu().reshape(-1)[columns]
+            mb.old_log_probs = old
+
     def compute_log_probs(self, samples: Sequence[TrainSample]) -> List[torch.Tensor]:
         """Per-sample [R] log-probs (float32, CPU) of the response tokens, on every rank."""
         indices = self._shard(samples, range(len(samples)))
@@ -299,28 +324,29 @@ class MegatronLearner:
         mini_batches = [order[k:k + per_update] for k in range(0, len(order), per_update)]
         shards = [self._shard(samples, mb) for mb in mini_batches]
 
-        # 1. old log-probs, once, before the first update.
+        # 1. this rank's micro-batches, collated once; 2. old log-probs, before the first update.
         if algo.use_engine_logprobs:
             missing = [i for i, s in enumerate(samples) if s.engine_log_probs is None]
             if missing:
                 raise ValueError(f"algo.use_engine_logprobs=true but {len(missing)} samples have no engine_log_probs")
-            old = {i: torch.tensor(s.engine_log_probs) for i, s in enumerate(samples)}
-        else:
-            old = self._local_log_probs(samples, [i for shard in shards for i in shard])
-        for i, log_probs in old.items():
-            samples[i] = _with_old_log_probs(samples[i], log_probs)
+            samples = [dataclasses.replace(s, old_log_probs=list(s.engine_log_probs)) for s in samples]
+        micro_per_update = [self._micro_batches(samples, shard) for shard in shards]
+        if not algo.use_engine_logprobs:
+            # One forward-only pass; with pipeline stages one per mini-batch (one [B, S] shape each).
+            passes = micro_per_update if self.layout.pp > 1 else [[mb for mbs in micro_per_update for mb in mbs]]
+            for micro_batches in passes:
+                self._write_old_log_probs(micro_batches)
 
-        # 2. one optimizer update per mini-batch.
+        # 3. one optimizer update per mini-batch.
         totals = {"loss/pg": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0, **{k: 0.0 for k in self._metric_keys}}
         applied, tokens_trained = 0, 0.0
         lr = self.scheduler.current_lr
         useful, computed = 0, 0  # this rank's real and computed (rows x columns) tokens
-        for mini_batch, shard in zip(mini_batches, shards):
+        for mini_batch, micro_batches in zip(mini_batches, micro_per_update):
             # Denominators of the whole mini-batch (all micro-batches, all DP ranks):
             # tokens for token-mean, non-empty responses for the seq-mean ablation modes.
             global_tokens = float(count_loss_tokens(samples, mini_batch))
             global_seqs = float(sum(1 for i in mini_batch if any(samples[i].response_loss_mask())))
-            micro_batches = self._micro_batches(samples, shard)
             useful += sum(mb.real_tokens for mb in micro_batches)
             computed += sum(mb.tokens.numel() for mb in micro_batches)
             info = self._update(micro_batches,
@@ -382,10 +408,3 @@ class MegatronLearner:
         return {"sft/loss": info["loss"], "sft/grad_norm": info["grad_norm"], "sft/lr": lr,
                 "sft/skipped": float(not info["finite"]),
                 "perf/sft_tokens_per_s": sum(s.length for s in samples) / max(elapsed, 1e-9)}
-
-
-def _with_old_log_probs(sample: TrainSample, log_probs: torch.Tensor) -> TrainSample:
-    """A copy of `sample` carrying old log-probs (the caller's objects are not modified)."""
-    return TrainSample(prompt_ids=sample.prompt_ids, response_ids=sample.response_ids, advantage=sample.advantage,
-                       old_log_probs=[float(x) for x in log_probs], engine_log_probs=sample.engine_log_probs,
-                       loss_mask=sample.loss_mask)

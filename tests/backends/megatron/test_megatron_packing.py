@@ -7,6 +7,7 @@ sample per padded row, at TP 1, TP 2 and PP 2 (gloo processes, tests/dist_helper
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -205,7 +206,7 @@ def _packed_vs_padded(rank, world, tp, pp, loss_agg_mode):
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.batch import count_loss_tokens
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner, _with_old_log_probs
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
     from dapo_mega.config import DapoConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
@@ -225,7 +226,7 @@ def _packed_vs_padded(rank, world, tp, pp, loss_agg_mode):
         m.sequence_packing = packed
         log_probs = learner.compute_log_probs(samples)
         old = [lp + 0.1 * ((torch.arange(len(lp)) % 3) - 1) for lp in log_probs]
-        batch = [_with_old_log_probs(s, o) for s, o in zip(samples, old)]
+        batch = [dataclasses.replace(s, old_log_probs=o.tolist()) for s, o in zip(samples, old)]
         micro = learner._micro_batches(batch, indices)
         learner._zero_grads()
         tokens = float(count_loss_tokens(batch, indices))
