@@ -47,7 +47,7 @@ import base64
 import json
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -226,13 +226,25 @@ class WeightSyncer:
             except EngineError:  # 400: no such group (the usual case)
                 pass
         self._io.run(self._all(forget), timeout=self.timeout_s)
-        fut = self._io.submit(self._all(lambda c: c.init_weights_update_group(
+        replies = self._io.submit(self._all(lambda c: c.init_weights_update_group(
             self.master_address, master_port, 1 + self.clients.index(c) * self.engine_tp_size, world,
             group_name=name, backend=self.backend, timeout_s=self.timeout_s)))
-        self.group = transport.init_custom_process_group(
-            self.backend, f"tcp://{self.master_address}:{master_port}", world, 0, name,
-            timeout=timedelta(seconds=self.timeout_s))
-        fut.result(self.timeout_s)
+        joined: Future = Future()
+
+        def join() -> None:  # this side of the rendezvous, in a thread: the engines' replies are watched
+            try:
+                joined.set_result(transport.init_custom_process_group(
+                    self.backend, f"tcp://{self.master_address}:{master_port}", world, 0, name,
+                    timeout=timedelta(seconds=self.timeout_s)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                joined.set_exception(exc)
+        threading.Thread(target=join, name="weight-sync-join", daemon=True).start()
+        wait([joined, replies], timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        if replies.done() and replies.exception() is not None and not joined.done():
+            # an engine that refused never joins: say why now rather than after timeout_s
+            raise WeightSyncError(f"weight-update group {name}: {replies.exception()}")
+        self.group = joined.result(self.timeout_s)
+        replies.result(self.timeout_s)
         self.group_name = name
 
     def destroy_group(self, timeout_s: Optional[float] = None) -> None:

@@ -123,3 +123,21 @@ def test_a_new_trainer_joins_engines_that_a_killed_one_left_in_its_group(engines
         finally:
             syncer.close()
         assert syncer.group is None
+
+
+def test_an_engine_that_refuses_the_group_is_named_at_once(engines):
+    """An engine that answers /init_weights_update_group with an error never joins the
+    rendezvous: the syncer says so with the engine's message, instead of waiting out its
+    timeout in the rendezvous (here: NCCL asked of a CPU engine)."""
+    import time
+
+    from dapo_mega.weights.sync import WeightSyncError
+
+    syncer = WeightSyncer([e.url for e in engines], mode="distributed", backend="nccl", timeout_s=120)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match="needs a GPU"):
+            syncer.init_group(master_port=free_port(), stage=0)
+    finally:
+        syncer.close()
+    assert time.monotonic() - start < 30
