@@ -106,11 +106,15 @@ class PolicySync:
         """Engines the rollout manager found dead (no reply within rollout.request_timeout_s,
         connection refused) leave the weight sync too, so a lost engine costs the run its share
         of generation and nothing else. Collective: every learner rank calls it."""
+        from dapo_mega.weights.handover import drop_dead_posters
+
         dead = self.role.dead_engines()
-        if self.syncer is None or not dead:
+        if not dead:
             return
-        for url in self.syncer.drop_engines(sorted(dead)):
-            self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
+        drop_dead_posters(self.posters, sorted(dead))  # GPU hand-over: the ranks that post for them
+        if self.syncer is not None:
+            for url in self.syncer.drop_engines(sorted(dead)):
+                self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
 
     def release_engine_memory(self) -> None:
         """Colocated: engines free their memory for the learner's step (driver's request)."""

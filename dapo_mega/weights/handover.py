@@ -79,6 +79,24 @@ def stage_source_rank(stage: int, tp: int, cp: int, dp: int) -> int:
     return stage * tp * cp * dp
 
 
+def drop_dead_posters(posters: Dict[int, WeightSyncer], dead_urls: Sequence[str]) -> List[str]:
+    """Engines found dead leave the hand-over: their posters are removed from `posters` (so
+    `handover_learner_weights` posts to the others only). Returns the URLs dropped."""
+    wanted = {u.rstrip("/") for u in dead_urls}
+    dropped: List[str] = []
+    for engine, poster in list(posters.items()):
+        gone = [url for url in poster.engine_urls if url in wanted]
+        if not gone:
+            continue
+        dropped += gone
+        if len(gone) == len(poster.engine_urls):  # a poster holds one engine: it goes
+            del posters[engine]
+            poster.close()
+        else:
+            poster.drop_engines(gone)
+    return dropped
+
+
 def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, info, layout, weight_version: str,
                              plan: HandoverPlan, bucket_bytes: int, make_payload: PayloadMaker,
                              load_format: Optional[str], device: torch.device) -> Optional[SyncStats]:
@@ -125,7 +143,7 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
             version = weight_version if (is_last and stage == pp - 1) else None
             error = None
             try:
-                for engine in plan.posts:
+                for engine in [e for e in plan.posts if e in posters]:  # not those dropped as dead
                     payloads = [gathered[r][(engine, tp_rank)] for tp_rank, r in enumerate(plan.ipc_ranks[engine])]
                     posters[engine].post_tensor_payloads(payloads, load_format, version)
             except Exception as exc:  # every rank must learn of it, or the others wait in the next bucket

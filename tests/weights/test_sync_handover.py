@@ -86,3 +86,37 @@ def test_pp2_handover_into_two_engines_bit_identical_to_export(model_dir, tmp_pa
             for name, tensor in exported.items():
                 assert torch.equal(weights[name], tensor), f"{url}: {name} differs from the HF export"
             assert version == "9" and sample.versions == ["9"]
+
+
+def _handover_with_a_dead_engine(rank, world, tp, pp, model_dir, engine_urls, ipc_ranks, dead_url):
+    from dapo_mega.weights.handover import HandoverPlan, drop_dead_posters, sync_colocated_learner_weights
+    from dapo_mega.weights.sync import WeightSyncer
+
+    learner, layout = trained_learner(world, tp, pp, model_dir)
+    plan = HandoverPlan.for_rank(rank, ipc_ranks)
+    posters = {e: WeightSyncer([engine_urls[e]], mode="colocated", timeout_s=120) for e in plan.posts}
+    driver = WeightSyncer(engine_urls, mode="colocated", timeout_s=120) if rank == 0 else None
+    # what PolicySync.drop_dead_engines does on every rank once the rollout manager found it dead
+    dropped = drop_dead_posters(posters, [dead_url])
+    if driver is not None:
+        driver.drop_engines([dead_url])
+    sync_colocated_learner_weights(driver, posters, learner.model_chunks, learner.info, layout, "4", plan,
+                                   bucket_bytes=20_000, device=torch.device("cpu"))
+    for syncer in [*posters.values(), driver]:
+        if syncer is not None:
+            syncer.close()
+    return dropped, sorted(posters)
+
+
+def test_handover_goes_on_without_an_engine_found_dead(model_dir, tmp_path):
+    """The rank that posts for a dead engine stops posting; every other engine still gets
+    the whole update (without the drop, that rank's post fails and the hand-over raises on
+    every rank)."""
+    with EngineFleet(RolloutConfig(), str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
+        urls = [e.url for e in fleet.start(2)]
+        fleet.kill(1)
+        results = run_distributed(_handover_with_a_dead_engine, 2,
+                                  args=(1, 2, str(model_dir), urls, {0: (0,), 1: (1,)}, urls[1]), timeout_s=400)
+        assert results == [([], [0]), ([urls[1]], [])]
+        weights, version, sample = asyncio.run(_engine_view(urls[0], ["lm_head.weight"]))
+        assert version == "4" and sample.versions == ["4"]
