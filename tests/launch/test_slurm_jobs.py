@@ -155,15 +155,21 @@ def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
     assert served and served <= {r["url"] for r in records}
 
 
-@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
-def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster, tmp_path):
-    job = _submit(cluster, "disaggregated.sbatch", tmp_path, "disagg", DISAGGREGATED, DISAGG_OVERRIDES)
-    info = cluster.wait_job(job, JOB_TIMEOUT_S)
-    run_dir = tmp_path / "disagg"
+def _disaggregated_job(cluster, tmp_path, name, overrides, timeout_s):
+    """Submit disaggregated.sbatch, wait, check it completed; (run dir, metrics, job log dir, job info)."""
+    job = _submit(cluster, "disaggregated.sbatch", tmp_path, name, DISAGGREGATED, overrides)
+    info = cluster.wait_job(job, timeout_s)
+    run_dir = tmp_path / name
     metrics = _assert_completed_run(cluster, tmp_path, run_dir, job, info)
     logs = run_dir / "logs" / f"job-{job}"
     assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
                                                       "learner-0.log"]
+    return run_dir, metrics, logs, info
+
+
+@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
+def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster, tmp_path):
+    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "disagg", DISAGG_OVERRIDES, JOB_TIMEOUT_S)
     assert "learner world 1 (1 nodes)" in (logs / "learner-0.log").read_text()
     # component 1's single node runs both engines; component 0's node the learner
     engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
@@ -191,13 +197,7 @@ def test_disaggregated_job_with_sglang_engines(sglang_python, cluster, tmp_path)
     # the SGLang venv's interpreter (the local nodes share this filesystem)
     overrides = [*DISAGG_OVERRIDES, "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
                  "rollout.extra_server_args=[--max-total-tokens,4096]", "rollout.health_timeout_s=600"]
-    job = _submit(cluster, "disaggregated.sbatch", tmp_path, "sgl", DISAGGREGATED, overrides)
-    info = cluster.wait_job(job, SGLANG_JOB_TIMEOUT_S)
-    run_dir = tmp_path / "sgl"
-    metrics = _assert_completed_run(cluster, tmp_path, run_dir, job, info)
-    logs = run_dir / "logs" / f"job-{job}"
-    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
-                                                      "learner-0.log"]
+    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "sgl", overrides, SGLANG_JOB_TIMEOUT_S)
     assert f"{sglang_python} -m sglang.launch_server" in (logs / "engines-node0.log").read_text()
     for i in (0, 1):  # each server took the first push and one sync per step inside a weight-update session
         engine_log = (logs / f"engine-{i}.log").read_text(errors="replace")
