@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import signal
+import threading
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
@@ -288,20 +289,29 @@ class EngineServer:
         rl_list = rl if isinstance(rl, list) else [rl] * len(prompts)
         rid = body.get("rid") or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        futures, seqs = [], []
+        done = loop.create_future()
+        # One wake-up of this loop per request, when its last sequence finishes (sequences
+        # finish on the generation thread, or on an HTTP thread when aborted).
+        remaining, lock = [len(prompts) * n], threading.Lock()
+
+        def on_done(_seq: Sequence_) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                loop.call_soon_threadsafe(_set_result, done, None)
+
+        seqs = []
         # SGLang's order: for each prompt i, its n samples j -> reply index i*n + j.
         for i, (prompt, (spec, _)) in enumerate(zip(prompts, parsed)):
             for j in range(n):
-                fut = loop.create_future()
                 seed = None if spec.sampling_seed is None else spec.sampling_seed + j
                 seq = Sequence_(prompt_ids=list(prompt), spec=spec, generator=self.engine.new_generator(seed),
-                                on_done=lambda s, f=fut: loop.call_soon_threadsafe(_set_result, f, s),
-                                rid=f"{rid}_{len(seqs)}" if len(prompts) * n > 1 else rid)
-                futures.append(fut)
+                                on_done=on_done, rid=f"{rid}_{len(seqs)}" if len(prompts) * n > 1 else rid)
                 seqs.append((i, seq))
         if not self.engine.submit([s for _, s in seqs]):
             raise BadGenerateRequest("The request queue is full.", status=503)
-        await asyncio.gather(*futures)
+        await done
         replies = [self._reply(seq, seq.rid, bool(rl_list[i])) for i, seq in seqs]
         if is_single and n == 1:
             return web.json_response(replies[0])

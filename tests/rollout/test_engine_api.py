@@ -228,8 +228,11 @@ def test_continuous_batching_joins_running_batch_and_matches_transformers(engine
     greedy = {"temperature": 0.0, "ignore_eos": True}
     slow = threading.Thread(target=send, args=("long", {"input_ids": long_prompt, "sampling_params": {
         **greedy, "max_new_tokens": long_new}}))
+    steps_before = call(engine, "/server_info")[1]["num_forward_steps"]
     slow.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while call(engine, "/server_info")[1]["num_forward_steps"] < steps_before + 2:  # the long one decodes
+        assert time.monotonic() < deadline, "the long request never started"
     send("short", {"input_ids": short_prompts, "sampling_params": {**greedy, "max_new_tokens": 12}})
     slow.join(timeout=120)
     assert replies["long"][0] == 200 and replies["short"][0] == 200
