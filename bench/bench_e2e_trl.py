@@ -126,8 +126,18 @@ def summarize(ours_curve, trl_curve, target: float) -> Dict[str, Any]:
     out: Dict[str, Any] = {"target_avg_at_k": target, "ours_reached": ours, "trl_reached": trl,
                            "ours_best": max((p["avg_at_k"] for p in ours_curve), default=None),
                            "trl_best": max((p["avg_at_k"] for p in trl_curve), default=None)}
+    # The ratio is (TRL's seconds per rollout step x its steps) / (ours x ours): the two
+    # factors apart, the first a property of the implementations, the second of the algorithms
+    # (dynamic sampling, dual clip) and of the held-out evaluation's noise.
+    for name, curve in (("ours", ours_curve), ("trl", trl_curve)):
+        last = curve[-1] if curve else None
+        if last is not None and last["step"] > 0:
+            out[f"{name}_seconds_per_step"] = last["train_s"] / last["step"]
+    if "ours_seconds_per_step" in out and "trl_seconds_per_step" in out:
+        out["per_step_ratio"] = out["trl_seconds_per_step"] / max(out["ours_seconds_per_step"], 1e-9)
     if ours is not None and trl is not None:
         out["ratio"] = trl["train_s"] / max(ours["train_s"], 1e-9)
+        out["steps_to_target"] = {"ours": ours["step"], "trl": trl["step"]}
     return out
 
 
@@ -427,6 +437,11 @@ def run(quick: bool = False, keep_work: bool = False) -> Dict[str, Any]:
         result["ours"] = reached[0]["train_s"] if reached[0] else float("nan")
         result["baseline"] = reached[1]["train_s"] if reached[1] else float("nan")
         result.setdefault("ratio", float("nan"))
+        if "per_step_ratio" in summary:
+            result["rows"] = [{"name": "e2e_trl (per step)", "metric": "seconds per rollout step",
+                               "ours": summary["ours_seconds_per_step"], "baseline_name": "TRL GRPOTrainer (dapo)",
+                               "baseline": summary["trl_seconds_per_step"], "ratio": summary["per_step_ratio"],
+                               "higher_is_better": False}]
         if None in reached:
             who = " and ".join(n for n, r in zip(("dapo-mega", "TRL"), reached) if r is None)
             result["note"] = (f"{who} did not reach avg@k {target} within {sizes['max_steps']} rollout steps "

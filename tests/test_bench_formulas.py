@@ -121,6 +121,8 @@ def test_summarize_ratio_is_trl_over_ours():
            {"step": 4, "train_s": 40.0, "avg_at_k": 0.31}]
     out = e2e.summarize(ours, trl, 0.3)
     assert out["ratio"] == pytest.approx(4.0)
+    # 4.0 = (TRL 10 s per step / ours 5 s per step) x (TRL 4 steps / ours 2 steps)
+    assert out["per_step_ratio"] == pytest.approx(2.0) and out["steps_to_target"] == {"ours": 2, "trl": 4}
     assert "ratio" not in e2e.summarize(ours, trl[:2], 0.3)
 
 
