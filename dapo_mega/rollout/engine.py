@@ -468,8 +468,8 @@ class GenerationEngine:
                 self.num_forward_steps += 1
             tokens, logprobs = sample_tokens(logits, [r.spec for r in rows], [r.generator for r in rows])
             keep = []
-            for i, seq in enumerate(rows):
-                seq.append(int(tokens[i]), float(logprobs[i]), version)
+            for i, (seq, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist())):
+                seq.append(token, logprob, version)
                 self.num_generated_tokens += 1
                 reason = self._stop_reason(seq)
                 if reason is None:
