@@ -237,3 +237,12 @@ def test_health_probe_waits_for_a_health_check_that_takes_over_a_second():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_engine_threads_leave_a_cpu_to_the_trainer():
+    from dapo_mega.rollout.fleet import cpu_threads_per_engine
+
+    assert cpu_threads_per_engine(2, 1) == 1       # this machine: the driver scores on the other core
+    assert cpu_threads_per_engine(16, 1) == 15
+    assert cpu_threads_per_engine(16, 3) == 5
+    assert cpu_threads_per_engine(1, 4) == 1       # never zero
