@@ -72,6 +72,19 @@ async def _engine_view(url, names):
     return weights, version, out[0]
 
 
+def assert_engines_serve_export(urls, model_dir, exported, version):
+    """The update changed the weights, and every engine holds exactly `exported` as `version`."""
+    from safetensors.torch import load_file
+
+    before = load_file(str(model_dir / "model.safetensors"))
+    assert any(not torch.equal(before[n], t) for n, t in exported.items()), "the update changed nothing"
+    for url in urls:
+        weights, served, sample = asyncio.run(_engine_view(url, list(exported)))
+        for name, tensor in exported.items():
+            assert torch.equal(weights[name], tensor), f"{url}: {name} differs from the HF export"
+        assert served == version and sample.versions == [version]
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_learner_sync_bit_identical_to_export(model_dir, tmp_path, tp, pp):
     from safetensors.torch import load_file
@@ -86,10 +99,4 @@ def test_learner_sync_bit_identical_to_export(model_dir, tmp_path, tp, pp):
         for shard in export_dir.glob("*.safetensors"):
             exported.update(load_file(str(shard)))
         assert sent == len(exported), "every exported tensor is synced exactly once (over the PP stages)"
-        before = load_file(str(model_dir / "model.safetensors"))
-        assert any(not torch.equal(before[n], t) for n, t in exported.items()), "the update changed nothing"
-        for url in urls:
-            weights, version, sample = asyncio.run(_engine_view(url, list(exported)))
-            for name, tensor in exported.items():
-                assert torch.equal(weights[name], tensor), f"{url}: {name} differs from the HF export"
-            assert version == "7" and sample.versions == ["7"]
+        assert_engines_serve_export(urls, model_dir, exported, "7")
