@@ -7,9 +7,11 @@ finished rows from the cache as it goes. Batching is continuous, as SGLang's: be
 decode steps, sequences queued meanwhile join the running batch (up to
 `max_running_requests`): they are prefilled on their own and their KV cache is merged into
 the batch's, both left-padded to one width (`merge_caches`); columns that no live row uses
-any more are trimmed from the left (`trim_cache`), so a long-lived batch does not grow. The HTTP layer (`server.py`) never touches the
-model: it enqueues sequences, and weight updates go through `load_named_tensors`, which
-takes the same lock as a forward step, so a step never sees half-loaded weights.
+any more are trimmed from the left (`trim_cache`), so a long-lived batch does not grow.
+(transformers < 4.56, whose caches have no `.layers`: newcomers wait for the next batch.)
+The HTTP layer (`server.py`) never touches the model: it enqueues sequences, and weight
+updates go through `load_named_tensors`, which takes the same lock as a forward step, so a
+step never sees half-loaded weights.
 
 Sampling follows SGLang 0.5.23 (`srt/layers/sampler.py`), per row:
 
@@ -347,7 +349,8 @@ class GenerationEngine:
     def _admit(self, running: int) -> List[Sequence_]:
         """Queued sequences that join a running batch of `running` rows (call under `_cv`)."""
         room = self.max_running_requests - running
-        if room <= 0 or not self._waiting or self._paused or self._stop or self.weights_released:
+        if (room <= 0 or not self._waiting or self._paused or self._stop or self.weights_released
+                or not _MERGEABLE_CACHES):
             return []
         admitted = self._waiting[:room]
         del self._waiting[:len(admitted)]
@@ -498,6 +501,16 @@ class GenerationEngine:
         if n >= spec.max_new_tokens or len(seq.prompt_ids) + n >= self.max_context:
             return {"type": "length", "length": n}
         return None
+
+
+def _caches_have_layers() -> bool:
+    from transformers import DynamicCache
+
+    return hasattr(DynamicCache(), "layers")
+
+
+_MERGEABLE_CACHES = _caches_have_layers()
+"""Whether this transformers' KV caches can be merged (`merge_caches`) for continuous batching."""
 
 
 def _cache_layers(cache) -> list:
