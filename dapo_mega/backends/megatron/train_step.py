@@ -170,30 +170,9 @@ class MegatronLearner:
         return D.all_reduce_sum(values)
 
     # ------------------------------------------------------------------ log-probs
-    def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
-        """Forward only over `indices`; {sample index: [R] log-probs} on loss ranks, {} elsewhere."""
-        temperature, vocab = self.cfg.algo.temperature, self.info.shape.vocab_size
-
-        def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            log_probs, _ = compute_token_log_probs(logits, mb.labels, temperature, vocab, with_entropy=False)
-            return logits.new_zeros(()), torch.tensor(0, dtype=torch.int), {"mb": mb, "log_probs": log_probs.detach()}
-
-        for chunk in self.ddp_chunks:
-            chunk.eval()
-        with torch.no_grad():
-            outputs = self._run_schedule(self._micro_batches(samples, indices), loss_func, forward_only=True)
-        for chunk in self.ddp_chunks:
-            chunk.train()
-        result: Dict[int, torch.Tensor] = {}
-        if self.layout.is_last_stage:
-            for out in outputs:
-                mb, log_probs = out["mb"], out["log_probs"].float().cpu()
-                result.update({i: values.clone() for i, values in response_values(log_probs, mb).items()})
-        return result
-
-    def _write_old_log_probs(self, micro_batches: List[MicroBatch]) -> None:
-        """π_old into each micro-batch's `old_log_probs` at its response columns (forward only;
-        on the last pipeline stage, the only one whose loss reads them)."""
+    def _forward_log_probs(self, micro_batches: List[MicroBatch]) -> List[torch.Tensor]:
+        """Forward only; [B, S] log-probs (float32, CPU) of each micro-batch's labels, in order,
+        on the last pipeline stage ([] elsewhere)."""
         temperature, vocab = self.cfg.algo.temperature, self.info.shape.vocab_size
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
@@ -207,12 +186,25 @@ class MegatronLearner:
         for chunk in self.ddp_chunks:
             chunk.train()
         if not self.layout.is_last_stage:
-            return
-        for mb, out in zip(micro_batches, outputs):
+            return []
+        return [out["log_probs"].float().cpu() for out in outputs]
+
+    def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
+        """Forward only over `indices`; {sample index: [R] log-probs} on loss ranks, {} elsewhere."""
+        micro_batches = self._micro_batches(samples, indices)
+        result: Dict[int, torch.Tensor] = {}
+        for mb, log_probs in zip(micro_batches, self._forward_log_probs(micro_batches)):
+            result.update({i: values.clone() for i, values in response_values(log_probs, mb).items()})
+        return result
+
+    def _write_old_log_probs(self, micro_batches: List[MicroBatch]) -> None:
+        """π_old into each micro-batch's `old_log_probs` at its response columns (on the last
+        pipeline stage, the only one whose loss reads them)."""
+        for mb, log_probs in zip(micro_batches, self._forward_log_probs(micro_batches)):
             index, valid = mb.response_index()
             columns = index[valid]
             old = torch.zeros(mb.labels.shape, dtype=torch.float32)
-            old.view(-1)[columns] = out["log_probs"].float().cpu().reshape(-1)[columns]
+            old.view(-1)[columns] = log_probs.reshape(-1)[columns]
             mb.old_log_probs = old
 
     def compute_log_probs(self, samples: Sequence[TrainSample]) -> List[torch.Tensor]:
