@@ -291,13 +291,17 @@ def start_long_generation(server, result: dict, max_new_tokens=200) -> threading
 
 
 def assert_some_aborted(result: dict, max_new_tokens: int) -> None:
-    """The interrupted request's samples: those cut short say `abort`, none ran to the end."""
+    """The interrupted request's samples: some were cut short and say `abort`. A sample that
+    made its last token in the scheduler step the abort arrived in may say `abort` too, with
+    all max_new_tokens (SGLang 0.5.23 does this: seen in CI), so only most must be short."""
     assert "error" not in result, result
     replies = result["reply"]
     assert len(replies) == LONG_GROUP
     aborted = [r for r in replies if r.aborted]
     assert aborted, [r.finish_reason for r in replies]
-    assert all(r.completion_tokens < max_new_tokens for r in aborted)
+    assert all(r.completion_tokens <= max_new_tokens for r in aborted)
+    short = [r for r in aborted if r.completion_tokens < max_new_tokens]
+    assert len(short) > len(aborted) // 2, [r.completion_tokens for r in aborted]
 
 
 def test_abort_request_finishes_a_running_generation_with_abort(server):

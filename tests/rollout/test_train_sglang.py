@@ -11,7 +11,11 @@ of the checkpoint the run saved.
 
 Needs the SGLang venv (`../shared/sglang-cpu/setup.sh`, see test_conformance.py); skips
 without it. The model is random (no warm start), so dynamic sampling is off: every group
-is all-wrong and would be filtered.
+is all-wrong and would be filtered. In the TP 2 / PP 2 runs rewards differ only through the
+overlong penalty, so responses run to 48 tokens and are penalised from the 5th: this random
+model ends ~40% of them early (EOS), at different lengths, so a step's advantages are never
+all zero (all 16 samples running to the end: ~5e-4) and each step moves the weights. With
+the default 16 tokens and a 4-token buffer, ~7% of steps had no gradient at all.
 """
 
 import glob
@@ -163,7 +167,8 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
             "rollout.num_engines=2", "cluster.num_learner_processes=2", parallel, f"model.hf_path={learner_model}",
             "trainer.sft_warmup_steps=0", "trainer.eval_interval=0", "algo.dynamic_sampling=false",
             "algo.n_samples_per_prompt=4", "algo.train_batch_size=4", "algo.gen_batch_size=4",
-            "algo.mini_batch_size=2", "algo.lr=2e-3", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+            "algo.mini_batch_size=2", "algo.lr=2e-3",
+            "algo.max_response_length=48", "algo.overlong_buffer_length=44", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
             "trainer.wandb_mode=disabled", "trainer.plot=false"]
     exported: dict = {}
     for steps in (1, 2):
