@@ -28,6 +28,7 @@ import time
 from typing import Dict, Optional
 
 from dapo_mega.config import DapoConfig, from_yaml
+from dapo_mega.heap import freeze_startup_objects
 
 
 def train(cfg: DapoConfig) -> int:
@@ -42,6 +43,7 @@ def train(cfg: DapoConfig) -> int:
             if cfg.trainer.total_steps == 0:    # a warm start only (`dapo-mega ablate`'s shared start)
                 s.save_checkpoint(0)
         s.sync_weights()                        # engines serve the learner's weights at v
+        freeze_startup_objects()                # no full GC pass walks start-up's objects (heap.py)
         if run.state.step == 0 and cfg.trainer.eval_interval > 0:
             role.log_step(0, role.evaluate(), {})  # held-out accuracy before any RL step
         role.start_rollouts(run.state.step + 1)  # a thread, when disaggregated with staleness > 0

@@ -49,7 +49,13 @@ class RewardBatch:
                             verifier_error=self.verifier_error[i], extracted=self.extracted[i])
 
     def items(self) -> List[SampleReward]:
-        return [self.item(i) for i in range(len(self.verifier_error))]
+        """Every sample's `item`, the tensors read once (not element by element)."""
+        columns = zip(self.reward.tolist(), self.correct.tolist(), self.correctness.tolist(),
+                      self.overlong_penalty.tolist(), self.verifier_error, self.extracted)
+        return [SampleReward(reward=reward, correct=correct, correctness=correctness, overlong_penalty=penalty,
+                             verifier=self.verifier_name, verifier_version=self.verifier_version,
+                             verifier_error=error, extracted=extracted)
+                for reward, correct, correctness, penalty, error, extracted in columns]
 
 
 def compute_rewards(

@@ -61,6 +61,7 @@ from aiohttp import web
 from dapo_mega.backends.sglang.api import (
     FLATTENED_BUCKET, GENERATE_FIELDS, GENERATE_FIELDS_OTHER, PAUSE_MODES, REQUEST_DEFAULTS,
     REQUEST_FIELDS, REQUEST_REQUIRED, SAMPLING_DEFAULTS, SAMPLING_FIELDS, SAMPLING_NEUTRAL)
+from dapo_mega.heap import freeze_startup_objects
 from dapo_mega.rollout.engine import GenerationEngine, SamplingSpec, Sequence_
 from dapo_mega.weights import transport
 
@@ -604,6 +605,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                               max_queued_requests=args.max_queued_requests)
     served = {k: v for k, v in vars(args).items() if k != "api_key"}
     server = EngineServer(engine, api_key=args.api_key, served_args=served)
+    freeze_startup_objects()  # full GC passes stalled generation 100-200 ms (heap.py)
     serve(server, args.host, args.port)
 
 

@@ -110,8 +110,9 @@ class MicroBatch:
     """[B, S] float 1 where labels[t] is a response token carrying loss."""
     advantages: torch.Tensor
     """[B, S] float, the sample's advantage on its response_mask columns (0 elsewhere)."""
-    old_log_probs: torch.Tensor
-    """[B, S] float, aligned with labels (0 outside response_mask)."""
+    old_log_probs: Optional[torch.Tensor]
+    """[B, S] float, aligned with labels (0 outside response_mask); None = π_old is the
+    policy being trained (the first update of a step: the loss detaches its own log-probs)."""
     engine_log_probs: Optional[torch.Tensor]
     """[B, S] float or None."""
     placements: List[Placement]

@@ -280,7 +280,7 @@ class MegatronLearner:
         # The loss reads [samples, response tokens] (gather_responses), whatever the packing:
         # the seq-mean modes aggregate per sample, and a packed row holds several.
         mask = gather_responses(mb.response_mask, mb)
-        old = gather_responses(mb.old_log_probs, mb)
+        old = gather_responses(log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs, mb)
         tis, tis_metrics = None, {}
         if self._tis_active and mb.engine_log_probs is not None:
             engine = gather_responses(mb.engine_log_probs, mb)
@@ -324,10 +324,18 @@ class MegatronLearner:
             samples = [dataclasses.replace(s, old_log_probs=list(s.engine_log_probs)) for s in samples]
         micro_per_update = [self._micro_batches(samples, shard) for shard in shards]
         if not algo.use_engine_logprobs:
-            # One forward-only pass; with pipeline stages one per mini-batch (one [B, S] shape each).
-            passes = micro_per_update if self.layout.pp > 1 else [[mb for mbs in micro_per_update for mb in mbs]]
+            # π_old of the first update is the policy it starts from: its loss detaches its own
+            # log-probs (dropout is off, so the training forward computes what a forward-only
+            # pass would). The later updates need the weights before the first: one
+            # forward-only pass over them; with pipeline stages one per mini-batch (one [B, S]
+            # shape each).
+            for mb in micro_per_update[0]:
+                mb.old_log_probs = None
+            later = micro_per_update[1:]
+            passes = later if self.layout.pp > 1 else [[mb for mbs in later for mb in mbs]]
             for micro_batches in passes:
-                self._write_old_log_probs(micro_batches)
+                if micro_batches:
+                    self._write_old_log_probs(micro_batches)
 
         # 3. one optimizer update per mini-batch.
         totals = {"loss/pg": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0, **{k: 0.0 for k in self._metric_keys}}
