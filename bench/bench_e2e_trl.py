@@ -69,9 +69,14 @@ COMMON_OVERRIDES = [
 # The warm start is the default config's (1200 supervised steps, held-out avg@4 ~0.19): a
 # weaker one leaves too few informative groups for either trainer to move in a few steps.
 QUICK = {"overrides": ["trainer.sft_warmup_steps=1200", "algo.lr=5e-4", "eval.n_samples=4", "eval.max_problems=100"],
-         "max_steps": 10, "eval_interval": 2, "delta": 0.05}
+         "max_steps": 10, "eval_interval": 2, "delta": 0.05, "seeds": (1,)}
 FULL = {"overrides": ["trainer.sft_warmup_steps=1200", "algo.lr=5e-4", "eval.n_samples=8", "eval.max_problems=200"],
-        "max_steps": 40, "eval_interval": 4, "delta": 0.10}
+        "max_steps": 40, "eval_interval": 4, "delta": 0.10, "seeds": (1, 2, 3)}
+# Seeds (trainer.seed: sampling and TRL's shuffle/initial RNG; the prompt order and the warm
+# start are the same for all): the held-out avg@k moves by ~0.02 between evaluations, so
+# the step at which one run first crosses the target is largely chance (one run of ours
+# crossed at step 28, another at 32 after a change of rounding only). The ratio is taken
+# over the sum of the seeds' times to target.
 
 
 WARM_START_CACHE = REPO / "outputs" / "bench_warm_start"
@@ -138,6 +143,27 @@ def summarize(ours_curve, trl_curve, target: float) -> Dict[str, Any]:
     if ours is not None and trl is not None:
         out["ratio"] = trl["train_s"] / max(ours["train_s"], 1e-9)
         out["steps_to_target"] = {"ours": ours["step"], "trl": trl["step"]}
+    return out
+
+
+def combine_seeds(per_seed: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The seeds' `summarize` outputs as one result: ratio = sum of TRL's times to target /
+    sum of ours over the seeds where both reached it; per-step ratio from the summed seconds
+    per step; `unreached` lists the seeds where either did not reach it (left out)."""
+    both = [r for r in per_seed if r.get("ours_reached") and r.get("trl_reached")]
+    out: Dict[str, Any] = {"seeds_reached_by_both": len(both), "seeds_run": len(per_seed),
+                           "unreached": [r["seed"] for r in per_seed if r not in both]}
+    if both:
+        ours = sum(r["ours_reached"]["train_s"] for r in both)
+        trl = sum(r["trl_reached"]["train_s"] for r in both)
+        out.update(ours=ours / len(both), baseline=trl / len(both), ratio=trl / max(ours, 1e-9),
+                   steps_to_target={"ours": [r["ours_reached"]["step"] for r in both],
+                                    "trl": [r["trl_reached"]["step"] for r in both]})
+    timed = [r for r in per_seed if "ours_seconds_per_step" in r and "trl_seconds_per_step" in r]
+    if timed:
+        ours_s = sum(r["ours_seconds_per_step"] for r in timed) / len(timed)
+        trl_s = sum(r["trl_seconds_per_step"] for r in timed) / len(timed)
+        out.update(ours_seconds_per_step=ours_s, trl_seconds_per_step=trl_s, per_step_ratio=trl_s / max(ours_s, 1e-9))
     return out
 
 
@@ -412,45 +438,46 @@ def run(quick: bool = False, keep_work: bool = False) -> Dict[str, Any]:
     overrides = COMMON_OVERRIDES + sizes["overrides"]
     base = {"name": "e2e_trl", "metric": "seconds to target held-out avg@k", "baseline_name": "TRL GRPOTrainer (dapo)",
             "higher_is_better": False, "quick": quick, "overrides": overrides, "max_steps": sizes["max_steps"],
-            "eval_interval": sizes["eval_interval"]}
+            "eval_interval": sizes["eval_interval"], "seeds": list(sizes["seeds"])}
     version = trl_version()
     if version is None:
         return {**base, "status": "skipped", "reason": "trl is not installed (pip install trl -c constraints-cpu.txt)",
                 "ours": float("nan"), "baseline": float("nan"), "ratio": float("nan")}
-    work = Path(tempfile.mkdtemp(prefix="dapo_bench_e2e_"))
-    try:
-        t0 = time.perf_counter()
-        warm = ensure_warm_start(overrides, quick)
-        target = round(warm["avg_at_k"] + sizes["delta"], 4)
-        ours = run_dapo_mega(work, warm["hf_dir"], overrides, sizes["max_steps"], sizes["eval_interval"], target,
-                             timeout_s=3600)
-        _phase(["trl", "--work", str(work), "--hf", warm["hf_dir"], "--max-steps", str(sizes["max_steps"]),
-                "--eval-interval", str(sizes["eval_interval"]), "--target", str(target), "--", *overrides],
-               work, "trl", 3600)
-        trl = json.loads((work / "trl_result.json").read_text())
-        summary = summarize(ours["curve"], trl["curve"], target)
-        result = {**base, "trl_version": version, "warm_start": warm, "delta": sizes["delta"], **summary,
-                  "ours_curve": ours["curve"], "trl_curve": trl["curve"], "trl_config": trl["config"],
-                  "ours_total_seconds": ours["total_seconds"], "trl_total_seconds": trl["trl_train_seconds"],
-                  "bench_seconds": time.perf_counter() - t0}
-        reached = summary["ours_reached"], summary["trl_reached"]
-        result["ours"] = reached[0]["train_s"] if reached[0] else float("nan")
-        result["baseline"] = reached[1]["train_s"] if reached[1] else float("nan")
-        result.setdefault("ratio", float("nan"))
-        if "per_step_ratio" in summary:
-            result["rows"] = [{"name": "e2e_trl (per step)", "metric": "seconds per rollout step",
-                               "ours": summary["ours_seconds_per_step"], "baseline_name": "TRL GRPOTrainer (dapo)",
-                               "baseline": summary["trl_seconds_per_step"], "ratio": summary["per_step_ratio"],
-                               "higher_is_better": False}]
-        if None in reached:
-            who = " and ".join(n for n, r in zip(("dapo-mega", "TRL"), reached) if r is None)
-            result["note"] = (f"{who} did not reach avg@k {target} within {sizes['max_steps']} rollout steps "
-                              f"(best: ours {summary['ours_best']}, TRL {summary['trl_best']}); no ratio")
-    finally:
-        if not keep_work:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            print(f"work directory kept: {work}")
+    t0 = time.perf_counter()
+    warm = ensure_warm_start(overrides, quick)
+    target = round(warm["avg_at_k"] + sizes["delta"], 4)
+    per_seed = []
+    for seed in sizes["seeds"]:
+        work = Path(tempfile.mkdtemp(prefix=f"dapo_bench_e2e_s{seed}_"))
+        seeded = overrides + [f"trainer.seed={seed}"]
+        try:
+            ours = run_dapo_mega(work, warm["hf_dir"], seeded, sizes["max_steps"], sizes["eval_interval"], target,
+                                 timeout_s=3600)
+            _phase(["trl", "--work", str(work), "--hf", warm["hf_dir"], "--max-steps", str(sizes["max_steps"]),
+                    "--eval-interval", str(sizes["eval_interval"]), "--target", str(target), "--", *seeded],
+                   work, "trl", 3600)
+            trl = json.loads((work / "trl_result.json").read_text())
+        finally:
+            if not keep_work:
+                shutil.rmtree(work, ignore_errors=True)
+            else:
+                print(f"work directory kept: {work}")
+        per_seed.append({"seed": seed, **summarize(ours["curve"], trl["curve"], target),
+                         "ours_curve": ours["curve"], "trl_curve": trl["curve"], "trl_config": trl["config"],
+                         "ours_total_seconds": ours["total_seconds"], "trl_total_seconds": trl["trl_train_seconds"]})
+    combined = combine_seeds(per_seed)
+    result = {**base, "trl_version": version, "warm_start": warm, "delta": sizes["delta"], "target_avg_at_k": target,
+              **combined, "per_seed": per_seed, "bench_seconds": time.perf_counter() - t0}
+    for key in ("ours", "baseline", "ratio"):
+        result.setdefault(key, float("nan"))
+    if "per_step_ratio" in combined:
+        result["rows"] = [{"name": "e2e_trl (per step)", "metric": "seconds per rollout step",
+                           "ours": combined["ours_seconds_per_step"], "baseline_name": "TRL GRPOTrainer (dapo)",
+                           "baseline": combined["trl_seconds_per_step"], "ratio": combined["per_step_ratio"],
+                           "higher_is_better": False}]
+    if combined["unreached"]:
+        result["note"] = (f"seeds {combined['unreached']}: dapo-mega or TRL did not reach avg@k {target} within "
+                          f"{sizes['max_steps']} rollout steps; left out of the ratio")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return result

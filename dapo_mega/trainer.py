@@ -28,13 +28,17 @@ import time
 from typing import Dict, Optional
 
 from dapo_mega.config import DapoConfig, from_yaml
-from dapo_mega.heap import freeze_startup_objects
+from dapo_mega.heap import freeze_startup_objects, keep_freed_memory
 
 
 def train(cfg: DapoConfig) -> int:
     """The loop. Returns a process exit code."""
+    import torch
+
     from dapo_mega.session import Session
 
+    if not torch.cuda.is_available():
+        keep_freed_memory()                     # the learner computes on the CPU (heap.py)
     s = Session.start(cfg)                      # process groups, learner, engines, resume
     role, run = s.role, s.run                   # this rank's part (driver or not), counters
     try:
