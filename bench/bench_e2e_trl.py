@@ -138,6 +138,7 @@ def summarize(ours_curve, trl_curve, target: float) -> Dict[str, Any]:
         last = curve[-1] if curve else None
         if last is not None and last["step"] > 0:
             out[f"{name}_seconds_per_step"] = last["train_s"] / last["step"]
+            out[f"{name}_budget_s"] = last["train_s"]  # to its last evaluation
     if "ours_seconds_per_step" in out and "trl_seconds_per_step" in out:
         out["per_step_ratio"] = out["trl_seconds_per_step"] / max(out["ours_seconds_per_step"], 1e-9)
     if ours is not None and trl is not None:
@@ -159,6 +160,15 @@ def combine_seeds(per_seed: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         out.update(ours=ours / len(both), baseline=trl / len(both), ratio=trl / max(ours, 1e-9),
                    steps_to_target={"ours": [r["ours_reached"]["step"] for r in both],
                                     "trl": [r["trl_reached"]["step"] for r in both]})
+    # A bound beside it: a run that never reached the target counted at its whole budget
+    # (its true time is longer), over the seeds where at least one trainer reached it.
+    either = [r for r in per_seed if r.get("ours_reached") or r.get("trl_reached")]
+    if either:
+        def spent(r: Dict[str, Any], who: str) -> float:
+            reached = r.get(f"{who}_reached")
+            return reached["train_s"] if reached else r.get(f"{who}_budget_s", float("nan"))
+        out["ratio_unreached_at_budget"] = (sum(spent(r, "trl") for r in either)
+                                            / max(sum(spent(r, "ours") for r in either), 1e-9))
     timed = [r for r in per_seed if "ours_seconds_per_step" in r and "trl_seconds_per_step" in r]
     if timed:
         ours_s = sum(r["ours_seconds_per_step"] for r in timed) / len(timed)

@@ -130,7 +130,8 @@ def test_combine_seeds_sums_times_over_seeds_both_reached():
     def seed(n, ours_t, trl_t, ours_sps, trl_sps):
         return {"seed": n, "ours_reached": ours_t and {"step": 4, "train_s": ours_t},
                 "trl_reached": trl_t and {"step": 8, "train_s": trl_t},
-                "ours_seconds_per_step": ours_sps, "trl_seconds_per_step": trl_sps}
+                "ours_seconds_per_step": ours_sps, "trl_seconds_per_step": trl_sps,
+                "ours_budget_s": 40 * ours_sps, "trl_budget_s": 40 * trl_sps}
     out = e2e.combine_seeds([seed(1, 10.0, 30.0, 1.0, 2.0), seed(2, 20.0, 15.0, 3.0, 2.0), seed(3, None, 9.0, 2.0, 5.0)])
     # seeds 1 and 2: TRL 45 s / ours 30 s; seed 3 (ours never reached) left out of the ratio
     assert out["ratio"] == pytest.approx(1.5) and out["unreached"] == [3] and out["seeds_reached_by_both"] == 2
@@ -138,6 +139,8 @@ def test_combine_seeds_sums_times_over_seeds_both_reached():
     assert out["steps_to_target"] == {"ours": [4, 4], "trl": [8, 8]}
     # seconds per step over all three seeds: TRL 3 / ours 2
     assert out["per_step_ratio"] == pytest.approx(1.5)
+    # seed 3 with ours at its budget (40 steps x 2 s): (30 + 15 + 9) / (10 + 20 + 80)
+    assert out["ratio_unreached_at_budget"] == pytest.approx(54 / 110)
     assert "ratio" not in e2e.combine_seeds([seed(1, None, 9.0, 1.0, 1.0)])
 
 
