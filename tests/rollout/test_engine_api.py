@@ -270,3 +270,20 @@ def test_samples_sharing_a_prompt_match_transformers_each(engine, hf):
         assert torch.allclose(got, ref, atol=1e-4), k
     for first in (0, 4):
         assert len({tuple(o["output_ids"]) for o in out[first:first + 4]}) > 1
+
+
+def test_uniforms_drawn_in_blocks_are_the_single_draws():
+    """A sequence's uniform numbers, drawn UNIFORM_BLOCK at a time, are those its generator
+    gives one by one (what makes a seeded sample the same whatever batch it decodes in)."""
+    import torch
+
+    from dapo_mega.rollout.engine import UNIFORM_BLOCK, SamplingSpec, Sequence_
+
+    for dtype in (torch.float32, torch.bfloat16):
+        seq = Sequence_(prompt_ids=[1], spec=SamplingSpec(), on_done=lambda s: None,
+                        generator=torch.Generator().manual_seed(7))
+        single = torch.Generator().manual_seed(7)
+        n = 2 * UNIFORM_BLOCK + 3
+        got = [seq.next_uniform(dtype) for _ in range(n)]
+        want = [float(torch.rand(1, generator=single, dtype=dtype)) for _ in range(n)]
+        assert got == want
