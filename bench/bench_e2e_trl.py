@@ -58,6 +58,7 @@ from typing import Any, Dict, List, Optional, Sequence
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results" / "e2e_trl.json"
+"""The last full-size run; --quick writes e2e_trl_quick.json (bench/run.py --quick: latest.json too)."""
 
 # Shared by every phase. The default config's model, task and batch shapes; a larger
 # learning rate than the default so that the held-out accuracy moves within the budget on a
@@ -488,8 +489,9 @@ def run(quick: bool = False, keep_work: bool = False) -> Dict[str, Any]:
     if combined["unreached"]:
         result["note"] = (f"seeds {combined['unreached']}: dapo-mega or TRL did not reach avg@k {target} within "
                           f"{sizes['max_steps']} rollout steps; left out of the ratio")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    path = RESULTS.with_name("e2e_trl_quick.json") if quick else RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
     return result
 
 
