@@ -299,6 +299,12 @@ class RolloutConfig:
     """How long to wait for an engine to become healthy at start."""
     max_retries: int = 3
     """Times a prompt group is retried on another engine before the step fails."""
+    prompts_per_request: int = 4
+    """Prompts (groups of n samples) per /generate request. A request is the unit the rollout
+    manager streams, retries and aborts: smaller is finer, larger costs fewer round trips."""
+    requests_per_engine: int = 8
+    """Requests in flight per engine. prompts_per_request x this x n samples should fill an
+    engine's batch (max_running_requests)."""
     weight_sync_bucket_mb: int = 512
     """Bucket size of the weight broadcast (MiB); bounds extra memory during a sync."""
     use_router: bool = False
@@ -329,6 +335,9 @@ class RolloutConfig:
                       "set rollout.api_key (or bind rollout.host=127.0.0.1)")
         if r.weight_sync_bucket_mb < 1:
             raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
+        for name in ("prompts_per_request", "requests_per_engine"):
+            if getattr(r, name) < 1:
+                raise err(f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}", "use 4 and 8 (SGLang)")
         if r.engine_tp_size < 1:
             raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")
         if r.engine_dp_size != 1:

@@ -160,6 +160,8 @@ class Session:
                                          top_k=cfg.algo.top_k, max_new_tokens=cfg.algo.max_response_length)
         manager = RolloutManager(self.fleet.endpoints, cfg.algo.n_samples_per_prompt, sampling,
                                  max_retries=cfg.rollout.max_retries, run_id=cfg.trainer.run_name,
+                                 prompts_per_request=cfg.rollout.prompts_per_request,
+                                 requests_per_engine=cfg.rollout.requests_per_engine,
                                  prompt_to_input=encoder.encode, seed=cfg.trainer.seed)
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
