@@ -1,4 +1,5 @@
-"""Keep the garbage collector's full passes off the step's critical path.
+"""Process memory habits that cost step time: the garbage collector's full passes
+(`freeze_startup_objects`) and glibc handing freed heap back to the OS (`keep_freed_memory`).
 
 A trainer or engine process holds a few hundred thousand long-lived Python objects once it
 has started (torch, transformers, megatron-core, aiohttp: modules, classes, functions).
