@@ -41,15 +41,9 @@ class RewardBatch:
     verifier_name: str
     verifier_version: str
 
-    def item(self, i: int) -> SampleReward:
-        """The typed reward of sample i (what the rollout manager stores on the sample)."""
-        return SampleReward(reward=float(self.reward[i]), correct=bool(self.correct[i]),
-                            correctness=float(self.correctness[i]), overlong_penalty=float(self.overlong_penalty[i]),
-                            verifier=self.verifier_name, verifier_version=self.verifier_version,
-                            verifier_error=self.verifier_error[i], extracted=self.extracted[i])
-
     def items(self) -> List[SampleReward]:
-        """Every sample's `item`, the tensors read once (not element by element)."""
+        """The typed reward of every sample (what the rollout manager stores on each), the
+        tensors read once, not element by element."""
         columns = zip(self.reward.tolist(), self.correct.tolist(), self.correctness.tolist(),
                       self.overlong_penalty.tolist(), self.verifier_error, self.extracted)
         return [SampleReward(reward=reward, correct=correct, correctness=correctness, overlong_penalty=penalty,

@@ -1,9 +1,9 @@
 """The embedded engine's generation core: batched sampling with a KV cache on a HF model.
 
 `GenerationEngine` owns a transformers `AutoModelForCausalLM`, a queue of sequences and one
-generation thread. The thread collects queued sequences while they keep arriving (at most `batch_wait_s`), left-pads them
-into one batch, prefills, then decodes token by token with the model's KV cache, dropping
-finished rows from the cache as it goes. Batching is continuous, as SGLang's: between two
+generation thread. The thread collects queued sequences while they keep arriving (at most
+`batch_wait_s`), left-pads them into one batch, prefills, then decodes token by token with
+the model's KV cache, dropping finished rows from the cache as it goes. Batching is continuous, as SGLang's: between two
 decode steps, sequences queued meanwhile join the running batch (up to
 `max_running_requests`): they are prefilled on their own and their KV cache is merged into
 the batch's, both left-padded to one width (`merge_caches`); columns that no live row uses

@@ -20,7 +20,7 @@ def test_correctness_plus_overlong_penalty():
     torch.testing.assert_close(batch.reward, torch.tensor([1.0, -1.0, 0.5, -2.0]))
     assert batch.correct.tolist() == [True, False, True, False]
     assert batch.verifier_error == [None] * 4
-    rec = batch.item(3)
+    rec = batch.items()[3]
     assert rec == SampleReward(reward=-2.0, correct=False, correctness=-1.0, overlong_penalty=-1.0,
                                verifier="dapo", verifier_version=batch.verifier_version, verifier_error=None,
                                extracted="45andonandon")
