@@ -246,3 +246,99 @@ def test_engine_threads_leave_a_cpu_to_the_trainer():
     assert cpu_threads_per_engine(16, 1) == 15
     assert cpu_threads_per_engine(16, 3) == 5
     assert cpu_threads_per_engine(1, 4) == 1       # never zero
+
+
+TRAINER_THAT_STARTS_AN_ENGINE = """
+import json, sys, threading, time
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet
+
+backend, python, model, logs = sys.argv[1:5]
+extra = ["--max-total-tokens", "4096"] if backend == "sglang" else []
+rollout = RolloutConfig(backend=backend, engine_python=python, health_timeout_s=300.0, extra_server_args=extra)
+fleet = EngineFleet(rollout, model, logs, num_threads=1, device="cpu")
+starter = threading.Thread(target=fleet.start, args=(1,))
+starter.start()
+starter.join()  # the thread that asked for the engine has ended
+print(json.dumps({"engine": fleet.engines[0].pid}), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("backend", ["embedded", pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_engines_end_with_a_sigkilled_trainer(tmp_path, model_dir, backend):
+    """A trainer SIGKILLed (or crashed) takes its engines with it: each was started through
+    tether.py, so the kernel sends it SIGTERM when the trainer's process is gone. The engine was
+    asked for from a thread that ended before the kill (the kernel ties the signal to the
+    starting thread, so the fleet starts engines from one thread that lives as long as the
+    process); it must still be serving then. Every process of the engine (SGLang's scheduler
+    and detokenizer too) must be gone within a bounded wait after the trainer is."""
+    import time
+
+    import psutil
+
+    if backend == "sglang":
+        from sglang_venv import sglang_python_or_skip
+
+        python = str(sglang_python_or_skip())
+    else:
+        python = sys.executable
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_THAT_STARTS_AN_ENGINE)
+    out_path = tmp_path / "trainer.out"
+    with open(out_path, "w") as out:
+        trainer = subprocess.Popen([sys.executable, str(script), backend, python, str(model_dir), str(tmp_path / "logs")],
+                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                   env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    engine_processes = []
+    try:
+        deadline = time.monotonic() + 300
+        while not out_path.read_text().startswith("{") and trainer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert out_path.read_text().startswith("{"), out_path.read_text()[-3000:]
+        engine = psutil.Process(json.loads(out_path.read_text().splitlines()[0])["engine"])
+        engine_processes = [engine, *engine.children(recursive=True)]
+        time.sleep(1.0)
+        assert all(_running(p) for p in engine_processes), "the engine ended with the thread that started it"
+        assert engine.ppid() == trainer.pid and is_healthy(EngineEndpoint(
+            f"http://127.0.0.1:{engine.cmdline()[engine.cmdline().index('--port') + 1]}"))
+
+        trainer.kill()
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(_running(p) for p in engine_processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [f"{p.pid} ({' '.join(p.cmdline()[:3])})" for p in engine_processes if _running(p)]
+        assert not left, f"engine processes outlived the SIGKILLed trainer: {left}"
+    finally:
+        for p in engine_processes:
+            if _running(p):
+                p.kill()
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+
+
+def test_tether_refuses_to_start_a_command_whose_parent_is_gone(tmp_path):
+    from dapo_mega.rollout import tether
+
+    made = tmp_path / "made"
+    run = [sys.executable, "-I", "-S", str(tether.__file__)]
+    # pid 1 is not our parent: the parent the fleet named is gone, so the command must not start
+    gone = subprocess.run(run + ["1", "touch", str(made)], capture_output=True, text=True, timeout=30)
+    assert gone.returncode == tether.PARENT_GONE_EXIT and "parent 1 exited" in gone.stderr and not made.exists()
+    ours = subprocess.run(run + [str(os.getpid()), "touch", str(made)], capture_output=True, text=True, timeout=30)
+    assert ours.returncode == 0 and made.exists()
+    missing = subprocess.run(run + [str(os.getpid()), str(tmp_path / "no-python")], capture_output=True, text=True,
+                             timeout=30)
+    assert missing.returncode == 127 and "cannot run" in missing.stderr and "no-python" in missing.stderr
+    assert subprocess.run(run + ["x"], capture_output=True, timeout=30).returncode == 2
