@@ -14,3 +14,19 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (whole runs killed and resumed, Slurm jobs, the quick "
+                          "ablation ladder, TP 2 / PP 2 learners with SGLang): the README's test command and CI do")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --slow (or a -m of the caller's own), the tests marked slow are deselected."""
+    if config.getoption("--slow") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
