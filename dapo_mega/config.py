@@ -41,6 +41,7 @@ Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
 ParamsDtype = Literal["auto", "float32", "bf16", "fp16"]
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
 RecomputeGranularity = Literal["full", "selective"]
+OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
 ClusterMode = Literal["colocated", "disaggregated"]
 Device = Literal["auto", "cpu", "cuda"]
 WandbMode = Literal["offline", "online", "disabled"]
@@ -407,6 +408,11 @@ class MegatronConfig:
     """With full recompute: layers per chunk (uniform) or recomputed layers (block)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over DP ranks (ZeRO-1 as Megatron does it)."""
+    optimizer_sharding: str = "dp_reshardable"
+    """How a checkpoint stores the distributed optimizer's state. dp_reshardable: each DP rank
+    writes its own shard, in parallel; a resume must keep TP, PP and VPP (DP may change).
+    fully_reshardable: each model-parallel shard's state is gathered on its DP rank 0 (slower
+    saves, more host memory there); a resume may change TP, PP, VPP and DP."""
     overlap_grad_reduce: bool = False
     """Overlap DP gradient reduce-scatter with backward."""
     seed: int = 1234
@@ -441,6 +447,7 @@ class MegatronConfig:
                       "set megatron.recompute_method=uniform (or block) and recompute_num_layers")
         _check_choice("megatron.params_dtype", m.params_dtype, ParamsDtype)
         _check_choice("megatron.transformer_impl", m.transformer_impl, TransformerImpl)
+        _check_choice("megatron.optimizer_sharding", m.optimizer_sharding, OptimizerSharding)
 
     def check_world_size(self, world_size: int) -> int:
         """DP for `world_size` learner processes, or ConfigError when TP·PP·CP does not divide it.

@@ -5,7 +5,8 @@ CLI prints it) instead of after the base model was built, or with a traceback.
     check_before_start(cfg)     every config rule (`validate_config`), the parallel layout
                                 against the learner world size and the model's shape (its
                                 config.json, or the tiny model's fields), the model provider's
-                                choices on this machine (layer spec, dtype, FP8), the data files
+                                choices on this machine (layer spec, dtype, FP8), the data files,
+                                and that the checkpoint a resume would load fits this layout
     check_data_paths(cfg.data)  data.train_path / data.eval_path exist
     check_eval_inputs(cfg)      `dapo-mega eval`: data files, a held-out set, the checkpoints
 
@@ -86,3 +87,17 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
                             transformer_engine_available())
     check_data_paths(cfg.data)
+    check_resume_layout(cfg, layout)
+
+
+def check_resume_layout(cfg: DapoConfig, layout: Any) -> None:
+    """The checkpoint this run would resume from holds optimizer state this layout can load."""
+    from dapo_mega.backends.megatron.checkpoint import layout_record, resume_layout_problem
+    from dapo_mega.run_dir import find_latest_checkpoint, read_trainer_state
+
+    latest = find_latest_checkpoint(cfg.run_dir) if cfg.trainer.resume else None
+    if latest is None:
+        return
+    problem = resume_layout_problem(read_trainer_state(latest), layout_record(layout), latest)
+    if problem:
+        raise ConfigError(f"megatron.tensor_model_parallel_size / pipeline_model_parallel_size: {problem}")

@@ -226,3 +226,39 @@ def test_learner_world_size_is_the_launchers_when_launched(monkeypatch):
     assert learner_world_size(cfg) == 2
     monkeypatch.setenv("RANK", "3")
     assert learner_world_size(cfg) == 16
+
+
+def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_layout(tmp_path):
+    """The checkpoint a resume would load was saved at TP 1 with dp_reshardable optimizer state:
+    a TP 2 run is refused in the preflight, naming both layouts and the fixes, before anything
+    is built; DP may change; fully_reshardable state, or trainer.resume=false, goes through."""
+    import json
+
+    from dapo_mega import run_dir as R
+    from dapo_mega.preflight import check_before_start
+
+    base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
+    cfg = load_config(base)
+    step = R.checkpoints_root(cfg.run_dir) / R.step_dir_name(3)
+    (step / R.MODEL_OPTIM_DIR).mkdir(parents=True)
+    (step / R.MODEL_OPTIM_DIR / "metadata.json").write_text("{}")
+
+    def saved_with(sharding):
+        (step / R.TRAINER_STATE_FILE).write_text(json.dumps({
+            "step": 3, "optimizer_sharding": sharding, "learner_layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 2}}))
+
+    saved_with("dp_reshardable")
+    check_before_start(cfg, world_size=1)  # DP 2 -> 1: the state reshards over DP
+    tp2 = load_config(base + ["megatron.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError) as err:
+        check_before_start(tp2, world_size=2)
+    message = str(err.value)
+    assert message.startswith("megatron.tensor_model_parallel_size") and str(step) in message
+    assert "saved at TP 1 / PP 1 / DP 2" in message and "this run is TP 2 / PP 1 / DP 1" in message
+    assert "Resume at TP 1 / PP 1 (any DP)" in message and "optimizer_sharding=fully_reshardable" in message
+    check_before_start(load_config(base + ["megatron.tensor_model_parallel_size=2", "trainer.resume=false"]),
+                       world_size=2)
+    saved_with("fully_reshardable")
+    check_before_start(tp2, world_size=2)
+    with pytest.raises(ConfigError, match=r"^megatron.optimizer_sharding: unknown 'zero3'"):
+        load_config(base + ["megatron.optimizer_sharding=zero3"]).validate()

@@ -286,14 +286,19 @@ def _model_meta(learner) -> Dict[str, Any]:
 
 
 def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict[str, Any],
-                    keep_last_k: int = 2, optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING) -> Path:
+                    keep_last_k: int = 2, optimizer_sharding: Optional[str] = None) -> Path:
     """Save model, optimizer, scheduler, RNG and `trainer_state` as `step_<N>` (collective).
 
     Every learner rank calls it. `trainer_state` must be JSON-serialisable (checked before
-    anything is written); "step" is set to `step`. Returns the final checkpoint directory.
-    Raises CheckpointSaveError (ENOSPC named) after removing the partial tmp directory.
+    anything is written); "step" is set to `step`; the optimizer's sharding (default: the
+    learner's `megatron.optimizer_sharding`) and the learner's layout are recorded beside it,
+    so a resume at another layout is checked before anything is read. Returns the final
+    checkpoint directory. Raises CheckpointSaveError (ENOSPC named) after removing the
+    partial tmp directory.
     """
-    state_json = encode_trainer_state(trainer_state, step, optimizer_sharding=optimizer_sharding)
+    optimizer_sharding = optimizer_sharding or _configured_sharding(learner)
+    state_json = encode_trainer_state(trainer_state, step, optimizer_sharding=optimizer_sharding,
+                                      learner_layout=_layout_record(learner))
     root = checkpoints_root(run_dir)
     final = root / step_dir_name(step)
     rank0 = D.rank() == 0
@@ -334,6 +339,89 @@ def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint's shard files do not match its index; nothing was loaded."""
+
+
+class CheckpointLayoutError(RuntimeError):
+    """A checkpoint's optimizer state cannot be loaded at this parallel layout; nothing was loaded."""
+
+
+LAYOUT_KEYS = ("tp", "pp", "vpp", "dp")
+"""What `learner_layout` records of the saving learner's ParallelLayout."""
+
+
+def _configured_sharding(learner) -> str:
+    mcfg = getattr(getattr(learner, "cfg", None), "megatron", None)
+    return getattr(mcfg, "optimizer_sharding", None) or DEFAULT_OPTIMIZER_SHARDING
+
+
+def _layout_record(learner) -> Optional[Dict[str, Any]]:
+    layout = getattr(learner, "layout", None)
+    return None if layout is None else layout_record(layout)
+
+
+def layout_record(layout) -> Dict[str, Any]:
+    """What a checkpoint records of a ParallelLayout (trainer_state.json `learner_layout`)."""
+    return {k: getattr(layout, k) for k in LAYOUT_KEYS}
+
+
+def _describe_layout(layout: Dict[str, Any]) -> str:
+    vpp = f" / VPP {layout['vpp']}" if layout.get("vpp") else ""
+    return f"TP {layout['tp']} / PP {layout['pp']}{vpp} / DP {layout['dp']}"
+
+
+def resume_layout_problem(trainer_state: Dict[str, Any], here: Dict[str, Any], ckpt: Path | str) -> Optional[str]:
+    """Why the optimizer state of the checkpoint `ckpt` (its `trainer_state`) cannot load at
+    the layout `here` (a `layout_record`), or None when it can. dp_reshardable state keeps each
+    DP rank's flat buffer shard, which lines up only at the TP, PP and VPP it was saved with
+    (megatron's own error is a shape mismatch deep in its loader); fully_reshardable state,
+    and the model weights alone, load at any layout. Pure: `dapo-mega train`'s preflight asks
+    it before anything is built, `load_checkpoint` before anything is read."""
+    saved = trainer_state.get("learner_layout")
+    if trainer_state.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING) != "dp_reshardable" or not saved:
+        return None
+    if all(saved.get(k) == here.get(k) for k in ("tp", "pp", "vpp")):
+        return None
+    vpp = f" / VPP {saved['vpp']}" if saved.get("vpp") else ""
+    return (f"{ckpt} was saved at {_describe_layout(saved)} with megatron.optimizer_sharding=dp_reshardable, whose "
+            f"optimizer state loads only at the same TP, PP and VPP; this run is {_describe_layout(here)}. Resume at "
+            f"TP {saved['tp']} / PP {saved['pp']}{vpp} (any DP), or export the weights alone "
+            "(tools/convert_checkpoint.py export) and start a new run from them. Runs that may change layout on "
+            "resume: megatron.optimizer_sharding=fully_reshardable. Nothing was loaded")
+
+
+def _load_fully_reshardable_with_torch_adam(optimizer, state: Dict[str, Any]) -> None:
+    """`optimizer.load_state_dict(state)` for fully_reshardable state and a torch Adam.
+
+    megatron-core 0.16.1's `load_parameter_state_from_fully_reshardable` leaves "step" out
+    of the tensors it hands to `_set_main_param_and_optimizer_states`, which then copies
+    every key of the live state, "step" included (torch Adam keeps it per parameter;
+    Apex/TE's fused Adam keeps it in the param groups): KeyError 'step'. The step is taken
+    out of the live state for each copy and put back after it (`_restore_adam_step` then
+    sets the saved value)."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        index = getattr(opt, "model_param_group_index_map", None)
+        if setter is None or index is None:
+            continue
+
+        def set_without_step(model_param, tensors, opt=opt, setter=setter, index=index):
+            group, order = index[model_param]
+            live = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            step = live.pop("step", None) if "step" not in tensors else None
+            try:
+                setter(model_param, tensors)
+            finally:
+                if step is not None:
+                    live["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_without_step
+        patched.append(opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
 
 
 def verify_checkpoint_files(model_optim_dir: Path | str) -> None:
@@ -396,8 +484,11 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
 
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     trainer_state = read_trainer_state(ckpt)
-    if load_optimizer:
-        sharding = trainer_state.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING)
+    sharding = trainer_state.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING)
+    here = _layout_record(learner)
+    problem = resume_layout_problem(trainer_state, here, ckpt) if load_optimizer and here else None
+    if problem:
+        raise CheckpointLayoutError(problem)
         if getattr(learner, "optimizer", None) is not None:
             _prepare_optimizer_for_loading(learner.optimizer)
         state = _full_state(learner, True, sharding)
@@ -409,7 +500,10 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     load_model_state(learner.model_chunks, loaded)
     if load_optimizer and getattr(learner, "optimizer", None) is not None:
         with torch.no_grad():  # copies into fp32 main params, which require grad
-            learner.optimizer.load_state_dict(loaded["optimizer"])
+            if sharding == "fully_reshardable":
+                _load_fully_reshardable_with_torch_adam(learner.optimizer, loaded["optimizer"])
+            else:
+                learner.optimizer.load_state_dict(loaded["optimizer"])
         _restore_adam_step(learner.optimizer, loaded["optimizer"])
         scheduler = getattr(learner, "scheduler", None)
         if scheduler is not None and "opt_param_scheduler" in loaded and hasattr(scheduler, "load_state_dict"):

@@ -20,8 +20,8 @@ Architecture mapping (HF -> megatron TransformerConfig / GPTModel):
 
 Layer spec: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`) when TE and a
 GPU are present (or forced by `megatron.transformer_impl`), with FP8 settings from
-`megatron.fp8`; the local spec (`get_gpt_layer_local_spec(normalization="RMSNorm")`)
-otherwise. `plan_transformer_config` is the pure config -> (TransformerConfig kwargs, spec)
+`megatron.fp8`; the local spec (`get_gpt_layer_local_spec(normalization="RMSNorm")`, its
+core attention through torch's fused SDPA kernel: `attention.py`) otherwise. `plan_transformer_config` is the pure config -> (TransformerConfig kwargs, spec)
 function, unit-testable on the CPU without importing TE.
 
 Dtype policy: on GPU bf16 parameters (`params_dtype=bf16`, `bf16=True`); the learner's
@@ -221,9 +221,13 @@ def _layer_spec(spec: str):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
+
     if spec == TE_SPEC:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    local.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    return local
 
 
 def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,

@@ -1,0 +1,81 @@
+"""The local spec's core attention through torch's fused SDPA equals megatron-core's own
+`DotProductAttention` (the reference: megatron's unfused QKᵀ, masked softmax, matmul with V),
+forward and backward, with grouped-query heads, for the causal (padded) layout and for the
+packed layout's block-diagonal mask; and it hands back to megatron's path for what it does
+not compute the same way (attention dropout while training)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+
+HEADS, GROUPS, HEAD_DIM, SEQ, BATCH = 4, 2, 8, 12, 3
+
+
+def _block_diagonal_mask() -> torch.Tensor:
+    """Rows of 2-3 packed segments: True = masked, as batch.collate_packed_micro_batch builds it."""
+    segments = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12, [0] * 3 + [1] * 9])
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    return (~((segments.unsqueeze(2) == segments.unsqueeze(1)) & causal)).unsqueeze(1)
+
+
+def _compare(rank, world):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.config import MegatronConfig
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from dapo_mega.config import ModelConfig
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    ParallelLayout.from_config(MegatronConfig(), world, tiny_hf_config(ModelConfig())).initialize()
+    model_parallel_cuda_manual_seed(1)  # megatron's reference forks its RNG tracker for dropout
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0)
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    reference, fused = DotProductAttention(**kwargs), SdpaDotProductAttention(**kwargs)
+    out = {}
+    for name, mask in (("causal", None), ("packed", _block_diagonal_mask())):
+        gen = torch.Generator().manual_seed(7)
+        q = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, generator=gen)
+        k, v = (torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=gen) for _ in range(2))
+        grad_out = torch.randn(SEQ, BATCH, HEADS * HEAD_DIM, generator=gen)
+        for module_name, module in (("reference", reference), ("fused", fused)):
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            context = module(*inputs, mask)
+            context.backward(grad_out)
+            out[(name, module_name)] = [context.detach()] + [t.grad for t in inputs]
+    dropout = SdpaDotProductAttention(**{**kwargs, "config": TransformerConfig(
+        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        kv_channels=HEAD_DIM, attention_dropout=0.1)})
+    sample = torch.zeros(SEQ, BATCH, HEADS, HEAD_DIM)
+    out["dropout_train"] = dropout.train()._sdpa_computes_the_same(sample, None, None)
+    out["dropout_eval"] = dropout.eval()._sdpa_computes_the_same(sample, None, None)
+    return out
+
+
+def test_sdpa_core_attention_equals_megatrons_forward_and_backward():
+    out = run_distributed(_compare, 1, timeout_s=180)[0]
+    for layout in ("causal", "packed"):
+        ref, fused = out[(layout, "reference")], out[(layout, "fused")]
+        for what, a, b in zip(("context", "dq", "dk", "dv"), ref, fused):
+            assert a.shape == b.shape, (layout, what)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{layout} {what}")
+    # the packed rows really are different from causal ones (the mask matters)
+    assert not torch.allclose(out[("causal", "fused")][0], out[("packed", "fused")][0])
+    assert out["dropout_train"] is False and out["dropout_eval"] is True
+
+
+def test_the_local_layer_spec_uses_it():
+    from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
+    from dapo_mega.backends.megatron.model import LOCAL_SPEC, _layer_spec
+
+    assert _layer_spec(LOCAL_SPEC).submodules.self_attention.submodules.core_attention is SdpaDotProductAttention
