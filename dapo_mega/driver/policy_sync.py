@@ -40,6 +40,10 @@ class PolicySync:
         """Colocated on GPUs: this rank's part in the hand-over (weights.handover.HandoverPlan)."""
         self.posters: Dict[int, Any] = {}
         """Colocated on GPUs: engine index -> WeightSyncer on the rank that posts its payloads."""
+        self.grouped = False
+        """Weights travel over weight-update groups (one per stage) that an engine's death re-forms."""
+        self.dropped: set = set()
+        """Engines already left out (the same on every rank: the dead list is the driver's)."""
 
     @classmethod
     def start(cls, cfg: DapoConfig, layout: Any, role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
@@ -58,6 +62,7 @@ class PolicySync:
         local = all(u.startswith(("http://127.0.0.1", "http://localhost")) for u in urls)
         colocated = placement.transport == SHARED_MEMORY and local
         if not colocated:
+            sync.grouped = True
             # the stages' groups form in turn, as their broadcasts do: each engine serves
             # /init_weights_update_group in arrival order and blocks in the rendezvous, so two
             # stages at once could enter engine A as pp0, engine B as pp1, and wait forever
@@ -105,16 +110,32 @@ class PolicySync:
     def drop_dead_engines(self) -> None:
         """Engines the rollout manager found dead (no reply within rollout.request_timeout_s,
         connection refused) leave the weight sync too, so a lost engine costs the run its share
-        of generation and nothing else. Collective: every learner rank calls it."""
+        of generation and nothing else. Over weight-update groups, each stage's source leaves
+        its group and forms a new one with the surviving engines, the stages in turn (each
+        engine serves /init_weights_update_group in arrival order and blocks in the rendezvous).
+        Collective: every learner rank calls it, and every rank sees the same dead list."""
         from dapo_mega.weights.handover import drop_dead_posters
+        from dapo_mega.weights.sync import run_stages_in_turn
 
         dead = self.role.dead_engines()
-        if not dead:
+        newly = sorted(set(dead) - self.dropped)
+        if not newly:
             return
-        drop_dead_posters(self.posters, sorted(dead))  # GPU hand-over: the ranks that post for them
+        self.dropped.update(newly)
+        drop_dead_posters(self.posters, newly)  # GPU hand-over: the ranks that post for them
         if self.syncer is not None:
-            for url in self.syncer.drop_engines(sorted(dead)):
+            for url in self.syncer.drop_engines(newly):
                 self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
+        if self.grouped:
+            run_stages_in_turn(self.layout.pp, self.layout.pp_rank, self._rejoin, torch.distributed.barrier)
+
+    def _rejoin(self) -> None:
+        syncer = self.syncer
+        if syncer is None or syncer.group is not None or syncer.stage is None:
+            return  # no group on this rank (the driver's pause/resume syncer), or still whole
+        syncer.init_group(free_port(), stage=syncer.stage)
+        self.role.say(f"[trainer] weight-update group of stage {syncer.stage} formed again with "
+                      f"{len(syncer.clients)} engine(s): {syncer.group_name}", error=True)
 
     def release_engine_memory(self) -> None:
         """Colocated: engines free their memory for the learner's step (driver's request)."""

@@ -167,16 +167,21 @@ class WeightSyncer:
         self.clients = [EngineClient(e) for e in endpoints]
         self.group = None
         self.group_name: Optional[str] = None
+        self.stage: Optional[int] = None
+        """Pipeline stage whose weights this syncer broadcasts (set by init_group)."""
+        self.generation = 0
+        """Groups this syncer formed before the current one (each engine death forms a new one)."""
         self._flats: List[Optional[torch.Tensor]] = [None, None]  # the bucket being filled, the one in flight
 
     def close(self) -> None:
         """Leave the weight-update group (engines that outlive this trainer, attached by URL or
         a registry, keep serving) and close the clients."""
         if self.group is not None:
+            name = self.group_name
             try:
                 self.destroy_group(timeout_s=10)
             except Exception as exc:  # an engine already gone must not hide the real error
-                print(f"[weight sync] leaving group {self.group_name}: {exc}", flush=True)
+                print(f"[weight sync] leaving group {name}: {exc}", flush=True)
         async def _close():
             for c in self.clients:
                 await c.close()
@@ -187,24 +192,25 @@ class WeightSyncer:
         """Stop syncing into engines found dead (by the rollout manager); returns those dropped.
 
         Colocated mode: each engine loads its own copy of a bucket, so the others carry on.
-        A distributed weight-update group has the dead engine as a member, and a broadcast
-        would wait for it until the group times out: raise instead, naming the engine.
+        Distributed mode: the weight-update group has the dead engine as a member, and a
+        broadcast would wait for it until the group times out. The group is left (here and
+        on every surviving engine) and `group` is None until `init_group(port, self.stage)`
+        forms a new one with the survivors; stages must do that in turn (`PolicySync`).
         """
         wanted = {u.rstrip("/") for u in urls}
         gone = [c for c in self.clients if c.url in wanted]
         if not gone:
             return []
         names = [c.url for c in gone]
-        if self.mode == "distributed" and self.group is not None:
-            raise WeightSyncError(f"engine(s) {names} died and belong to weight-update group {self.group_name}; a "
-                                  "broadcast would wait for them. Restart the run (it resumes from its last "
-                                  "checkpoint) with the engines healthy")
         self.clients = [c for c in self.clients if c not in gone]
         self.engine_urls = [c.url for c in self.clients]
         for c in gone:
             self._io.run(c.close(), timeout=10)
         if not self.clients:
             raise WeightSyncError(f"every engine is dead ({names}); nothing left to sync into")
+        if self.mode == "distributed" and self.group is not None:
+            self.destroy_group()
+            self.generation += 1
         return names
 
     async def _all(self, fn):
@@ -216,8 +222,9 @@ class WeightSyncer:
 
     # ---------------------------------------------------------------- group
     def init_group(self, master_port: int, stage: int = 0) -> None:
-        """On a stage's source rank: create the group with all engines (group-local rank 0)."""
-        name = f"{self.group_prefix}_pp{stage}"
+        """On a stage's source rank: create the group with all engines (group-local rank 0).
+        A group formed again after an engine died gets a new name (`..._g<generation>`)."""
+        name = f"{self.group_prefix}_pp{stage}" + (f"_g{self.generation}" if self.generation else "")
         world = 1 + len(self.clients) * self.engine_tp_size
 
         async def forget(c):  # a trainer killed before close() left its group on engines that outlive it
@@ -245,7 +252,7 @@ class WeightSyncer:
             raise WeightSyncError(f"weight-update group {name}: {replies.exception()}")
         self.group = joined.result(self.timeout_s)
         replies.result(self.timeout_s)
-        self.group_name = name
+        self.group_name, self.stage = name, stage
 
     def destroy_group(self, timeout_s: Optional[float] = None) -> None:
         if self.group is None:

@@ -52,9 +52,16 @@ TINY_OVERRIDES = [
 
 
 def run_trainer(output_dir: Path, run_name: str, overrides: Sequence[str] = (), faults: Sequence[str] = (),
-                timeout_s: float = 240.0) -> subprocess.CompletedProcess:
-    """`dapo-mega train` with TINY_OVERRIDES + overrides and the given faults; never hangs."""
+                timeout_s: float = 240.0, learner_processes: int = 1) -> subprocess.CompletedProcess:
+    """`dapo-mega train` with TINY_OVERRIDES + overrides and the given faults; never hangs.
+    With `learner_processes` > 1, torchrun starts that many ranks of this script (each patches
+    itself; the faults act on the driver, rank 0)."""
     argv = [sys.executable, str(HERE / "test_faults_common.py")]
+    if learner_processes > 1:
+        from dapo_mega.distributed import free_port
+
+        argv[1:1] = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(learner_processes),
+                     "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     for fault in faults:
         argv += ["--fault", fault]
     argv += ["--", f"trainer.output_dir={output_dir}", f"trainer.run_name={run_name}", *TINY_OVERRIDES,

@@ -11,6 +11,8 @@ tested in test_rollout_manager.py.)
 
 from __future__ import annotations
 
+import pytest
+
 from dapo_mega.rollout.ledger import read_records
 from test_faults_common import read_metric_rows, run_trainer
 
@@ -54,3 +56,35 @@ def test_engine_killed_then_engine_hung_run_completes_on_the_rest(tmp_path):
         assert len(keys) == len(set(keys)) == 72, f"step {step}: a sample lost or repeated"
         # the survivors got every sync: samples of step s come from policy version s-1
         assert {r.policy_version_min for r in recs} == {step - 1}
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_engine_killed_in_a_disaggregated_run_leaves_the_weight_update_group(tmp_path, stages):
+    """Disaggregated (weights broadcast over a weight-update group of the learner and both
+    engines): engine 1 is SIGKILLed before its first request of step 2. Its prompts go to
+    engine 0, and before the next sync the learner leaves the group (on engine 0 too) and forms
+    a new one with engine 0 alone, so later broadcasts do not wait for the dead member: the run
+    completes, and engine 0 serves every later version. With two pipeline stages (two learner
+    processes under torchrun), each stage's source forms its own group again, one stage after
+    the other; the last stage's bucket carries the version, so engine 0 serving step s-1's
+    version at step s shows that both stages reached it."""
+    result = run_trainer(tmp_path, "grouped", [
+        "cluster.mode=disaggregated", "cluster.max_staleness=0",
+        f"megatron.pipeline_model_parallel_size={stages}",
+        "trainer.total_steps=3", "trainer.save_interval=0", "rollout.num_engines=2",
+        f"rollout.request_timeout_s={REQUEST_TIMEOUT_S}", "rollout.max_retries=3",
+        "algo.n_samples_per_prompt=2", "algo.train_batch_size=36", "algo.gen_batch_size=36", "algo.mini_batch_size=18",
+    ], faults=["engine:KILL:1:2"], timeout_s=400, learner_processes=stages)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert "SIGKILL to engine 1" in out
+    rows = read_metric_rows(tmp_path / "grouped")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["sync/engines"] for r in rows] == [2, 1, 1]
+    formed = [line for line in out.splitlines() if "formed again" in line]
+    assert len(formed) == 1 and "stage 0" in formed[0] and "1 engine(s)" in formed[0] and "_g1" in formed[0], formed
+    for step in (1, 2, 3):
+        recs = read_records(tmp_path / "grouped", steps=[step])
+        keys = [(r.prompt_id, r.sample_index) for r in recs]
+        assert len(keys) == len(set(keys)) == 72, f"step {step}: a sample lost or repeated"
+        assert {r.policy_version_min for r in recs} == {step - 1}  # engine 0 got every sync
