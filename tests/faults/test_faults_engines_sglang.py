@@ -35,12 +35,15 @@ PROMPTS_PER_STEP = 36
 
 @pytest.mark.slow
 @pytest.mark.sglang
-@pytest.mark.parametrize("target", ["launch", "scheduler"])
-def test_sglang_engine_killed_mid_request_loses_and_duplicates_no_prompt(tmp_path, target):
+@pytest.mark.parametrize("target,mode", [("launch", "colocated"), ("scheduler", "colocated"),
+                                         ("launch", "disaggregated")])
+def test_sglang_engine_killed_mid_request_loses_and_duplicates_no_prompt(tmp_path, target, mode):
+    """Disaggregated: the learner then leaves its weight-update group on the surviving SGLang
+    engine (/destroy_weights_update_group) and forms a new one with it (`..._g1`)."""
     python = sglang_python_or_skip()
     fault = "engine:KILL:1:1:inflight" + ("" if target == "launch" else f"-{target}")
     result = run_trainer(tmp_path, "sglkill", [
-        "cluster.mode=colocated", "rollout.backend=sglang", f"rollout.engine_python={python}",
+        f"cluster.mode={mode}", "rollout.backend=sglang", f"rollout.engine_python={python}",
         "rollout.num_engines=2", "rollout.extra_server_args=[--max-total-tokens,4096]",
         "rollout.request_timeout_s=120", "rollout.max_retries=3",
         "trainer.total_steps=2", "trainer.save_interval=0",
@@ -58,6 +61,8 @@ def test_sglang_engine_killed_mid_request_loses_and_duplicates_no_prompt(tmp_pat
     assert "engine 1's processes after the fault: all exited" in out  # none outlives the one killed
     dropped = [line for line in out.splitlines() if "dropped from rollouts and weight sync" in line]
     assert len(dropped) == 1 and killed in dropped[0], dropped
+    formed = [line for line in out.splitlines() if "formed again" in line]
+    assert len(formed) == (mode == "disaggregated"), formed
 
     run_dir = tmp_path / "sglkill"
     rows = read_metric_rows(run_dir)
