@@ -179,14 +179,16 @@ def test_sglang_command_and_environment_per_machine(tmp_path):
     assert argv[argv.index("--device") + 1] == "cpu" and "--num-threads" not in argv
     assert argv[argv.index("--model-path") + 1] == "/m" and argv[argv.index("--port") + 1] == "30001"
     assert argv[argv.index("--max-total-tokens") + 1] == "64"
-    env = cpu.child_env(0)
+    env = cpu.child_env(0, parent_env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "OMP_NUM_THREADS" not in env
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"  # the user's kept
+    assert "GLIBC_TUNABLES" not in cpu.child_env(0, parent_env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
 
     gpu = EngineFleet(rollout, "/m", tmp_path, device="cuda")
     argv = gpu.command(30002, base_gpu_id=0)
     assert "--device" not in argv and argv[argv.index("--base-gpu-id") + 1] == "0"
     env = gpu.child_env(3, gpu_ids=[4, 5])
-    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and "SGLANG_USE_CPU_ENGINE" not in env
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5" and "SGLANG_USE_CPU_ENGINE" not in env and "GLIBC_TUNABLES" not in env
     assert env["DAPO_MEGA_ENGINE_INDEX"] == "3"
 
 
