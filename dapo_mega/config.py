@@ -533,10 +533,20 @@ class TrainerConfig:
     """wandb project."""
     plot: bool = True
     """Write curves.png into the run directory each step."""
+    wall_time_minutes: float = 0.0
+    """Stop cleanly, with a checkpoint, after the last step that leaves time for one more and
+    its save within this many minutes of the trainer's start (0 = no limit). The next step is
+    estimated as the longest so far, plus the last save's duration and stop_margin_minutes.
+    The Slurm launcher sets it from the job's time left when it is not set."""
+    stop_margin_minutes: float = 2.0
+    """Slack kept before wall_time_minutes for the final save and shutdown."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
         t, err = self, _field_error
+        if t.wall_time_minutes < 0 or t.stop_margin_minutes < 0:
+            raise err("trainer.wall_time_minutes", f"{t.wall_time_minutes} / stop_margin_minutes "
+                      f"{t.stop_margin_minutes} must be >= 0", "use 0 for no limit")
         if t.total_steps < 0:
             raise err("trainer.total_steps", "must be >= 0", "use a positive number of rollout steps")
         if t.keep_last_k < 1:

@@ -260,13 +260,48 @@ def engine_model_path(cfg: DapoConfig) -> Path:
     return cfg.run_dir.resolve() / "base_model"
 
 
-def learner_overrides(cfg: DapoConfig, env: Mapping[str, str]) -> List[str]:
-    """Overrides appended after the user's so every rank agrees on paths and engines."""
+def learner_overrides(cfg: DapoConfig, env: Mapping[str, str],
+                      time_left_s: Optional[float] = None) -> List[str]:
+    """Overrides appended after the user's so every rank agrees on paths and engines, and,
+    when the user set no trainer.wall_time_minutes, the job's time left (`time_left_s`, the
+    same value on every rank: rank 0 of the trainer decides for all), so the trainer stops
+    with a checkpoint before Slurm ends the job instead of losing the steps since its last one."""
     out = [f"trainer.output_dir={hydra_value(str(Path(cfg.trainer.output_dir).resolve()))}",
            f"rollout.engine_registry={hydra_value(str(registry_dir(cfg)))}"]
     if env.get(API_KEY_ENV) and not cfg.rollout.api_key:
         out.append(f"rollout.api_key={hydra_value(env[API_KEY_ENV])}")
+    if time_left_s and not cfg.trainer.wall_time_minutes:
+        out.append(f"trainer.wall_time_minutes={time_left_s / 60.0:.2f}")
     return out
+
+
+def parse_slurm_duration(text: str) -> Optional[float]:
+    """Seconds of a Slurm duration, in the forms Slurm documents for --time: MM, MM:SS,
+    HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (squeue's %L prints time left this way); None for
+    UNLIMITED, NOT_SET, INVALID or anything else."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+(?::\d+){0,2})", text.strip())
+    if not m:
+        return None
+    days, parts = int(m.group(1) or 0), [int(x) for x in m.group(2).split(":")]
+    if m.group(1) is not None:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:
+        hours, minutes, seconds = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+    return float(days * 86400 + hours * 3600 + minutes * 60 + seconds)
+
+
+def slurm_time_left(env: Mapping[str, str]) -> Optional[float]:
+    """Seconds until Slurm ends this job (`squeue -h -j $SLURM_JOB_ID -o %L`), or None when
+    not in a job, without a limit, or when squeue does not answer."""
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_slurm_duration(out.stdout.strip().splitlines()[0]) if out.returncode == 0 and out.stdout.strip() \
+        else None
 
 
 def completed_steps(cfg: DapoConfig) -> int:
@@ -502,7 +537,7 @@ def run_learner(cfg: DapoConfig, user_overrides: Sequence[str], task: SlurmTask,
     """Exec the trainer with this task's torch.distributed identity (does not return)."""
     rank = compute_learner_rank(task, env)
     validate_config(cfg, world_size=rank.world_size)
-    cmd = build_learner_command(list(user_overrides) + learner_overrides(cfg, env))
+    cmd = build_learner_command(list(user_overrides) + learner_overrides(cfg, env, slurm_time_left(env)))
     child_env = learner_env(rank, task, env)
     # exec keeps this pid: the line names the trainer process of this rank
     _log(f"learner rank {rank.rank} of {rank.world_size} on {task.node_name} (pid {os.getpid()})")

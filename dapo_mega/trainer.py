@@ -1,7 +1,8 @@
 """The DAPO driver loop: `dapo-mega train`.
 
     generate -> reward -> dynamic sampling -> advantages -> train (mini-batches)
-             -> sync weights (policy_version += 1) -> save -> evaluate
+             -> sync weights (policy_version += 1) -> evaluate -> save
+             -> stop early, saved, when another step would not fit trainer.wall_time_minutes
 
 Every learner rank runs `train`. Global rank 0 is also the driver: it owns the rollout
 engines, the verifier, the data cursor, the ledger and the records, and hands each step's
@@ -77,11 +78,20 @@ def train(cfg: DapoConfig) -> int:
                 t = time.perf_counter()
                 eval_metrics = role.evaluate()
                 timings["time/eval_s"] = time.perf_counter() - t
-            if run.should_save(step):
+            run.clock.record_step(sum(timings.values()))
+            out_of_time = step < cfg.trainer.total_steps and role.out_of_time(run.clock)  # wall-time limit
+            if run.should_save(step) or out_of_time:
                 t = time.perf_counter()
                 s.save_checkpoint(step)
                 timings["time/save_s"] = time.perf_counter() - t
+                run.clock.record_save(timings["time/save_s"])
             role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, timings)
+            if out_of_time:
+                role.say(f"[trainer] stopped after step {step} of {cfg.trainer.total_steps} to end within "
+                         f"trainer.wall_time_minutes={cfg.trainer.wall_time_minutes:g} (running "
+                         f"{run.clock.elapsed_s() / 60:.1f} min; a step takes up to {run.clock.longest_step_s:.0f} s, "
+                         f"a save {run.clock.last_save_s:.0f} s); checkpoint step {step} saved, run again to resume")
+                break
         return 0
     finally:
         s.close()

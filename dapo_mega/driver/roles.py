@@ -76,6 +76,11 @@ class LearnerRankRole:
         """What only the driver adds to a checkpoint's trainer state."""
         return {}
 
+    def out_of_time(self, clock: Any) -> bool:
+        """Whether the run stops now to fit its wall-time limit: the driver's clock decides
+        for every rank (each rank's own clock differs a little). Collective when limited."""
+        return bool(broadcast_from_driver(None)) if clock.limit_s > 0 else False
+
     def close(self) -> None:
         pass
 
@@ -165,6 +170,9 @@ class DriverRole(LearnerRankRole):
         if "time/train_s" in timings and "perf/train_tokens" in metrics:
             row["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / max(timings["time/train_s"], 1e-9)
         self.recorder.log_step(step, row)
+
+    def out_of_time(self, clock: Any) -> bool:
+        return bool(broadcast_from_driver(clock.next_step_would_overrun())) if clock.limit_s > 0 else False
 
     def checkpoint_state(self) -> Dict[str, Any]:
         if self.last_batch is None:

@@ -3,7 +3,8 @@
 `TrainerState` is what a checkpoint carries besides weights and optimizer state (step,
 policy version, data cursor, rollout carry-over, wandb id). `RunState` owns it on every
 learner rank: `resume` loads the latest complete checkpoint of the run directory (collective),
-`save` writes one (collective), `should_eval` / `should_save` say when. The driver's record
+`save` writes one (collective), `should_eval` / `should_save` say when, and `WallClock` whether
+the run must stop early to fit `trainer.wall_time_minutes` (a Slurm job's time limit). The driver's record
 files live here too: `write_ledger` (one parquet shard per step, rows read off the step's
 ScoredSamples) and `prune_records_after` (on resume, ledger shards and evaluation files of
 steps after the checkpoint are redone, not kept twice).
@@ -11,7 +12,8 @@ steps after the checkpoint are redone, not kept twice).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -35,6 +37,41 @@ class TrainerState:
     warm_started: bool = False
 
 
+def would_overrun(elapsed_s: float, longest_step_s: float, last_save_s: float, limit_s: float,
+                  margin_s: float) -> bool:
+    """Whether one more step (as long as the longest so far) and its save, with the margin,
+    would end past `limit_s` after `elapsed_s` (never with no limit)."""
+    return limit_s > 0 and elapsed_s + longest_step_s + last_save_s + margin_s > limit_s
+
+
+@dataclass
+class WallClock:
+    """The time a run has within its limit (`trainer.wall_time_minutes`), and what a step and
+    a save take; `next_step_would_overrun` is the driver's question before each next step."""
+
+    limit_s: float
+    margin_s: float
+    start: float = field(default_factory=time.monotonic)
+    longest_step_s: float = 0.0
+    last_save_s: float = 0.0
+
+    @classmethod
+    def of(cls, trainer_cfg: Any) -> "WallClock":
+        return cls(limit_s=60.0 * trainer_cfg.wall_time_minutes, margin_s=60.0 * trainer_cfg.stop_margin_minutes)
+
+    def record_step(self, seconds: float) -> None:
+        self.longest_step_s = max(self.longest_step_s, seconds)
+
+    def record_save(self, seconds: float) -> None:
+        self.last_save_s = seconds
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.start
+
+    def next_step_would_overrun(self) -> bool:
+        return would_overrun(self.elapsed_s(), self.longest_step_s, self.last_save_s, self.limit_s, self.margin_s)
+
+
 class RunState:
     """The trainer state of one run on one learner rank, and when to evaluate and save."""
 
@@ -45,6 +82,7 @@ class RunState:
         self.resumed = False
         """True when `resume` found a checkpoint."""
         self.checkpoint: Optional[Path] = None
+        self.clock = WallClock.of(trainer_cfg)
 
     def resume(self, learner: Any) -> bool:
         """Load the latest complete checkpoint (weights, optimizer, RNG, trainer state) when

@@ -59,3 +59,22 @@ def test_kill_and_resume_continues_counters(tmp_path):
     assert len(wandb_runs_before) == 1 and wandb_runs_after == wandb_runs_before
     state = json.loads((run_dir / "checkpoints" / f"step_{TOTAL_STEPS:06d}" / "trainer_state.json").read_text())
     assert state["step"] == TOTAL_STEPS and state["policy_version"] == TOTAL_STEPS
+
+
+def test_a_run_out_of_wall_time_stops_with_a_checkpoint_and_resumes(tmp_path):
+    """trainer.wall_time_minutes too short for a second step: the run stops after step 1 with
+    step 1's checkpoint (save_interval=0 would have saved only at the end), says so, exits 0;
+    the same command without the limit resumes from it and finishes."""
+    run_dir = tmp_path / RUN_NAME
+    limited = ["trainer.total_steps=3", "trainer.save_interval=0", "trainer.wall_time_minutes=0.01",
+               "trainer.stop_margin_minutes=0"]
+    output = run_train(tmp_path, *limited, tag="limited")
+    assert "[trainer] stopped after step 1 of 3 to end within trainer.wall_time_minutes=0.01" in output
+    assert "checkpoint step 1 saved, run again to resume" in output
+    assert [r["step"] for r in read_rows(run_dir)] == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000001"]
+
+    output = run_train(tmp_path, "trainer.total_steps=3", "trainer.save_interval=0", tag="resumed")
+    assert "at step 1, policy version 1" in output and "stopped after" not in output
+    assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
+    check_records_of_run(run_dir, total_steps=3, max_staleness=0)

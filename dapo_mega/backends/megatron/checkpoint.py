@@ -477,8 +477,10 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
 
     ckpt_dir: a `step_<N>` directory, or a run / checkpoints directory (its latest complete
     checkpoint). Collective: every learner rank calls it. The model may be loaded at a
-    different TP/PP than it was saved with; the optimizer state (fully_sharded_model_space)
-    likewise. RNG states are per rank: restored only when this rank's file exists.
+    different TP/PP than it was saved with; the optimizer state too when it was saved
+    fully_reshardable (dp_reshardable state at another TP/PP/VPP raises CheckpointLayoutError
+    before anything is read). RNG states are per rank: restored only when this rank's file
+    exists (a new layout draws fresh dropout streams on the ranks that had none).
     """
     from megatron.core import dist_checkpointing
 
@@ -489,6 +491,7 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     problem = resume_layout_problem(trainer_state, here, ckpt) if load_optimizer and here else None
     if problem:
         raise CheckpointLayoutError(problem)
+    if load_optimizer:
         if getattr(learner, "optimizer", None) is not None:
             _prepare_optimizer_for_loading(learner.optimizer)
         state = _full_state(learner, True, sharding)
