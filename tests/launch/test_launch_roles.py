@@ -77,3 +77,47 @@ def test_registry_file_written_atomically_and_helpers(tmp_path):
     assert hydra_value("/a b/it's") == "'/a b/it\\'s'"
     cfg = load_config(["trainer.output_dir=" + hydra_value(str(tmp_path / "a b"))])
     assert cfg.trainer.output_dir == str(tmp_path / "a b")
+
+
+def test_slurm_durations_as_slurm_documents_them():
+    from dapo_mega.launch import parse_slurm_duration
+
+    # sbatch --time forms (Slurm's man page): minutes, minutes:seconds, hours:minutes:seconds,
+    # days-hours, days-hours:minutes, days-hours:minutes:seconds
+    assert parse_slurm_duration("45") == 45 * 60
+    assert parse_slurm_duration("29:59") == 29 * 60 + 59
+    assert parse_slurm_duration("1:00:00") == 3600
+    assert parse_slurm_duration("2-3") == 2 * 86400 + 3 * 3600
+    assert parse_slurm_duration("2-03:04") == 2 * 86400 + 3 * 3600 + 4 * 60
+    assert parse_slurm_duration("1-00:00:01") == 86401
+    for no_limit in ("UNLIMITED", "NOT_SET", "INVALID", "", "1:2:3:4", "-5"):
+        assert parse_slurm_duration(no_limit) is None, no_limit
+
+
+def test_learners_get_the_jobs_time_left_unless_the_user_set_a_limit(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from dapo_mega.launch import learner_overrides, slurm_time_left
+
+    squeue = tmp_path / "squeue"  # a stand-in that answers as squeue -h -j JOB -o %L does
+    squeue.write_text("#!/bin/sh\n[ \"$3\" = 4242 ] && [ \"$5\" = %L ] && echo 1:30:00\n")
+    squeue.chmod(squeue.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert slurm_time_left({"SLURM_JOB_ID": "4242"}) == 5400
+    assert slurm_time_left({"SLURM_JOB_ID": "7"}) is None and slurm_time_left({}) is None
+
+    cfg = load_config([f"trainer.output_dir={tmp_path}"])
+    assert "trainer.wall_time_minutes=90.00" in learner_overrides(cfg, {}, 5400.0)
+    assert not any("wall_time" in o for o in learner_overrides(cfg, {}, None))
+    mine = load_config([f"trainer.output_dir={tmp_path}", "trainer.wall_time_minutes=30"])
+    assert not any("wall_time" in o for o in learner_overrides(mine, {}, 5400.0))
+
+
+def test_a_step_that_would_not_fit_the_wall_time_stops_the_run():
+    from dapo_mega.driver.run_state import would_overrun
+
+    # 50 min in, steps of up to 5 min, saves of 2 min, 2 min of margin: 59 fits 60, 61 does not
+    assert not would_overrun(50 * 60, 5 * 60, 2 * 60, 60 * 60, 2 * 60)
+    assert would_overrun(52 * 60, 5 * 60, 2 * 60, 60 * 60, 2 * 60)
+    assert not would_overrun(10**9, 10**9, 10**9, 0, 0)  # no limit

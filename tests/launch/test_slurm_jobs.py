@@ -135,7 +135,7 @@ def _assert_completed_run(cluster, out_dir: Path, run_dir: Path, job: int, info:
 
 @pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
-    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED)
+    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED + ["--time=30"])
     info = cluster.wait_job(job, JOB_TIMEOUT_S)
     run_dir = tmp_path / "coloc"
     _assert_completed_run(cluster, tmp_path, run_dir, job, info)
@@ -144,6 +144,9 @@ def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
                                                       "engines-node1.log", "learner-0.log", "learner-1.log"]
     learner0 = (logs / "learner-0.log").read_text()
     assert "learner world 2 (2 nodes), master 127.0.0.1" in learner0
+    # the job's 30-minute limit reached the trainer as the time it has (squeue's time left)
+    left = re.search(r"trainer\.wall_time_minutes=(\d+\.\d\d)\b", learner0)
+    assert left and 25 < float(left.group(1)) <= 30, learner0[:3000]
     assert re.search(r"^step\s+3 \| v3 ", learner0, re.M), learner0[-2000:]
     assert "[warm start] 10/10" in learner0
     # one engine per node, each announced with the job's key; every sample came from an
