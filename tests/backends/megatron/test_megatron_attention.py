@@ -6,7 +6,6 @@ not compute the same way (attention dropout while training)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from dist_helpers import run_distributed
 
