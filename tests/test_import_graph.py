@@ -34,6 +34,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.distributed": 0,
     "dapo_mega.run_dir": 0,
     "dapo_mega.heap": 0,
+    "dapo_mega.tether": 0,
     # 1: backends: Megatron (model, layout, train step, sharded state) and SGLang (launch, client).
     "dapo_mega.backends": 1,
     # 2: weights: the HF <-> Megatron mapping, conversion and live sync, built on the backends.

@@ -40,6 +40,7 @@ from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from dapo_mega.reward.types import Verifier, VerifyResult, VerifyStats, verifier_error_result
+from dapo_mega.tether import popen_tethered
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class _Worker:
         # the child must unpickle the verifier: give it this process's import path
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         try:
-            self.process = subprocess.Popen(
+            self.process = popen_tethered(  # a hung verifier's worker does not outlive a killed trainer
                 [sys.executable, "-m", "dapo_mega.reward.worker", str(to_child_r), str(from_child_w)],
                 pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env, close_fds=True)
         finally:

@@ -14,9 +14,9 @@ itself; the placement function does), `--base-gpu-id` when given, and on a machi
 GPU `--device cpu` with `SGLANG_USE_CPU_ENGINE=1` for SGLang (SGLang's `is_cpu()` reads that
 variable), `--num-threads` and OMP threads for the embedded engine. Each engine writes
 `engine-<i>.log`; an engine that dies before it is healthy raises `EngineStartError` naming
-that log and quoting its tail. Every engine starts through `tether.py` from one long-lived
-thread (`_Spawner`), so it gets SIGTERM when the process that started it dies, SIGKILLed or
-not: a crashed trainer leaves no engine holding its port or its GPU. SGLang's `/health` runs a one-token generation and sleeps
+that log and quoting its tail. Every engine starts tethered (`dapo_mega/tether.py`): it gets
+SIGTERM when the process that started it dies, SIGKILLed or not, so a crashed trainer leaves
+no engine holding its port or its GPU. SGLang's `/health` runs a one-token generation and sleeps
 1 s, so each probe waits several seconds (`HEALTH_PROBE_TIMEOUT_S`).
 """
 
@@ -27,11 +27,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
-from queue import SimpleQueue
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from dapo_mega.backends.sglang.api import SERVER_FLAGS
@@ -40,6 +37,7 @@ from dapo_mega.backends.sglang.launch import build_engine_command
 from dapo_mega.config import DapoConfig, RolloutConfig
 from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port,
                                               is_healthy, lost_port_race, resume_process, stop_process)
+from dapo_mega.tether import popen_tethered
 
 __all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError", "announce_engine", "endpoint_of",
            "free_port", "is_healthy", "open_fleet", "stop_process"]
@@ -47,53 +45,9 @@ __all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError",
 MAX_PORT_RETRIES = 3
 """Restarts of an engine whose free port was taken between picking it and binding it."""
 
-TETHER = Path(__file__).with_name("tether.py")
-
 CPU_SGLANG_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 """glibc (2.35+) asks for transparent huge pages on the memory it maps (madvise mode); older
 glibc ignores the tunable."""
-
-
-class _Spawner:
-    """The one thread of this process that starts engine processes.
-
-    The kernel sends an engine its parent-death signal when the *thread* that forked it exits,
-    so engines must not be started from a thread that ends before the process does (a test's
-    worker, a thread pool's). This thread lives until the process exits. A forked child
-    starts its own on first use (the parent's thread does not exist there)."""
-
-    def __init__(self) -> None:
-        self._pid = -1
-        self._jobs: SimpleQueue = SimpleQueue()
-        self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._forget)
-
-    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-        """`subprocess.Popen([python, tether.py, this pid, *argv], **kwargs)`, started there."""
-        with self._lock:
-            if self._pid != os.getpid():
-                self._pid, self._jobs = os.getpid(), SimpleQueue()
-                threading.Thread(target=self._serve, args=(self._jobs,), name="engine-spawner", daemon=True).start()
-            jobs = self._jobs
-        done: Future = Future()
-        jobs.put(([sys.executable, "-I", "-S", str(TETHER), str(os.getpid()), *argv], kwargs, done))
-        return done.result()
-
-    def _forget(self) -> None:
-        self._lock = threading.Lock()
-        self._pid = -1
-
-    @staticmethod
-    def _serve(jobs: SimpleQueue) -> None:
-        while True:
-            argv, kwargs, done = jobs.get()
-            try:
-                done.set_result(subprocess.Popen(argv, **kwargs))
-            except BaseException as e:  # handed to the caller, who raises it
-                done.set_exception(e)
-
-
-_SPAWNER = _Spawner()
 
 
 def endpoint_of(url: str, rollout: RolloutConfig) -> EngineEndpoint:
@@ -260,7 +214,7 @@ class EngineFleet:
         log_path = self.log_dir / f"engine-{index}.log"
         with open(log_path, "ab") as log:
             offset = log.tell()
-            proc = _SPAWNER.popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+            proc = popen_tethered(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
         engine = EngineProcess(index=index, endpoint=self.endpoint(f"http://{self.advertise_host}:{port}"), proc=proc,
                                log_path=log_path, argv=argv, env=env, port=port, gpu_ids=list(gpu_ids),
                                base_gpu_id=base_gpu_id, log_offset=offset)

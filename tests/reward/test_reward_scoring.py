@@ -56,6 +56,60 @@ class DyingVerifier:
         return VerifyResult(response == ground_truth, 1.0 if response == ground_truth else -1.0, response, None)
 
 
+class SpinningVerifier:
+    """Never returns, busy (a pathological regex, say): only a signal ends its worker."""
+
+    name, version, max_response_chars, runs_in_process = "spinning", "1", None, False
+
+    def score(self, response, ground_truth):
+        while True:
+            pass
+
+
+TRAINER_SCORING_WITH_A_HUNG_VERIFIER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_reward_scoring import SpinningVerifier
+from dapo_mega.reward import VerifierPool, VerifyStats
+pool = VerifierPool(SpinningVerifier(), num_workers=1)
+print("scoring", flush=True)
+pool.score(["x"], ["1"], timeout_s=600, stats=VerifyStats())
+"""
+
+
+def test_a_worker_in_a_hung_verifier_ends_with_a_sigkilled_trainer(tmp_path):
+    """The worker never reads its pipe again, so the parent's end closing cannot stop it;
+    it was started tethered (dapo_mega/tether.py), so the kernel's SIGTERM does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    out = tmp_path / "out"
+    with open(out, "w") as log:
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER_SCORING_WITH_A_HUNG_VERIFIER,
+                                    str(Path(__file__).parent)], stdout=log, stderr=subprocess.STDOUT)
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not workers:
+            time.sleep(0.2)
+            busy = [c for c in psutil.Process(trainer.pid).children() if c.cpu_percent(interval=0.2) > 50]
+            workers = busy if "scoring" in out.read_text() else []
+        assert workers, out.read_text()[-3000:]
+        trainer.kill()
+        trainer.wait(timeout=30)
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"verifier worker {[p.pid for p in alive]} outlived the SIGKILLed trainer"
+    finally:
+        for p in workers:
+            if p.is_running():
+                p.kill()
+        if trainer.poll() is None:
+            trainer.kill()
+
+
 def test_dapo_fast_path_handles_pathological_input_in_process():
     start = time.monotonic()
     results, stats = score_responses(DapoVerifier(), PATHOLOGICAL, ["46"] * len(PATHOLOGICAL), timeout_s=1.0)

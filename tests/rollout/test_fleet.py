@@ -331,7 +331,7 @@ def test_engines_end_with_a_sigkilled_trainer(tmp_path, model_dir, backend):
 
 
 def test_tether_refuses_to_start_a_command_whose_parent_is_gone(tmp_path):
-    from dapo_mega.rollout import tether
+    from dapo_mega import tether
 
     made = tmp_path / "made"
     run = [sys.executable, "-I", "-S", str(tether.__file__)]
