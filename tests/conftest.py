@@ -23,8 +23,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without --slow (or a -m of the caller's own), the tests marked slow are deselected."""
-    if config.getoption("--slow") or config.getoption("markexpr"):
+    """Without --slow (or a -m of the caller's own, or tests named by id), the tests marked
+    slow are deselected."""
+    if config.getoption("--slow") or config.getoption("markexpr") or any("::" in a for a in config.args):
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
     if slow:
