@@ -263,9 +263,9 @@ def engine_model_path(cfg: DapoConfig) -> Path:
 def learner_overrides(cfg: DapoConfig, env: Mapping[str, str],
                       time_left_s: Optional[float] = None) -> List[str]:
     """Overrides appended after the user's so every rank agrees on paths and engines, and,
-    when the user set no trainer.wall_time_minutes, the job's time left (`time_left_s`, the
-    same value on every rank: rank 0 of the trainer decides for all), so the trainer stops
-    with a checkpoint before Slurm ends the job instead of losing the steps since its last one."""
+    when the user set no trainer.wall_time_minutes, the job's time left (`time_left_s`), so
+    the trainer stops with a checkpoint before Slurm ends the job instead of losing the steps
+    since its last one (each rank asks squeue; the driver's answer decides for all)."""
     out = [f"trainer.output_dir={hydra_value(str(Path(cfg.trainer.output_dir).resolve()))}",
            f"rollout.engine_registry={hydra_value(str(registry_dir(cfg)))}"]
     if env.get(API_KEY_ENV) and not cfg.rollout.api_key:

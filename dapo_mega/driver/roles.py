@@ -77,9 +77,10 @@ class LearnerRankRole:
         return {}
 
     def out_of_time(self, clock: Any) -> bool:
-        """Whether the run stops now to fit its wall-time limit: the driver's clock decides
-        for every rank (each rank's own clock differs a little). Collective when limited."""
-        return bool(broadcast_from_driver(None)) if clock.limit_s > 0 else False
+        """Whether the run stops now to fit its wall-time limit: the driver's clock and limit
+        decide for every rank (under Slurm each rank's limit is its own squeue answer, which
+        can differ or be missing). Collective, limited or not."""
+        return bool(broadcast_from_driver(None))
 
     def close(self) -> None:
         pass
@@ -172,7 +173,7 @@ class DriverRole(LearnerRankRole):
         self.recorder.log_step(step, row)
 
     def out_of_time(self, clock: Any) -> bool:
-        return bool(broadcast_from_driver(clock.next_step_would_overrun())) if clock.limit_s > 0 else False
+        return bool(broadcast_from_driver(clock.next_step_would_overrun()))
 
     def checkpoint_state(self) -> Dict[str, Any]:
         if self.last_batch is None:

@@ -364,9 +364,9 @@ def layout_record(layout) -> Dict[str, Any]:
     return {k: getattr(layout, k) for k in LAYOUT_KEYS}
 
 
-def _describe_layout(layout: Dict[str, Any]) -> str:
+def _describe_layout(layout: Dict[str, Any], dp: bool = True) -> str:
     vpp = f" / VPP {layout['vpp']}" if layout.get("vpp") else ""
-    return f"TP {layout['tp']} / PP {layout['pp']}{vpp} / DP {layout['dp']}"
+    return f"TP {layout['tp']} / PP {layout['pp']}{vpp}" + (f" / DP {layout['dp']}" if dp else "")
 
 
 def resume_layout_problem(trainer_state: Dict[str, Any], here: Dict[str, Any], ckpt: Path | str) -> Optional[str]:
@@ -381,10 +381,9 @@ def resume_layout_problem(trainer_state: Dict[str, Any], here: Dict[str, Any], c
         return None
     if all(saved.get(k) == here.get(k) for k in ("tp", "pp", "vpp")):
         return None
-    vpp = f" / VPP {saved['vpp']}" if saved.get("vpp") else ""
     return (f"{ckpt} was saved at {_describe_layout(saved)} with megatron.optimizer_sharding=dp_reshardable, whose "
             f"optimizer state loads only at the same TP, PP and VPP; this run is {_describe_layout(here)}. Resume at "
-            f"TP {saved['tp']} / PP {saved['pp']}{vpp} (any DP), or export the weights alone "
+            f"{_describe_layout(saved, dp=False)} (any DP), or export the weights alone "
             "(tools/convert_checkpoint.py export) and start a new run from them. Runs that may change layout on "
             "resume: megatron.optimizer_sharding=fully_reshardable. Nothing was loaded")
 
