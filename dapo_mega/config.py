@@ -294,10 +294,21 @@ class RolloutConfig:
     """SGLang --mem-fraction-static."""
     max_running_requests: int = 256
     """Most sequences an engine decodes at once."""
-    request_timeout_s: float = 600.0
-    """A request without reply after this long marks its engine failed; retried elsewhere."""
-    health_timeout_s: float = 300.0
-    """How long to wait for an engine to become healthy at start."""
+    request_timeout_s: float = 0.0
+    """Hard bound on one /generate request's total time (0 = none, the default). A long
+    request is not a failure: a 20k-token answer decodes for minutes. Liveness decides
+    instead (`liveness_timeout_s`); a positive value here marks the engine failed when one
+    request outlasts it and retries its prompts elsewhere."""
+    liveness_timeout_s: float = 300.0
+    """Bounds how long a hung engine (stopped, deadlocked, partitioned) holds its prompts: an
+    engine with requests in flight that answers no /health probe for this long is marked
+    dead and its prompts go to the others. A slow engine still answers its probes."""
+    liveness_probe_interval_s: float = 10.0
+    """Seconds between /health probes of an engine with requests in flight (each probe waits
+    at most this long); a dead engine is probed before each weight sync and rejoins when it answers."""
+    health_timeout_s: float = 0.0
+    """Bounds an engine's start (load weights, capture graphs) until its first healthy answer.
+    0 = derived from the model's bytes and the engine count (`dapo_mega.clock.engine_start_timeout_s`)."""
     max_retries: int = 3
     """Times a prompt group is retried on another engine before the step fails."""
     prompts_per_request: int = 4
@@ -334,6 +345,16 @@ class RolloutConfig:
         if r.host not in ("127.0.0.1", "localhost", "::1") and not r.api_key:
             raise err("rollout.api_key", f"engines bind to {r.host} without an API key",
                       "set rollout.api_key (or bind rollout.host=127.0.0.1)")
+        for name in ("liveness_timeout_s", "liveness_probe_interval_s"):
+            if getattr(r, name) <= 0:
+                raise err(f"rollout.{name}", f"must be > 0, got {getattr(r, name)}", "use 300 and 10 (seconds)")
+        if r.liveness_probe_interval_s > r.liveness_timeout_s:
+            raise err("rollout.liveness_probe_interval_s", f"{r.liveness_probe_interval_s} s is longer than "
+                      f"rollout.liveness_timeout_s={r.liveness_timeout_s} s: a hung engine would be found late",
+                      "probe several times per liveness timeout, e.g. 10 and 300")
+        for name in ("request_timeout_s", "health_timeout_s"):
+            if getattr(r, name) < 0:
+                raise err(f"rollout.{name}", f"must be >= 0, got {getattr(r, name)}", "use 0 (derived / no limit)")
         if r.weight_sync_bucket_mb < 1:
             raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
         for name in ("prompts_per_request", "requests_per_engine"):
@@ -483,7 +504,12 @@ class ClusterConfig:
     gpu_memory_gib: float = 80.0
     """Memory per accelerator, for `plan`."""
     dist_timeout_s: int = 1800
-    """Timeout of collective operations."""
+    """Bounds one collective of the learner ranks (a training step's all-reduce, a weight
+    sync's broadcast). Waiting for the driver's rollout or evaluation is not a collective:
+    those waits are bounded by the driver's progress (`driver_stall_timeout_s`)."""
+    driver_stall_timeout_s: float = 1800.0
+    """Learner ranks waiting for the driver (rollout, evaluation) stop when the driver's
+    progress counter (finished requests, phases) has not moved for this long."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
@@ -495,6 +521,9 @@ class ClusterConfig:
             raise err("cluster.max_staleness", f"is {c.max_staleness} in colocated mode, where engines and learners "
                       "take turns on the same devices", "set cluster.mode=disaggregated or max_staleness=0")
         _check_choice("cluster.device", c.device, Device)
+        if c.dist_timeout_s <= 0 or c.driver_stall_timeout_s <= 0:
+            raise err("cluster.dist_timeout_s", f"{c.dist_timeout_s} / driver_stall_timeout_s "
+                      f"{c.driver_stall_timeout_s} must be > 0", "use 1800 for both (seconds)")
         if c.num_learner_processes < 1:
             raise err("cluster.num_learner_processes", "must be >= 1", "use 1")
         if c.mode == "disaggregated" and c.num_nodes > 1 and not 0 < c.engine_nodes < c.num_nodes:

@@ -32,6 +32,16 @@ class EvalResult:
     problems: List[Dict[str, Any]] = field(default_factory=list)
     """[{id, ground_truth, correct: int, k, pass_rate, truncated, sample_answers}]"""
     settings: Dict[str, Any] = field(default_factory=dict)
+    engines: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    """url -> {requests, samples} the engine completed for this evaluation."""
+    dead_engines: Dict[str, str] = field(default_factory=dict)
+    """url -> why the evaluation found the engine dead (its prompts went to the others)."""
+
+    def engine_line(self) -> str:
+        """`requests/samples per engine: e0 4/128, e1 4/128` (engines in their order)."""
+        parts = [f"e{i} {v['requests']}/{v['samples']}" + (" (dead)" if url in self.dead_engines else "")
+                 for i, (url, v) in enumerate(self.engines.items())]
+        return "requests/samples per engine: " + ", ".join(parts)
 
     @property
     def avg_at_k(self) -> float:
@@ -50,7 +60,8 @@ class EvalResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, "k": self.k,
-                                   "settings": self.settings, "problems": self.problems}, indent=1))
+                                   "settings": self.settings, "engines": self.engines,
+                                   "dead_engines": self.dead_engines, "problems": self.problems}, indent=1))
         os.replace(tmp, path)
         return path
 
@@ -67,7 +78,11 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     max_len = e.max_response_length or cfg.algo.max_response_length
     params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
     manager = RolloutManager(engines, e.n_samples, params, max_retries=cfg.rollout.max_retries,
-                             run_id=cfg.trainer.run_name, return_logprob=False, prompt_to_input=prompt_to_input)
+                             run_id=cfg.trainer.run_name, return_logprob=False, prompt_to_input=prompt_to_input,
+                             prompts_per_request=cfg.rollout.prompts_per_request,
+                             requests_per_engine=cfg.rollout.requests_per_engine,
+                             liveness_timeout_s=cfg.rollout.liveness_timeout_s,
+                             probe_interval_s=cfg.rollout.liveness_probe_interval_s)
     groups = run_coroutine(manager.generate_groups(list(problems)))
     samples = [(g, s) for g in groups for s in g.samples]
     scored = compute_rewards(verifier, [s.response_text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
@@ -76,7 +91,11 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
                                               for g, _ in samples])
     result = EvalResult(k=e.n_samples, settings={"temperature": e.temperature, "top_p": e.top_p,
                                                  "max_response_length": max_len, "verifier": verifier.name,
-                                                 "verifier_version": verifier.version})
+                                                 "verifier_version": verifier.version},
+                        engines={url: {"requests": manager.requests_by_engine.get(url, 0),
+                                       "samples": manager.samples_by_engine.get(url, 0)}
+                                 for url in manager.engine_urls},
+                        dead_engines=manager.dead_engines())
     k = 0
     for g in groups:
         correct = truncated = 0
@@ -119,7 +138,10 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
         raise ConfigError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
 
-    with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device) as fleet:
+    from dapo_mega.clock import resolve_health_timeout_s
+
+    with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
+                     start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
         endpoints = fleet.start()
         result = evaluate_problems(endpoints, problems, cfg, encoder.encode, build_verifier(cfg.algo.verifier))
     result.settings["checkpoint"] = str(checkpoint)
@@ -150,7 +172,7 @@ def run_eval_command(cfg: DapoConfig) -> int:
         a = evaluate_checkpoint(cfg, cfg.eval.checkpoint, Path(tmp))
         a.write(out)
         print(f"avg@{a.k} = {a.avg_at_k:.4f} (pass@{a.k} = {a.pass_at_k:.4f}) on {len(a.problems)} problems "
-              f"-> {out}")
+              f"-> {out}\n{a.engine_line()}")
         if cfg.eval.compare_checkpoint:
             b = evaluate_checkpoint(cfg, cfg.eval.compare_checkpoint, Path(tmp))
             b_out = out.with_name(out.stem + "_compare" + out.suffix)

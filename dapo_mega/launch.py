@@ -378,9 +378,11 @@ def engine_fleet(cfg: DapoConfig, rollout: RolloutConfig, model_path: str, bind_
                  log_dir: Optional[Path] = None, num_threads: int = 0) -> EngineFleet:
     """The fleet that starts this node's engines: `--enable-memory-saver` when colocated
     (else releasing their memory frees nothing), SGLang on the CPU unless this job uses GPUs."""
+    from dapo_mega.clock import resolve_health_timeout_s
+
     return EngineFleet(rollout, model_path, log_dir, device="cuda" if _use_gpu(cfg) else "cpu", bind_host=bind_host,
                        advertise_host=advertise, num_threads=num_threads, weight_version="default",
-                       memory_saver=cfg.cluster.mode == "colocated")
+                       memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=resolve_health_timeout_s(cfg))
 
 
 def engine_command_and_env(cfg: DapoConfig, rollout: RolloutConfig, slot: EngineSlot, model_path: str, port: int,
@@ -466,11 +468,14 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     `--api-key`, which it sends to its workers. The trainer never depends on the router."""
     from dapo_mega.backends.sglang.launch import build_router_command
 
-    deadline = time.monotonic() + cfg.rollout.health_timeout_s
+    from dapo_mega.clock import resolve_health_timeout_s
+
+    limit = resolve_health_timeout_s(cfg)
+    deadline = time.monotonic() + limit
     while len(list(registry.glob("engine-*.json"))) < cfg.rollout.num_engines:
         if time.monotonic() > deadline:
             _log(f"router: only {len(list(registry.glob('engine-*.json')))} of {cfg.rollout.num_engines} engines "
-                 f"announced after rollout.health_timeout_s={cfg.rollout.health_timeout_s}s")
+                 f"announced after {limit:.0f} s (rollout.health_timeout_s)")
             return 1
         time.sleep(0.5)
     workers = [json.loads(p.read_text())["url"] for p in sorted(registry.glob("engine-*.json"))]

@@ -27,6 +27,7 @@ from dapo_mega.config import DapoConfig, save_config, validate_config
 from dapo_mega.driver.console import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
+from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
 
@@ -79,6 +80,10 @@ class Session:
             self._build_tiny_model()
         self.layout = ParallelLayout.from_config(cfg.megatron, world_size, hf_config=str(self.model_dir))
         self.layout.initialize(timeout_s=cfg.cluster.dist_timeout_s)
+        # the driver's progress counter is published from here on (driver/gate.py)
+        gate = DriverGate(cfg.cluster.driver_stall_timeout_s, is_driver=is_driver, progress=finished_requests)
+        gate.start()
+        self.role = LearnerRankRole(gate)
         torch.manual_seed(cfg.trainer.seed)
         self.learner = MegatronLearner(cfg, str(self.model_dir), self.layout)
         if not self.run.resume(self.learner):
@@ -162,7 +167,9 @@ class Session:
                                  max_retries=cfg.rollout.max_retries, run_id=cfg.trainer.run_name,
                                  prompts_per_request=cfg.rollout.prompts_per_request,
                                  requests_per_engine=cfg.rollout.requests_per_engine,
-                                 prompt_to_input=encoder.encode, seed=cfg.trainer.seed)
+                                 prompt_to_input=encoder.encode, seed=cfg.trainer.seed,
+                                 liveness_timeout_s=cfg.rollout.liveness_timeout_s,
+                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s)
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             print(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
@@ -174,14 +181,16 @@ class Session:
                                wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot)
         state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)
-        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_problems, recorder)
+        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_problems, recorder, self.role.gate)
 
     def _start_engines(self) -> List[str]:
         """Engines given by URL, announced in a registry directory, or started here (the fleet)."""
+        from dapo_mega.clock import resolve_health_timeout_s
         from dapo_mega.rollout.fleet import open_fleet
 
         self.fleet = open_fleet(self.cfg, self.cfg.rollout.model_path or str(self.model_dir), self.run_dir / "logs",
-                                weight_version=str(self.state.policy_version), learner_ranks=self.layout.world_size)
+                                weight_version=str(self.state.policy_version), learner_ranks=self.layout.world_size,
+                                start_timeout_s=resolve_health_timeout_s(self.cfg))
         self.engines = self.fleet.engines
         return [e.url for e in self.fleet.endpoints]
 

@@ -26,7 +26,7 @@ import torch
 
 from dapo_mega.config import DapoConfig
 from dapo_mega.distributed import free_port
-from dapo_mega.driver.roles import LearnerRankRole, broadcast_from_driver
+from dapo_mega.driver.roles import LearnerRankRole
 
 
 class PolicySync:
@@ -44,6 +44,8 @@ class PolicySync:
         """Weights travel over weight-update groups (one per stage) that an engine's death re-forms."""
         self.dropped: set = set()
         """Engines already left out (the same on every rank: the dead list is the driver's)."""
+        self.rejoined: List[str] = []
+        """Engines back in the weight sync since the last push: they serve once it is done."""
 
     @classmethod
     def start(cls, cfg: DapoConfig, layout: Any, role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
@@ -53,7 +55,10 @@ class PolicySync:
         from dapo_mega.weights.sync import run_stages_in_turn
 
         sync = cls(cfg, layout, role)
-        urls = broadcast_from_driver(engine_urls)
+        from dapo_mega.clock import resolve_health_timeout_s
+
+        # the driver starts the engines meanwhile: their start bound comes on top
+        urls = role.broadcast(engine_urls, resolve_health_timeout_s(cfg) + cfg.cluster.driver_stall_timeout_s)
         placement = trainer_placement(cfg, layout.world_size, torch.cuda.is_available(), os.environ)
         endpoints = [endpoint_of(u, cfg.rollout) for u in urls]
         if placement.transport == CUDA_IPC:
@@ -108,24 +113,35 @@ class PolicySync:
             self.syncer = WeightSyncer(endpoints, mode="colocated", engine_tp_size=self.cfg.rollout.engine_tp_size)
 
     def drop_dead_engines(self) -> None:
-        """Engines the rollout manager found dead (no reply within rollout.request_timeout_s,
-        connection refused) leave the weight sync too, so a lost engine costs the run its share
-        of generation and nothing else. Over weight-update groups, each stage's source leaves
-        its group and forms a new one with the surviving engines, the stages in turn (each
-        engine serves /init_weights_update_group in arrival order and blocks in the rendezvous).
-        Collective: every learner rank calls it, and every rank sees the same dead list."""
+        """Engines the rollout manager found dead (hung past rollout.liveness_timeout_s,
+        connection refused, HTTP 5xx) leave the weight sync too, so a lost engine costs the run
+        its share of generation and nothing else; dead engines that answer again come back
+        (they get this push's weights, then serve). Over weight-update groups, each stage's
+        source leaves its group and forms a new one with the engines now in the sync, the
+        stages in turn (each engine serves /init_weights_update_group in arrival order and
+        blocks in the rendezvous). Collective: every learner rank calls it, and every rank sees
+        the same lists (the driver's)."""
+        from dapo_mega.rollout.fleet import endpoint_of
         from dapo_mega.weights.handover import drop_dead_posters
         from dapo_mega.weights.sync import run_stages_in_turn
 
-        dead = self.role.dead_engines()
+        dead, revived = self.role.engine_changes()
         newly = sorted(set(dead) - self.dropped)
-        if not newly:
+        back = [u for u in revived if u in self.dropped]
+        if back and self.handover is not None:  # a hand-over plan is fixed at start
+            self.role.say(f"[trainer] engines {back} answer again but stay out: the colocated hand-over "
+                          "does not take engines back", error=True)
+            back = []
+        if not newly and not back:
             return
         self.dropped.update(newly)
+        self.dropped.difference_update(back)
+        self.rejoined += back
         drop_dead_posters(self.posters, newly)  # GPU hand-over: the ranks that post for them
         if self.syncer is not None:
             for url in self.syncer.drop_engines(newly):
                 self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
+            self.syncer.add_engines([endpoint_of(u, self.cfg.rollout) for u in back])
         if self.grouped:
             run_stages_in_turn(self.layout.pp, self.layout.pp_rank, self._rejoin, torch.distributed.barrier)
 
@@ -159,7 +175,8 @@ class PolicySync:
                 torch.device("cuda", torch.cuda.current_device()))
         else:
             stats = sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version))
-        self.role.engines_serve(version)
+        rejoined, self.rejoined = self.rejoined, []
+        self.role.engines_serve(version, rejoined)
         metrics = stats.as_metrics() if stats is not None else {}
         if self.syncer is not None:
             metrics["sync/engines"] = len(self.syncer.clients)

@@ -11,10 +11,11 @@ calls them without testing the rank.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega import distributed as D
 from dapo_mega.driver import advantages
+from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, write_ledger
 from dapo_mega.rollout.ledger import prepare_writer
@@ -22,22 +23,29 @@ from dapo_mega.rollout.ledger import prepare_writer
 DRIVER_RANK = 0
 
 
-def broadcast_from_driver(obj: Any) -> Any:
-    """Driver -> all learner ranks (inside the trusted learner group only)."""
-    return D.broadcast_object(obj, src=DRIVER_RANK)
-
-
 class LearnerRankRole:
-    """A learner rank other than the driver: no data, engines or records of its own."""
+    """A learner rank other than the driver: no data, engines or records of its own.
+
+    Whatever the driver hands over, this rank first waits for on the store (`gate`), then
+    receives in one collective: no collective timeout bounds the driver's rollout or eval."""
 
     is_driver = False
+
+    def __init__(self, gate: Optional[DriverGate] = None):
+        self.gate = gate or DriverGate()
+
+    def broadcast(self, obj: Any = None, stall_timeout_s: Optional[float] = None) -> Any:
+        """The driver's `obj` (inside the trusted learner group only), once it is ready;
+        `stall_timeout_s` replaces cluster.driver_stall_timeout_s for this wait (the engines' start)."""
+        self.gate.handover(stall_timeout_s)
+        return D.broadcast_object(obj, src=DRIVER_RANK)
 
     def say(self, message: str, error: bool = False) -> None:
         """A line on the run's console (the driver's); nothing elsewhere."""
 
     def sft_samples(self, batch_size: int) -> list:
         """The warm start's next supervised batch, as the driver built it."""
-        return broadcast_from_driver(None)
+        return self.broadcast()
 
     def start_rollouts(self, first_step: int) -> None:
         """Start generating ahead of training when the mode asks for it."""
@@ -47,14 +55,19 @@ class LearnerRankRole:
 
     def train_samples(self, batch: RolloutBatch) -> list:
         """The step's TrainSamples (advantages computed on the driver), on every rank."""
-        return broadcast_from_driver(None)
+        return self.broadcast()
 
     def dead_engines(self) -> Dict[str, str]:
         """Engines the rollout manager found dead (url -> why), on every rank. Collective."""
-        return broadcast_from_driver(None)
+        return self.broadcast()
 
-    def engines_serve(self, version: int) -> None:
-        """The engines now serve `version` (after a weight sync)."""
+    def engine_changes(self) -> Tuple[Dict[str, str], List[str]]:
+        """(engines found dead: url -> why, dead engines that answer again), on every rank.
+        Collective; the driver probes its dead engines first."""
+        return self.broadcast()
+
+    def engines_serve(self, version: int, rejoined: Sequence[str] = ()) -> None:
+        """The engines (`rejoined` among them, after their first sync back) now serve `version`."""
 
     def release_engine_memory(self, syncer: Any) -> None:
         """Colocated: the engines free their memory for the learner's step (the driver asks)."""
@@ -66,7 +79,9 @@ class LearnerRankRole:
         pass
 
     def evaluate(self) -> Dict[str, float]:
-        """Held-out avg@k through the engines: metrics on the driver, {} elsewhere."""
+        """Held-out avg@k through the engines: metrics on the driver, {} elsewhere (after the
+        driver's evaluation: the collective that follows must not start before it ends)."""
+        self.gate.handover()
         return {}
 
     def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
@@ -80,10 +95,10 @@ class LearnerRankRole:
         """Whether the run stops now to fit its wall-time limit: the driver's clock and limit
         decide for every rank (under Slurm each rank's limit is its own squeue answer, which
         can differ or be missing). Collective, limited or not."""
-        return bool(broadcast_from_driver(None))
+        return bool(self.broadcast())
 
     def close(self) -> None:
-        pass
+        self.gate.close()
 
 
 class DriverRole(LearnerRankRole):
@@ -92,7 +107,9 @@ class DriverRole(LearnerRankRole):
     is_driver = True
 
     def __init__(self, cfg: Any, run: RunState, rollouts: RolloutSource, sft_prompts: Any, eval_problems: List[Any],
-                 recorder: Any):
+                 recorder: Any, gate: Optional[DriverGate] = None):
+        super().__init__(gate or DriverGate(is_driver=True))
+        self.gate.start()
         self.cfg = cfg
         self.run = run
         self.rollouts = rollouts
@@ -115,7 +132,7 @@ class DriverRole(LearnerRankRole):
         samples = [TrainSample(prompt_ids=encoder.encode(p),
                                response_ids=encoder.encode_text(reference_response(p)) + [encoder.eos_token_id])
                    for p in self.sft_prompts.next_batch(batch_size)]
-        return broadcast_from_driver(samples)
+        return self.broadcast(samples)
 
     def start_rollouts(self, first_step: int) -> None:
         c = self.cfg.cluster
@@ -133,12 +150,22 @@ class DriverRole(LearnerRankRole):
         return advantages.build_train_samples(batch.groups, self.cfg.algo)
 
     def train_samples(self, batch: RolloutBatch) -> list:
-        return broadcast_from_driver(self.advantage_step(batch))
+        return self.broadcast(self.advantage_step(batch))
 
     def dead_engines(self) -> Dict[str, str]:
-        return broadcast_from_driver(self.rollouts.manager.dead_engines())
+        return self.broadcast(self.rollouts.manager.dead_engines())
 
-    def engines_serve(self, version: int) -> None:
+    def engine_changes(self) -> Tuple[Dict[str, str], List[str]]:
+        manager = self.rollouts.manager
+        revived = manager.probe_dead()
+        for url in revived:
+            self.say(f"[trainer] engine {url} answers again: it rejoins the weight sync, then the rollouts",
+                     error=True)
+        return self.broadcast((manager.dead_engines(), revived))
+
+    def engines_serve(self, version: int, rejoined: Sequence[str] = ()) -> None:
+        if rejoined:
+            self.rollouts.manager.serve_again(rejoined)
         if self.producer is not None:
             self.producer.engines_serve(version)
 
@@ -155,15 +182,24 @@ class DriverRole(LearnerRankRole):
         self.last_batch = batch
 
     def evaluate(self) -> Dict[str, float]:
+        try:
+            return self._evaluate()
+        finally:
+            self.gate.handover()  # the other ranks wait for the evaluation's end
+
+    def _evaluate(self) -> Dict[str, float]:
         if not self.eval_problems:
             return {}
         from dapo_mega.evaluate import evaluate_problems
 
         step = self.run.state.step
-        result = evaluate_problems(self.rollouts.manager.alive_engines(), self.eval_problems, self.cfg,
+        manager = self.rollouts.manager
+        result = evaluate_problems(manager.alive_engines(), self.eval_problems, self.cfg,
                                    self.rollouts.encoder.encode, self.rollouts.verifier)
+        manager.mark_dead(result.dead_engines)  # they leave the weight sync and the rollouts too
         result.write(self.run.run_dir / "eval" / f"step_{step:06d}.json")
-        self.say(f"[eval] step {step}: avg@{result.k} = {result.avg_at_k:.4f} on {len(result.problems)} problems")
+        self.say(f"[eval] step {step}: avg@{result.k} = {result.avg_at_k:.4f} on {len(result.problems)} problems; "
+                 f"{result.engine_line()}")
         return result.metrics()
 
     def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
@@ -173,7 +209,7 @@ class DriverRole(LearnerRankRole):
         self.recorder.log_step(step, row)
 
     def out_of_time(self, clock: Any) -> bool:
-        return bool(broadcast_from_driver(clock.next_step_would_overrun()))
+        return bool(self.broadcast(clock.next_step_would_overrun()))
 
     def checkpoint_state(self) -> Dict[str, Any]:
         if self.last_batch is None:
@@ -181,6 +217,7 @@ class DriverRole(LearnerRankRole):
         return {"data_cursor": self.last_batch.data_cursor, "rollout_carry": self.last_batch.rollout_carry}
 
     def close(self) -> None:
+        super().close()
         if self.producer is not None:
             self.producer.stop()
         self.recorder.close()

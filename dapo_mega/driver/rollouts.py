@@ -166,10 +166,19 @@ class AsyncRollouts:
             self._error = exc
             self.ready.put(None)
 
-    def take(self, step: int, learner_version: int, timeout_s: float = 3600.0) -> RolloutBatch:
+    def take(self, step: int, learner_version: int) -> RolloutBatch:
         """The batch of `step`, consumed by a learner at `learner_version`: groups older than
-        max_staleness are dropped as stale, and the kept ones are stamped with the consumer."""
-        batch = self.ready.get(timeout=timeout_s)
+        max_staleness are dropped as stale, and the kept ones are stamped with the consumer.
+        Waits as long as the rollout thread lives (a round lasts what its engines need; the
+        manager's liveness probes bound a hung engine, and a failed thread hands over None)."""
+        while True:
+            try:
+                batch = self.ready.get(timeout=5.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self.ready.empty():
+                    raise RuntimeError(f"rollout thread ended without the batch of step {step}: "
+                                       f"{self._error}") from self._error
         if batch is None:
             raise RuntimeError(f"rollout thread failed: {self._error}") from self._error
         if batch.step != step:

@@ -134,7 +134,7 @@ class GenerationEngine:
     def __init__(self, model_path: str, dtype: str = "float32", max_running_requests: int = 256,
                  weight_version: str = "default", batch_wait_s: float = 0.005, seed: int = 0,
                  enable_weights_cpu_backup: bool = False, device: str = "cpu",
-                 max_queued_requests: Optional[int] = None):
+                 max_queued_requests: Optional[int] = None, decode_delay_s: float = 0.0):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch_dtype = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -174,8 +174,22 @@ class GenerationEngine:
         self.num_generated_tokens = 0
         self.num_forward_steps = 0
         """Model forward calls (prefill or decode of a batch): the engine's cost on a small model."""
+        self.last_step_time = time.monotonic()
+        """When the last forward step ended (or the engine started): its progress, for /health."""
+        self.decode_delay_s = float(decode_delay_s)
+        """Test clock only (the server refuses it outside tests and benchmarks): a sleep after
+        every forward step, so that a tiny model decodes at a large model's pace."""
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self._thread.start()
+
+    def is_progressing(self, stall_s: float) -> bool:
+        """The generation thread is alive and, with sequences to run, made a forward step
+        within `stall_s` (SGLang's /health: output since the probe began, else 503)."""
+        if not self._thread.is_alive():
+            return False
+        with self._cv:
+            busy = bool(self._running or self._waiting) and not self._paused and not self.weights_released
+        return not busy or time.monotonic() - self.last_step_time < stall_s
 
     # ------------------------------------------------------------------ requests
     def new_generator(self, seed: Optional[int]) -> torch.Generator:
@@ -496,6 +510,9 @@ class GenerationEngine:
                         rows = rows + admitted
                 version = self.weight_version
                 self.num_forward_steps += 1
+            if self.decode_delay_s:
+                time.sleep(self.decode_delay_s)
+            self.last_step_time = time.monotonic()
             uniforms = torch.tensor([r.next_uniform(logits.dtype) for r in rows], dtype=logits.dtype)
             tokens, logprobs = sample_tokens(logits, [r.spec for r in rows], uniforms)
             keep = []

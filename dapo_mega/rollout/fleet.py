@@ -50,6 +50,11 @@ CPU_SGLANG_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 glibc ignores the tunable."""
 
 
+DEFAULT_START_TIMEOUT_S = 300.0
+"""Engine start bound when neither rollout.health_timeout_s nor a derived one is given (the
+tiny engines of tests and tools; `open_fleet` derives the run's from its model and engines)."""
+
+
 def endpoint_of(url: str, rollout: RolloutConfig) -> EngineEndpoint:
     """The endpoint of the engine at `url` with the run's API key and request timeout."""
     return EngineEndpoint(url, api_key=rollout.api_key, timeout_s=rollout.request_timeout_s)
@@ -64,20 +69,22 @@ def cpu_threads_per_engine(cpus: int, engines: int) -> int:
 
 
 def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: str = "0",
-               learner_ranks: int = 1) -> "EngineFleet":
+               learner_ranks: int = 1, start_timeout_s: float = 0.0) -> "EngineFleet":
     """The run's engines: `rollout.engine_urls` attached, or those announced in
     `rollout.engine_registry`, or else `rollout.num_engines` started here serving `model_path`,
     each on its own GPUs from the placement (`backends.placement.trainer_placement`; the
-    trainer's `learner_ranks` hold the first GPUs when disaggregated on one node)."""
+    trainer's `learner_ranks` hold the first GPUs when disaggregated on one node).
+    `start_timeout_s`: the engines' start bound when rollout.health_timeout_s is 0 (the
+    caller derives it: `dapo_mega.clock.resolve_health_timeout_s`)."""
     from dapo_mega.backends.placement import trainer_placement
 
     r = cfg.rollout
     if r.engine_urls:
-        return EngineFleet.attach(r.engine_urls, r)
+        return EngineFleet.attach(r.engine_urls, r, start_timeout_s)
     if r.engine_registry:
-        return EngineFleet.from_registry(Path(r.engine_registry), r)
+        return EngineFleet.from_registry(Path(r.engine_registry), r, start_timeout_s=start_timeout_s)
     fleet = EngineFleet(r, model_path, log_dir, device=cfg.cluster.device, weight_version=weight_version,
-                        memory_saver=cfg.cluster.mode == "colocated")
+                        memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=start_timeout_s)
     engines = trainer_placement(cfg, learner_ranks, fleet.on_gpu(), {}).engines if fleet.on_gpu() else ()
     fleet.start(gpu_ids=[list(e.gpu_ids) for e in engines], base_gpu_ids=[e.base_gpu_id for e in engines])
     return fleet
@@ -89,12 +96,15 @@ class EngineFleet:
     def __init__(self, rollout: RolloutConfig, model_path: str = "", log_dir: Optional[Path] = None, *,
                  device: str = "auto", bind_host: str = "", advertise_host: str = "", num_threads: int = 0,
                  weight_version: str = "0", memory_saver: bool = False,
-                 extra_env: Optional[Dict[str, str]] = None):
+                 extra_env: Optional[Dict[str, str]] = None, start_timeout_s: float = 0.0):
         """`device`: cluster.device (auto: CUDA when torch sees one). `bind_host`: where engines
         listen (default rollout.host); `advertise_host`: the host in their URLs (default the bind
         host). `num_threads`: CPU threads per embedded engine (0: this machine's CPUs shared).
-        `memory_saver`: `--enable-memory-saver` (colocated engines release memory in training)."""
+        `memory_saver`: `--enable-memory-saver` (colocated engines release memory in training).
+        `start_timeout_s`: the derived start bound, used when rollout.health_timeout_s is 0."""
         self.rollout = rollout
+        self.start_timeout_s = rollout.health_timeout_s or start_timeout_s or DEFAULT_START_TIMEOUT_S
+        """Bounds each engine's start until its first healthy answer (weights read, graphs captured)."""
         self.model_path = str(model_path)
         self.log_dir = Path(log_dir) if log_dir else None  # None: a temporary directory at first start
         self.device = device
@@ -113,39 +123,41 @@ class EngineFleet:
         return endpoint_of(url, self.rollout)
 
     @classmethod
-    def attach(cls, urls: Sequence[str], rollout: RolloutConfig) -> "EngineFleet":
+    def attach(cls, urls: Sequence[str], rollout: RolloutConfig, start_timeout_s: float = 0.0) -> "EngineFleet":
         """Engines someone else started; waits until each answers /health."""
-        fleet = cls(rollout)
+        fleet = cls(rollout, start_timeout_s=start_timeout_s)
         fleet.attached = [fleet.endpoint(u) for u in urls]
         fleet.wait_attached()
         return fleet
 
     @classmethod
-    def from_registry(cls, directory: Path, rollout: RolloutConfig, count: int = 0) -> "EngineFleet":
+    def from_registry(cls, directory: Path, rollout: RolloutConfig, count: int = 0,
+                      start_timeout_s: float = 0.0) -> "EngineFleet":
         """The first `count` (default rollout.num_engines) engines announced as `engine-<i>.json`
         files in `directory` (by the Slurm engines role), once each is healthy."""
         count = count or rollout.num_engines
         directory = Path(directory)
-        deadline = time.monotonic() + rollout.health_timeout_s
+        limit = rollout.health_timeout_s or start_timeout_s or DEFAULT_START_TIMEOUT_S
+        deadline = time.monotonic() + limit
         while True:
             files = sorted(directory.glob("engine-*.json"), key=lambda p: int(p.stem.split("-")[1])) \
                 if directory.exists() else []
             if len(files) >= count:
-                return cls.attach([json.loads(f.read_text())["url"] for f in files[:count]], rollout)
+                return cls.attach([json.loads(f.read_text())["url"] for f in files[:count]], rollout, limit)
             if time.monotonic() > deadline:
                 raise EngineStartError(f"rollout.engine_registry={directory}: {len(files)} of {count} engines "
-                                       f"announced after {rollout.health_timeout_s:.0f} s. Fix: check the engine "
+                                       f"announced after {limit:.0f} s (rollout.health_timeout_s). Fix: check the engine "
                                        "role's log")
             time.sleep(0.5)
 
     def wait_attached(self) -> None:
-        deadline = time.monotonic() + self.rollout.health_timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         pending = list(self.attached)
         while pending:
             pending = [e for e in pending if not is_healthy(e)]
             if pending and time.monotonic() > deadline:
-                raise EngineStartError(f"engines {[e.url for e in pending]} not healthy after rollout.health_timeout_s="
-                                       f"{self.rollout.health_timeout_s:.0f} s")
+                raise EngineStartError(f"engines {[e.url for e in pending]} not healthy after "
+                                       f"{self.start_timeout_s:.0f} s (rollout.health_timeout_s)")
             if pending:
                 time.sleep(0.5)
 
@@ -246,7 +258,7 @@ class EngineFleet:
         An engine that lost its free port to another process is restarted on a new one
         (at most MAX_PORT_RETRIES times); any other exit raises `EngineStartError`."""
         pending = {e.index for e in (engines if engines is not None else self.engines)}
-        deadline = time.monotonic() + self.rollout.health_timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         while pending:
             for index in sorted(pending):
                 engine = self.get(index)
@@ -268,8 +280,8 @@ class EngineFleet:
                         on_healthy(engine)
             if pending and time.monotonic() > deadline:
                 logs = ", ".join(str(self.get(i).log_path) for i in sorted(pending))
-                raise EngineStartError(f"engines {sorted(pending)} not healthy after rollout.health_timeout_s="
-                                       f"{self.rollout.health_timeout_s:.0f} s (raise it for large models); "
+                raise EngineStartError(f"engines {sorted(pending)} not healthy after {self.start_timeout_s:.0f} s "
+                                       "(rollout.health_timeout_s; raise it for large models); "
                                        f"logs: {logs}")
             if pending:
                 time.sleep(0.2)

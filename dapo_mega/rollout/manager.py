@@ -1,12 +1,24 @@
 """Rollout manager: prompt groups over many engines, retries, dynamic sampling, versions.
 
 * The G samples of a prompt are one request (`sampling_params.n = G`) on one engine.
-* Each live engine has a worker pulling chunks of prompts from one queue, so faster
-  engines take more. A chunk whose request fails (connection refused, reset, timeout after
-  the endpoint's `timeout_s`, HTTP 5xx) marks the engine dead and goes back to the queue for the
-  others; an aborted reply (the engine was paused with mode abort) is retried without
-  marking the engine. A chunk's samples are taken only from a complete reply, so a killed
-  engine loses no prompt and duplicates none.
+* Each live engine has `requests_per_engine` workers pulling chunks of prompts from one
+  queue, and a worker takes a chunk only while its engine has no more requests in flight than
+  the least loaded live engine: the work spreads over every engine even when there are few
+  chunks (an AIME eval), and faster engines still take more. Chunks are at most
+  `prompts_per_request` prompts, fewer when that leaves an engine without one.
+* Liveness is progress, not a request's duration (a 20k-token answer decodes for minutes):
+  while an engine has requests in flight it is probed (`GET /health` every
+  `probe_interval_s`, each probe bounded by that interval; SGLang answers 200 once its
+  scheduler has produced output since the probe began), and an engine that answers no
+  probe and finishes no request for `liveness_timeout_s` is hung: its requests are
+  abandoned, it is marked dead, and its chunks go back to the queue for the others. A
+  request that fails (connection refused or reset, HTTP 5xx, the endpoint's optional hard
+  `timeout_s`) marks its engine dead the same way; an aborted reply (the engine was paused
+  with mode abort) is retried without marking the engine. A chunk's samples are taken only
+  from a complete reply, so a lost engine loses no prompt and duplicates none.
+* A dead engine is not dead forever: `probe_dead` (the policy sync calls it before each
+  weight sync) finds those that answer again, which then rejoin the weight sync and, once
+  they hold the new weights (`serve_again`), the rollouts.
 * Dynamic sampling (DAPO §3.2): rounds of prompts from `prompt_source`, scored by
   `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups` (Eq. 11), until
   `train_batch_size` groups are kept; the surplus is carried to the next step
@@ -85,11 +97,16 @@ def _select(groups: Sequence[Group]):
 class RolloutManager:
     """Generates groups on several engines; see the module docstring."""
 
+    finished_requests_total = 0
+    """Requests completed by every manager of this process: the driver's progress counter
+    (`driver/gate.py`), which training and evaluation rounds alike move."""
+
     def __init__(self, engines: Sequence[EngineAddress], n_samples: int, sampling_params: Dict[str, Any],
                  max_retries: int = 3,
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
                  requests_per_engine: int = 8,
-                 prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None):
+                 prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None,
+                 liveness_timeout_s: float = 300.0, probe_interval_s: float = 10.0):
         self.endpoints = {e.url: e for e in map(as_endpoint, engines)}
         self.engine_urls = list(self.endpoints)
         self.n_samples = n_samples
@@ -103,11 +120,22 @@ class RolloutManager:
         self.return_logprob = return_logprob
         self.prompt_to_input = prompt_to_input or (lambda p: p.prompt)
         self.seed = seed
+        self.liveness_timeout_s = float(liveness_timeout_s)
+        """An engine with requests in flight that answers no probe (and finishes nothing) this long is hung."""
+        self.probe_interval_s = float(probe_interval_s)
+        """Seconds between /health probes of a busy engine; each probe waits at most this long."""
         self._step = 0
         self.dead: Dict[str, str] = {}
         """url -> why the engine was found dead (written by the generating thread; read
         copies with `dead_engines()`)."""
         self._dead_lock = threading.Lock()
+        self.rejoining: List[str] = []
+        """Engines that answered again after being found dead: they take part in the next
+        weight sync and serve rollouts once it is done (`serve_again`)."""
+        self.requests_by_engine: Dict[str, int] = {}
+        """url -> requests completed there (every round since the manager was made)."""
+        self.samples_by_engine: Dict[str, int] = {}
+        """url -> samples completed there."""
         self.carry: List[Group] = []
         self.pending: List[Any] = []
         """Prompts drawn but never completed (a streamed round stopped first): drawn again first."""
@@ -134,11 +162,52 @@ class RolloutManager:
 
     def _mark_dead(self, url: str, reason: str) -> None:
         with self._dead_lock:
-            self.dead[url] = reason
+            self.dead.setdefault(url, reason)  # the first reason is the cause
+
+    def mark_dead(self, dead: Dict[str, str]) -> None:
+        """Engines another manager on the same engines found dead (an evaluation's)."""
+        for url, reason in dead.items():
+            if url in self.endpoints:
+                self._mark_dead(url, reason)
 
     def alive_engines(self) -> List[EngineEndpoint]:
+        """Engines that serve rollouts: neither dead nor waiting for weights after rejoining."""
         dead = self.dead_engines()
-        return [self.endpoints[u] for u in self.engine_urls if u not in dead]
+        return [self.endpoints[u] for u in self.engine_urls if u not in dead and u not in self.rejoining]
+
+    def probe_dead(self) -> List[str]:
+        """Dead engines that answer /health again (a SIGCONT, a restart at the same address):
+        each is told to abort what it still runs (requests this manager gave up on) and moves
+        to `rejoining`; returns their URLs. Dead engines that still do not answer stay dead."""
+        dead = self.dead_engines()
+        if not dead:
+            return []
+
+        async def revive(url: str) -> Optional[str]:
+            async with EngineClient(self.endpoints[url]) as client:
+                if not await client.health(timeout_s=self.probe_interval_s):
+                    return None
+                try:
+                    await client.abort_request(abort_all=True)
+                except Exception:  # noqa: BLE001 - it answered; a failed abort only lets old work finish
+                    pass
+                return url
+
+        async def revive_all() -> List[Optional[str]]:
+            return await asyncio.gather(*(revive(u) for u in dead))
+
+        back = [u for u in run_coroutine(revive_all()) if u]
+        with self._dead_lock:
+            for url in back:
+                self.dead.pop(url, None)
+                if url not in self.rejoining:
+                    self.rejoining.append(url)
+        return back
+
+    def serve_again(self, urls: Sequence[str]) -> None:
+        """Rejoining engines now hold the current weights: they serve rollouts again."""
+        with self._dead_lock:
+            self.rejoining = [u for u in self.rejoining if u not in set(urls)]
 
     # ---------------------------------------------------------------- generation
     async def generate_groups(self, prompts: Sequence[Any], gen_round: int = 0) -> List[Group]:
@@ -165,8 +234,11 @@ class RolloutManager:
         to keep fewer than want() x IN_FLIGHT_MARGIN groups.
         """
         out = _RoundOutcome()
-        chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
-                  for i in range(0, len(prompts), self.prompts_per_request)]
+        live = [e.url for e in self.alive_engines()]
+        if not live:
+            raise RolloutError(f"no live engine (dead: {self.dead_engines()}; rejoining: {self.rejoining})")
+        size = chunk_size(len(prompts), len(live), self.prompts_per_request)
+        chunks = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
         if not chunks:
             return out
         queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first
@@ -185,6 +257,8 @@ class RolloutManager:
         errors: List[BaseException] = []
         abort_tasks: List[asyncio.Task] = []
         open_prompts = [0]  # sent, not handed over yet (nor aborted, nor failed)
+        hung = {u: asyncio.Event() for u in live}  # set when the watchdog finds the engine hung
+        last_progress = {u: time.monotonic() for u in live}  # a probe answered or a request finished
         changed = [asyncio.Event()]  # set (and replaced) whenever a request ends: idle workers look again
 
         def notify() -> None:
@@ -203,6 +277,48 @@ class RolloutManager:
             rate = self.keep_rate
             return (want is None or rate is None or any(f > c for f in finished)
                     or open_prompts[0] * rate < want() * IN_FLIGHT_MARGIN)
+
+        def least_loaded(url: str) -> bool:
+            """No live engine has fewer requests in flight than `url` (module docstring)."""
+            dead = self.dead
+            mine = in_flight.get(url, 0)
+            return all(mine <= in_flight.get(u, 0) for u in live if u not in dead)
+
+        async def until_hung(url: str, request):
+            """The reply of `request`, or _Hung once the watchdog gives the engine up."""
+            task = asyncio.ensure_future(request)
+            gone = asyncio.ensure_future(hung[url].wait())
+            try:
+                await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if task.done():
+                return task.result()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise _Hung(self.dead.get(url, f"{url}: hung"))
+
+        async def watch(url: str) -> None:
+            """Probe `url` while it has requests in flight; mark it hung after liveness_timeout_s
+            without an answer or a finished request."""
+            async with EngineClient(self.endpoints[url]) as probe:
+                while not done_event.is_set() and url not in self.dead:
+                    if in_flight.get(url, 0) <= 0:
+                        last_progress[url] = time.monotonic()
+                        await wait_for_change(self.probe_interval_s)
+                        continue
+                    t0 = time.monotonic()
+                    if await probe.health(timeout_s=self.probe_interval_s):
+                        last_progress[url] = time.monotonic()
+                    elif time.monotonic() - last_progress[url] > self.liveness_timeout_s:
+                        self._mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
+                                             f"{time.monotonic() - last_progress[url]:.0f} s with "
+                                             f"{in_flight.get(url, 0)} request(s) in flight "
+                                             f"(rollout.liveness_timeout_s={self.liveness_timeout_s:g})")
+                        hung[url].set()
+                        notify()
+                        return
+                    await asyncio.sleep(max(0.0, self.probe_interval_s - (time.monotonic() - t0)))
 
         def hand_over(c_groups: List[Group]) -> None:
             open_prompts[0] -= len(c_groups)
@@ -244,6 +360,9 @@ class RolloutManager:
                 if queue.empty():
                     await wait_for_change()
                     continue
+                if not least_loaded(url):
+                    await wait_for_change()
+                    continue
                 c = queue.get_nowait()  # no await from here to open_prompts += below
                 if not may_send(c):
                     queue.put_nowait(c)
@@ -261,7 +380,8 @@ class RolloutManager:
                     open_prompts[0] += len(idx)
                     failed = True
                     try:
-                        samples = await client.generate(inputs, params, return_logprob=self.return_logprob)
+                        samples = await until_hung(url, client.generate(inputs, params,
+                                                                        return_logprob=self.return_logprob))
                         if any(s.aborted for s in samples):
                             if stop_event.is_set():  # our own abort: the prompts go back unsent
                                 out.aborted_requests += 1
@@ -271,6 +391,9 @@ class RolloutManager:
                                 settle(c)  # failed stays True: no longer open
                                 continue
                             raise _Retry(f"{url}: request aborted by the engine")
+                    except _Hung as exc:
+                        self._requeue(queue, c, attempts, failures, str(exc), False)
+                        return
                     except (_Retry, EngineError) as exc:
                         fatal = isinstance(exc, EngineError) and exc.status < 500
                         self._requeue(queue, c, attempts, failures, f"{exc}", fatal)
@@ -289,6 +412,10 @@ class RolloutManager:
                         if failed:  # aborted, requeued or fatal: no longer open
                             open_prompts[0] -= len(idx)
                     latency = time.monotonic() - t0
+                    last_progress[url] = time.monotonic()
+                    RolloutManager.finished_requests_total += 1
+                    self.requests_by_engine[url] = self.requests_by_engine.get(url, 0) + 1
+                    self.samples_by_engine[url] = self.samples_by_engine.get(url, 0) + len(samples)
                     c_groups = []
                     for k, i in enumerate(idx):
                         seed = (params[k] if isinstance(params, list) else params).get("sampling_seed")
@@ -304,13 +431,13 @@ class RolloutManager:
                     notify()
 
         # One HTTP session (connection pool) per engine, shared by its concurrent requests.
-        clients = {e.url: EngineClient(e) for e in self.alive_engines()}
-        if not clients:
-            raise RolloutError(f"no live engine (dead: {self.dead})")
+        clients = {url: EngineClient(self.endpoints[url]) for url in live}
         for client in clients.values():
             await client.__aenter__()
-        workers = [asyncio.create_task(worker(url, client)) for url, client in clients.items()
-                   for _ in range(self.requests_per_engine)]
+        # engine by engine within each rank of worker: the first chunks go round the engines
+        workers = [asyncio.create_task(worker(url, client)) for _ in range(self.requests_per_engine)
+                   for url, client in clients.items()]
+        watchers = [asyncio.create_task(watch(url)) for url in live]
         try:
             while not done_event.is_set() and not stop_event.is_set():
                 if failures and failures[-1].startswith("FATAL"):
@@ -319,9 +446,9 @@ class RolloutManager:
                     break
                 await wait_for_change()
         except BaseException:
-            for w in workers:
+            for w in workers + watchers:
                 w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.gather(*workers, *watchers, return_exceptions=True)
             await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
             raise
         # Workers return once their request in flight (aborted after a stop) is answered.
@@ -329,6 +456,9 @@ class RolloutManager:
         notify()
         errors += [r for r in await asyncio.gather(*workers, return_exceptions=True)
                    if isinstance(r, Exception)]  # a worker's own bug, not an engine's failure
+        for w in watchers:
+            w.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         await asyncio.gather(*abort_tasks, return_exceptions=True)
         await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
         for c in sorted(finished):  # finished after a gap (an aborted or failed chunk before them)
@@ -567,3 +697,15 @@ class _RoundOutcome:
 
 class _Retry(Exception):
     pass
+
+
+class _Hung(Exception):
+    """The liveness watchdog gave the engine up while this request was in flight."""
+
+
+def chunk_size(num_prompts: int, num_engines: int, prompts_per_request: int) -> int:
+    """Prompts per request: `prompts_per_request`, or fewer so that every engine gets at least
+    one request when there are few prompts (30 AIME problems over 32 engines: 1 each)."""
+    if num_prompts <= 0:
+        return max(1, prompts_per_request)
+    return max(1, min(prompts_per_request, math.ceil(num_prompts / max(1, num_engines))))

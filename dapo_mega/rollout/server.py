@@ -49,6 +49,7 @@ import base64
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -69,6 +70,11 @@ logger = logging.getLogger("dapo_mega.rollout.server")
 
 SHM_LOAD_FORMAT = "shared_memory_json"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+HEALTH_STALL_S = 20.0
+"""/health answers 503 when sequences wait and no forward step ended this long ago (SGLang's
+HEALTH_CHECK_TIMEOUT is 20 s too)."""
+TEST_CLOCK_ENV = "DAPO_MEGA_TEST_CLOCK"
+"""Set to 1 by tests and benchmarks that slow decoding (`--test-decode-delay-ms`) on purpose."""
 
 
 class BadRequest(Exception):
@@ -221,7 +227,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ info
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.engine._thread.is_alive() else 503)
+        return web.Response(status=200 if self.engine.is_progressing(HEALTH_STALL_S) else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.engine.model.config
@@ -585,11 +591,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning")
     p.add_argument("--batch-wait-ms", type=float, default=5.0, help="embedded only: batching window")
     p.add_argument("--num-threads", type=int, default=0, help="embedded only: torch threads (0 = default)")
+    p.add_argument("--test-decode-delay-ms", type=float, default=0.0,
+                   help=f"tests and benchmarks only ({TEST_CLOCK_ENV}=1): sleep this long after every forward "
+                        "step, so a tiny model decodes at a large model's pace")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = build_arg_parser().parse_args(argv)
+    if args.test_decode_delay_ms and os.environ.get(TEST_CLOCK_ENV) != "1":
+        raise SystemExit(f"--test-decode-delay-ms slows decoding on purpose, for tests and benchmarks of the "
+                         f"run's clock only; set {TEST_CLOCK_ENV}=1 where that is what you want")
     if args.tp_size != 1 or args.dp_size != 1:
         raise SystemExit(f"the embedded engine supports --tp-size 1 and --dp-size 1 only (got "
                          f"{args.tp_size}/{args.dp_size}); start more engines instead")
@@ -602,7 +614,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     engine = GenerationEngine(args.model_path, dtype=args.dtype, max_running_requests=args.max_running_requests,
                               weight_version=args.weight_version, batch_wait_s=args.batch_wait_ms / 1000,
                               seed=args.random_seed, enable_weights_cpu_backup=args.enable_weights_cpu_backup,
-                              max_queued_requests=args.max_queued_requests)
+                              max_queued_requests=args.max_queued_requests,
+                              decode_delay_s=args.test_decode_delay_ms / 1000)
     served = {k: v for k, v in vars(args).items() if k != "api_key"}
     server = EngineServer(engine, api_key=args.api_key, served_args=served)
     freeze_startup_objects()  # full GC passes stalled generation 100-200 ms (heap.py)

@@ -56,7 +56,7 @@ import torch
 
 from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
 from dapo_mega.backends.sglang.client import EngineClient, EngineError
-from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
+from dapo_mega.backends.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
 from dapo_mega.weights import transport
 
 SHM_LOAD_FORMAT = "shared_memory_json"
@@ -157,8 +157,9 @@ class WeightSyncer:
         self.cpu_tensor_format = cpu_tensor_format
         endpoints = [as_endpoint(e) for e in engines]
         self.engine_urls = [e.url for e in endpoints]
-        # group rendezvous and broadcasts: the engines' request timeout unless given
-        timeout_s = timeout_s if timeout_s is not None else max((e.timeout_s for e in endpoints), default=600.0)
+        # group rendezvous and broadcasts: the engines' control timeout unless given
+        timeout_s = timeout_s if timeout_s is not None else max((e.control_timeout_s for e in endpoints),
+                                                                default=CONTROL_TIMEOUT_S)
         self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.mode, self.backend, self.master_address = mode, backend, master_address
         self.group_prefix, self.pause_mode, self.timeout_s = group_prefix, pause_mode, timeout_s
@@ -212,6 +213,19 @@ class WeightSyncer:
             self.destroy_group()
             self.generation += 1
         return names
+
+    def add_engines(self, engines: Sequence[EngineAddress]) -> None:
+        """Sync into these engines again (found dead, answering again). Distributed mode: the
+        group is left as in `drop_engines`, and `init_group` forms a new one with them in it."""
+        known = set(self.engine_urls)
+        new = [e for e in map(as_endpoint, engines) if e.url not in known]
+        if not new:
+            return
+        if self.mode == "distributed" and self.group is not None:  # left by its members only
+            self.destroy_group()
+            self.generation += 1
+        self.clients += [EngineClient(e) for e in new]
+        self.engine_urls = [c.url for c in self.clients]
 
     async def _all(self, fn):
         results = await asyncio.gather(*(fn(c) for c in self.clients), return_exceptions=True)

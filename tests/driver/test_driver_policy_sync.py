@@ -20,6 +20,7 @@ def _start_two_stages(rank: int, world_size: int, record_dir: str) -> None:
     import torch
 
     from dapo_mega.config import load_config
+    from dapo_mega.driver.gate import DriverGate
     from dapo_mega.driver.policy_sync import PolicySync
     from dapo_mega.driver.roles import LearnerRankRole
     from dapo_mega.weights.sync import WeightSyncer
@@ -37,7 +38,7 @@ def _start_two_stages(rank: int, world_size: int, record_dir: str) -> None:
                        "megatron.pipeline_model_parallel_size=2",
                        "rollout.engine_urls=[http://127.0.0.1:1,http://127.0.0.1:2]"])
     layout = SimpleNamespace(pp=2, pp_rank=rank, dp_rank=0, rank=rank, world_size=2, is_weight_source=True)
-    role = LearnerRankRole()
+    role = LearnerRankRole(DriverGate(is_driver=rank == 0))  # rank 0 hands over, as the driver does
     role.is_driver = rank == 0
     sync = PolicySync.start(cfg, layout, role, list(cfg.rollout.engine_urls) if rank == 0 else None)
     try:

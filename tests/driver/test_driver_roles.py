@@ -25,7 +25,8 @@ def _roles(rank: int, world_size: int, run_dir: str):
             role, batch = LearnerRankRole(), RolloutBatch(step=1)
         samples = role.train_samples(batch)
         dead = role.dead_engines()
-        return {"is_driver": role.is_driver, "dead": dead, "evaluate": role.evaluate() if rank else None,
+        evaluated = role.evaluate()  # every rank: the others wait for the driver's evaluation to end
+        return {"is_driver": role.is_driver, "dead": dead, "evaluate": evaluated,
                 "samples": [(s.prompt_ids, s.response_ids, round(s.advantage, 6)) for s in samples],
                 "checkpoint": role.checkpoint_state() if rank else None}
     finally:
@@ -39,6 +40,7 @@ def test_driver_broadcasts_what_other_ranks_receive(tmp_path):
     assert driver["samples"][0][2] > 0 > driver["samples"][1][2]      # advantages computed on the driver
     assert other["dead"] == driver["dead"] == {"http://127.0.0.1:9": "ConnectionRefused"}
     assert other["evaluate"] == {} and other["checkpoint"] == {}       # nothing of its own
+    assert driver["evaluate"] == {}                                    # no held-out problems
 
 
 def test_learner_rank_role_alone_is_a_null_object():

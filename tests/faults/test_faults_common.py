@@ -352,7 +352,8 @@ class FaultyVerifier:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--")
+    # torchrun's argparse drops a "--" that comes first (no --fault before it)
+    split = argv.index("--") if "--" in argv else -1
     options, overrides = argv[:split], argv[split + 1:]
     faults = [options[i + 1] for i, a in enumerate(options) if a == "--fault"]
     for fault in faults:

@@ -2,7 +2,8 @@
 
 Engine 1 is SIGKILLed just before its first /generate request of step 2 (connection
 refused); engine 2 is SIGSTOPped just before its first request of step 3 (it accepts the
-connection and never answers, so only `rollout.request_timeout_s` can tell). Each time the
+connection and never answers /generate nor /health, so only the rollout manager's liveness
+probes can tell: after `rollout.liveness_timeout_s` without an answer). Each time the
 rollout manager marks the engine dead, its prompts go to the live engines, the step
 completes, and the engine leaves the weight sync (colocated: shared-memory buckets per
 engine), so later steps run on what is left. (The manager alone, without a trainer, is
@@ -16,13 +17,15 @@ import pytest
 from dapo_mega.rollout.ledger import read_records
 from test_faults_common import read_metric_rows, run_trainer
 
-REQUEST_TIMEOUT_S = 15.0
+LIVENESS_TIMEOUT_S = 15.0
+PROBE_S = 2.0
 
 
 def test_engine_killed_then_engine_hung_run_completes_on_the_rest(tmp_path):
     result = run_trainer(tmp_path, "engines", [
         "trainer.total_steps=4", "trainer.save_interval=0", "rollout.num_engines=3",
-        f"rollout.request_timeout_s={REQUEST_TIMEOUT_S}", "rollout.max_retries=3",
+        f"rollout.liveness_timeout_s={LIVENESS_TIMEOUT_S}", f"rollout.liveness_probe_interval_s={PROBE_S}",
+        "rollout.max_retries=3",
         # 9 requests of 4 prompts per step: more than one engine's 8 request slots, so the
         # faulty engine surely takes one while the fault holds the others' first requests
         "algo.n_samples_per_prompt=2", "algo.train_batch_size=36", "algo.gen_batch_size=36", "algo.mini_batch_size=18",
@@ -35,8 +38,8 @@ def test_engine_killed_then_engine_hung_run_completes_on_the_rest(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["rollout/dead_engines"] for r in rows] == [0, 1, 2, 2]
     assert [r["sync/engines"] for r in rows] == [3, 2, 1, 1]
-    # The hang is noticed after request_timeout_s, not never (bounded; slack for a busy machine).
-    assert REQUEST_TIMEOUT_S <= rows[2]["time/rollout_s"] < REQUEST_TIMEOUT_S + 90
+    # The hang is noticed after liveness_timeout_s, not never (bounded; slack for a busy machine).
+    assert LIVENESS_TIMEOUT_S <= rows[2]["time/rollout_s"] < LIVENESS_TIMEOUT_S + 90
     dropped = [line for line in out.splitlines() if "dropped from rollouts and weight sync" in line]
     assert len(dropped) == 2, dropped
 
@@ -72,7 +75,8 @@ def test_engine_killed_in_a_disaggregated_run_leaves_the_weight_update_group(tmp
         "cluster.mode=disaggregated", "cluster.max_staleness=0",
         f"megatron.pipeline_model_parallel_size={stages}",
         "trainer.total_steps=3", "trainer.save_interval=0", "rollout.num_engines=2",
-        f"rollout.request_timeout_s={REQUEST_TIMEOUT_S}", "rollout.max_retries=3",
+        f"rollout.liveness_timeout_s={LIVENESS_TIMEOUT_S}", f"rollout.liveness_probe_interval_s={PROBE_S}",
+        "rollout.max_retries=3",
         "algo.n_samples_per_prompt=2", "algo.train_batch_size=36", "algo.gen_batch_size=36", "algo.mini_batch_size=18",
     ], faults=["engine:KILL:1:2"], timeout_s=400, learner_processes=stages)
     out = result.stdout

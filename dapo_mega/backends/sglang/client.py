@@ -29,6 +29,10 @@ from dapo_mega.backends.sglang.api import DEFAULT_GROUP_NAME, PAUSE_MODES
 from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 
 
+NO_LIMIT_S = 10.0 * 365 * 24 * 3600
+"""What "no time limit" is passed to aiohttp as (a total of None would fall back to a default)."""
+
+
 class EngineError(RuntimeError):
     """An engine answered with an error status (the message carries its reply)."""
 
@@ -168,7 +172,7 @@ class EngineClient:
                        expect_json: bool = True) -> Any:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(headers=self.endpoint.headers())
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.endpoint.control_timeout_s)
         async with self._session.request(method, self.url + path, json=body, timeout=timeout) as resp:
             text = await resp.text()
             try:
@@ -190,7 +194,10 @@ class EngineClient:
         n = int(first.get("n", 1))
         sent_prompts, sent_params, sent_n = expand_seeded_samples(prompts, sampling_params)
         body = build_generate_body(sent_prompts, sent_params, return_logprob)
-        reply = await self._request("POST", "/generate", body, timeout_s=timeout_s)
+        # no total limit unless one is set: a 20k-token answer decodes for minutes (liveness
+        # is the rollout manager's probes, not this request's duration)
+        limit = timeout_s or self.endpoint.timeout_s or NO_LIMIT_S
+        reply = await self._request("POST", "/generate", body, timeout_s=limit)
         results = parse_generate_reply(reply, len(sent_prompts), sent_n)
         for k, r in enumerate(results):  # copies of a prompt are its samples
             r.prompt_index, r.sample_index = k // n, k % n

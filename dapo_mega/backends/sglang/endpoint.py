@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Union
 
+CONTROL_TIMEOUT_S = 600.0
+"""Default bound on one control request (a 512 MiB weight bucket, a pause, a release)."""
+
 
 @dataclass(frozen=True)
 class EngineEndpoint:
@@ -19,8 +22,12 @@ class EngineEndpoint:
     """http://host:port, without a trailing slash."""
     api_key: str = ""
     """Bearer token the engine requires (SGLang --api-key); empty: none."""
-    timeout_s: float = 600.0
-    """A request without a reply after this long fails (rollout.request_timeout_s)."""
+    timeout_s: float = 0.0
+    """Hard bound on one /generate request's total time (rollout.request_timeout_s); 0 = none:
+    a long answer is not a failure, the rollout manager's liveness probes find a hung engine."""
+    control_timeout_s: float = CONTROL_TIMEOUT_S
+    """Bounds one control request (pause, abort, weight-update group and bucket, release,
+    resume, info): work whose size does not grow with the answers' length."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", self.url.rstrip("/"))
