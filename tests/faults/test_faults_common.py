@@ -14,6 +14,7 @@ fault hits a deterministic point of a real run without any hook in the product c
     engine:SIG:K:N        send SIG (KILL or STOP) to engine K just before its first /generate
                           request of step N (the other engines' first requests wait for it,
                           up to 10 s, so that engine K surely takes a chunk)
+    engine:CONT:K:N       SIGCONT to (stopped) engine K at the first /generate request of step N
     engine:SIG:K:N:inflight  the same, but once that request is in flight: sent, and (SGLang)
                           its prefill logged by the engine; prints whether it was still in flight
                           and whether any process of the engine (SGLang: launch process,
@@ -253,6 +254,10 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Opt
         import asyncio
 
         engine = fleets[0].engines[engine_index]
+        if _current_step[0] == step and not done[0] and sig == signal.SIGCONT:  # a stopped engine gets no request
+            done[0] = True
+            print(f"[fault] SIGCONT to engine {engine_index} ({engine.url}) at step {step}", flush=True)
+            os.kill(engine.proc.pid, sig)
         if _current_step[0] == step and not done[0]:
             if self.url == engine.url and in_flight is not None:
                 return await _signal_in_flight(engine, engine_index, sig, step, original(self, *args, **kwargs), done,

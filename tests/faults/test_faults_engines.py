@@ -21,23 +21,26 @@ LIVENESS_TIMEOUT_S = 15.0
 PROBE_S = 2.0
 
 
-def test_engine_killed_then_engine_hung_run_completes_on_the_rest(tmp_path):
+def test_engine_killed_then_engine_hung_run_completes_on_the_rest_and_the_hung_one_returns(tmp_path):
     result = run_trainer(tmp_path, "engines", [
-        "trainer.total_steps=4", "trainer.save_interval=0", "rollout.num_engines=3",
+        "trainer.total_steps=5", "trainer.save_interval=0", "rollout.num_engines=3",
         f"rollout.liveness_timeout_s={LIVENESS_TIMEOUT_S}", f"rollout.liveness_probe_interval_s={PROBE_S}",
         "rollout.max_retries=3",
         # 9 requests of 4 prompts per step: more than one engine's 8 request slots, so the
         # faulty engine surely takes one while the fault holds the others' first requests
         "algo.n_samples_per_prompt=2", "algo.train_batch_size=36", "algo.gen_batch_size=36", "algo.mini_batch_size=18",
-    ], faults=["engine:KILL:1:2", "engine:STOP:2:3"], timeout_s=400)
+    ], faults=["engine:KILL:1:2", "engine:STOP:2:3", "engine:CONT:2:4"], timeout_s=400)
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
-    assert "SIGKILL to engine 1" in out and "SIGSTOP to engine 2" in out
+    assert "SIGKILL to engine 1" in out and "SIGSTOP to engine 2" in out and "SIGCONT to engine 2" in out
     run_dir = tmp_path / "engines"
     rows = read_metric_rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["rollout/dead_engines"] for r in rows] == [0, 1, 2, 2]
-    assert [r["sync/engines"] for r in rows] == [3, 2, 1, 1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # engine 2, continued during step 4, answers the probe before step 4's sync: it gets those
+    # weights and serves step 5 (the killed engine 1 never answers again)
+    assert [r["rollout/dead_engines"] for r in rows] == [0, 1, 2, 2, 1]
+    assert [r["sync/engines"] for r in rows] == [3, 2, 1, 2, 2]
+    assert sum("answers again" in line for line in out.splitlines()) == 1
     # The hang is noticed after liveness_timeout_s, not never (bounded; slack for a busy machine).
     assert LIVENESS_TIMEOUT_S <= rows[2]["time/rollout_s"] < LIVENESS_TIMEOUT_S + 90
     dropped = [line for line in out.splitlines() if "dropped from rollouts and weight sync" in line]
@@ -51,9 +54,10 @@ def test_engine_killed_then_engine_hung_run_completes_on_the_rest(tmp_path):
     killed = re.search(r"SIGKILL to engine 1 \((\S+)\)", out).group(1)
     stopped = re.search(r"SIGSTOP to engine 2 \((\S+)\)", out).group(1)
     # no sample of a step comes from an engine that failed in it or before
-    assert killed not in urls[2] | urls[3] | urls[4] and stopped not in urls[3] | urls[4]
+    assert killed not in urls[2] | urls[3] | urls[4] | urls[5] and stopped not in urls[3] | urls[4]
     assert len(urls[3]) == 1 and urls[4] == urls[3]
-    for step in (1, 2, 3, 4):
+    assert urls[5] == urls[4] | {stopped}      # back in the rollouts once it holds the weights
+    for step in (1, 2, 3, 4, 5):
         recs = read_records(run_dir, steps=[step])
         keys = [(r.prompt_id, r.sample_index) for r in recs]
         assert len(keys) == len(set(keys)) == 72, f"step {step}: a sample lost or repeated"
