@@ -45,9 +45,9 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _job_env() -> dict:
-    # one learner task per "node"; one CPU thread per process (4 processes share 2 cores)
-    return {"LEARNERS_PER_NODE": "1", "MASTER_PORT": str(free_port()), "PYTHON": sys.executable,
+def _job_env(learners_per_node: int = 1) -> dict:
+    # one CPU thread per process (several processes share 2 cores)
+    return {"LEARNERS_PER_NODE": str(learners_per_node), "MASTER_PORT": str(free_port()), "PYTHON": sys.executable,
             "OMP_NUM_THREADS": "1"}
 
 
@@ -58,9 +58,10 @@ def _sbatch_args(out_dir: Path, run_name: str, sbatch_args, script: str, overrid
             *overrides]
 
 
-def _submit(cluster, script: str, out_dir: Path, run_name: str, sbatch_args, overrides=()) -> int:
+def _submit(cluster, script: str, out_dir: Path, run_name: str, sbatch_args, overrides=(),
+            learners_per_node: int = 1) -> int:
     return cluster.sbatch(_sbatch_args(out_dir, run_name, sbatch_args, script, overrides),
-                          extra_env=_job_env(), cwd=REPO)
+                          extra_env=_job_env(learners_per_node), cwd=REPO)
 
 
 COLOCATED = ["--nodes=2", "--mem=4000"]
@@ -93,6 +94,10 @@ def _job_logs(run_dir: Path, job_id: int) -> str:
     logs = run_dir / "logs" / f"job-{job_id}"
     return "\n".join(f"===== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                      for p in sorted(logs.glob("*.log"))) if logs.exists() else "(no role logs)"
+
+
+def _trainer_state(run_dir: Path, step: int) -> dict:
+    return json.loads((run_dir / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").read_text())
 
 
 def _checkpoint_steps(run_dir: Path) -> list:
@@ -133,17 +138,35 @@ def _assert_completed_run(cluster, out_dir: Path, run_dir: Path, job: int, info:
     return metrics
 
 
+def _learner_nodes(logs: Path) -> dict:
+    """rank -> node, from each learner task's "learner rank R of W on NODE" line; asserts
+    that every rank of the world the tasks report wrote its own log and agrees on W."""
+    lines = {p.name: re.search(r"learner rank (\d+) of (\d+) on (\S+) ", p.read_text(errors="replace"))
+             for p in logs.glob("learner-*.log")}
+    assert lines and all(lines.values()), lines
+    worlds = {int(m.group(2)) for m in lines.values()}
+    assert len(worlds) == 1, worlds
+    ranks = {int(m.group(1)): m.group(3) for m in lines.values()}
+    assert sorted(ranks) == list(range(worlds.pop())) and sorted(lines) == [f"learner-{r}.log" for r in sorted(ranks)]
+    return ranks
+
+
 @pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
-    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED + ["--time=30"])
+    # two learner tasks per node: srun before Slurm 23.02.5 (22.05 here) took the batch
+    # script's SLURM_NTASKS=2 as the step's -n and started one learner per node (world 2)
+    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED + ["--time=30"], learners_per_node=2)
     info = cluster.wait_job(job, JOB_TIMEOUT_S)
     run_dir = tmp_path / "coloc"
-    _assert_completed_run(cluster, tmp_path, run_dir, job, info)
     logs = run_dir / "logs" / f"job-{job}"
+    assert _learner_nodes(logs) == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, \
+        _batch_log(tmp_path, job) + _job_logs(run_dir, job)
+    _assert_completed_run(cluster, tmp_path, run_dir, job, info)
     assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
-                                                      "engines-node1.log", "learner-0.log", "learner-1.log"]
+                                                      "engines-node1.log", *(f"learner-{r}.log" for r in range(4))]
     learner0 = (logs / "learner-0.log").read_text()
-    assert "learner world 2 (2 nodes), master 127.0.0.1" in learner0
+    assert "learner world 4 (2 nodes), master 127.0.0.1" in learner0
+    assert _trainer_state(run_dir, TOTAL_STEPS)["learner_layout"]["dp"] == 4  # the trainer's own world
     # the job's 30-minute limit reached the trainer as the time it has (squeue's time left)
     left = re.search(r"trainer\.wall_time_minutes=(\d+\.\d\d)\b", learner0)
     assert left and 25 < float(left.group(1)) <= 30, learner0[:3000]
@@ -158,23 +181,29 @@ def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
     assert served and served <= {r["url"] for r in records}
 
 
-def _disaggregated_job(cluster, tmp_path, name, overrides, timeout_s):
-    """Submit disaggregated.sbatch, wait, check it completed; (run dir, metrics, job log dir, job info)."""
-    job = _submit(cluster, "disaggregated.sbatch", tmp_path, name, DISAGGREGATED, overrides)
+def _disaggregated_job(cluster, tmp_path, name, overrides, timeout_s, learners=1):
+    """Submit disaggregated.sbatch with `learners` learner tasks on its learner node, wait,
+    check it completed; (run dir, metrics, job log dir, job info)."""
+    job = _submit(cluster, "disaggregated.sbatch", tmp_path, name, DISAGGREGATED, overrides, learners_per_node=learners)
     info = cluster.wait_job(job, timeout_s)
     run_dir = tmp_path / name
-    metrics = _assert_completed_run(cluster, tmp_path, run_dir, job, info)
     logs = run_dir / "logs" / f"job-{job}"
+    assert _learner_nodes(logs) == {r: info.get("NodeList") for r in range(learners)}, \
+        _batch_log(tmp_path, job) + _job_logs(run_dir, job)
+    metrics = _assert_completed_run(cluster, tmp_path, run_dir, job, info)
     assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
-                                                      "learner-0.log"]
+                                                      *(f"learner-{r}.log" for r in range(learners))]
+    assert f"learner world {learners} (1 nodes)" in (logs / "learner-0.log").read_text()
+    assert _trainer_state(run_dir, TOTAL_STEPS)["learner_layout"]["dp"] == learners
     return run_dir, metrics, logs, info
 
 
 @pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster, tmp_path):
-    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "disagg", DISAGG_OVERRIDES, JOB_TIMEOUT_S)
-    assert "learner world 1 (1 nodes)" in (logs / "learner-0.log").read_text()
-    # component 1's single node runs both engines; component 0's node the learner
+    # two learner tasks on the learner component's node (one before the fix, as colocated)
+    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "disagg", DISAGG_OVERRIDES, JOB_TIMEOUT_S,
+                                                      learners=2)
+    # component 1's single node runs both engines; component 0's node the learners
     engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
     learner_node = info.get("NodeList")
     assert len(engine_nodes) == 1 and engine_nodes != {learner_node}, (engine_nodes, learner_node)
