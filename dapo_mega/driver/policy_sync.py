@@ -159,6 +159,17 @@ class PolicySync:
         self.role.release_engine_memory(self.syncer)
 
     def resume_engine_memory(self) -> None:
+        """Colocated: the engines take their memory back. On GPUs every rank first returns its
+        cached blocks (the training peak stays reserved by torch's allocator otherwise, and the
+        engines' resume would not fit), and all have done so before the driver asks."""
+        if self.cfg.cluster.mode == "colocated" and torch.cuda.is_available():
+            import gc
+
+            from dapo_mega import distributed as D
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            D.barrier()
         self.role.resume_engine_memory(self.syncer)
 
     def push(self, learner: Any, version: int) -> Dict[str, float]:

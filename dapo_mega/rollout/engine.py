@@ -182,6 +182,17 @@ class GenerationEngine:
         self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self._thread.start()
 
+    def load(self) -> Tuple[int, int]:
+        """(sequences running, sequences waiting): SGLang's /v1/loads num_running_reqs /
+        num_waiting_reqs."""
+        with self._cv:
+            return sum(1 for s in self._running if s.finish_reason is None), len(self._waiting)
+
+    def is_idle(self) -> bool:
+        """Nothing running, and nothing waiting unless paused (SGLang's release condition)."""
+        running, waiting = self.load()
+        return running == 0 and (waiting == 0 or self._paused)
+
     def is_progressing(self, stall_s: float) -> bool:
         """The generation thread is alive and, with sequences to run, made a forward step
         within `stall_s` (SGLang's /health: output since the probe began, else 503)."""

@@ -35,6 +35,9 @@ Where it departs from SGLang, deliberately:
   0.5.23 joins the broadcast first, ignores an unknown name with a log line, answers a
   wrong shape with a 400 after a partial load, and dies on a wrong shape sent with
   /update_weights_from_tensor.)
+* A release while sequences run (or wait, unpaused) is a 400; SGLang 0.5.23 asserts the
+  server is idle and its scheduler dies (`scheduler_components/weight_updater.py`), so
+  clients must wait for idle first (`EngineClient.wait_idle`).
 * On a CPU, releasing `weights` frees the parameter storage (contents lost unless
   --enable-weights-cpu-backup, as in SGLang); `kv_cache` has nothing persistent to free
   (KV lives only as long as a batch). --mem-fraction-static is accepted and ignored.
@@ -181,6 +184,7 @@ class EngineServer:
         r.add_get("/model_info", self.model_info)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/server_info", self.server_info)
+        r.add_get("/v1/loads", self.loads)
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_route("*", "/flush_cache", self.flush_cache)
@@ -369,11 +373,22 @@ class EngineServer:
             return web.Response(text="Cache flushed.\n", status=200)
         return web.Response(text="Flush cache failed: requests hold the KV cache (paused in_place).\n", status=400)
 
+    async def loads(self, request: web.Request) -> web.Response:
+        """SGLang's GET /v1/loads, its core per-DP-rank fields (one rank here)."""
+        running, waiting = self.engine.load()
+        load = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "max_running_requests": self.engine.max_running_requests, "token_usage": 0.0}
+        return web.json_response({"timestamp": time.time(), "loads": [load]})
+
     async def release_memory(self, request: web.Request) -> web.Response:
         body = parse_control_body("/release_memory_occupation", await self._json(request, allow_empty=True))
         tags = body["tags"] or ["weights", "kv_cache"]
         if set(tags) - {"weights", "kv_cache", "cuda_graph"}:
             raise BadRequest(f"unknown tags {tags}")
+        if not self.engine.is_idle():  # SGLang asserts this, and its scheduler dies of it
+            running, waiting = self.engine.load()
+            raise BadRequest(f"release_memory_occupation should be called only when server is idle "
+                             f"({running} running, {waiting} waiting)")
         if "weights" in tags:
             await asyncio.to_thread(self.engine.release_weights)
         return web.json_response(None)

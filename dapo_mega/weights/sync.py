@@ -299,8 +299,10 @@ class WeightSyncer:
         self._io.run(self._all(_continue), timeout=self.timeout_s)
 
     def release_engine_memory(self) -> None:
-        """Colocated: free engine weights + KV cache before training."""
-        self._io.run(self._all(lambda c: c.release_memory_occupation()), timeout=self.timeout_s)
+        """Colocated: free engine weights + KV cache before training, once each engine is idle
+        (requests aborted when the batch filled may still be leaving its running batch)."""
+        self._io.run(self._all(lambda c: c.release_memory_when_idle(timeout_s=self.timeout_s)),
+                     timeout=self.timeout_s)
 
     def resume_engine_memory(self) -> None:
         self._io.run(self._all(lambda c: c.resume_memory_occupation()), timeout=self.timeout_s)

@@ -329,6 +329,54 @@ def test_pause_abort_continue_flush(server):
     run(lambda c: c.continue_generation(), server)
 
 
+def test_release_right_after_an_abort_waits_until_the_engine_is_idle(server):
+    """The rollout aborts the requests still in flight once its batch is full and the
+    colocated learner then releases engine memory. SGLang 0.5.23 asserts that its scheduler is
+    idle on release (and dies otherwise); aborted requests leave its running batch a step after
+    their replies, so the syncer waits for /v1/loads to show nothing running or waiting."""
+    result = {}
+    t = start_long_generation(server, result, max_new_tokens=240)
+
+    async def abort_then_release(c):  # at once, as the rollout's end and the learner's start
+        await c.abort_request(abort_all=True)
+        await c.release_memory_when_idle(timeout_s=60)  # WeightSyncer.release_engine_memory's call
+        return await c.loads()
+
+    loads = run(abort_then_release, server)
+    assert loads[0]["num_running_reqs"] == 0 and loads[0]["num_waiting_reqs"] == 0
+    assert run(lambda c: c.resume_memory_occupation(), server) is None
+    t.join(timeout=120)
+    assert_some_aborted(result, 240)
+    assert run(lambda c: c.health(), server)  # the scheduler survived the release
+    assert run(lambda c: c.release_memory_occupation(["kv_cache"]), server) is None
+    assert run(lambda c: c.resume_memory_occupation(["kv_cache"]), server) is None
+
+
+def test_a_running_request_is_in_the_loads_and_the_embedded_engine_refuses_a_release(server):
+    """/v1/loads counts what runs (the syncer waits on it); where SGLang's scheduler would die
+    of a release now (an assertion), the embedded engine answers 400."""
+    result = {}
+    t = start_long_generation(server, result, max_new_tokens=240)
+    loads = run(lambda c: c.loads(), server)
+    assert loads[0]["num_running_reqs"] + loads[0]["num_waiting_reqs"] > 0, loads
+    if server.kind == "embedded":
+        body = expect_400(lambda c: c.release_memory_occupation(["kv_cache"]), server)
+        assert "only when server is idle" in str(body), body
+    run(lambda c: c.abort_request(abort_all=True), server)
+    t.join(timeout=120)
+    assert_some_aborted(result, 240)
+
+
+def test_a_release_asked_for_while_a_request_runs_waits_for_its_end(server):
+    result = {}
+    t = start_long_generation(server, result, max_new_tokens=60)
+    assert run(lambda c: c.release_memory_when_idle(["kv_cache"], timeout_s=120), server) is None
+    assert "reply" in result or "error" in result, "released before the running request ended"
+    t.join(timeout=120)
+    assert "error" not in result and all(r.completion_tokens == 60 for r in result["reply"])
+    assert run(lambda c: c.resume_memory_occupation(["kv_cache"]), server) is None
+
+
 def test_release_and_resume_kv_cache(server, reference):
     before = greedy(server, PROMPT, 6).token_ids
     assert run(lambda c: c.release_memory_occupation(["kv_cache"]), server) is None

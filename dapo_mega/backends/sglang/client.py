@@ -210,6 +210,26 @@ class EngineClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, EngineError, OSError):
             return False
 
+    async def loads(self) -> List[Dict[str, Any]]:
+        """GET /v1/loads (core fields): one dict per DP rank with num_running_reqs,
+        num_waiting_reqs, token_usage, ..."""
+        return (await self._request("GET", "/v1/loads?include=core"))["loads"]
+
+    async def wait_idle(self, timeout_s: Optional[float] = None, poll_s: float = 0.05) -> None:
+        """Until no request runs or waits (SGLang releases memory only then: it asserts the
+        scheduler is idle, and dies otherwise). Aborted requests leave the running batch at
+        the scheduler's next step, after their replies were sent."""
+        limit = timeout_s or self.endpoint.control_timeout_s
+        deadline = asyncio.get_running_loop().time() + limit
+        while True:
+            loads = await self.loads()
+            busy = sum(int(d.get("num_running_reqs", 0)) + int(d.get("num_waiting_reqs", 0)) for d in loads)
+            if busy == 0:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineError(self.url, "/v1/loads", 503, f"still {busy} requests after {limit:.0f} s")
+            await asyncio.sleep(poll_s)
+
     async def model_info(self) -> Dict[str, Any]:
         return await self._request("GET", "/model_info")
 
@@ -243,6 +263,12 @@ class EngineClient:
 
     async def release_memory_occupation(self, tags: Optional[List[str]] = None) -> Any:
         return await self._request("POST", "/release_memory_occupation", control_body("", tags=tags))
+
+    async def release_memory_when_idle(self, tags: Optional[List[str]] = None,
+                                       timeout_s: Optional[float] = None) -> Any:
+        """`wait_idle`, then `release_memory_occupation`: the only release SGLang survives."""
+        await self.wait_idle(timeout_s)
+        return await self.release_memory_occupation(tags)
 
     async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> Any:
         return await self._request("POST", "/resume_memory_occupation", control_body("", tags=tags))
