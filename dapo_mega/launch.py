@@ -62,7 +62,7 @@ from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import DapoConfig, RolloutConfig, load_config, validate_config
 from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port, is_healthy,
                                               log_tail, stop_process)
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.rollout.fleet import EngineFleet, wait_for_learners
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
 API_KEY_ENV = "DAPO_MEGA_ENGINE_API_KEY"
@@ -428,6 +428,12 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
     procs: Dict[str, subprocess.Popen] = {}  # the router, when this node runs it
     logs: Dict[str, Path] = {}
     try:
+        if cfg.cluster.mode == "colocated":
+            try:
+                wait_for_learners(registry, cfg.cluster.driver_stall_timeout_s)
+            except EngineStartError as exc:
+                _log(f"{exc}")
+                return 1
         for slot in slots:
             engine = fleet.spawn(slot.index, slot.gpu_ids, base_gpu_id=0 if slot.gpu_ids else None)
             _log(f"engine {slot.index} on {task.node_name} (pid {engine.pid}): {shlex.join(engine.argv[:3])} ... -> "

@@ -40,7 +40,7 @@ from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, a
 from dapo_mega.tether import popen_tethered
 
 __all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError", "announce_engine", "endpoint_of",
-           "free_port", "is_healthy", "open_fleet", "stop_process"]
+           "free_port", "is_healthy", "open_fleet", "stop_process", "announce_learners_ready", "wait_for_learners"]
 
 MAX_PORT_RETRIES = 3
 """Restarts of an engine whose free port was taken between picking it and binding it."""
@@ -82,12 +82,41 @@ def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: 
     if r.engine_urls:
         return EngineFleet.attach(r.engine_urls, r, start_timeout_s)
     if r.engine_registry:
+        if cfg.cluster.mode == "colocated":  # the launcher's engines start once the learners hold their memory
+            announce_learners_ready(Path(r.engine_registry))
         return EngineFleet.from_registry(Path(r.engine_registry), r, start_timeout_s=start_timeout_s)
     fleet = EngineFleet(r, model_path, log_dir, device=cfg.cluster.device, weight_version=weight_version,
                         memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=start_timeout_s)
     engines = trainer_placement(cfg, learner_ranks, fleet.on_gpu(), {}).engines if fleet.on_gpu() else ()
     fleet.start(gpu_ids=[list(e.gpu_ids) for e in engines], base_gpu_ids=[e.base_gpu_id for e in engines])
     return fleet
+
+
+LEARNERS_READY_FILE = "learners-ready.json"
+"""Written in the engine registry by the driver once the learners hold their model and
+optimizer state (`announce_learners_ready`); cleared with the registry by `prepare`."""
+
+
+def announce_learners_ready(registry: Path) -> None:
+    """The learners are initialised: colocated engines may now start and size their KV pool
+    from the memory the learners left free (SGLang measures free memory when it starts)."""
+    registry.mkdir(parents=True, exist_ok=True)
+    tmp = registry / (LEARNERS_READY_FILE + ".tmp")
+    tmp.write_text(json.dumps({"time": time.time()}))
+    os.replace(tmp, registry / LEARNERS_READY_FILE)
+
+
+def wait_for_learners(registry: Path, timeout_s: float) -> None:
+    """Colocated engines start after the learners initialise (`announce_learners_ready`):
+    started together, SGLang would size its KV pool from whatever the learners had allocated
+    by then, and its TP ranks' memory-balance check can fail. Bounded by `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    print(f"[fleet] waiting for the learners to initialise ({registry / LEARNERS_READY_FILE})", flush=True)
+    while not (registry / LEARNERS_READY_FILE).exists():
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"the learners did not initialise within {timeout_s:.0f} s "
+                                   f"(cluster.driver_stall_timeout_s); see the learner logs")
+        time.sleep(0.5)
 
 
 class EngineFleet:
