@@ -169,7 +169,7 @@ class Session:
                                  requests_per_engine=cfg.rollout.requests_per_engine,
                                  prompt_to_input=encoder.encode, seed=cfg.trainer.seed,
                                  liveness_timeout_s=cfg.rollout.liveness_timeout_s,
-                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s)
+                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision)
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             print(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "

@@ -106,7 +106,7 @@ class RolloutManager:
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
                  requests_per_engine: int = 8,
                  prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None,
-                 liveness_timeout_s: float = 300.0, probe_interval_s: float = 10.0):
+                 liveness_timeout_s: float = 300.0, probe_interval_s: float = 10.0, dataset_revision: str = ""):
         self.endpoints = {e.url: e for e in map(as_endpoint, engines)}
         self.engine_urls = list(self.endpoints)
         self.n_samples = n_samples
@@ -120,6 +120,8 @@ class RolloutManager:
         self.return_logprob = return_logprob
         self.prompt_to_input = prompt_to_input or (lambda p: p.prompt)
         self.seed = seed
+        self.dataset_revision = dataset_revision
+        """Revision of the data the prompts come from (each sample's ledger row carries it)."""
         self.liveness_timeout_s = float(liveness_timeout_s)
         """An engine with requests in flight that answers no probe (and finishes nothing) this long is hung."""
         self.probe_interval_s = float(probe_interval_s)
@@ -423,7 +425,8 @@ class RolloutManager:
                         out.groups[i] = Group(prompt=prompts[i], prompt_input=inputs[k], engine_id=url,
                                               queue_delay_s=t0 - start, latency_s=latency, gen_round=gen_round,
                                               samples=[_scored_sample(r, prompts[i], seed, url, t0 - start, latency,
-                                                                      gen_round) for r in replies])
+                                                                      gen_round, self.dataset_revision)
+                                                       for r in replies])
                         c_groups.append(out.groups[i])
                     finished[c] = c_groups
                     settle(c)
@@ -649,7 +652,7 @@ def run_coroutine(coro):
 
 
 def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
-                   latency_s: float, gen_round: int) -> ScoredSample:
+                   latency_s: float, gen_round: int, dataset_revision: str = "") -> ScoredSample:
     """A ScoredSample (not scored yet) from one sample of an engine's reply."""
     text = getattr(prompt, "prompt", None)
     return ScoredSample(
@@ -657,7 +660,7 @@ def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine
         logprobs=reply.logprobs, weight_versions=list(reply.weight_versions), response_text=reply.text,
         truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
         generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
-        dataset_revision=str(getattr(prompt, "dataset_revision", "") or ""),
+        dataset_revision=str(getattr(prompt, "dataset_revision", "") or dataset_revision),
         prompt_text=text if isinstance(text, str) else "")
 
 

@@ -113,6 +113,9 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
     shards = sorted(p.name for p in (run_dir / "ledger").glob("step_*.parquet"))
     assert shards == [f"step_{s:08d}.parquet" for s in range(1, total_steps + 1)]
     by_step = records_by_step(run_dir)
+    # every row names the data it came from: one revision (not '')
+    revisions = {r.dataset_revision for recs in by_step.values() for r in recs}
+    assert len(revisions) == 1 and "" not in revisions, revisions
     for step, recs in by_step.items():
         for r in recs:
             for name in LEDGER_FIELDS:
@@ -160,6 +163,8 @@ def test_colocated_sync_end_to_end(tmp_path):
     run_dir = tmp_path / RUN_NAME
     check_records_of_run(run_dir, total_steps=3, max_staleness=0)
     by_step = records_by_step(run_dir)
+    printed = re.search(r"held-out problems, revision (\S+);", output).group(1)
+    assert {r.dataset_revision for recs in by_step.values() for r in recs} == {printed}  # was '' in every row
     # gen 8 prompts for 4 groups: synchronous rounds stream and abort the requests in flight
     # once 4 groups are kept, so the surplus is what finished with the last kept group (step 1:
     # at most the other request of 4 prompts; later rounds are sized from the keep rate). Steps
