@@ -62,6 +62,22 @@ class HandoverPlan:
                 plan.posts.append(engine)
         return plan
 
+    def make_payloads(self, views: List[Tuple[str, torch.Tensor]], make_payload: PayloadMaker
+                      ) -> Tuple[Dict[Tuple[int, int], str], List[Callable[[], None]]]:
+        """This rank's payloads, {(engine, engine TP rank): payload}, and their cleanups: one
+        payload made for each receiving process, never one shared (a CUDA IPC pickle read by
+        two processes breaks the sender's reference counting, as SGLang's tp_worker says)."""
+        payloads, cleanups = {}, []
+        for engine, tp_rank in self.holds:
+            payloads[(engine, tp_rank)], cleanup = make_payload(views)
+            cleanups.append(cleanup)
+        return payloads, cleanups
+
+    def request_payloads(self, gathered: Sequence[Mapping[Tuple[int, int], str]], engine: int) -> List[str]:
+        """Engine `engine`'s `serialized_named_tensors` from every rank's `make_payloads`
+        (`gathered[rank]`): payload r was made by the learner rank on TP rank r's GPU."""
+        return [gathered[rank][(engine, tp_rank)] for tp_rank, rank in enumerate(self.ipc_ranks[engine])]
+
 
 def cuda_ipc_payload(views: List[Tuple[str, torch.Tensor]]) -> Tuple[str, Callable[[], None]]:
     """GPU: IPC handles to the views (on this rank's GPU), SGLang's pickled format."""
@@ -133,19 +149,15 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
                 flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             dist.broadcast(flat, src=source)
             views = transport.unflatten_bucket(flat, metas)
-            mine, cleanups = {}, []
-            for engine, tp_rank in plan.holds:
-                payload, cleanup = make_payload(views)
-                mine[(engine, tp_rank)] = payload
-                cleanups.append(cleanup)
+            mine, cleanups = plan.make_payloads(views, make_payload)
             gathered: List[Optional[dict]] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
             version = weight_version if (is_last and stage == pp - 1) else None
             error = None
             try:
                 for engine in [e for e in plan.posts if e in posters]:  # not those dropped as dead
-                    payloads = [gathered[r][(engine, tp_rank)] for tp_rank, r in enumerate(plan.ipc_ranks[engine])]
-                    posters[engine].post_tensor_payloads(payloads, load_format, version)
+                    posters[engine].post_tensor_payloads(plan.request_payloads(gathered, engine), load_format,
+                                                         version)
             except Exception as exc:  # every rank must learn of it, or the others wait in the next bucket
                 error = f"rank {dist.get_rank()}: {exc}"
             # doubles as the barrier after which every engine has copied the bucket

@@ -428,8 +428,13 @@ class WeightSyncer:
             if self.engine_tp_size != 1:
                 raise WeightSyncError(f"colocated CUDA sync into engines of TP {self.engine_tp_size} needs one "
                                       "payload per engine TP rank: use weights.handover")
-            self.post_tensor_payloads(transport.build_tp_payloads([bucket], [bucket[0][1].device],
-                                                                  transport.serialize_cuda_ipc), None, version)
+            # one pickle per engine: an IPC pickle read by two processes breaks the sender's
+            # reference counting (SGLang tp_worker `deserialize_own_rank`)
+            payloads = {c.url: transport.build_tp_payloads([bucket], [bucket[0][1].device],
+                                                           transport.serialize_cuda_ipc) for c in self.clients}
+            self._io.run(self._all(lambda c: c.update_weights_from_tensor(
+                payloads[c.url], load_format=None, weight_version=version, flush_cache=False)),
+                timeout=self.timeout_s)
             return
         if self.cpu_tensor_format == "sglang":
             # SGLang's MultiprocessingSerializer format; between unrelated processes CPU

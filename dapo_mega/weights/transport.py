@@ -227,28 +227,44 @@ def _replace_arg(args: tuple, index: int, fn: Callable) -> tuple:
     return (*args[:index], fn(args[index]), *args[index + 1:])
 
 
+def reduce_tensor(*args, **kwargs):
+    """torch's `reduce_tensor`, a CUDA tensor's device given by its GPU's UUID (sending side)."""
+    from torch.multiprocessing import reductions
+
+    fn, fn_args = reductions._reduce_tensor_original(*args, **kwargs)
+    if fn is reductions.rebuild_cuda_tensor or fn is reductions._rebuild_cuda_tensor_original:
+        fn_args = _replace_arg(fn_args, REDUCE_TENSOR_ARG_DEVICE_INDEX, device_to_uuid)
+    return fn, fn_args
+
+
+def rebuild_cuda_tensor(*args):
+    """torch's `rebuild_cuda_tensor`, the device given by index or UUID (receiving side)."""
+    from torch.multiprocessing import reductions
+
+    args = _replace_arg(args, REDUCE_TENSOR_ARG_DEVICE_INDEX, device_from_uuid)
+    return reductions._rebuild_cuda_tensor_original(*args)
+
+
+# A CUDA tensor's pickle names the function torch's reduce_tensor finds under
+# `torch.multiprocessing.reductions.rebuild_cuda_tensor`, where `patch_torch_reductions`
+# installs this one. SGLang's SafeUnpickler admits that name (and its own patch's), never a
+# function of this package, and resolves it to the engine's own patched rebuild, which maps
+# the UUID back to its device index. pickle checks that the name leads back to the object.
+rebuild_cuda_tensor.__module__ = "torch.multiprocessing.reductions"
+
+
 def patch_torch_reductions() -> None:
     """Pickle CUDA tensors with their GPU's UUID instead of its index, as SGLang's engine
     does (`monkey_patch_torch_reductions`, until pytorch#149248): the engine unpickles with
     the same patch and maps the UUID back to its own index. Idempotent; the same attribute
-    names as SGLang's, so whichever runs first wins and both agree."""
+    names as SGLang's, so whichever runs first wins and both agree. What is pickled names
+    `torch.multiprocessing.reductions.rebuild_cuda_tensor` (see `rebuild_cuda_tensor`)."""
     from torch.multiprocessing import reductions
 
     if hasattr(reductions, "_reduce_tensor_original"):
         return
     reductions._reduce_tensor_original = reductions.reduce_tensor
     reductions._rebuild_cuda_tensor_original = reductions.rebuild_cuda_tensor
-
-    def reduce_tensor(*args, **kwargs):
-        fn, fn_args = reductions._reduce_tensor_original(*args, **kwargs)
-        if fn is reductions._rebuild_cuda_tensor_original or fn is reductions.rebuild_cuda_tensor:
-            fn_args = _replace_arg(fn_args, REDUCE_TENSOR_ARG_DEVICE_INDEX, device_to_uuid)
-        return fn, fn_args
-
-    def rebuild_cuda_tensor(*args):
-        args = _replace_arg(args, REDUCE_TENSOR_ARG_DEVICE_INDEX, device_from_uuid)
-        return reductions._rebuild_cuda_tensor_original(*args)
-
     reductions.reduce_tensor = reduce_tensor
     reductions.rebuild_cuda_tensor = rebuild_cuda_tensor
     reductions.init_reductions()
