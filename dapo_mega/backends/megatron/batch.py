@@ -32,7 +32,10 @@ Per-token advantages ([B, S]) let one row carry samples of different advantages;
 functions that aggregate per sequence read a sample's tokens through `gather_responses`
 ([num samples, longest response]), whatever the layout.
 
-Which samples go to which rank and row: `packing.py`.
+Which samples go to which rank and row: `packing.py`. A padding micro-batch
+(`build_padding_micro_batch`) holds no sample: every DP rank runs the same number of
+micro-batches (FP8 amax all-reduces, the interleaved schedule; packing.py), and it costs
+the short ranks one forward/backward that contributes zero loss and zero gradient.
 """
 
 from __future__ import annotations
@@ -303,6 +306,19 @@ def collate_packed_micro_batch(samples: Sequence[TrainSample], rows: Sequence[Se
         bounds = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         micro.cu_seqlens, micro.max_seqlen = bounds, max(lengths)
     return micro
+
+
+def build_padding_micro_batch(like: MicroBatch, uniform: bool, seq_multiple: int = 1) -> MicroBatch:
+    """A micro-batch of empty rows: no sample, response_mask all 0 (zero loss, zero gradient,
+    but the forward/backward and its collectives run as for any other).
+
+    uniform: the [B, S] shape of `like` (pipeline stages exchange one shape per pass); else
+    the smallest, one row of round_up(2, seq_multiple) columns. The attention layout is
+    `like`'s.
+    """
+    rows, seq = like.tokens.shape if uniform else (1, round_up(2, seq_multiple))
+    return collate_packed_micro_batch([], [[] for _ in range(rows)], seq_len=seq, seq_multiple=seq_multiple,
+                                      attention=like.attention)
 
 
 def _put(row: List[float], cols: slice, values: Sequence[float], what: str, index: int) -> None:

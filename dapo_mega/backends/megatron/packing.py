@@ -7,6 +7,7 @@ Pure functions of sample lengths (no torch), shared by the learner (`batch.py`,
     partition_balanced(weights, k)                         Karmarkar–Karp k-way partition
     pack_rows(lengths, indices, row_tokens, multiple)      first-fit-decreasing packing
     plan_packed_micro_batches(...)                         rows -> micro-batches
+    equalized_micro_batch_count(counts, pp, vpp)           micro-batches every DP rank runs
     fp8_token_multiple(enabled, recipe)                    FP8 GEMM shape alignment
     measure_layout(...)                                    padding efficiency, DP imbalance
 
@@ -31,6 +32,13 @@ Why each exists, at the 32B shape (responses from a few hundred to 20,480 tokens
   input (tokens of the micro-batch on this rank) is divisible by 8; megatron-core aligns to
   16 (32 for MXFP8, `megatron.core.fp8_utils.get_fp8_align_size`). Packed rows are padded
   to that multiple (times TP under sequence parallelism, which splits tokens over TP).
+* Ranks are balanced by tokens and packed separately, so their micro-batch counts differ
+  (at the 32B shape 2 of 20 mini-batches gave [10, 11, 11, 10, 10, 10, 10, 10]). FP8
+  delayed scaling all-reduces amaxes over every TP x DP rank of a stage at each
+  grad-enabled forward and in backward: a rank with one micro-batch fewer leaves the
+  others in that collective forever. `equalized_micro_batch_count` is the count every DP
+  rank runs (the learner pads short ranks with empty micro-batches), rounded up to what
+  megatron's interleaved pipeline schedule accepts.
 """
 
 from __future__ import annotations
@@ -167,6 +175,33 @@ def plan_packed_micro_batches(lengths: Sequence[int], indices: Sequence[int], mi
         width = max(round_up(max(sum(lengths[i] for i in row), 2), multiple) for row in rows)
         groups[-1] = groups[-1] + [[] for _ in range(per_micro - len(groups[-1]))]
     return groups, width
+
+
+def equalized_micro_batch_count(counts: Sequence[int], pp_size: int = 1, vpp_size: Optional[int] = None,
+                                group_size: Optional[int] = None) -> int:
+    """Micro-batches every data-parallel rank runs in one pass of megatron's schedule.
+
+    counts: the micro-batches each DP rank packed (or only their maximum, which is what the
+    learner's all-reduce gives). The result is the largest count (at least 1); with an
+    interleaved pipeline it is raised to the smallest M that megatron-core's
+    `forward_backward_pipelining_with_interleaving` accepts (schedules.py, 0.16.1
+    ~995-1014): with N = `microbatch_group_size_per_vp_stage` (group_size; None =
+    megatron's default, pp_size), PP <= N <= M, and M mod N is 0 or at least PP (else
+    RuntimeError "dependency bubbles"). With the default N = PP: a multiple of PP.
+
+    Interleaved means pp_size > 1 and vpp_size set: megatron's `get_forward_backward_func`
+    picks the interleaved schedule whenever a virtual size is set, 1 included.
+    """
+    count = max(1, max(counts, default=0))
+    if pp_size > 1 and vpp_size is not None:
+        group = pp_size if group_size is None else group_size
+        if group < pp_size:
+            raise ValueError(f"microbatch_group_size_per_vp_stage={group} is below the pipeline size {pp_size}; "
+                             "megatron's interleaved schedule refuses it")
+        count = max(count, group)
+        while 0 < count % group < pp_size:
+            count += 1
+    return count
 
 
 def fp8_token_multiple(fp8_enabled: bool, fp8_recipe: str = "delayed") -> int:

@@ -12,7 +12,10 @@
    `megatron.balance_data_parallel`) and packs it into micro-batches of at most
    `megatron.micro_batch_tokens` (`megatron.sequence_packing`; THD rows on the
    Transformer Engine spec, rows with a per-sample causal mask on the local spec, padded
-   to the FP8 alignment when FP8 is on; see batch.py / packing.py), once;
+   to the FP8 alignment when FP8 is on; see batch.py / packing.py), once; short ranks
+   append empty micro-batches so that every DP rank runs the same count per mini-batch,
+   one that megatron's interleaved schedule accepts (`_schedule_passes`; FP8 delayed
+   scaling all-reduces amaxes over the DP ranks at every micro-batch);
 2. old log-probs π_old of every response token, before the first update: a forward-only
    pass over those same micro-batches writes them in place (or the engine's log-probs
    when `algo.use_engine_logprobs`);
@@ -44,6 +47,7 @@ from dapo_mega.backends.megatron.batch import (
     ATTENTION_THD,
     MicroBatch,
     TrainSample,
+    build_padding_micro_batch,
     collate_micro_batch,
     collate_packed_micro_batch,
     count_loss_tokens,
@@ -57,7 +61,7 @@ from dapo_mega.backends.megatron.batch import (
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
 from dapo_mega.backends.megatron.model import TE_SPEC, build_model
-from dapo_mega.backends.megatron.packing import shuffle_groups, token_multiple
+from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
 from dapo_mega.config import ConfigError, DapoConfig
 
@@ -135,6 +139,38 @@ class MegatronLearner:
             seq_len = -(-max(longest, 2) // self._seq_multiple) * self._seq_multiple
         return [collate_micro_batch(samples, g, seq_len=seq_len, seq_multiple=self._seq_multiple) for g in groups]
 
+    def _schedule_passes(self, samples: Sequence[TrainSample], shards: Sequence[Sequence[int]]) -> List[List[MicroBatch]]:
+        """This rank's micro-batches of each shard (one schedule pass each), padded to the
+        count every DP rank runs.
+
+        FP8 delayed scaling all-reduces amaxes over every TP x DP rank of a stage at each
+        grad-enabled forward and in backward, so a DP rank with fewer micro-batches than
+        the others would leave them waiting forever; the interleaved schedule accepts only
+        some counts. One all-reduce (MAX) over the DP group takes every shard's count at
+        once; `equalized_micro_batch_count` rounds it for the pipeline, and short ranks
+        append empty micro-batches (no sample: zero loss and gradient, the same
+        collectives; loss denominators are computed from the samples, so unchanged).
+        """
+        passes = [self._micro_batches(samples, shard) for shard in shards]
+        uniform = self.layout.pp > 1
+        for micro_batches, most in zip(passes, self._max_over_data_parallel([len(p) for p in passes])):
+            target = equalized_micro_batch_count([most], self.layout.pp, self.layout.vpp,
+                                                 self.config.microbatch_group_size_per_vp_stage)
+            micro_batches.extend(build_padding_micro_batch(micro_batches[0], uniform, self._seq_multiple)
+                                 for _ in range(target - len(micro_batches)))
+        return passes
+
+    def _max_over_data_parallel(self, values: List[int]) -> List[int]:
+        """Element-wise maximum over this rank's data-parallel group (one all-reduce)."""
+        if self.layout.dp == 1 or not values:
+            return list(values)
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        tensor = torch.tensor(values, dtype=torch.int64, device=D.collective_device(group))
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+        return [int(v) for v in tensor.tolist()]
+
     def _to_device(self, mb: MicroBatch) -> MicroBatch:
         if self.device.type == "cpu":
             return mb
@@ -201,7 +237,7 @@ class MegatronLearner:
 
     def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
         """Forward only over `indices`; {sample index: [R] log-probs} on loss ranks, {} elsewhere."""
-        micro_batches = self._micro_batches(samples, indices)
+        micro_batches = self._schedule_passes(samples, [indices])[0]
         result: Dict[int, torch.Tensor] = {}
         for mb, log_probs in zip(micro_batches, self._forward_log_probs(micro_batches)):
             result.update({i: values.clone() for i, values in response_values(log_probs, mb).items()})
@@ -330,7 +366,7 @@ class MegatronLearner:
             if missing:
                 raise ValueError(f"algo.use_engine_logprobs=true but {len(missing)} samples have no engine_log_probs")
             samples = [dataclasses.replace(s, old_log_probs=list(s.engine_log_probs)) for s in samples]
-        micro_per_update = [self._micro_batches(samples, shard) for shard in shards]
+        micro_per_update = self._schedule_passes(samples, shards)
         if not algo.use_engine_logprobs:
             # π_old of the first update is the policy it starts from: its loss detaches its own
             # log-probs (dropout is off, so the training forward computes what a forward-only
@@ -411,7 +447,7 @@ class MegatronLearner:
             return loss, num_tokens, {"loss": loss.detach(), "num_tokens": num_tokens, "entropy_sum": (entropy * mask).sum()}
 
         shard = self._shard(samples, indices)
-        info = self._update(self._micro_batches(samples, shard), loss_func, lr=lr)
+        info = self._update(self._schedule_passes(samples, [shard])[0], loss_func, lr=lr)
         elapsed = time.perf_counter() - start
         return {"sft/loss": info["loss"], "sft/grad_norm": info["grad_norm"], "sft/lr": lr,
                 "sft/skipped": float(not info["finite"]),
