@@ -551,11 +551,17 @@ class TrainerConfig:
     seed: int = 1
     """Seed of sampling and data order."""
     sft_warmup_steps: int = 0
-    """Supervised warm-start steps on reference answers before RL (embedded default)."""
+    """Supervised warm-start steps on reference answers before RL step 1 (0 = none: RL starts
+    from the model as loaded). The tiny model's group (configs/model/tiny_qwen2.yaml) sets
+    1200, because random weights answer nothing; the recipe configs start from the base model."""
     sft_lr: float = 1e-3
     """Learning rate of the supervised warm start."""
     sft_batch_size: int = 64
     """Examples per supervised warm-start step."""
+    sft_on_pretrained: bool = False
+    """Allow the warm start on a pretrained model (model.hf_path or model.megatron_path set).
+    Off, such a run stops before it starts (`check_warm_start`): supervised steps on bare
+    answers at sft_lr rewrite a base model before RL has seen it, so it must be asked for."""
     wandb_mode: str = "offline"
     """wandb mode: offline (default), online (needs WANDB_API_KEY) or disabled."""
     wandb_project: str = "dapo-mega"
@@ -586,6 +592,12 @@ class TrainerConfig:
                       "export WANDB_API_KEY or use trainer.wandb_mode=offline")
         if "/" in t.run_name or not t.run_name:
             raise err("trainer.run_name", f"{t.run_name!r} must be a non-empty name without '/'", "e.g. my_run")
+        if t.sft_warmup_steps < 0:
+            raise err("trainer.sft_warmup_steps", f"must be >= 0, got {t.sft_warmup_steps}", "use 0 (no warm start)")
+        if t.sft_warmup_steps > 0 and (t.sft_lr <= 0 or t.sft_batch_size < 1):
+            raise err("trainer.sft_lr", f"{t.sft_lr} / sft_batch_size {t.sft_batch_size} must be > 0 for a warm "
+                      f"start of {t.sft_warmup_steps} steps", "use sft_lr=1e-3 and sft_batch_size=64, or "
+                      "trainer.sft_warmup_steps=0")
 
 
 @dataclass
@@ -754,6 +766,23 @@ def describe_fields(cls: type = DapoConfig, prefix: str = "") -> List[str]:
         doc = docs.get(f.name, "")
         lines.append(f"{name} = {default!r}    # {doc}")
     return lines
+
+
+def check_warm_start(cfg: DapoConfig) -> None:
+    """A warm start (trainer.sft_warmup_steps > 0) on a pretrained model (model.hf_path or
+    model.megatron_path set) needs trainer.sft_on_pretrained=true; ConfigError otherwise.
+
+    `dapo-mega train` checks it before anything starts. It is not part of `validate_config`:
+    a config that is only planned, evaluated or inspected runs no warm start.
+    """
+    t, m = cfg.trainer, cfg.model
+    pretrained = [f"model.{name}={getattr(m, name)}" for name in ("hf_path", "megatron_path") if getattr(m, name)]
+    if t.sft_warmup_steps > 0 and pretrained and not t.sft_on_pretrained:
+        raise _field_error("trainer.sft_on_pretrained", f"false, but trainer.sft_warmup_steps={t.sft_warmup_steps} "
+                           f"would run supervised steps at sft_lr={t.sft_lr:g} on the pretrained model "
+                           f"({', '.join(pretrained)}) before RL step 1",
+                           "set trainer.sft_warmup_steps=0 to start RL from the model as is, or "
+                           "trainer.sft_on_pretrained=true to warm-start it on purpose")
 
 
 def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:

@@ -3,6 +3,9 @@
     dapo-mega plan +experiment=dapo_qwen2.5_32b            a table
     dapo-mega plan +experiment=dapo_qwen2.5_32b --json     the same as JSON
 
+The clock of the run (durations beside the timeouts that bound them) is `dapo_mega.clock`,
+which builds on this module; the command (`dapo_mega.cli`) prints both.
+
 Memory per learner GPU (bytes), for TP=t, PP=p, CP=c, DP=d = W/(t·p·c), the parameters
 Φ_s held by one GPU of pipeline stage s (linear weights, QKV bias and embedding/output
 split over t; norms replicated):
@@ -36,12 +39,11 @@ without packing and balancing:
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, place
@@ -152,12 +154,40 @@ class LengthAssumption:
                                 prompt_tokens=self.prompt_tokens or min(150, max(1, max_prompt_length // 4)),
                                 seed=self.seed)
 
+    def response_moment(self, power: int, max_response_length: int) -> float:
+        """E[min(X, c)^r] of a response length X ~ LogNormal(μ = ln median, σ) capped at
+        c = max_response_length (call on a `resolved` assumption); with Φ the normal CDF:
+
+            E[min(X, c)^r] = e^(rμ + r²σ²/2) · Φ((ln c − μ − rσ²) / σ)
+                           + c^r · (1 − Φ((ln c − μ) / σ))
+
+        r = 1 is the mean length, r = 2 what attention's cost grows with (`dapo_mega.clock`)."""
+        mu, sigma, cap, r = math.log(int(self.response_median)), self.response_sigma, max_response_length, power
+        z = (math.log(cap) - mu) / sigma
+        return math.exp(r * mu + r * r * sigma * sigma / 2) * _normal_cdf(z - r * sigma) + cap ** r * (1 - _normal_cdf(z))
+
+    def response_quantile(self, q: float, max_response_length: int) -> float:
+        """The q-quantile of the capped response length: min(c, median · e^(σ · Φ⁻¹(q)))."""
+        from statistics import NormalDist
+
+        return min(float(max_response_length), int(self.response_median) * math.exp(
+            self.response_sigma * NormalDist().inv_cdf(q)))
+
+    def longest_of(self, num: int, max_response_length: int) -> float:
+        """The longest of `num` responses, taken as the num/(num+1) quantile (where the
+        largest of num draws falls on average, in probability)."""
+        return self.response_quantile(num / (num + 1), max_response_length)
+
     def draw(self, num: int, max_response_length: int) -> List[int]:
         """`num` sample lengths (prompt + response), responses capped at max_response_length
         (call on a `resolved` assumption)."""
         rng = random.Random(self.seed)
         return [int(self.prompt_tokens) + max(1, min(max_response_length, int(rng.lognormvariate(
             math.log(int(self.response_median)), self.response_sigma)))) for _ in range(num)]
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
 def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumption] = None) -> dict:
@@ -291,8 +321,9 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     }
 
 
-def format_plan(plan: dict) -> str:
-    """The plan as a fixed-width table."""
+def format_plan(plan: dict, sections: Sequence[str] = ()) -> str:
+    """The plan as a fixed-width table; `sections` (e.g. the clock of `dapo_mega.clock`) are
+    printed before the warnings."""
     p, mdl = plan["parallel"], plan["model"]
     lines = [f"model {mdl['name']} ({mdl['source']}): {plan['total_params'] / 1e9:.2f} B params, "
              f"{mdl['num_layers']} layers, hidden {mdl['hidden_size']}",
@@ -332,12 +363,7 @@ def format_plan(plan: dict) -> str:
         lines += [f"weight sync: {plan['sync']['transport']}; " + ", ".join(
             f"{g['name']} (source rank {g['learner_ranks'][0]} + {g['world_size'] - 1} engine ranks)"
             for g in groups)]
+    for section in sections:
+        lines += ["", section]
     lines += [""] + [f"WARNING: {w}" for w in plan["warnings"]] if plan["warnings"] else ["", "no warnings"]
     return "\n".join(lines)
-
-
-def run_plan_command(cfg: DapoConfig, as_json: bool) -> int:
-    """`dapo-mega plan`: print the plan; exit 1 when the learner does not fit."""
-    plan = compute_plan(cfg)
-    print(json.dumps(plan, indent=2) if as_json else format_plan(plan))
-    return 1 if any(w.startswith("learner does not fit") for w in plan["warnings"]) else 0

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Dict, Optional
 
-from dapo_mega.config import DapoConfig, from_yaml
+from dapo_mega.config import DapoConfig, check_warm_start, from_yaml
 from dapo_mega.heap import freeze_startup_objects, keep_freed_memory
 
 
@@ -44,7 +44,10 @@ def train(cfg: DapoConfig) -> int:
     role, run = s.role, s.run                   # this rank's part (driver or not), counters
     try:
         if run.state.step == 0 and cfg.trainer.sft_warmup_steps > 0 and not run.resumed:
-            s.warm_start()                      # supervised warm start (embedded default)
+            sft = cfg.trainer                   # say what it does before it does it
+            role.say(f"[warm start] {sft.sft_warmup_steps} supervised steps x {sft.sft_batch_size} reference answers "
+                     f"at lr {sft.sft_lr:g} on {cfg.model.name} before RL step 1 (trainer.sft_warmup_steps=0: none)")
+            s.warm_start()                      # supervised warm start (the tiny model's group)
             if cfg.trainer.total_steps == 0:    # a warm start only (`dapo-mega ablate`'s shared start)
                 s.save_checkpoint(0)
         s.sync_weights()                        # engines serve the learner's weights at v
@@ -101,6 +104,7 @@ def run_training(cfg: DapoConfig) -> int:
     """`dapo-mega train`: spawn learner ranks when asked for several, else run here."""
     from dapo_mega.driver.learner_ranks import maybe_spawn_learners
 
+    check_warm_start(cfg)                       # a warm start on a pretrained model is asked for by name
     code = maybe_spawn_learners(cfg)
     if code is not None:
         return code

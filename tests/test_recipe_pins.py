@@ -63,6 +63,21 @@ RECIPE = [
     ("eval.top_p", 0.7, "[paper] §4.1 evaluation top-p 0.7; [verl] val_top_p=0.7"),
 ]
 
+# Not from the paper: how this system runs the recipe. The run starts RL from the base model
+# (the paper: Qwen2.5-32B base, no supervised stage), and every timeout is what
+# configs/experiment/dapo_qwen2.5_32b.yaml sets beside the estimate of `dapo-mega plan`
+# (tests/test_clock.py: no clock warning for any of these configs).
+RUN = [
+    ("trainer.sft_warmup_steps", 0, "[paper] §4.1 RL from the base model; the tiny model's warm start stays with it"),
+    ("trainer.sft_on_pretrained", False, "a warm start on a pretrained model is asked for by name"),
+    ("rollout.request_timeout_s", 0.0, "no total bound on one /generate: the slowest request is ~13 min"),
+    ("rollout.liveness_timeout_s", 300.0, "a hung engine gives its prompts up after 5 min without a probe answer"),
+    ("rollout.liveness_probe_interval_s", 10.0, "30 probes per liveness timeout"),
+    ("rollout.health_timeout_s", 0.0, "derived from the model's bytes and the engine count (clock.py)"),
+    ("cluster.dist_timeout_s", 1800, "one learner collective: a training step ~4 min, a sync ~7 s"),
+    ("cluster.driver_stall_timeout_s", 1800.0, "the driver's progress gap: the slowest request, ~13 min"),
+]
+
 # The base 32B run only: the variants change the topology on purpose (their own headers say how).
 TOPOLOGY_32B = [
     ("cluster.num_nodes", 16, "[verl] NNODES=16 (16 x 8 H800 in the reproduction)"),
@@ -90,6 +105,14 @@ def test_32b_configs_hold_the_published_recipe(configs, name):
     wrong = [f"{field} = {_get(cfg, field)!r}, published {value!r} ({source})"
              for field, value, source in RECIPE if _get(cfg, field) != value]
     assert not wrong, f"{name} departs from the DAPO recipe:\n  " + "\n  ".join(wrong)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS_32B + ["dapo_qwen2.5_7b"])
+def test_recipe_configs_start_from_the_base_model_with_the_planned_timeouts(configs, name):
+    cfg = configs[name]
+    wrong = [f"{field} = {_get(cfg, field)!r}, pinned {value!r} ({why})"
+             for field, value, why in RUN if _get(cfg, field) != value]
+    assert not wrong, f"{name}:\n  " + "\n  ".join(wrong)
 
 
 def test_32b_topology_and_model(configs):
@@ -150,3 +173,4 @@ def test_cfg_job_shows_the_recipe(capsys):
     out = capsys.readouterr().out
     assert "apply_chat_template: true" in out
     assert "lr_warmup_steps: 20" in out
+    assert "sft_warmup_steps: 0" in out  # no warm start of the toy on the 32B model
