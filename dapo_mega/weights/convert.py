@@ -135,7 +135,7 @@ def _build(hf_cfg: Dict[str, Any], tp: int, pp: int, world_size: int):
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           params_dtype="float32" if not torch.cuda.is_available() else "auto")
     layout = ParallelLayout.from_config(mcfg, world_size, hf_cfg).initialize()
-    chunks, info = build_model(hf_cfg, mcfg, layout)
+    chunks, info = build_model(hf_cfg, mcfg, layout, initialize=False)  # every tensor is loaded next
     for chunk in chunks:
         chunk.eval()
     return layout, chunks, info

@@ -231,8 +231,15 @@ def _layer_spec(spec: str):
 
 
 def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
-                device: Optional[torch.device] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
+                device: Optional[torch.device] = None, initialize: bool = True
+                ) -> Tuple[List[torch.nn.Module], ModelInfo]:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage) and the ModelInfo.
+
+    `initialize=False` when weights are loaded next (conversion, every training start): the
+    parameters are allocated and left as they are, with neither megatron's initialisation
+    (on a CPU it draws each TP-split weight whole, then shards it) nor `initialize_weights`
+    (one full tensor per parameter): at 32B those were two random copies of the model per
+    rank, minutes of drawing and most of a conversion's host memory.
 
     `layout.initialize()` must have run. The chunks are bare GPTModels (no DDP wrapper), so
     their parameter names are the megatron-core ones (`embedding.word_embeddings.weight`,
@@ -251,6 +258,7 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
     kwargs = dict(plan.config_kwargs)
     kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
     kwargs["pipeline_dtype"] = getattr(torch, kwargs["pipeline_dtype"])
+    kwargs["perform_initialization"] = initialize
     config = TransformerConfig(activation_func=F.silu, **kwargs)
     padded_vocab = pad_vocab_size(arch.vocab_size, layout.tp)
 
@@ -275,7 +283,8 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
         elif device is not None:
             model = model.to(device)
         chunks.append(model)
-    initialize_weights(chunks, arch, layout.tp, padded_vocab, seed=mcfg.seed)
+    if initialize:
+        initialize_weights(chunks, arch, layout.tp, padded_vocab, seed=mcfg.seed)
     info = ModelInfo(shape=arch.with_padded_vocab(padded_vocab), layer_spec=plan.layer_spec,
                      params_dtype=plan.params_dtype, fp8=kwargs.get("fp8"))
     return chunks, info
