@@ -85,7 +85,8 @@ class Session:
         gate.start()
         self.role = LearnerRankRole(gate)
         torch.manual_seed(cfg.trainer.seed)
-        self.learner = MegatronLearner(cfg, str(self.model_dir), self.layout)
+        # every weight is loaded next (the checkpoint, model.megatron_path or the HF weights)
+        self.learner = MegatronLearner(cfg, str(self.model_dir), self.layout, initialize=False)
         if not self.run.resume(self.learner):
             self._load_initial_weights()
         if is_driver:

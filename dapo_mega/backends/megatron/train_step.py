@@ -93,12 +93,13 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 class MegatronLearner:
     """Megatron-core policy model, optimizer and the DAPO train step on one rank."""
 
-    def __init__(self, cfg: DapoConfig, hf_config: Any, layout: ParallelLayout):
+    def __init__(self, cfg: DapoConfig, hf_config: Any, layout: ParallelLayout, initialize: bool = True):
+        """`initialize=False`: the caller loads every weight next (no random initialisation)."""
         check_learner_supports(layout)
         self.cfg = cfg
         self.layout = layout
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.model_chunks, self.info = build_model(hf_config, cfg.megatron, layout)
+        self.model_chunks, self.info = build_model(hf_config, cfg.megatron, layout, initialize=initialize)
         self.config = self.model_chunks[0].config
         self.ddp_chunks = wrap_with_ddp(self.model_chunks, cfg.megatron)
         self.optimizer = build_optimizer(self.ddp_chunks, cfg.algo, cfg.megatron, bf16=self.info.params_dtype == "bfloat16")
