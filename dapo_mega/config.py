@@ -45,6 +45,7 @@ OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
 ClusterMode = Literal["colocated", "disaggregated"]
 Device = Literal["auto", "cpu", "cuda"]
 WandbMode = Literal["offline", "online", "disabled"]
+LedgerTextMode = Literal["full", "head_tail", "none"]
 
 
 @dataclass
@@ -575,6 +576,15 @@ class TrainerConfig:
     The Slurm launcher sets it from the job's time left when it is not set."""
     stop_margin_minutes: float = 2.0
     """Slack kept before wall_time_minutes for the final save and shutdown."""
+    ledger_text: str = "head_tail"
+    """What the ledger keeps of each prompt and response text (`rollout.ledger.LedgerText`):
+    full (all of it), head_tail (a text over ledger_text_max_chars keeps its first and last
+    halves of that many characters around a marker naming how many were left out) or none.
+    Each row records the text's length in characters and whether it was elided. The tiny
+    default's responses are far shorter than the bound, so head_tail keeps them whole; the
+    32B recipe writes up to 24,576 responses of up to ~75,000 characters per round."""
+    ledger_text_max_chars: int = 2048
+    """Characters of a text that head_tail keeps (half head, half tail; the marker adds ~30)."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
@@ -598,6 +608,11 @@ class TrainerConfig:
             raise err("trainer.sft_lr", f"{t.sft_lr} / sft_batch_size {t.sft_batch_size} must be > 0 for a warm "
                       f"start of {t.sft_warmup_steps} steps", "use sft_lr=1e-3 and sft_batch_size=64, or "
                       "trainer.sft_warmup_steps=0")
+        _check_choice("trainer.ledger_text", t.ledger_text, LedgerTextMode)
+        if t.ledger_text == "head_tail" and t.ledger_text_max_chars < 64:
+            raise err("trainer.ledger_text_max_chars", f"{t.ledger_text_max_chars} < 64 leaves too little of each "
+                      "text to read (the answer is in the last characters of a response)",
+                      "use 2048, or trainer.ledger_text=none to leave the texts out")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Diagnostics of a run read back from its rollout ledger (`tools/ledger_report.py`).
 
-    python tools/ledger_report.py outputs/tiny_cpu [--out DIR]
+    python tools/ledger_report.py outputs/tiny_cpu [--steps 100:200] [--out DIR]
 
 A rising reward curve proves nothing by itself (DESIGN.md "Records"); this report shows
 what the seeds ask a person to look at before believing one:
@@ -16,6 +16,14 @@ what the seeds ask a person to look at before believing one:
 It writes `ledger_report.md` (also printed), `ledger_report.png` and
 `high_reward_sample.jsonl` into `--out` (default `<run_dir>/report/`).
 
+It streams: `build_report` reads the shards of the selected steps (`--steps A:B`, both
+ends included) one at a time, only the columns it needs, text one row group at a time,
+and never holds the run's rows: its memory is one shard's numeric columns, one row group
+of text, the per-step table, and 16 bytes per high-reward response of the selection (the
+`copied` check). It reads each shard twice: the first pass finds the
+step and length buckets and the copied texts, the second draws the sample. On rows read
+into memory (`report_from_records`) the same code gives the same report.
+
 Definitions (so the numbers can be checked by hand):
 * A group is the samples of one prompt from one generation round of one step, keyed by
   (step, prompt_id, gen_round). It is all-correct when every sample is `correct`,
@@ -25,24 +33,34 @@ Definitions (so the numbers can be checked by hand):
   `metrics.jsonl` is there, the trainer's `verifier/num_errors` per step (the ledger only
   marks errors inside kept groups).
 * Age buckets are over every ledger row: 0, 1, 2 and 3+ versions behind the learner.
+* The sample: within each stratum, flagged responses first, each list in the order of a
+  seeded hash of the row's (step, prompt_id, gen_round, sample_index), so a row's draw
+  does not depend on which other rows were read.
+* Flags read the text the ledger holds (`trainer.ledger_text`): an elided response is
+  flagged near-empty only by its length (<= 1 token), and is a copy of another when the
+  stored heads, tails and lengths agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import heapq
 import json
-import random
 import re
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, namedtuple
 from dataclasses import asdict, dataclass, field
 from difflib import SequenceMatcher
+from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 AGE_BUCKETS = (0, 1, 2, 3)
 """Lower edges of the age buckets; the last one is open (3+)."""
+MAX_FLAGGED = 1000
+"""Flagged responses the streamed report keeps to list (`--max-flagged`); they are all counted."""
 
 
 @dataclass
@@ -91,6 +109,8 @@ class ReviewSample:
     flags: List[str]
     prompt_text: str
     response_text: str
+    response_text_elided: bool = False
+    """response_text is the ledger's head and tail of the response, or empty (trainer.ledger_text)."""
 
 
 @dataclass
@@ -102,8 +122,14 @@ class LedgerReport:
     reject_totals: Dict[str, int]
     num_high_reward: int
     flag_counts: Dict[str, int]
+    """Flags over every high-reward response (`suspicious` may list fewer)."""
     sample: List[ReviewSample]
     suspicious: List[ReviewSample]
+    """Flagged high-reward responses in ledger order (the streamed report: the first `max_flagged`)."""
+    elided_responses: int = 0
+    """Rows whose response text the ledger holds elided or not at all."""
+    step_range: str = "all"
+    """The steps read: `A:B`, `A:`, `:B`, or all."""
 
 
 # ====================================================================== per step
@@ -146,19 +172,34 @@ def age_label(age: int) -> str:
     return f"{last}+" if age >= last else str(max(age, 0))
 
 
+class AgeTally:
+    """Rows, reward sum and correct rows per age bucket, added to row by row (in ledger
+    order, so a streamed tally sums the same floats in the same order as one over all rows)."""
+
+    def __init__(self):
+        self.count: Counter = Counter()
+        self.reward: Dict[str, float] = defaultdict(float)
+        self.correct: Counter = Counter()
+
+    def add(self, records: Iterable) -> None:
+        for r in records:
+            label = age_label(int(r.age))
+            self.count[label] += 1
+            self.reward[label] += float(r.reward)
+            self.correct[label] += bool(r.correct)
+
+    def rows(self) -> List[AgeBucketRow]:
+        """Reward mean and pass rate per age bucket (buckets with no rows are left out)."""
+        labels = [age_label(lower) for lower in AGE_BUCKETS]
+        return [AgeBucketRow(label, self.count[label], self.reward[label] / self.count[label],
+                             self.correct[label] / self.count[label]) for label in labels if self.count[label]]
+
+
 def compute_age_buckets(records: Sequence) -> List[AgeBucketRow]:
     """Reward mean and pass rate per age bucket (buckets with no rows are left out)."""
-    buckets: Dict[str, List] = defaultdict(list)
-    for r in records:
-        buckets[age_label(int(r.age))].append(r)
-    out = []
-    for lower in AGE_BUCKETS:
-        label = age_label(lower)
-        rows = buckets.get(label)
-        if rows:
-            out.append(AgeBucketRow(label, len(rows), float(np.mean([r.reward for r in rows])),
-                                    float(np.mean([bool(r.correct) for r in rows]))))
-    return out
+    tally = AgeTally()
+    tally.add(records)
+    return tally.rows()
 
 
 # ====================================================================== exploit flags
@@ -189,10 +230,73 @@ def repeats_prompt(response_text: str, prompt_text: str, min_chars: int = 8, cov
         return False
     if len(prompt) >= min_chars and prompt in resp:
         return True
-    if len(resp) < min_chars:
+    if len(resp) < min_chars or cover * len(resp) > len(prompt):  # no block of the prompt could cover it
         return False
     match = SequenceMatcher(None, resp, prompt, autojunk=False).find_longest_match(0, len(resp), 0, len(prompt))
     return match.size >= cover * len(resp)
+
+
+def _digest(*parts: Any) -> int:
+    """64 bits of blake2b over `parts` (collisions among a run's texts: ~n² / 2^65)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(str(part).encode("utf-8", "surrogatepass") + b"\0")
+    return int.from_bytes(h.digest(), "little")
+
+
+class CopyIndex:
+    """The prompts that rewarded each long normalised response text (`copied`), as 64-bit
+    digests: the memory is 16 bytes per long response added, never the texts."""
+
+    def __init__(self, copy_min_prompts: int = 3, copy_min_chars: int = 8):
+        self.copy_min_prompts, self.copy_min_chars = copy_min_prompts, copy_min_chars
+        self._pairs: List[np.ndarray] = []
+        self._pending: List[Tuple[int, int]] = []
+        self._copied: Optional[Set[int]] = None
+
+    def text_digest(self, response_text: str) -> Optional[int]:
+        """The digest a response's text is known by, None when too short to count as a copy."""
+        text = normalize_text(response_text)
+        return _digest(text) if len(text) >= self.copy_min_chars else None
+
+    def add(self, response_text: str, prompt_id: str) -> None:
+        digest = self.text_digest(response_text)
+        if digest is not None:
+            self._pending.append((digest, _digest(prompt_id)))
+            if len(self._pending) >= 65536:
+                self._compact()
+
+    def _compact(self) -> None:
+        if self._pending:
+            self._pairs.append(np.unique(np.array(self._pending, dtype=np.uint64).reshape(-1, 2), axis=0))
+            self._pending = []
+
+    def copied_digests(self) -> Set[int]:
+        """Digests of texts rewarded on at least copy_min_prompts different prompts."""
+        if self._copied is None:
+            self._compact()
+            pairs = np.unique(np.concatenate(self._pairs), axis=0) if self._pairs else np.zeros((0, 2), np.uint64)
+            texts, prompts = np.unique(pairs[:, 0], return_counts=True)
+            self._copied = {int(t) for t in texts[prompts >= self.copy_min_prompts]}
+        return self._copied
+
+    def is_copied(self, response_text: str) -> bool:
+        digest = self.text_digest(response_text)
+        return digest is not None and digest in self.copied_digests()
+
+
+def row_flags(r, copies: CopyIndex) -> List[str]:
+    """The flags of one high-reward row (`near_empty`, `copied`, `repeats_prompt`), with
+    `copies` indexed over every high-reward row of the report."""
+    flags = []
+    elided = bool(getattr(r, "response_text_elided", False))
+    if int(r.response_length) <= 1 or (not elided and is_near_empty(r.response_text, int(r.response_length))):
+        flags.append("near_empty")
+    if copies.is_copied(r.response_text):
+        flags.append("copied")
+    if repeats_prompt(r.response_text, r.prompt_text):
+        flags.append("repeats_prompt")
+    return flags
 
 
 def flag_suspicious(records: Sequence, copy_min_prompts: int = 3, copy_min_chars: int = 8) -> List[List[str]]:
@@ -202,32 +306,117 @@ def flag_suspicious(records: Sequence, copy_min_prompts: int = 3, copy_min_chars
     shared by rewarded responses of at least `copy_min_prompts` different prompts (short
     answers such as "12" legitimately recur, hence the length floor).
     """
-    prompts_of_text: Dict[str, set] = defaultdict(set)
+    copies = CopyIndex(copy_min_prompts, copy_min_chars)
     for r in records:
-        prompts_of_text[normalize_text(r.response_text)].add(str(r.prompt_id))
-    out = []
-    for r in records:
-        flags = []
-        if is_near_empty(r.response_text, int(r.response_length)):
-            flags.append("near_empty")
-        text = normalize_text(r.response_text)
-        if len(text) >= copy_min_chars and len(prompts_of_text[text]) >= copy_min_prompts:
-            flags.append("copied")
-        if repeats_prompt(r.response_text, r.prompt_text):
-            flags.append("repeats_prompt")
-        out.append(flags)
-    return out
+        copies.add(r.response_text, str(r.prompt_id))
+    return [row_flags(r, copies) for r in records]
 
 
+# ====================================================================== the sample
 def _bucket_edges(values: Sequence[float], n: int) -> List[float]:
     """n - 1 inner quantile edges (duplicates removed)."""
-    if n <= 1 or not values:
+    if n <= 1 or not len(values):
         return []
     return sorted(set(float(np.quantile(values, q)) for q in np.linspace(0, 1, n + 1)[1:-1]))
 
 
 def _bucket_of(value: float, edges: Sequence[float]) -> int:
     return sum(1 for e in edges if value > e)
+
+
+def is_high_reward(r, min_reward: Optional[float]) -> bool:
+    """`correct`, or reward >= `min_reward` when given."""
+    return r.reward >= min_reward if min_reward is not None else bool(r.correct)
+
+
+class HighRewardScan:
+    """First pass over the high-reward rows: their steps, lengths and texts, which fix the
+    step and length buckets and the copied texts before anything is drawn."""
+
+    def __init__(self, copy_min_prompts: int = 3, copy_min_chars: int = 8):
+        self.copies = CopyIndex(copy_min_prompts, copy_min_chars)
+        self.lengths: Counter = Counter()
+        """response_length -> rows (bounded by the length limit; the quantiles are exact)."""
+        self.lo: Optional[int] = None
+        self.hi: Optional[int] = None
+        self.count = 0
+
+    def add(self, r) -> None:
+        step = int(r.step)
+        self.lo = step if self.lo is None else min(self.lo, step)
+        self.hi = step if self.hi is None else max(self.hi, step)
+        self.lengths[int(r.response_length)] += 1
+        self.copies.add(r.response_text, str(r.prompt_id))
+        self.count += 1
+
+    def sorted_lengths(self) -> np.ndarray:
+        values = sorted(self.lengths)
+        return np.repeat(np.array(values, dtype=np.float64), [self.lengths[v] for v in values])
+
+
+class HighRewardSampler:
+    """Second pass: each high-reward row's flags and stratum; keeps the `per_stratum` first
+    of each stratum (flagged first, then by seeded hash) and the first `max_flagged`
+    flagged rows, so its memory does not grow with the rows."""
+
+    def __init__(self, scan: HighRewardScan, per_stratum: int = 2, n_step_buckets: int = 3,
+                 n_length_buckets: int = 3, seed: int = 0, max_flagged: Optional[int] = None):
+        self.scan, self.per_stratum, self.n_step_buckets, self.seed = scan, per_stratum, n_step_buckets, seed
+        self.max_flagged = max_flagged
+        lo, hi = scan.lo or 0, scan.hi or 0
+        self.width = (hi - lo + 1) / max(n_step_buckets, 1)
+        self.step_edges = [(lo + int(np.ceil(self.width * b)), lo + int(np.ceil(self.width * (b + 1))) - 1)
+                           for b in range(n_step_buckets)]
+        self.length_edges = _bucket_edges(scan.sorted_lengths(), n_length_buckets) if scan.count else []
+        self.heaps: Dict[Tuple[int, int], List] = defaultdict(list)
+        self.flagged: List[ReviewSample] = []
+        self.flag_counts: Counter = Counter()
+        self.seen = 0
+
+    def _review(self, r, flags: List[str], sb: int, lb: int) -> ReviewSample:
+        a, b = self.step_edges[sb]
+        bounds = [-np.inf, *self.length_edges, np.inf]
+        l_lo, l_hi = bounds[lb], bounds[lb + 1]
+        length_label = (f"<= {l_hi:g}" if lb == 0 else f"> {l_lo:g}" if lb == len(self.length_edges)
+                        else f"({l_lo:g}, {l_hi:g}]") if self.length_edges else "all"
+        return ReviewSample(step=int(r.step), prompt_id=str(r.prompt_id), gen_round=int(r.gen_round),
+                            sample_index=int(r.sample_index), reward=float(r.reward),
+                            response_length=int(r.response_length), step_bucket=f"{a}-{b}",
+                            length_bucket=length_label, flags=list(flags), prompt_text=str(r.prompt_text),
+                            response_text=str(r.response_text),
+                            response_text_elided=bool(getattr(r, "response_text_elided", False)))
+
+    def add(self, r) -> None:
+        flags = row_flags(r, self.scan.copies)
+        self.flag_counts.update(flags)
+        sb = min(int((int(r.step) - (self.scan.lo or 0)) / self.width), self.n_step_buckets - 1)
+        lb = _bucket_of(float(r.response_length), self.length_edges)
+        # Smallest (not flagged, hash, order) first; the heap keeps the per_stratum smallest.
+        rank = (0 if flags else 1, _digest(self.seed, r.step, r.prompt_id, r.gen_round, r.sample_index), self.seen)
+        self.seen += 1
+        listed = bool(flags) and (self.max_flagged is None or len(self.flagged) < self.max_flagged)
+        heap = self.heaps[(sb, lb)]  # a max-heap of the stratum's smallest ranks (negated)
+        drawn = len(heap) < self.per_stratum or (bool(heap) and rank < _negated(heap[0][0]))
+        if not (listed or drawn):
+            return
+        review = self._review(r, flags, sb, lb)  # one object in both lists (write_report lists it once)
+        if listed:
+            self.flagged.append(review)
+        if drawn and len(heap) < self.per_stratum:
+            heapq.heappush(heap, (_negated(rank), review))
+        elif drawn:
+            heapq.heapreplace(heap, (_negated(rank), review))
+
+    def sample(self) -> List[ReviewSample]:
+        """The drawn responses, stratum by stratum (sorted), each stratum in rank order."""
+        out = []
+        for key in sorted(self.heaps):
+            out += [review for _, review in sorted(self.heaps[key], key=lambda item: _negated(item[0]))]
+        return out
+
+
+def _negated(rank: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(-x for x in rank)
 
 
 def sample_high_reward(records: Sequence, per_stratum: int = 2, n_step_buckets: int = 3,
@@ -239,70 +428,127 @@ def sample_high_reward(records: Sequence, per_stratum: int = 2, n_step_buckets: 
     High reward: `correct`, or reward >= `min_reward` when given. Steps are cut into
     `n_step_buckets` contiguous ranges of equal width, lengths into `n_length_buckets`
     quantile buckets of the high-reward responses; up to `per_stratum` responses are drawn
-    per (step bucket, length bucket) with a seeded RNG, flagged ones first.
+    per (step bucket, length bucket), flagged ones first, each kind in the order of a hash
+    of the row seeded with `seed`.
     """
-    high = [r for r in records if (r.reward >= min_reward if min_reward is not None else bool(r.correct))]
-    if not high:
-        return [], [], 0
-    flags = flag_suspicious(high, copy_min_prompts, copy_min_chars)
-    steps = [int(r.step) for r in high]
-    lo, hi = min(steps), max(steps)
-    width = (hi - lo + 1) / max(n_step_buckets, 1)
-    step_edges = [(lo + int(np.ceil(width * b)), lo + int(np.ceil(width * (b + 1))) - 1) for b in range(n_step_buckets)]
-    length_edges = _bucket_edges([float(r.response_length) for r in high], n_length_buckets)
-    length_bounds = [-np.inf, *length_edges, np.inf]
-
-    def to_review(r, f) -> ReviewSample:
-        sb = min(int((int(r.step) - lo) / width), n_step_buckets - 1)
-        lb = _bucket_of(float(r.response_length), length_edges)
-        a, b = step_edges[sb]
-        l_lo, l_hi = length_bounds[lb], length_bounds[lb + 1]
-        length_label = (f"<= {l_hi:g}" if lb == 0 else f"> {l_lo:g}" if lb == len(length_edges)
-                        else f"({l_lo:g}, {l_hi:g}]") if length_edges else "all"
-        return ReviewSample(step=int(r.step), prompt_id=str(r.prompt_id), gen_round=int(r.gen_round),
-                            sample_index=int(r.sample_index), reward=float(r.reward),
-                            response_length=int(r.response_length), step_bucket=f"{a}-{b}",
-                            length_bucket=length_label, flags=list(f), prompt_text=str(r.prompt_text),
-                            response_text=str(r.response_text))
-
-    reviews = [to_review(r, f) for r, f in zip(high, flags)]
-    strata: Dict[Tuple[int, int], List[ReviewSample]] = defaultdict(list)
-    for r, rv in zip(high, reviews):
-        strata[(min(int((int(r.step) - lo) / width), n_step_buckets - 1),
-                _bucket_of(float(r.response_length), length_edges))].append(rv)
-    rng = random.Random(seed)
-    sample: List[ReviewSample] = []
-    for key in sorted(strata):
-        members = strata[key]
-        flagged = [m for m in members if m.flags]
-        plain = [m for m in members if not m.flags]
-        rng.shuffle(flagged)
-        rng.shuffle(plain)
-        sample += (flagged + plain)[:per_stratum]
-    suspicious = [rv for rv in reviews if rv.flags]
-    return sample, suspicious, len(high)
+    high = [r for r in records if is_high_reward(r, min_reward)]
+    scan = HighRewardScan(copy_min_prompts, copy_min_chars)
+    for r in high:
+        scan.add(r)
+    sampler = HighRewardSampler(scan, per_stratum, n_step_buckets, n_length_buckets, seed)
+    for r in high:
+        sampler.add(r)
+    return sampler.sample(), sampler.flagged, scan.count
 
 
 # ====================================================================== the report
-def build_report(run_dir: Path, per_stratum: int = 2, n_step_buckets: int = 3, n_length_buckets: int = 3,
-                 min_reward: Optional[float] = None, seed: int = 0) -> LedgerReport:
-    """Read `<run_dir>/ledger/` (and metrics.jsonl when there) and compute every table."""
-    from dapo_mega.records import read_metrics
-    from dapo_mega.rollout.ledger import read_records
-
-    records = read_records(run_dir)
-    if not records:
-        raise FileNotFoundError(f"{run_dir}: no ledger shards under {Path(run_dir) / 'ledger'}. Fix: pass a run "
-                                "directory of `dapo-mega train` (outputs/<run_name>)")
+def report_from_records(records: Sequence, metrics_rows: Sequence[Dict] = (), run_dir: str = "",
+                        per_stratum: int = 2, n_step_buckets: int = 3, n_length_buckets: int = 3,
+                        min_reward: Optional[float] = None, seed: int = 0, step_range: str = "all") -> LedgerReport:
+    """The report of rows held in memory (LedgerRecord-like, in ledger order): every table
+    at once. `build_report` streams the same tables from a run directory."""
     sample, suspicious, num_high = sample_high_reward(records, per_stratum, n_step_buckets, n_length_buckets,
                                                       min_reward, seed)
     return LedgerReport(run_dir=str(run_dir), num_records=len(records),
-                        steps=compute_step_diagnostics(records, read_metrics(Path(run_dir))),
-                        ages=compute_age_buckets(records),
+                        steps=compute_step_diagnostics(records, metrics_rows), ages=compute_age_buckets(records),
                         reject_totals=dict(sorted(Counter(r.reject_reason for r in records).items())),
                         num_high_reward=num_high,
                         flag_counts=dict(sorted(Counter(f for rv in suspicious for f in rv.flags).items())),
-                        sample=sample, suspicious=suspicious)
+                        sample=sample, suspicious=suspicious,
+                        elided_responses=sum(1 for r in records if getattr(r, "response_text_elided", False)),
+                        step_range=step_range)
+
+
+STEP_COLUMNS = ("step", "prompt_id", "gen_round", "correct", "reward", "response_length", "truncated",
+                "reject_reason", "age", "response_text_elided")
+"""What the per-step and age tables read: no text."""
+SCAN_COLUMNS = ("step", "prompt_id", "correct", "reward", "response_length", "response_text")
+SAMPLE_COLUMNS = ("step", "prompt_id", "gen_round", "sample_index", "correct", "reward", "response_length",
+                  "response_text", "prompt_text", "response_text_elided")
+_MISSING = {"response_text_elided": False}
+"""Columns that shards written before them lack, and the value they stand for."""
+
+
+@lru_cache(maxsize=None)
+def _row_type(columns: Tuple[str, ...]):
+    return namedtuple("LedgerRow", columns)
+
+
+def iter_shard_rows(path: Path, columns: Sequence[str], batch_rows: Optional[int] = None) -> Iterator:
+    """The rows of one shard as named tuples of `columns`, one row group (or `batch_rows`
+    rows) read at a time."""
+    import pyarrow.parquet as pq
+
+    from dapo_mega.rollout.ledger import ROW_GROUP_ROWS
+
+    shard = pq.ParquetFile(path)
+    present = set(shard.schema_arrow.names)
+    row = _row_type(tuple(columns))
+    for batch in shard.iter_batches(batch_size=batch_rows or ROW_GROUP_ROWS, columns=[c for c in columns if c in present]):
+        values = [batch.column(c).to_pylist() if c in present else [_MISSING[c]] * batch.num_rows for c in columns]
+        for r in zip(*values):
+            yield row(*r)
+
+
+def parse_steps(text: Optional[str]) -> Tuple[Optional[int], Optional[int]]:
+    """`A:B` (A to B, both included), `A:`, `:B`, `A` (one step) or None/'' (all)."""
+    if not text:
+        return None, None
+    try:
+        if ":" not in text:
+            return int(text), int(text)
+        first, last = text.split(":", 1)
+        return (int(first) if first.strip() else None), (int(last) if last.strip() else None)
+    except ValueError:
+        raise ValueError(f"--steps {text!r}: expected A:B, A:, :B or A (step numbers)") from None
+
+
+def build_report(run_dir: Path, per_stratum: int = 2, n_step_buckets: int = 3, n_length_buckets: int = 3,
+                 min_reward: Optional[float] = None, seed: int = 0, steps: Tuple[Optional[int], Optional[int]] =
+                 (None, None), max_flagged: Optional[int] = MAX_FLAGGED) -> LedgerReport:
+    """Stream `<run_dir>/ledger/` (the shards of `steps`, both ends included) and
+    metrics.jsonl when there into every table (module docstring)."""
+    from dapo_mega.records import read_metrics
+    from dapo_mega.rollout.ledger import ledger_dir, ledger_shards
+
+    first, last = steps
+    step_range = "all" if steps == (None, None) else f"{'' if first is None else first}:{'' if last is None else last}"
+    shards = ledger_shards(run_dir, first, last)
+    if not shards:
+        where = "" if step_range == "all" else f" of steps {step_range}"
+        raise FileNotFoundError(f"{run_dir}: no ledger shards{where} under {ledger_dir(run_dir)}. Fix: pass a run "
+                                "directory of `dapo-mega train` (outputs/<run_name>)"
+                                + ("" if step_range == "all" else " and a --steps range it has written"))
+    metrics_rows = read_metrics(Path(run_dir))
+    step_rows: List[StepDiagnostics] = []
+    ages, rejects, num_records, elided = AgeTally(), Counter(), 0, 0
+    scan = HighRewardScan()
+    with_high: List[Path] = []
+    for _, path in shards:  # pass 1: the tables, and what fixes the sample's buckets
+        rows = list(iter_shard_rows(path, STEP_COLUMNS))
+        diagnostics = compute_step_diagnostics(rows, metrics_rows)
+        repeated = {d.step for d in diagnostics} & {d.step for d in step_rows}
+        if repeated:  # a step's table needs all its rows at once: write_step puts them in one shard
+            raise ValueError(f"{path}: rows of step {sorted(repeated)} are in another shard too (a shard holds one step)")
+        step_rows += diagnostics
+        ages.add(rows)
+        rejects.update(r.reject_reason for r in rows)
+        num_records += len(rows)
+        elided += sum(1 for r in rows if r.response_text_elided)
+        if any(is_high_reward(r, min_reward) for r in rows):
+            with_high.append(path)
+            for r in iter_shard_rows(path, SCAN_COLUMNS):
+                if is_high_reward(r, min_reward):
+                    scan.add(r)
+    sampler = HighRewardSampler(scan, per_stratum, n_step_buckets, n_length_buckets, seed, max_flagged)
+    for path in with_high:  # pass 2: flags and the draw
+        for r in iter_shard_rows(path, SAMPLE_COLUMNS):
+            if is_high_reward(r, min_reward):
+                sampler.add(r)
+    return LedgerReport(run_dir=str(run_dir), num_records=num_records, steps=sorted(step_rows, key=lambda d: d.step),
+                        ages=ages.rows(), reject_totals=dict(sorted(rejects.items())), num_high_reward=scan.count,
+                        flag_counts=dict(sorted(sampler.flag_counts.items())), sample=sampler.sample(),
+                        suspicious=sampler.flagged, elided_responses=elided, step_range=step_range)
 
 
 def _quote(text: str, limit: int = 160) -> str:
@@ -311,9 +557,14 @@ def _quote(text: str, limit: int = 160) -> str:
 
 
 def render_markdown(report: LedgerReport, max_suspicious: int = 50) -> str:
+    steps = "" if report.step_range == "all" else f" (steps {report.step_range})"
     lines = [f"# Ledger report: {report.run_dir}", "",
-             f"{report.num_records} ledger rows, {len(report.steps)} steps, "
-             f"{report.num_high_reward} high-reward responses.", "", "## Per step", "",
+             f"{report.num_records} ledger rows, {len(report.steps)} steps{steps}, "
+             f"{report.num_high_reward} high-reward responses."]
+    if report.elided_responses:
+        lines += ["", f"{report.elided_responses} responses are held elided or not at all (trainer.ledger_text): "
+                  "the flags read what the ledger holds, and judge such a response near-empty by its length only."]
+    lines += ["", "## Per step", "",
              "| step | samples | groups | all-correct | all-wrong | reward | pass | len mean | len p50 | len p90 "
              "| len max | trunc | verifier err (ledger / metrics) | reject reasons |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -419,10 +670,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--min-reward", type=float, default=None,
                         help="high reward threshold (default: the verifier said correct)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", default=None,
+                        help="steps to read: A:B (both included), A:, :B or A (default: all)")
+    parser.add_argument("--max-flagged", type=int, default=MAX_FLAGGED,
+                        help="flagged responses listed in high_reward_sample.jsonl (all are counted)")
     args = parser.parse_args(argv)
     try:
+        steps = parse_steps(args.steps)
+    except ValueError as exc:
+        print(f"ledger_report: {exc}")
+        return 2
+    try:
         report = build_report(args.run_dir, args.per_stratum, args.step_buckets, args.length_buckets,
-                              args.min_reward, args.seed)
+                              args.min_reward, args.seed, steps=steps, max_flagged=args.max_flagged)
     except FileNotFoundError as exc:
         print(f"ledger_report: {exc}")
         return 2

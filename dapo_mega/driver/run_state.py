@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from dapo_mega.rollout.ledger import ledger_dir, ledger_record, write_step
+from dapo_mega.rollout.ledger import FULL_TEXT, LedgerText, ledger_dir, ledger_record, write_step
 from dapo_mega.rollout.samples import ScoredSample
 
 
@@ -115,9 +115,11 @@ class RunState:
         return (n > 0 and step % n == 0) or step == self.cfg.total_steps
 
 
-def write_ledger(run_dir: Path, run_id: str, step: int, samples: Sequence[ScoredSample]) -> Path:
-    """The ledger shard of `step`: one row per sample the step generated or dropped."""
-    return write_step(run_dir, step, [ledger_record(s, run_id) for s in samples])
+def write_ledger(run_dir: Path, run_id: str, step: int, samples: Sequence[ScoredSample],
+                 text: LedgerText = FULL_TEXT) -> Path:
+    """The ledger shard of `step`: one row per sample the step generated or dropped, its
+    texts as `text` keeps them (`LedgerText.of(cfg.trainer)`)."""
+    return write_step(run_dir, step, [ledger_record(s, run_id, text) for s in samples])
 
 
 def prune_records_after(run_dir: Path, step: int) -> None:

@@ -7,6 +7,16 @@ rewriting a step after a resume replaces its shard instead of duplicating rows.
 
 A row is read off a `ScoredSample` (rollout/samples.py) by `ledger_record`, field by field
 under the same names.
+
+At scale (the 32B recipe generates 24,576 responses per dynamic-sampling round, up to
+20,480 tokens each) the text columns are most of a shard. `LedgerText`
+(`trainer.ledger_text`) keeps them whole, keeps the head and the tail of long ones (the
+answer is at the end of a response) or leaves them out; either way a row records the
+text's length in characters and whether the stored text is all of it. The ledger holds no
+token ids or log-probs (only `response_length`), so nothing else grows with the response.
+Shards are zstd-compressed and written in row groups of `ROW_GROUP_ROWS` rows, so a reader
+can stream one row group of text at a time (`dapo_mega.ledger_report`).
+`ledger_bytes_per_step` estimates a shard's size from the config (`dapo-mega plan`).
 """
 
 from __future__ import annotations
@@ -15,15 +25,22 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple, get_args
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dapo_mega.config import LedgerTextMode
 from dapo_mega.rollout.samples import ScoredSample
 
 REJECT_REASONS = ("kept", "all_correct_group", "all_wrong_group", "stale", "verifier_error",
                   "surplus_carried", "aborted")
+LEDGER_TEXT_MODES = get_args(LedgerTextMode)
+"""Values of `trainer.ledger_text`: full, head_tail, none."""
+COMPRESSION = "zstd"
+ROW_GROUP_ROWS = 2048
+"""Rows per parquet row group: what a streaming reader decompresses at once (2,048 whole
+20,480-token responses are ~150 MB of text; head_tail at 2,048 chars, ~4 MB)."""
 
 
 @dataclass
@@ -48,6 +65,8 @@ class LedgerRecord:
     generation_latency_s: float
     response_length: int
     truncated: bool
+    """The engine stopped the response at the length limit (about generation, not about
+    what the ledger stores: see response_text_elided)."""
     reward: float
     correct: bool
     reward_components: str
@@ -56,18 +75,81 @@ class LedgerRecord:
     verifier_version: str
     reject_reason: str
     response_text: str
+    """The response as decoded, or its head and tail (response_text_elided)."""
     prompt_text: str
     gen_round: int = 0
+    response_text_chars: Optional[int] = None
+    """Characters of the whole response text (None when built: len(response_text))."""
+    response_text_elided: bool = False
+    """response_text is not all of the response: its head and tail around an elision
+    marker (trainer.ledger_text=head_tail) or empty (none)."""
+    prompt_text_chars: Optional[int] = None
+    """Characters of the whole prompt text (None when built: len(prompt_text))."""
+    prompt_text_elided: bool = False
+    """prompt_text is not all of the prompt (as response_text_elided)."""
+
+    def __post_init__(self):
+        # Rows of shards written before these columns existed read back as nulls: whole texts.
+        if self.response_text_chars is None:
+            self.response_text_chars = len(self.response_text)
+        if self.prompt_text_chars is None:
+            self.prompt_text_chars = len(self.prompt_text)
+        self.response_text_elided = bool(self.response_text_elided)
+        self.prompt_text_elided = bool(self.prompt_text_elided)
 
 
 _TYPES = {int: pa.int64(), float: pa.float64(), bool: pa.bool_(), str: pa.string(),
           "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string(),
           "Optional[int]": pa.int64()}
 SCHEMA = pa.schema([(f.name, _TYPES[f.type]) for f in fields(LedgerRecord)])
+TEXT_COLUMNS = ("response_text", "prompt_text")
 
 
-def ledger_record(sample: ScoredSample, run_id: str) -> LedgerRecord:
-    """The ledger row of a sample that has been scored and stamped by its consumer."""
+def elision_marker(num_chars: int) -> str:
+    """What stands in for the `num_chars` characters left out of the middle of a text."""
+    return f"\n[... {num_chars} chars elided ...]\n"
+
+
+@dataclass(frozen=True)
+class LedgerText:
+    """What the ledger keeps of each prompt and response text (`trainer.ledger_text`).
+
+    full: the whole text. head_tail: a text longer than `max_chars` keeps its first
+    max_chars // 2 and its last max_chars - max_chars // 2 characters, joined by
+    `elision_marker` (it names how many were left out). none: no text (prompt_id and
+    dataset_revision still say which prompt it was)."""
+
+    mode: str = "full"
+    max_chars: int = 2048
+
+    def __post_init__(self):
+        if self.mode not in LEDGER_TEXT_MODES:
+            raise ValueError(f"ledger text mode {self.mode!r} is not one of {LEDGER_TEXT_MODES}")
+
+    @classmethod
+    def of(cls, trainer_cfg: Any) -> "LedgerText":
+        """The setting of a TrainerConfig (trainer.ledger_text, trainer.ledger_text_max_chars)."""
+        return cls(trainer_cfg.ledger_text, trainer_cfg.ledger_text_max_chars)
+
+    def keep(self, text: str) -> Tuple[str, bool]:
+        """(the text to store, whether it is not all of `text`)."""
+        if self.mode == "none":
+            return "", bool(text)
+        if self.mode == "full" or len(text) <= self.max_chars:
+            return text, False
+        head = self.max_chars // 2
+        tail = self.max_chars - head
+        return text[:head] + elision_marker(len(text) - head - tail) + text[len(text) - tail:], True
+
+
+FULL_TEXT = LedgerText()
+
+
+def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEXT) -> LedgerRecord:
+    """The ledger row of a sample that has been scored and stamped by its consumer; its
+    texts as `text` keeps them."""
+    response_text, response_elided = text.keep(sample.response_text)
+    prompt_text, prompt_elided = text.keep(sample.prompt_text)
     return LedgerRecord(
         run_id=run_id, step=sample.step, prompt_id=sample.prompt_id, dataset_revision=sample.dataset_revision,
         sample_index=sample.sample_index, seed=sample.seed, policy_version_min=sample.policy_version_min,
@@ -77,7 +159,9 @@ def ledger_record(sample: ScoredSample, run_id: str) -> LedgerRecord:
         truncated=sample.truncated, reward=sample.reward, correct=sample.correct,
         reward_components=json.dumps(sample.score.components()), verifier=sample.score.verifier,
         verifier_version=sample.score.verifier_version, reject_reason=sample.reject_reason,
-        response_text=sample.response_text, prompt_text=sample.prompt_text, gen_round=sample.gen_round)
+        response_text=response_text, prompt_text=prompt_text, gen_round=sample.gen_round,
+        response_text_chars=len(sample.response_text), response_text_elided=response_elided,
+        prompt_text_chars=len(sample.prompt_text), prompt_text_elided=prompt_elided)
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:
@@ -88,6 +172,18 @@ def shard_path(run_dir: os.PathLike, step: int) -> Path:
     return ledger_dir(run_dir) / f"step_{step:08d}.parquet"
 
 
+def ledger_shards(run_dir: os.PathLike, first: Optional[int] = None, last: Optional[int] = None
+                  ) -> List[Tuple[int, Path]]:
+    """(step, path) of the run's shards with first <= step <= last (None: unbounded), in
+    step order; the step is read off the file name, no shard is opened."""
+    out = []
+    for path in ledger_dir(run_dir).glob("step_*.parquet"):
+        step = int(path.stem.split("_")[1])
+        if (first is None or step >= first) and (last is None or step <= last):
+            out.append((step, path))
+    return sorted(out)
+
+
 def prepare_writer() -> None:
     """Load what the first `write_step` would load (pyarrow imports pandas on its first
     array, ~0.3 s): the driver calls this at start-up, not inside its first step."""
@@ -95,7 +191,8 @@ def prepare_writer() -> None:
 
 
 def write_step(run_dir: os.PathLike, step: int, records: Sequence[LedgerRecord]) -> Path:
-    """Write (or replace) the shard of `step` atomically."""
+    """Write (or replace) the shard of `step` atomically: zstd, ROW_GROUP_ROWS rows per row
+    group, built one row group at a time (a step's rows are never all in one table)."""
     path = shard_path(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     for r in records:
@@ -103,17 +200,26 @@ def write_step(run_dir: os.PathLike, step: int, records: Sequence[LedgerRecord])
             raise ValueError(f"record of step {r.step} written into step {step}")
         if r.reject_reason not in REJECT_REASONS:
             raise ValueError(f"unknown reject reason {r.reject_reason!r}")
-    # Column by column: `asdict` deep-copies every field of every row (most of a step's driver time).
-    table = pa.Table.from_pydict({name: [getattr(r, name) for r in records] for name in SCHEMA.names}, schema=SCHEMA)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    pq.write_table(table, tmp)
+    # Unique texts gain nothing from a dictionary (it overflows and falls back anyway), and
+    # min/max statistics of texts would copy whole texts into the footer.
+    dictionary = [name for name in SCHEMA.names if name != "response_text"]
+    statistics = [name for name in SCHEMA.names if name not in TEXT_COLUMNS]
+    with pq.ParquetWriter(tmp, SCHEMA, compression=COMPRESSION, use_dictionary=dictionary,
+                          write_statistics=statistics) as writer:
+        for start in range(0, len(records), ROW_GROUP_ROWS):
+            chunk = records[start:start + ROW_GROUP_ROWS]
+            # Column by column: `asdict` deep-copies every field of every row (most of a step's driver time).
+            writer.write_table(pa.Table.from_pydict({name: [getattr(r, name) for r in chunk] for name in SCHEMA.names},
+                                                    schema=SCHEMA), row_group_size=ROW_GROUP_ROWS)
     os.replace(tmp, path)
     return path
 
 
 def read_ledger(run_dir: os.PathLike, steps: Optional[Sequence[int]] = None) -> pa.Table:
-    """All shards of a run (or of `steps`), concatenated in step order."""
-    paths = sorted(ledger_dir(run_dir).glob("step_*.parquet"))
+    """All shards of a run (or of `steps`), concatenated in step order. Columns a shard
+    predates read back as nulls (LedgerRecord fills them in)."""
+    paths = [p for _, p in ledger_shards(run_dir)]
     if steps is not None:
         wanted = {shard_path(run_dir, s).name for s in steps}
         paths = [p for p in paths if p.name in wanted]
@@ -123,4 +229,73 @@ def read_ledger(run_dir: os.PathLike, steps: Optional[Sequence[int]] = None) -> 
 
 
 def read_records(run_dir: os.PathLike, steps: Optional[Sequence[int]] = None) -> List[LedgerRecord]:
+    """Every row of `read_ledger` as a LedgerRecord: for tests and small runs (the report
+    streams instead, `dapo_mega.ledger_report`)."""
     return [LedgerRecord(**row) for row in read_ledger(run_dir, steps).to_pylist()]
+
+
+# ====================================================================== size estimate
+CHARS_PER_TOKEN = 3.7
+"""Characters per token of math reasoning text (Qwen2.5's tokenizer on English + LaTeX:
+~3.5-4)."""
+TEXT_COMPRESSION = 3.0
+"""zstd (pyarrow's default level) on reasoning text: 3.25x measured on the tests' synthetic
+math text (words, products, LaTeX); English prose is typically 2.5-3.5x."""
+ROW_BYTES = 40.0
+"""Compressed bytes of a row's other columns and its share of the footer: ~14 numbers (two
+float timings are most of it) and a few short repeated strings (ids, reject reason, reward
+parts as JSON); ~30-35 measured on shards of 512 rows."""
+
+
+def ledger_responses_per_step(algo_cfg: Any, rounds: int = 1) -> int:
+    """Ledger rows of a step that takes `rounds` generation rounds: every round sends
+    algo.gen_batch_size prompts of algo.n_samples_per_prompt responses, each one a row
+    (kept or rejected). The bound is rounds = algo.max_num_gen_batches (when > 0)."""
+    return int(algo_cfg.gen_batch_size) * int(algo_cfg.n_samples_per_prompt) * int(rounds)
+
+
+def ledger_bytes_per_step(responses_per_step: float, mean_response_tokens: float, *, text: str = "full",
+                          text_max_chars: int = 2048, group_size: int = 16, prompt_tokens: float = 150.0,
+                          chars_per_token: float = CHARS_PER_TOKEN, text_compression: float = TEXT_COMPRESSION,
+                          row_bytes: float = ROW_BYTES) -> float:
+    """Estimated bytes of one step's ledger shard.
+
+        bytes = N · (row_bytes + C(mean_response_tokens) / text_compression)
+              + (N / group_size) · C(prompt_tokens) / text_compression
+
+    with N = responses_per_step (`ledger_responses_per_step`: dynamic sampling's rounds
+    included) and C(t) the characters stored of a text of t tokens: t · chars_per_token for
+    text="full"; min(that, text_max_chars + ~30 for the marker) for "head_tail"; 0 for
+    "none". Assumptions:
+    * A prompt's text costs once per group: its group_size rows repeat it next to each
+      other and parquet's dictionary encoding stores it once per row group.
+    * head_tail applies min() to the mean length, not to each response: min is concave,
+      so with a spread of lengths this is an upper bound (by Jensen).
+    * row_bytes and text_compression default to ROW_BYTES and TEXT_COMPRESSION; on shards
+      of synthetic math text the estimate is 0.96-1.11x the written bytes (the tests hold
+      it within 1.5x); real reasoning text may compress differently.
+    * UTF-8 takes one byte per character (math text is nearly all ASCII).
+    """
+    if text not in LEDGER_TEXT_MODES:
+        raise ValueError(f"text {text!r} is not one of {LEDGER_TEXT_MODES}")
+
+    def stored_chars(tokens: float) -> float:
+        chars = tokens * chars_per_token
+        if text == "none":
+            return 0.0
+        if text == "head_tail":
+            return min(chars, text_max_chars + len(elision_marker(int(chars))))
+        return chars
+
+    n = float(responses_per_step)
+    return (n * (row_bytes + stored_chars(mean_response_tokens) / text_compression)
+            + n / max(group_size, 1) * stored_chars(prompt_tokens) / text_compression)
+
+
+def ledger_bytes_per_step_of(cfg: Any, mean_response_tokens: float, prompt_tokens: float = 150.0,
+                             rounds: int = 1) -> float:
+    """`ledger_bytes_per_step` of a DapoConfig: its rows per step (`rounds` generation rounds;
+    algo.max_num_gen_batches is the bound), group size and trainer.ledger_text setting."""
+    return ledger_bytes_per_step(ledger_responses_per_step(cfg.algo, rounds), mean_response_tokens,
+                                 text=cfg.trainer.ledger_text, text_max_chars=cfg.trainer.ledger_text_max_chars,
+                                 group_size=cfg.algo.n_samples_per_prompt, prompt_tokens=prompt_tokens)

@@ -7,7 +7,7 @@ from helpers_driver import group
 
 from dapo_mega.config import TrainerConfig
 from dapo_mega.driver.run_state import RunState, TrainerState, prune_records_after, write_ledger
-from dapo_mega.rollout.ledger import LedgerRecord, read_records
+from dapo_mega.rollout.ledger import LedgerRecord, LedgerText, read_records
 
 
 def test_schedule():
@@ -34,10 +34,30 @@ def test_ledger_rows_keep_the_samples_names(tmp_path):
             assert getattr(row, name) == getattr(s, name), name
     assert rows[0].seed == 7 and rows[0].age == 2 and rows[0].run_id == "run"
     assert json.loads(rows[0].reward_components) == {"correctness": 0.0, "overlong_penalty": 0.0}
-    # every ledger column is the sample's field of the same name, except the run's id and the
-    # reward's parts, which the sample holds in its typed `score`
-    assert {f.name for f in fields(LedgerRecord) if not hasattr(samples[0], f.name)} == {"run_id", "reward_components",
-                                                                                        "verifier", "verifier_version"}
+    assert (rows[0].response_text_chars, rows[0].response_text_elided) == (len(samples[0].response_text), False)
+    # every ledger column is the sample's field of the same name, except the run's id, the
+    # reward's parts, which the sample holds in its typed `score`, and what the ledger kept of
+    # the texts (trainer.ledger_text)
+    assert {f.name for f in fields(LedgerRecord) if not hasattr(samples[0], f.name)} == {
+        "run_id", "reward_components", "verifier", "verifier_version", "response_text_chars", "response_text_elided",
+        "prompt_text_chars", "prompt_text_elided"}
+
+
+def test_ledger_rows_record_what_was_kept(tmp_path):
+    samples = group("p1", [1.0, -1.0]).stamp(step=2, learner_version=1)
+    samples[0].response_text = "Let me think. " * 100 + "Answer: 46"
+    samples[0].prompt_text = "Q? " * 10
+    write_ledger(tmp_path, "run", 2, samples, text=LedgerText("head_tail", 64))
+    long, short = read_records(tmp_path)
+    assert long.response_text_elided and long.response_text_chars == 1410
+    assert long.response_text.startswith("Let me think.") and long.response_text.endswith("Answer: 46")
+    assert (short.response_text, short.response_text_elided, short.response_text_chars) == (" 46\n", False, 4)
+    assert (long.prompt_text, long.prompt_text_elided, long.prompt_text_chars) == ("Q? " * 10, False, 30)
+    write_ledger(tmp_path, "run", 2, samples, text=LedgerText("none"))
+    rows = read_records(tmp_path)
+    assert [(r.response_text, r.response_text_elided, r.response_text_chars) for r in rows] == [("", True, 1410),
+                                                                                               ("", True, 4)]
+    assert rows[0].prompt_text == "" and rows[0].prompt_text_elided and rows[0].prompt_text_chars == 30
 
 
 def test_prune_records_after(tmp_path):
