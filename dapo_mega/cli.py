@@ -135,17 +135,23 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
 
     from dapo_mega.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
     from dapo_mega.plan import compute_plan, format_plan
+    from dapo_mega.rollout.ledger import ledger_bytes_per_step_of
 
     assumptions = assumptions_from_overrides(clock_overrides)
     plan = compute_plan(cfg, assumptions.lengths)
     clock = estimate_clock(cfg, assumptions, plan)
     plan["warnings"] += [f"clock: {w}" for w in clock_warnings(cfg, clock)]
     plan["clock"] = clock.to_dict()
-    # ISSUE 19 (records at scale): the ledger's bytes per step come from
-    # `dapo_mega.rollout.ledger.ledger_bytes_per_step`, which another change adds; until it
-    # exists the plan says so. Replace these two lines with the call (and its figure in the JSON).
-    plan["ledger"] = {"bytes_per_step": None}
-    ledger = "ledger: bytes per step not estimated yet (dapo_mega.rollout.ledger.ledger_bytes_per_step to come)"
+    lengths = assumptions.lengths.resolved(cfg.algo.max_prompt_length, cfg.algo.max_response_length)
+    per_round = ledger_bytes_per_step_of(cfg, lengths.response_moment(1, cfg.algo.max_response_length),
+                                         lengths.prompt_tokens)
+    rounds = max(1, cfg.algo.max_num_gen_batches)
+    plan["ledger"] = {"bytes_per_step": per_round, "bytes_per_step_at_round_limit": per_round * rounds,
+                      "text": cfg.trainer.ledger_text}
+    ledger = (f"ledger: {per_round / 1e6:,.1f} MB per step and generation round (trainer.ledger_text="
+              f"{cfg.trainer.ledger_text}; up to {per_round * rounds / 1e6:,.1f} MB at algo.max_num_gen_batches="
+              f"{cfg.algo.max_num_gen_batches}), {per_round * cfg.trainer.total_steps / 1e9:,.1f} GB over "
+              f"{cfg.trainer.total_steps} steps of one round")
     print(json.dumps(plan, indent=2) if as_json else format_plan(plan, sections=[format_clock(cfg, clock), ledger]))
     return 1 if any(w.startswith("learner does not fit") for w in plan["warnings"]) else 0
 

@@ -304,3 +304,17 @@ def test_the_warm_start_says_what_it_does_before_it_starts(monkeypatch):
         trainer.train(load_config([]))
     assert said == ["[warm start] 1200 supervised steps x 64 reference answers at lr 0.003 on tiny-qwen2 before "
                     "RL step 1 (trainer.sft_warmup_steps=0: none)"]
+
+
+def test_plan_prints_the_ledger_bytes_per_step_by_text_setting(capsys):
+    from dapo_mega.cli import main as cli_main
+
+    figures = {}
+    for mode in ("none", "head_tail", "full"):
+        assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", f"trainer.ledger_text={mode}", "--json"]) == 0
+        import json
+
+        figures[mode] = json.loads(capsys.readouterr().out)["ledger"]["bytes_per_step"]
+    # 1536 prompts x 16 samples per round; full text of ~4,000-token answers is ~100 MB
+    assert figures["none"] < figures["head_tail"] < figures["full"]
+    assert 1536 * 16 * 20 < figures["none"] and 50e6 < figures["full"] < 500e6

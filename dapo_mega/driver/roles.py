@@ -18,7 +18,7 @@ from dapo_mega.driver import advantages
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, write_ledger
-from dapo_mega.rollout.ledger import prepare_writer
+from dapo_mega.rollout.ledger import LedgerText, prepare_writer
 
 DRIVER_RANK = 0
 
@@ -178,7 +178,8 @@ class DriverRole(LearnerRankRole):
             syncer.resume_engine_memory()
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
-        write_ledger(self.run.run_dir, self.cfg.trainer.run_name, step, batch.samples)
+        write_ledger(self.run.run_dir, self.cfg.trainer.run_name, step, batch.samples,
+                     text=LedgerText.of(self.cfg.trainer))
         self.last_batch = batch
 
     def evaluate(self) -> Dict[str, float]:

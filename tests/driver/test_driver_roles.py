@@ -51,3 +51,22 @@ def test_learner_rank_role_alone_is_a_null_object():
                  lambda: role.engines_serve(3), lambda: role.start_rollouts(1), lambda: role.say("x"),
                  lambda: role.release_engine_memory(None), lambda: role.close()):
         assert call() is None
+
+
+def test_driver_writes_the_ledger_with_the_configured_text_setting(tmp_path):
+    """trainer.ledger_text reaches the shard the driver writes (none: no prompt or response text)."""
+    from dataclasses import replace
+
+    from dapo_mega.rollout.ledger import read_records
+
+    cfg = DapoConfig()
+    cfg.trainer.ledger_text = "none"
+    role = DriverRole(cfg, RunState(str(tmp_path), cfg.trainer), SimpleNamespace(), None, [], None)
+    try:
+        samples = [replace(s, prompt_text="prompt a") for s in group("a", [1.0, -1.0]).stamp(1, 0)]
+        role.write_ledger(1, RolloutBatch(step=1, samples=samples))
+    finally:
+        role.gate.close()
+    rows = read_records(tmp_path, steps=[1])
+    assert len(rows) == 2 and all(r.response_text == "" and r.prompt_text == "" for r in rows)
+    assert all(r.response_text_chars == 4 for r in rows)       # the original length is still recorded
