@@ -31,3 +31,15 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny HF checkpoint (config, char tokenizer, random weights, seed 7), built once per
+    session for the tests that only need some model to serve or train."""
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"), seed=7)

@@ -354,6 +354,10 @@ class RolloutManager:
         async def worker(url: str, client: EngineClient):
             try:
                 await work(url, client)
+            except Exception as exc:  # a bug, not an engine's failure: end the round, never hang on it
+                errors.append(exc)
+                done_event.set()
+                raise
             finally:
                 notify()
 

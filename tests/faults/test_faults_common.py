@@ -249,6 +249,7 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Opt
     EngineFleet.start = start
     original = EngineClient.generate
     done = [False]
+    signalled = [False]  # the in-flight fault acts on one request (several may go to engine K at once)
 
     async def generate(self, *args, **kwargs):
         import asyncio
@@ -259,15 +260,16 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Opt
             print(f"[fault] SIGCONT to engine {engine_index} ({engine.url}) at step {step}", flush=True)
             os.kill(engine.proc.pid, sig)
         if _current_step[0] == step and not done[0]:
-            if self.url == engine.url and in_flight is not None:
+            if self.url == engine.url and in_flight is not None and not signalled[0]:
+                signalled[0] = True
                 return await _signal_in_flight(engine, engine_index, sig, step, original(self, *args, **kwargs), done,
                                                in_flight)
-            if self.url == engine.url:
+            if self.url == engine.url and in_flight is None:
                 done[0] = True
                 print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) pid "
                       f"{engine.proc.pid} at step {step}", flush=True)
                 os.kill(engine.proc.pid, sig)
-            else:  # hold the other engines' first requests so that engine K surely gets a chunk
+            else:  # hold the other requests (engine K's later ones too) until the fault is done
                 deadline = time.monotonic() + 10.0
                 while not done[0] and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)

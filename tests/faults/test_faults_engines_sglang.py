@@ -49,6 +49,9 @@ def test_sglang_engine_killed_mid_request_loses_and_duplicates_no_prompt(tmp_pat
         "trainer.total_steps=2", "trainer.save_interval=0",
         f"algo.n_samples_per_prompt={N_SAMPLES}", f"algo.train_batch_size={PROMPTS_PER_STEP}",
         f"algo.gen_batch_size={PROMPTS_PER_STEP}", "algo.mini_batch_size=18",
+        # answers long enough that the faulted request is surely still decoding when its
+        # prefill shows in the log (requests now go to both engines from the start)
+        "algo.max_response_length=64",
     ], faults=[fault], timeout_s=900)
     out = result.stdout
     assert result.returncode == 0, out[-4000:]

@@ -35,19 +35,10 @@ class Prompt:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    d = tmp_path_factory.mktemp("tiny_clock")
-    build_tiny_model_dir(d, seed=7)
-    return d
-
-
-@pytest.fixture(scope="module")
-def slow_engines(model_dir):
+def slow_engines(tiny_model_dir):
     """Two embedded engines whose every forward step takes >= DELAY_MS."""
     rollout = RolloutConfig(extra_server_args=["--test-decode-delay-ms", str(DELAY_MS)], health_timeout_s=120)
-    fleet = EngineFleet(rollout, str(model_dir), num_threads=1, weight_version="0",
+    fleet = EngineFleet(rollout, str(tiny_model_dir), num_threads=1, weight_version="0",
                         extra_env={"DAPO_MEGA_TEST_CLOCK": "1"})
     fleet.start(2)
     try:
