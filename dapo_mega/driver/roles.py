@@ -57,10 +57,6 @@ class LearnerRankRole:
         """The step's TrainSamples (advantages computed on the driver), on every rank."""
         return self.broadcast()
 
-    def dead_engines(self) -> Dict[str, str]:
-        """Engines the rollout manager found dead (url -> why), on every rank. Collective."""
-        return self.broadcast()
-
     def engine_changes(self) -> Tuple[Dict[str, str], List[str]]:
         """(engines found dead: url -> why, dead engines that answer again), on every rank.
         Collective; the driver probes its dead engines first."""
@@ -151,9 +147,6 @@ class DriverRole(LearnerRankRole):
 
     def train_samples(self, batch: RolloutBatch) -> list:
         return self.broadcast(self.advantage_step(batch))
-
-    def dead_engines(self) -> Dict[str, str]:
-        return self.broadcast(self.rollouts.manager.dead_engines())
 
     def engine_changes(self) -> Tuple[Dict[str, str], List[str]]:
         manager = self.rollouts.manager

@@ -18,13 +18,14 @@ def _roles(rank: int, world_size: int, run_dir: str):
     try:
         cfg = DapoConfig()
         if rank == 0:
-            manager = SimpleNamespace(dead_engines=lambda: {"http://127.0.0.1:9": "ConnectionRefused"})
+            manager = SimpleNamespace(dead_engines=lambda: {"http://127.0.0.1:9": "ConnectionRefused"},
+                                      probe_dead=lambda: [])
             role = DriverRole(cfg, RunState(run_dir, cfg.trainer), SimpleNamespace(manager=manager), None, [], None)
             batch = RolloutBatch(step=1, groups=[group("a", [1.0, -1.0]), group("b", [1.0, 1.0, -1.0])])
         else:
             role, batch = LearnerRankRole(), RolloutBatch(step=1)
         samples = role.train_samples(batch)
-        dead = role.dead_engines()
+        dead, _revived = role.engine_changes()
         evaluated = role.evaluate()  # every rank: the others wait for the driver's evaluation to end
         return {"is_driver": role.is_driver, "dead": dead, "evaluate": evaluated,
                 "samples": [(s.prompt_ids, s.response_ids, round(s.advantage, 6)) for s in samples],
