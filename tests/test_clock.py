@@ -235,7 +235,8 @@ def test_plan_prints_the_clock_beside_its_timeouts(capsys):
         assert f" {estimate}  " in line and line.index(estimate) < line.index(bound), line
     assert "decode 4,000 tokens/s at full batch, 50 tokens/s per sequence" in out
     assert "median 2,560, sigma 1" in out and "MFU 0.4 of 989 TFLOP/s" in out
-    assert "ledger: bytes per step" in out
+    ledger = next(line for line in out.splitlines() if line.startswith("ledger: "))
+    assert "MB per step and generation round (trainer.ledger_text=head_tail;" in ledger, ledger
     assert out.rstrip().endswith("no warnings")
 
 
