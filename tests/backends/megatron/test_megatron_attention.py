@@ -1,5 +1,6 @@
-"""The local spec's core attention through torch's fused SDPA equals megatron-core's own
-`DotProductAttention` (the reference: megatron's unfused QKᵀ, masked softmax, matmul with V),
+"""The local spec's core attention runs torch's fused SDPA (one call per forward, counted) and
+equals two references it does not share code with: megatron-core's own `DotProductAttention`
+(unfused QKᵀ, masked softmax, matmul with V) and a few lines of attention written here,
 forward and backward, with grouped-query heads, for the causal (padded) layout and for the
 packed layout's block-diagonal mask; and it hands back to megatron's path for what it does
 not compute the same way (attention dropout while training)."""
@@ -17,6 +18,16 @@ def _block_diagonal_mask() -> torch.Tensor:
     segments = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12, [0] * 3 + [1] * 9])
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
     return (~((segments.unsqueeze(2) == segments.unsqueeze(1)) & causal)).unsqueeze(1)
+
+
+def _by_hand(q, k, v, mask):
+    """softmax(q kᵀ / sqrt(d), masked) v over [s, b, heads, d] inputs, kv heads shared by groups."""
+    repeat = q.size(2) // k.size(2)
+    k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / q.size(-1) ** 0.5
+    masked = torch.ones(q.size(0), k.size(0), dtype=torch.bool).triu(1) if mask is None else mask
+    probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhst,tbhd->sbhd", probs, v).reshape(q.size(0), q.size(1), -1)
 
 
 def _compare(rank, world):
@@ -41,17 +52,25 @@ def _compare(rank, world):
                                num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0)
     kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     reference, fused = DotProductAttention(**kwargs), SdpaDotProductAttention(**kwargs)
-    out = {}
+    out, sdpa_calls, sdpa = {}, [], torch.nn.functional.scaled_dot_product_attention
+
+    def counted_sdpa(*args, **kwargs):
+        sdpa_calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counted_sdpa
     for name, mask in (("causal", None), ("packed", _block_diagonal_mask())):
         gen = torch.Generator().manual_seed(7)
         q = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, generator=gen)
         k, v = (torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=gen) for _ in range(2))
         grad_out = torch.randn(SEQ, BATCH, HEADS * HEAD_DIM, generator=gen)
-        for module_name, module in (("reference", reference), ("fused", fused)):
+        for module_name, module in (("reference", reference), ("fused", fused), ("by_hand", None)):
             inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-            context = module(*inputs, mask)
+            sdpa_calls.clear()
+            context = _by_hand(*inputs, mask) if module is None else module(*inputs, mask)
             context.backward(grad_out)
             out[(name, module_name)] = [context.detach()] + [t.grad for t in inputs]
+            out[(name, module_name, "sdpa_calls")] = len(sdpa_calls)
     dropout = SdpaDotProductAttention(**{**kwargs, "config": TransformerConfig(
         num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
         kv_channels=HEAD_DIM, attention_dropout=0.1)})
@@ -64,10 +83,12 @@ def _compare(rank, world):
 def test_sdpa_core_attention_equals_megatrons_forward_and_backward():
     out = run_distributed(_compare, 1, timeout_s=180)[0]
     for layout in ("causal", "packed"):
-        ref, fused = out[(layout, "reference")], out[(layout, "fused")]
-        for what, a, b in zip(("context", "dq", "dk", "dv"), ref, fused):
-            assert a.shape == b.shape, (layout, what)
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{layout} {what}")
+        assert out[(layout, "fused", "sdpa_calls")] == 1 and out[(layout, "reference", "sdpa_calls")] == 0
+        fused = out[(layout, "fused")]
+        for reference in ("reference", "by_hand"):
+            for what, a, b in zip(("context", "dq", "dk", "dv"), out[(layout, reference)], fused):
+                assert a.shape == b.shape, (layout, reference, what)
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{layout} {reference} {what}")
     # the packed rows really are different from causal ones (the mask matters)
     assert not torch.allclose(out[("causal", "fused")][0], out[("packed", "fused")][0])
     assert out["dropout_train"] is False and out["dropout_eval"] is True
