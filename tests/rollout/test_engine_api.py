@@ -287,3 +287,42 @@ def test_uniforms_drawn_in_blocks_are_the_single_draws():
         got = [seq.next_uniform(dtype) for _ in range(n)]
         want = [float(torch.rand(1, generator=single, dtype=dtype)) for _ in range(n)]
         assert got == want
+
+
+def test_queue_beyond_max_queued_requests_is_refused_with_503(model_dir):
+    """--max-queued-requests bounds the waiting sequences: one runs (--max-running-requests 1),
+    one waits, the next request is refused with SGLang's 503 and the two others still finish."""
+    import threading
+
+    rollout = RolloutConfig(api_key=API_KEY, extra_server_args=[
+        "--max-running-requests", "1", "--max-queued-requests", "1", "--test-decode-delay-ms", "50"])
+    with EngineFleet(rollout, str(model_dir), num_threads=1, weight_version="0",
+                     extra_env={"DAPO_MEGA_TEST_CLOCK": "1"}) as fleet:
+        fleet.start(1)
+        engine = fleet.engines[0]
+        body = {"text": "12+3=", "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True}}
+        replies = {}
+
+        def send(name):
+            replies[name] = call(engine, "/generate", body)
+
+        def wait_for_load(running, waiting):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                load = call(engine, "/v1/loads")[1]["loads"][0]
+                if (load["num_running_reqs"], load["num_waiting_reqs"]) == (running, waiting):
+                    return
+                time.sleep(0.01)
+            raise AssertionError(f"engine load never reached {running} running, {waiting} waiting: {load}")
+
+        threads = [threading.Thread(target=send, args=(name,)) for name in ("first", "second")]
+        threads[0].start()
+        wait_for_load(1, 0)
+        threads[1].start()
+        wait_for_load(1, 1)
+        status, refused = call(engine, "/generate", body)
+        for t in threads:
+            t.join(timeout=60)
+    assert status == 503 and refused["error"]["message"] == "The request queue is full.", refused
+    assert [replies[n][0] for n in ("first", "second")] == [200, 200]
+    assert all(replies[n][1]["meta_info"]["completion_tokens"] == 40 for n in ("first", "second"))
