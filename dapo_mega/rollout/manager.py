@@ -36,8 +36,10 @@
   (`rollout/aborted_requests`, `_samples`, `_tokens`). Asynchronous modes generate whole
   rounds of gen_batch_size and carry the surplus as before.
 * With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
-  `sampling_seed` made from (seed, step, round, prompt id): a step redone after a resume,
-  or a chunk retried on another engine, samples the same tokens.
+  `sampling_seed` made from (seed, step, round, prompt id): on the embedded engine a step
+  redone after a resume, or a chunk retried on another engine, samples the same tokens;
+  SGLang 0.5.23 honours the seed only when started with `--enable-deterministic-inference`
+  (`rollout.extra_server_args`, a GPU attention backend), and otherwise samples afresh.
 * Every sample is a typed `ScoredSample` (rollout/samples.py) from the engine's reply on:
   scored by `reward_fn`, given its reject reason, stamped with the consuming step and
   learner version; every one (kept or rejected) becomes a ledger row.
@@ -494,7 +496,8 @@ class RolloutManager:
     def _params_for(self, prompts: Sequence[Any], gen_round: int) -> Any:
         """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
         `sampling_seed` depends only on (seed, step, round, prompt id) — so a step redone after a
-        resume, or a request retried on another engine, samples the same tokens."""
+        resume, or a request retried on another engine, samples the same tokens where the engine
+        honours the seed (the embedded engine; SGLang with --enable-deterministic-inference)."""
         if self.seed is None:
             return self.sampling_params
         return [{**self.sampling_params, "sampling_seed": request_seed(self.seed, self._step, gen_round,

@@ -329,11 +329,6 @@ def _put(row: List[float], cols: slice, values: Sequence[float], what: str, inde
     row[cols] = [float(x) for x in values]
 
 
-def micro_batch_shape_ok(micro: MicroBatch, token_multiple: int) -> bool:
-    """Whether rows × columns of `micro` is a multiple of `token_multiple` (FP8 GEMM inputs)."""
-    return micro.tokens.shape[0] * micro.tokens.shape[1] % token_multiple == 0
-
-
 # ---------------------------------------------------------------------- reading results back
 def gather_responses(values: torch.Tensor, micro_batch: MicroBatch) -> torch.Tensor:
     """[num samples, longest response] entries of a [B, S] tensor at each sample's response

@@ -208,12 +208,12 @@ def fp8_token_multiple(fp8_enabled: bool, fp8_recipe: str = "delayed") -> int:
     """Alignment of the token dimension of FP8 GEMM inputs (1 when FP8 is off).
 
     Transformer Engine asserts the product of all but the last dimension is divisible by
-    8; megatron-core's `get_fp8_align_size` pads to 16 for delayed, tensorwise and
-    blockwise scaling and 32 for MXFP8.
+    8; megatron-core's `get_fp8_align_size` pads to 16 for the delayed, tensorwise and
+    blockwise recipes `megatron.fp8.recipe` takes (32 for MXFP8, which it does not take).
     """
-    if not fp8_enabled:
-        return 1
-    return 32 if fp8_recipe == "mxfp8" else 16
+    if fp8_enabled and fp8_recipe not in ("delayed", "tensorwise", "blockwise"):
+        raise ValueError(f"megatron.fp8.recipe={fp8_recipe!r}: not one of delayed, tensorwise, blockwise")
+    return 16 if fp8_enabled else 1
 
 
 def token_multiple(tp: int, sequence_parallel: bool, fp8_enabled: bool, fp8_recipe: str = "delayed") -> int:

@@ -132,7 +132,8 @@ def test_uniform_plan_for_pipeline_parallel_has_one_shape():
 def test_fp8_alignment_of_packed_micro_batches():
     assert fp8_token_multiple(False) == 1
     assert fp8_token_multiple(True, "delayed") == fp8_token_multiple(True, "blockwise") == 16
-    assert fp8_token_multiple(True, "mxfp8") == 32
+    with pytest.raises(ValueError, match="mxfp8"):
+        fp8_token_multiple(True, "mxfp8")
     assert token_multiple(tp=8, sequence_parallel=True, fp8_enabled=True) == 128
     assert token_multiple(tp=8, sequence_parallel=False, fp8_enabled=True) == 16
     rng = random.Random(1)
