@@ -549,6 +549,12 @@ class TrainerConfig:
     and after the last."""
     resume: bool = True
     """Resume from the latest complete checkpoint of the run directory when there is one."""
+    allow_changes: List[str] = field(default_factory=list)
+    """Fields (dotted, or a group such as `data`) a resume may change although they shape the
+    data or the update (`dapo_mega.run_identity.GUARDED_FIELDS`: algo, data, model, seed, ...),
+    e.g. `[algo.verifier]`. A resume that changes any other such field stops before anything
+    is built, naming each field and its two values; an allowed change is kept in
+    `<run_dir>/config_history.jsonl` with the step it took effect."""
     seed: int = 1
     """Seed of sampling and data order."""
     sft_warmup_steps: int = 0

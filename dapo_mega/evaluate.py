@@ -67,8 +67,9 @@ class EvalResult:
 
 
 def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any], cfg: DapoConfig,
-                      prompt_to_input: Callable[[Any], Any], verifier) -> EvalResult:
-    """k samples per problem on the engines, scored by `verifier` with the training length limit."""
+                      prompt_to_input: Callable[[Any], Any], verifier, run_id: str = "") -> EvalResult:
+    """k samples per problem on the engines, scored by `verifier` with the training length limit;
+    `run_id`: the run whose model this is (in the settings), when known."""
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
     from dapo_mega.backends.sglang.client import build_sampling_params
@@ -78,7 +79,8 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     max_len = e.max_response_length or cfg.algo.max_response_length
     params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
     manager = RolloutManager(engines, e.n_samples, params, max_retries=cfg.rollout.max_retries,
-                             run_id=cfg.trainer.run_name, return_logprob=False, prompt_to_input=prompt_to_input,
+                             run_id=run_id or cfg.trainer.run_name, return_logprob=False,
+                             prompt_to_input=prompt_to_input,
                              prompts_per_request=cfg.rollout.prompts_per_request,
                              requests_per_engine=cfg.rollout.requests_per_engine,
                              liveness_timeout_s=cfg.rollout.liveness_timeout_s,
@@ -91,7 +93,7 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
                                               for g, _ in samples])
     result = EvalResult(k=e.n_samples, settings={"temperature": e.temperature, "top_p": e.top_p,
                                                  "max_response_length": max_len, "verifier": verifier.name,
-                                                 "verifier_version": verifier.version},
+                                                 "verifier_version": verifier.version, "run_id": run_id},
                         engines={url: {"requests": manager.requests_by_engine.get(url, 0),
                                        "samples": manager.samples_by_engine.get(url, 0)}
                                  for url in manager.engine_urls},
@@ -129,6 +131,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
     from dapo_mega.data import PromptEncoder, build_datasets
     from dapo_mega.reward import build_verifier
     from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.run_identity import run_id_of_path
 
     hf_dir = _hf_dir_of(checkpoint, workdir)
     _, problems, _ = build_datasets(cfg.data)
@@ -143,7 +146,8 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
         endpoints = fleet.start()
-        result = evaluate_problems(endpoints, problems, cfg, encoder.encode, build_verifier(cfg.algo.verifier))
+        result = evaluate_problems(endpoints, problems, cfg, encoder.encode, build_verifier(cfg.algo.verifier),
+                                   run_id=run_id_of_path(checkpoint))
     result.settings["checkpoint"] = str(checkpoint)
     return result
 

@@ -334,6 +334,9 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
                            "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
             print(f"{key}={shlex.quote(value)}")
         return 0
+    from dapo_mega.run_identity import settle_run_dir
+
+    settle_run_dir(cfg, write=False)  # a refused resume (a guarded field changed) stops the job before any role
     log_dir = run_dir / "logs" / f"job-{job_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
     registry = registry_dir(cfg)

@@ -11,7 +11,9 @@ what the seeds ask a person to look at before believing one:
 * a stratified sample of high-reward responses (per step bucket x length bucket) for a
   person to read for verifier exploits, with suspicious ones flagged:
   `near_empty` (no answer content, yet rewarded), `copied` (the same response text
-  rewarded on many different prompts), `repeats_prompt` (the response restates the prompt).
+  rewarded on many different prompts), `repeats_prompt` (the response restates the prompt);
+* the config changes resumes of the run made (`config_history.jsonl`): a line listing them,
+  and a dashed line at each step a field that shapes the data or the update changed.
 
 It writes `ledger_report.md` (also printed), `ledger_report.png` and
 `high_reward_sample.jsonl` into `--out` (default `<run_dir>/report/`).
@@ -130,6 +132,9 @@ class LedgerReport:
     """Rows whose response text the ledger holds elided or not at all."""
     step_range: str = "all"
     """The steps read: `A:B`, `A:`, `:B`, or all."""
+    config_changes: List[Dict[str, Any]] = field(default_factory=list)
+    """What resumes of the run changed (`config_history.jsonl` lines: step, field, old, new,
+    shapes_training), oldest first."""
 
 
 # ====================================================================== per step
@@ -510,6 +515,7 @@ def build_report(run_dir: Path, per_stratum: int = 2, n_step_buckets: int = 3, n
     metrics.jsonl when there into every table (module docstring)."""
     from dapo_mega.records import read_metrics
     from dapo_mega.rollout.ledger import ledger_dir, ledger_shards
+    from dapo_mega.run_identity import history_of_current_run
 
     first, last = steps
     step_range = "all" if steps == (None, None) else f"{'' if first is None else first}:{'' if last is None else last}"
@@ -548,12 +554,27 @@ def build_report(run_dir: Path, per_stratum: int = 2, n_step_buckets: int = 3, n
     return LedgerReport(run_dir=str(run_dir), num_records=num_records, steps=sorted(step_rows, key=lambda d: d.step),
                         ages=ages.rows(), reject_totals=dict(sorted(rejects.items())), num_high_reward=scan.count,
                         flag_counts=dict(sorted(sampler.flag_counts.items())), sample=sampler.sample(),
-                        suspicious=sampler.flagged, elided_responses=elided, step_range=step_range)
+                        suspicious=sampler.flagged, elided_responses=elided, step_range=step_range,
+                        config_changes=history_of_current_run(Path(run_dir)))
 
 
 def _quote(text: str, limit: int = 160) -> str:
     text = str(text).replace("\n", "\\n").replace("|", "\\|")
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def config_changes_line(changes: Sequence[Dict[str, Any]]) -> str:
+    """The report's line on what resumes changed: guarded fields first (they were allowed by
+    name, trainer.allow_changes), then the others."""
+    def describe(c: Dict[str, Any]) -> str:
+        return f"step {c['step']}: {c['field']} {json.dumps(c['old'])} -> {json.dumps(c['new'])}"
+
+    guarded = [describe(c) for c in changes if c.get("shapes_training")]
+    other = [describe(c) for c in changes if not c.get("shapes_training")]
+    if not changes:
+        return "Config changes on resume (config_history.jsonl): none."
+    return ("Config changes on resume (config_history.jsonl): shaping the data or the update (allowed by "
+            f"trainer.allow_changes): {'; '.join(guarded) or 'none'}; other settings: {'; '.join(other) or 'none'}.")
 
 
 def render_markdown(report: LedgerReport, max_suspicious: int = 50) -> str:
@@ -564,6 +585,7 @@ def render_markdown(report: LedgerReport, max_suspicious: int = 50) -> str:
     if report.elided_responses:
         lines += ["", f"{report.elided_responses} responses are held elided or not at all (trainer.ledger_text): "
                   "the flags read what the ledger holds, and judge such a response near-empty by its length only."]
+    lines += ["", config_changes_line(report.config_changes)]
     lines += ["", "## Per step", "",
              "| step | samples | groups | all-correct | all-wrong | reward | pass | len mean | len p50 | len p90 "
              "| len max | trunc | verifier err (ledger / metrics) | reject reasons |",
@@ -639,6 +661,10 @@ def plot_report(report: LedgerReport, path: Path) -> Path:
     ax.legend(fontsize=7)
     for a in axes.flat:
         a.set_xlabel("step" if a is not axes[1, 1] else "age")
+    from dapo_mega.records import mark_config_changes
+
+    mark_config_changes([axes[0, 0], axes[0, 1], axes[1, 0]], [c for c in report.config_changes
+                                                               if c.get("shapes_training")])
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -78,10 +78,12 @@ class RunRecorder:
 
     def __init__(self, run_dir: Path, run_name: str, config_dict: Dict[str, Any], resume_step: int,
                  wandb_mode: str = "offline", wandb_project: str = "dapo-mega",
-                 wandb_run_id: Optional[str] = None, plot: bool = True):
+                 wandb_run_id: Optional[str] = None, plot: bool = True, run_id: str = ""):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.plot = plot
+        self.run_id = run_id
+        """The run's unique id (`run_identity`), in every metrics row when set."""
         dropped = truncate_metrics(self.run_dir, resume_step)
         if dropped:
             print(f"[records] resuming at step {resume_step}: dropped {dropped} metric rows of "
@@ -118,6 +120,8 @@ class RunRecorder:
 
     def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}, "time/unix": time.time()}
+        if self.run_id:
+            row["run_id"] = self.run_id
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -152,10 +156,15 @@ def format_console_line(row: Dict[str, Any]) -> str:
 
 
 def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
-    """Draw the curves a user looks at first into `<run_dir>/curves.png`."""
+    """Draw the curves a user looks at first into `<run_dir>/curves.png`; a dashed vertical
+    line in every panel marks each step from which a resume changed a field that shapes the
+    data or the update (`config_history.jsonl`, `run_identity`), named in the first panel."""
+    from dapo_mega.run_identity import history_of_current_run
+
     rows = read_metrics(run_dir)
     if not rows:
         return None
+    changes = [c for c in history_of_current_run(run_dir) if c.get("shapes_training")]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,6 +183,7 @@ def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
         ax.set_xlabel("step")
         if ax.lines:
             ax.legend(fontsize=7)
+    mark_config_changes(list(axes.flat), changes)
     fig.tight_layout()
     out = Path(run_dir) / out_name
     tmp = out.with_name(out.stem + ".tmp.png")
@@ -181,3 +191,17 @@ def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
     plt.close(fig)
     os.replace(tmp, out)
     return out
+
+
+def mark_config_changes(axes: List[Any], changes: List[Dict[str, Any]]) -> None:
+    """A dashed vertical line at each change's step on every axis; the first axis names the
+    fields (`field old -> new`) beside their line."""
+    by_step: Dict[int, List[str]] = {}
+    for c in changes:
+        by_step.setdefault(int(c["step"]), []).append(f"{c['field']} {json.dumps(c['old'])} -> {json.dumps(c['new'])}")
+    for step, texts in sorted(by_step.items()):
+        for ax in axes:
+            ax.axvline(step, color="tab:red", linestyle="--", linewidth=0.9, alpha=0.8)
+        if axes:
+            axes[0].annotate("\n".join(texts), xy=(step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                             fontsize=6, color="tab:red", va="top", ha="right")

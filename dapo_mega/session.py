@@ -1,8 +1,9 @@
 """Wiring: the components of one run on one learner rank, built once.
 
 `Session.start(cfg)` on every learner rank: process groups and the parallel layout, the
-run directory, the Megatron learner with its initial weights (latest checkpoint of the run
-via `RunState.resume`, else `model.megatron_path`, else the HF weights), the rank's role
+run directory (its run id, and a resume's config changes checked: `run_identity`), the
+Megatron learner with its initial weights (latest checkpoint of the run via
+`RunState.resume`, else `model.megatron_path`, else the HF weights), the rank's role
 (`driver.roles`: on global rank 0 the `DriverRole` with the data, the verifier, the engines
 and their rollout manager inside a `RolloutSource`, the ledger and the records; a
 `LearnerRankRole` elsewhere), and the rank's part in pushing weights to the engines
@@ -23,13 +24,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from dapo_mega.config import DapoConfig, save_config, validate_config
+from dapo_mega.config import DapoConfig, validate_config
 from dapo_mega.driver.console import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
 from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
+from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
 
 
 class Session:
@@ -73,9 +75,8 @@ class Session:
         world_size = init_world_env()
         validate_config(cfg, world_size=world_size)
         is_driver = int(os.environ["RANK"]) == DRIVER_RANK  # the one place the rank decides a role
-        if is_driver:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.run_dir)
+        # the run's id, and a resume's config changes checked (refused: ConfigError) before anything is built
+        self.run.identity = settle_run_dir(cfg, write=is_driver, inherited_run_id=os.environ.get(RUN_ID_ENV))
         if not (self.model_dir / "config.json").exists():
             self._build_tiny_model()
         self.layout = ParallelLayout.from_config(cfg.megatron, world_size, hf_config=str(self.model_dir))
@@ -151,6 +152,7 @@ class Session:
         from dapo_mega.rollout.manager import RolloutManager
 
         cfg, state = self.cfg, self.run.state
+        print(self.run.identity.start_line(self.run_dir), flush=True)
         encoder = PromptEncoder.from_pretrained(self.model_dir, cfg.data)
         data_report: Dict[str, Any] = {}
         train_problems, eval_problems, revision = build_datasets(cfg.data, report=data_report)
@@ -165,7 +167,7 @@ class Session:
         sampling = build_sampling_params(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
                                          top_k=cfg.algo.top_k, max_new_tokens=cfg.algo.max_response_length)
         manager = RolloutManager(self.fleet.endpoints, cfg.algo.n_samples_per_prompt, sampling,
-                                 max_retries=cfg.rollout.max_retries, run_id=cfg.trainer.run_name,
+                                 max_retries=cfg.rollout.max_retries, run_id=self.run.run_id,
                                  prompts_per_request=cfg.rollout.prompts_per_request,
                                  requests_per_engine=cfg.rollout.requests_per_engine,
                                  prompt_to_input=encoder.encode, seed=cfg.trainer.seed,
@@ -177,9 +179,9 @@ class Session:
                   f"{state.policy_version}", flush=True)
             rollouts.load_state_dict(state.data_cursor, state.rollout_carry, lambda d: Problem(**_problem_fields(d)))
             prune_records_after(self.run_dir, state.step)
-        recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, _config_dict(cfg), state.step,
-                               wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,
-                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot)
+        recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, {**config_dict(cfg), "run_id": self.run.run_id},
+                               state.step, wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,
+                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot, run_id=self.run.run_id)
         state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)
         return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_problems, recorder, self.role.gate)
@@ -247,10 +249,4 @@ def _problem_fields(d: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(d.get("messages"), list):
         d["messages"] = tuple(d["messages"])
     return d
-
-
-def _config_dict(cfg: DapoConfig) -> Dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 

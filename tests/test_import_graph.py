@@ -33,6 +33,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.models": 0,
     "dapo_mega.distributed": 0,
     "dapo_mega.run_dir": 0,
+    "dapo_mega.run_identity": 0,
     "dapo_mega.heap": 0,
     "dapo_mega.tether": 0,
     # 1: backends: Megatron (model, layout, train step, sharded state) and SGLang (launch, client).

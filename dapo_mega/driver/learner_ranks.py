@@ -13,8 +13,9 @@ import subprocess
 import sys
 from typing import Optional
 
-from dapo_mega.config import DapoConfig, save_config, validate_config
+from dapo_mega.config import DapoConfig, validate_config
 from dapo_mega.distributed import free_port
+from dapo_mega.run_identity import CONFIG_FILE, RUN_ID_ENV, settle_run_dir
 
 
 def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
@@ -27,10 +28,12 @@ def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
     if n <= 1 or "RANK" in os.environ:
         return None
     validate_config(cfg, world_size=n)
-    config_path = save_config(cfg, cfg.run_dir)
+    identity = settle_run_dir(cfg)  # a refused resume stops here; the ranks inherit the run's id
+    if identity.changes:
+        print(identity.start_line(cfg.run_dir), flush=True)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            "-m", "dapo_mega.trainer", "--config", str(config_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            "-m", "dapo_mega.trainer", "--config", str(cfg.run_dir / CONFIG_FILE)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ID_ENV: identity.run_id}
     return subprocess.call(argv, env=env)
 
 

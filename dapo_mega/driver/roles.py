@@ -171,8 +171,8 @@ class DriverRole(LearnerRankRole):
             syncer.resume_engine_memory()
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
-        write_ledger(self.run.run_dir, self.cfg.trainer.run_name, step, batch.samples,
-                     text=LedgerText.of(self.cfg.trainer))
+        write_ledger(self.run.run_dir, self.run.run_id, step, batch.samples, text=LedgerText.of(self.cfg.trainer),
+                     run_name=self.cfg.trainer.run_name)
         self.last_batch = batch
 
     def evaluate(self) -> Dict[str, float]:
@@ -189,7 +189,7 @@ class DriverRole(LearnerRankRole):
         step = self.run.state.step
         manager = self.rollouts.manager
         result = evaluate_problems(manager.alive_engines(), self.eval_problems, self.cfg,
-                                   self.rollouts.encoder.encode, self.rollouts.verifier)
+                                   self.rollouts.encoder.encode, self.rollouts.verifier, run_id=self.run.run_id)
         manager.mark_dead(result.dead_engines)  # they leave the weight sync and the rollouts too
         result.write(self.run.run_dir / "eval" / f"step_{step:06d}.json")
         self.say(f"[eval] step {step}: avg@{result.k} = {result.avg_at_k:.4f} on {len(result.problems)} problems; "

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from dapo_mega.rollout.ledger import FULL_TEXT, LedgerText, ledger_dir, ledger_record, write_step
 from dapo_mega.rollout.samples import ScoredSample
+from dapo_mega.run_identity import RunIdentity
 
 
 @dataclass
@@ -83,6 +84,12 @@ class RunState:
         """True when `resume` found a checkpoint."""
         self.checkpoint: Optional[Path] = None
         self.clock = WallClock.of(trainer_cfg)
+        self.identity = RunIdentity(run_id=trainer_cfg.run_name, run_name=trainer_cfg.run_name)
+        """The run's id and name (`run_identity.settle_run_dir` sets it at start)."""
+
+    @property
+    def run_id(self) -> str:
+        return self.identity.run_id
 
     def resume(self, learner: Any) -> bool:
         """Load the latest complete checkpoint (weights, optimizer, RNG, trainer state) when
@@ -116,10 +123,10 @@ class RunState:
 
 
 def write_ledger(run_dir: Path, run_id: str, step: int, samples: Sequence[ScoredSample],
-                 text: LedgerText = FULL_TEXT) -> Path:
+                 text: LedgerText = FULL_TEXT, run_name: str = "") -> Path:
     """The ledger shard of `step`: one row per sample the step generated or dropped, its
-    texts as `text` keeps them (`LedgerText.of(cfg.trainer)`)."""
-    return write_step(run_dir, step, [ledger_record(s, run_id, text) for s in samples])
+    texts as `text` keeps them (`LedgerText.of(cfg.trainer)`), each with the run's id and name."""
+    return write_step(run_dir, step, [ledger_record(s, run_id, text, run_name) for s in samples])
 
 
 def prune_records_after(run_dir: Path, step: int) -> None:

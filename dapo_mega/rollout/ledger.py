@@ -87,6 +87,8 @@ class LedgerRecord:
     """Characters of the whole prompt text (None when built: len(prompt_text))."""
     prompt_text_elided: bool = False
     """prompt_text is not all of the prompt (as response_text_elided)."""
+    run_name: str = ""
+    """trainer.run_name: shared by reruns and by ablation runs of one seed; `run_id` is unique."""
 
     def __post_init__(self):
         # Rows of shards written before these columns existed read back as nulls: whole texts.
@@ -95,6 +97,7 @@ class LedgerRecord:
         if self.prompt_text_chars is None:
             self.prompt_text_chars = len(self.prompt_text)
         self.response_text_elided = bool(self.response_text_elided)
+        self.run_name = self.run_name or ""
         self.prompt_text_elided = bool(self.prompt_text_elided)
 
 
@@ -145,9 +148,10 @@ class LedgerText:
 FULL_TEXT = LedgerText()
 
 
-def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEXT) -> LedgerRecord:
+def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEXT,
+                  run_name: str = "") -> LedgerRecord:
     """The ledger row of a sample that has been scored and stamped by its consumer; its
-    texts as `text` keeps them."""
+    texts as `text` keeps them; `run_id` unique to the run, `run_name` its trainer.run_name."""
     response_text, response_elided = text.keep(sample.response_text)
     prompt_text, prompt_elided = text.keep(sample.prompt_text)
     return LedgerRecord(
@@ -161,7 +165,7 @@ def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEX
         verifier_version=sample.score.verifier_version, reject_reason=sample.reject_reason,
         response_text=response_text, prompt_text=prompt_text, gen_round=sample.gen_round,
         response_text_chars=len(sample.response_text), response_text_elided=response_elided,
-        prompt_text_chars=len(sample.prompt_text), prompt_text_elided=prompt_elided)
+        prompt_text_chars=len(sample.prompt_text), prompt_text_elided=prompt_elided, run_name=run_name)
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:

@@ -35,12 +35,12 @@ def test_ledger_rows_keep_the_samples_names(tmp_path):
     assert rows[0].seed == 7 and rows[0].age == 2 and rows[0].run_id == "run"
     assert json.loads(rows[0].reward_components) == {"correctness": 0.0, "overlong_penalty": 0.0}
     assert (rows[0].response_text_chars, rows[0].response_text_elided) == (len(samples[0].response_text), False)
-    # every ledger column is the sample's field of the same name, except the run's id, the
+    # every ledger column is the sample's field of the same name, except the run's id and name, the
     # reward's parts, which the sample holds in its typed `score`, and what the ledger kept of
     # the texts (trainer.ledger_text)
     assert {f.name for f in fields(LedgerRecord) if not hasattr(samples[0], f.name)} == {
-        "run_id", "reward_components", "verifier", "verifier_version", "response_text_chars", "response_text_elided",
-        "prompt_text_chars", "prompt_text_elided"}
+        "run_id", "run_name", "reward_components", "verifier", "verifier_version", "response_text_chars",
+        "response_text_elided", "prompt_text_chars", "prompt_text_elided"}
 
 
 def test_ledger_rows_record_what_was_kept(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 
 from dapo_mega.config import from_yaml
 from dapo_mega.rollout.ledger import LedgerRecord, read_records
+from dapo_mega.run_identity import read_run_id
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "run"
@@ -120,7 +121,8 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
         for r in recs:
             for name in LEDGER_FIELDS:
                 assert getattr(r, name) is not None, name
-            assert r.run_id == RUN_NAME and r.verifier == "dapo" and r.engine_id.startswith("http://127.0.0.1:")
+            assert r.run_name == RUN_NAME and r.verifier == "dapo" and r.engine_id.startswith("http://127.0.0.1:")
+            assert r.run_id == read_run_id(run_dir) and r.run_id.startswith(RUN_NAME + "-")  # unique to the run
             assert r.age == r.learner_version - r.policy_version_min >= 0
             assert r.policy_version_min <= r.policy_version_max <= step - 1   # no engine ahead of the learner
             assert set(json.loads(r.reward_components)) >= {"correctness", "overlong_penalty"}

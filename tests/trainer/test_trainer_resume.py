@@ -3,12 +3,16 @@ checkpoint exists, start the same command again: it resumes from the last checkp
 continues the step and policy-version counters, and the records have every step once."""
 
 import json
+import os
+import subprocess
 import time
 
 import pytest
 
+from dapo_mega.ledger_report import build_report, render_markdown
 from dapo_mega.rollout.ledger import read_records
-from test_trainer_modes import (RUN_NAME, check_records_of_run, kill_group, read_rows, run_train, start_train,
+from dapo_mega.run_identity import read_config_history, read_run_id
+from test_trainer_modes import (REPO, RUN_NAME, check_records_of_run, kill_group, read_rows, run_train, start_train,
                                 train_command)
 
 TOTAL_STEPS = 4
@@ -78,3 +82,42 @@ def test_a_run_out_of_wall_time_stops_with_a_checkpoint_and_resumes(tmp_path):
     assert "at step 1, policy version 1" in output and "stopped after" not in output
     assert [r["step"] for r in read_rows(run_dir)] == [1, 2, 3]
     check_records_of_run(run_dir, total_steps=3, max_staleness=0)
+
+
+def test_a_resume_that_changes_the_verifier_stops_unless_the_change_is_allowed(tmp_path):
+    """One change at a time: step 1 with the dapo verifier, checkpointed; the same run resumed
+    with algo.verifier=math_verify stops before anything is built (non-zero, naming the field
+    and both values, config.yaml as it was); allowed by name, it trains step 2 with math_verify,
+    the history holds the change at step 2, and the ledger report lists it. Every ledger row
+    carries the run's one id."""
+    run_dir = tmp_path / RUN_NAME
+    quick = ["trainer.sft_warmup_steps=0", "trainer.save_interval=1"]
+    run_train(tmp_path, *quick, "trainer.total_steps=1", tag="first")
+    run_id = read_run_id(run_dir)
+    config_before = (run_dir / "config.yaml").read_bytes()
+
+    changed = [*quick, "trainer.total_steps=2", "algo.verifier=math_verify"]
+    start = time.monotonic()
+    refused = subprocess.run(train_command(tmp_path, *changed), capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env={**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
+    assert refused.returncode != 0, refused.stdout[-3000:]
+    error = refused.stderr.strip().splitlines()[-1]
+    assert error.startswith("dapo-mega: config error: algo.verifier:"), refused.stderr[-3000:]
+    assert 'algo.verifier "dapo" -> "math_verify"' in error and "trainer.allow_changes=[algo.verifier]" in error
+    assert "[warm start]" not in refused.stdout and "[data]" not in refused.stdout  # stopped before any work
+    assert time.monotonic() - start < 60
+    assert (run_dir / "config.yaml").read_bytes() == config_before
+    assert read_config_history(run_dir) == [] and read_run_id(run_dir) == run_id
+
+    output = run_train(tmp_path, *changed, "trainer.allow_changes=[algo.verifier]", tag="allowed")
+    assert f"[trainer] run {run_id} " in output and "resumed at step 1" in output
+    guarded = [c for c in read_config_history(run_dir) if c["shapes_training"]]
+    assert [(c["run_id"], c["step"], c["field"], c["old"], c["new"]) for c in guarded] == [
+        (run_id, 2, "algo.verifier", "dapo", "math_verify")]
+    assert "verifier: math_verify" in (run_dir / "config.yaml").read_text()
+    rows = read_records(run_dir)
+    assert {r.step: r.verifier for r in rows} == {1: "dapo", 2: "math_verify"}
+    assert {(r.run_id, r.run_name) for r in rows} == {(run_id, RUN_NAME)}
+    assert [r["run_id"] for r in read_rows(run_dir) if r["step"] >= 1] == [run_id, run_id]
+    report = render_markdown(build_report(run_dir))
+    assert 'step 2: algo.verifier "dapo" -> "math_verify"' in report
