@@ -371,8 +371,8 @@ def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
             for e in distributed:
                 for tp_rank in range(r.engine_tp_size):
                     device = Device(e.node, e.gpu_ids[tp_rank] if e.gpu_ids else None)
-                    members.append(GroupMember("engine", e.index, 1 + e.index * r.engine_tp_size + tp_rank,
-                                               device, tp_rank))
+                    rank = weight_update_rank_offset(e.index, r.engine_tp_size) + tp_rank
+                    members.append(GroupMember("engine", e.index, rank, device, tp_rank))
             groups.append(ProcessGroupPlan(f"dapo_weight_sync_pp{src.pp_rank}", "weight_update", src.pp_rank,
                                            tuple(members)))
     for e in engines:

@@ -50,7 +50,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -235,11 +235,21 @@ class WeightSyncer:
         return results
 
     # ---------------------------------------------------------------- group
+    def group_ranks(self) -> Tuple[int, Dict[str, int]]:
+        """(world size, {engine url: group rank of its TP rank 0}) of the weight-update group
+        this syncer forms: this rank is 0, the engines follow in their order here, by the
+        placement's rule (`backends.placement.weight_update_rank_offset`), so the first group
+        of a run is the one `dapo-mega plan` reports."""
+        from dapo_mega.backends.placement import weight_update_rank_offset, weight_update_world_size
+
+        return (weight_update_world_size(len(self.clients), self.engine_tp_size),
+                {c.url: weight_update_rank_offset(i, self.engine_tp_size) for i, c in enumerate(self.clients)})
+
     def init_group(self, master_port: int, stage: int = 0) -> None:
         """On a stage's source rank: create the group with all engines (group-local rank 0).
         A group formed again after an engine died gets a new name (`..._g<generation>`)."""
         name = f"{self.group_prefix}_pp{stage}" + (f"_g{self.generation}" if self.generation else "")
-        world = 1 + len(self.clients) * self.engine_tp_size
+        world, offsets = self.group_ranks()
 
         async def forget(c):  # a trainer killed before close() left its group on engines that outlive it
             try:
@@ -248,7 +258,7 @@ class WeightSyncer:
                 pass
         self._io.run(self._all(forget), timeout=self.timeout_s)
         replies = self._io.submit(self._all(lambda c: c.init_weights_update_group(
-            self.master_address, master_port, 1 + self.clients.index(c) * self.engine_tp_size, world,
+            self.master_address, master_port, offsets[c.url], world,
             group_name=name, backend=self.backend, timeout_s=self.timeout_s)))
         joined: Future = Future()
 

@@ -227,3 +227,28 @@ def test_plan_reports_the_placements_sync_groups():
     assert colocated["layout"][3]["engine_gpus"] == {6: [0, 1, 2, 3], 7: [4, 5, 6, 7]}
     broken = compute_plan(load_config(["+experiment=dapo_qwen2.5_7b", "rollout.num_engines=20"]))
     assert any(w.startswith("placement: ") and "beyond gpus_per_node=8" in w for w in broken["warnings"])
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if load_config([f"+experiment={n}"]).cluster.mode
+                                  == "disaggregated"])
+def test_the_syncer_forms_the_groups_the_plan_reports(name):
+    """Each shipped disaggregated config, unmodified at its own node counts: the weight-update
+    group a stage's source forms (`WeightSyncer.group_ranks`, what it sends every engine in
+    /init_weights_update_group) is the placement's, rank for rank."""
+    from dapo_mega.weights.sync import WeightSyncer
+
+    cfg = load_config([f"+experiment={name}"])
+    placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=True))
+    assert placement.problems() == [] and placement.transport == DISTRIBUTED
+    urls = [f"http://{e.announce_host}:{30000 + e.index}" for e in placement.engines]
+    syncer = WeightSyncer(urls, engine_tp_size=cfg.rollout.engine_tp_size)
+    try:
+        world, offsets = syncer.group_ranks()
+    finally:
+        syncer.close()
+    for stage in range(cfg.megatron.pipeline_model_parallel_size):
+        group = placement.weight_update_group(stage)
+        assert group.world_size == world == 1 + cfg.rollout.num_engines * cfg.rollout.engine_tp_size
+        planned = {urls[m.index]: m.group_rank for m in group.members if m.role == "engine" and m.engine_tp_rank == 0}
+        assert planned == offsets
+        assert group.members[0].group_rank == 0 and group.members[0].index == placement.weight_sources()[stage].rank
