@@ -177,6 +177,7 @@ class EngineServer:
         self.update_session: Optional[str] = None
         """The open weight-update session's selector (None: no session; updates are refused)."""
         self._update_lock = asyncio.Lock()
+        self._debug_buffer: Optional[torch.Tensor] = None
         self.app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 30)
         r = self.app.router
         for path in ("/health", "/health_generate"):
@@ -539,14 +540,22 @@ class EngineServer:
 
 
     async def debug_receive_flat(self, request: web.Request) -> web.Response:
+        """The benchmark's raw baseline: receive `nbytes` from group rank 0 in broadcasts of
+        `bucket_bytes` (default: one) into a buffer kept and touched across calls (the
+        transport alone, no first-touch page faults), and discard them."""
         body = await self._json(request)
-        if not isinstance(body, dict) or set(body) != {"group_name", "nbytes"} or body["group_name"] not in self.groups:
-            raise BadRequest("body must be {group_name (an initialised group), nbytes}")
-        pg = self.groups[body["group_name"]]
+        if (not isinstance(body, dict) or not {"group_name", "nbytes"} <= set(body) <= {"group_name", "nbytes",
+                                                                                      "bucket_bytes"}
+                or body["group_name"] not in self.groups):
+            raise BadRequest("body must be {group_name (an initialised group), nbytes, optional bucket_bytes}")
+        pg, nbytes = self.groups[body["group_name"]], int(body["nbytes"])
+        bucket = int(body.get("bucket_bytes") or nbytes)
+        if self._debug_buffer is None or self._debug_buffer.numel() < nbytes:
+            self._debug_buffer = torch.zeros(nbytes, dtype=torch.uint8)
 
         def _recv():
-            buf = torch.empty(int(body["nbytes"]), dtype=torch.uint8)
-            torch.distributed.broadcast(buf, src=0, group=pg)
+            for start in range(0, nbytes, bucket):
+                torch.distributed.broadcast(self._debug_buffer[start:min(start + bucket, nbytes)], src=0, group=pg)
         await asyncio.to_thread(_recv)
         return web.json_response({"success": True, "message": "received"})
 
