@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from dapo_mega.config import ConfigError, DapoConfig, from_yaml, save_config
+from dapo_mega.run_dir import find_latest_checkpoint, read_trainer_state, write_text_atomic
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -211,7 +212,7 @@ class RunIdentity:
         how = f"resumed at step {self.resume_step}" if self.resumed else "fresh"
         line = f"[trainer] run {self.run_id} (trainer.run_name={self.run_name}, {run_dir}, {how})"
         if self.changes:
-            line += "; config changes from step " + f"{self.resume_step + 1}: " + "; ".join(
+            line += f"; config changes from step {self.resume_step + 1}: " + "; ".join(
                 c.describe() + (" (allowed)" if c.shapes_training else "") for c in self.changes)
         return line
 
@@ -227,8 +228,6 @@ def _append_history(run_dir: Path, identity: RunIdentity) -> None:
 
 
 def _write_run_file(run_dir: Path, identity: RunIdentity) -> None:
-    from dapo_mega.run_dir import write_text_atomic
-
     write_text_atomic(Path(run_dir) / RUN_FILE, json.dumps(
         {"run_id": identity.run_id, "run_name": identity.run_name,
          "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
@@ -258,8 +257,6 @@ def settle_run_dir(cfg: DapoConfig, write: bool = True, inherited_run_id: Option
     (the driver rank, or the parent that spawns the ranks) run.json, the history and
     config.yaml are written; without it, this only checks. `inherited_run_id` is the id the
     parent of a spawned rank settled (RUN_ID_ENV)."""
-    from dapo_mega.run_dir import find_latest_checkpoint, read_trainer_state
-
     run_dir = cfg.run_dir
     checkpoint = find_latest_checkpoint(run_dir) if cfg.trainer.resume else None
     if write:
