@@ -6,26 +6,44 @@
 The clock of the run (durations beside the timeouts that bound them) is `dapo_mega.clock`,
 which builds on this module; the command (`dapo_mega.cli`) prints both.
 
-Memory per learner GPU (bytes), for TP=t, PP=p, CP=c, DP=d = W/(t·p·c), the parameters
-Φ_s held by one GPU of pipeline stage s (linear weights, QKV bias and embedding/output
-split over t; norms replicated):
+Memory per learner GPU (bytes), for TP=t, PP=p, CP=c (must be 1: the learner refuses
+more), DP=d = W/(t·p·c), the parameters Φ_s held by one GPU of pipeline stage s (linear
+weights, QKV bias and embedding/output split over t, the vocabulary padded to 128·t rows as
+the learner pads it; norms replicated):
 
     model state  M_s = Φ_s · (2 + 4 + 12/d)       bf16 params (2) + fp32 main grads (4)
                                                   + fp32 master params, Adam m, Adam v (12)
                                                   sharded over DP by Megatron's
                                                   distributed optimizer (ZeRO-1);
                                                   without it: Φ_s · 18
-    activations  per transformer layer, s = micro_batch_tokens / c tokens, hidden h
-                 (Korthikanti et al. 2022, Eq. 2, flash attention: no a·s/h term, b = 1):
-                 A = s·h·34/t with sequence parallelism, s·h·(10 + 24/t) without;
-                 full recompute keeps only the layer input, 2·s·h/t (SP) or 2·s·h, plus
-                 one layer's A while recomputing. 1F1B keeps p micro-batches in flight on
-                 stage 0 (p − s on stage s); the last stage adds fp32 logits 4·s·V/t.
+    FP8 caches   2 bytes per FP8 linear weight     Transformer Engine keeps an FP8 copy of
+                                                  each weight and its transpose across the
+                                                  micro-batches of a step
+    activations  what one transformer layer keeps for backward for one micro-batch of
+                 s = micro_batch_tokens tokens, tensor by tensor (`layer_saved_bytes`; the
+                 derivation and the 32B numbers: docs/cluster.md, "Memory by hand"); with
+                 sequence parallelism ~45·s·h/t for Qwen2.5 (SwiGLU of 5.4h, GQA, no
+                 dropout, flash attention: no s² term). Kept per stage (1F1B: p − s
+                 micro-batches in flight on stage s): every layer's tensors (no or
+                 selective recompute), or the input of each recompute chunk, s·h/t
+                 elements (full, uniform), or both per layer (full, block); plus, one at a
+                 time, the layers being recomputed and the backward's temporaries.
+    logits       last stage: the bf16 [s, V/t] logits of the output layer, their gradient
+                 and the fp32 chunks of `ChunkedVocabParallelLogProbs` (`logits_peak_bytes`),
+                 at a different moment than the recompute, so the stage's peak takes the
+                 larger of the two.
 
-KV cache per engine (TP=e GPUs, mem_fraction_static f, GPU memory G):
-    room = e · (f·G − R) − 2·Φ,  R = learner model state left on the GPU in colocated
-    mode (0 disaggregated), Φ all parameters; bytes per token 2 (K,V) · L · n_kv · d_head · 2.
+KV cache per engine (SGLang 0.5.23, `kv_cache_configurator._profile_available_bytes`): per
+engine GPU, with B the free memory when the engine starts (after its CUDA context) and
+f = mem_fraction_static,
+    rest = free after loading the weights − B·(1 − f) = f·B − 2·Φ/e
+Colocated, the engines start after the learners initialise, so B = G − the learner's
+resident state − both CUDA contexts; the GPU then holds, during rollout, the learner's
+state, both contexts, the engine's weights, its KV pool and its CUDA graphs and activations
+(`colocated_fit`). Bytes per token 2 (K,V) · L · n_kv · d_head · 2.
 Weight sync per step: 2·Φ bytes (bf16) to every engine.
+Checkpoints: the model in its dtype + the fp32 optimizer state, (keep_last_k + 1) of them on
+disk while one is written (`checkpoint_bytes`).
 
 Learner efficiency (`LengthAssumption`, default: log-normal responses of median
 max_response_length/8 and σ 1, capped at max_response_length, prompts of
@@ -82,7 +100,7 @@ def layer_params(shape: ModelShape) -> Dict[str, int]:
     h, hd = shape.hidden_size, shape.head_dim
     q_out, kv_out = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
     attention = h * q_out + 2 * h * kv_out + q_out * h
-    bias = (q_out + 2 * kv_out) if shape.qkv_bias else 0
+    bias = _qkv_bias(shape)
     mlp = 3 * h * shape.ffn_hidden_size  # SwiGLU: gate, up, down
     return {"sharded": attention + bias + mlp, "replicated": 2 * h}  # 2 RMSNorm weights
 
@@ -97,9 +115,9 @@ def total_params(shape: ModelShape) -> int:
 def stage_params_per_gpu(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
     """Φ_s: parameters one GPU of pipeline stage `stage` holds (layers split evenly)."""
     per_layer = layer_params(shape)
-    layers = shape.num_layers // pp + (1 if stage < shape.num_layers % pp else 0)
+    layers = stage_layers(shape, pp, stage)
     params = layers * (math.ceil(per_layer["sharded"] / tp) + per_layer["replicated"])
-    embedding = math.ceil(shape.vocab_size / tp) * shape.hidden_size
+    embedding = padded_vocab_per_gpu(shape, tp) * shape.hidden_size
     if stage == 0:
         params += embedding
     if stage == pp - 1:
@@ -109,28 +127,240 @@ def stage_params_per_gpu(shape: ModelShape, tp: int, pp: int, stage: int) -> int
     return params
 
 
-def activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> int:
-    """Activation memory of pipeline stage `stage` (formula in the module docstring)."""
+def padded_vocab_per_gpu(shape: ModelShape, tp: int) -> int:
+    """Rows of the embedding and output layer on one TP rank: the vocabulary padded as the
+    learner pads it (`backends.megatron.model.pad_vocab_size`: 152,064 -> 152,576 at TP 8), split over TP."""
+    from dapo_mega.backends.megatron.model import pad_vocab_size
+
+    return pad_vocab_size(shape.vocab_size, tp) // tp
+
+
+def stage_layers(shape: ModelShape, pp: int, stage: int) -> int:
+    """Transformer layers of pipeline stage `stage` (split evenly, the first stages take the rest)."""
+    return shape.num_layers // pp + (1 if stage < shape.num_layers % pp else 0)
+
+
+def learner_spec_and_bytes(cfg: DapoConfig) -> Tuple[str, int]:
+    """(layer spec, bytes per activation element) the learner will use: the local spec and
+    fp32 on a CPU (cluster.device=cpu or megatron.transformer_impl=local), else Transformer
+    Engine and bf16 (`backends.megatron.model.plan_transformer_config` on a GPU)."""
     m = cfg.megatron
-    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    s, h = m.micro_batch_tokens / cp, shape.hidden_size
-    full_layer = s * h * 34 / tp if m.sequence_parallel else s * h * (10 + 24 / tp)
-    layers = shape.num_layers // pp + (1 if stage < shape.num_layers % pp else 0)
-    in_flight = pp - stage
+    on_cpu = cfg.cluster.device == "cpu"
+    spec = "local" if on_cpu or m.transformer_impl == "local" else "transformer_engine"
+    fp32 = m.params_dtype == "float32" or (m.params_dtype == "auto" and on_cpu)
+    return spec, 4 if fp32 else 2
+
+
+def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parallel: bool,
+                      spec: str = "transformer_engine", element_bytes: int = 2,
+                      selective: bool = False) -> Dict[str, float]:
+    """Bytes one transformer layer keeps for backward for a micro-batch of `tokens` tokens (one
+    packed row), tensor by tensor: {what: bytes}. e = element_bytes, s_n = tokens/t under
+    sequence parallelism (the norms' side of the layer), tokens otherwise; TP splits heads
+    and the FFN. Derived from what each op saves in megatron-core 0.16 / TE 2.x (docs/cluster.md,
+    "Memory by hand"); the local spec's figure is checked against torch's saved-tensor hooks
+    (tests/trainer/test_plan_activations.py).
+
+    Both specs: the two RMSNorm inputs and outputs (the outputs are the QKV and FC1 GEMM
+    inputs; under SP the sequence shard is kept and all-gathered again in backward), RoPE's
+    cos and sin for q and k (unfused RoPE: [s, d] each, not split by TP), q, k, v after RoPE,
+    the attention output (flash attention keeps it; it is the proj GEMM's input), FC1's
+    output (gate and up: the SwiGLU input) and the SwiGLU output (FC2's input). No dropout
+    masks (dropout 0), no bias terms (the QKV bias adds into the GEMM output, which nothing
+    keeps). Transformer Engine: fp32 1/rms and softmax log-sum-exp; fused SwiGLU. Local
+    spec: torch's unfused RMSNorm also keeps x·(1/rms) and 1/rms in e bytes; SDPA keeps k and
+    v repeated to every query head and the mask as fp32 [s, s]; unfused SwiGLU also keeps
+    silu(gate) and `up + glu_linear_offset`. Selective recompute (megatron's default
+    recompute_modules=["core_attn"]) keeps the attention's inputs instead of its internals.
+    """
+    h, d, f, s, e = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size, float(tokens), element_bytes
+    s_n = s / tp if sequence_parallel else s
+    q = shape.num_attention_heads * d / tp
+    kv = shape.num_key_value_heads * d / tp
+    local = spec == "local"
+    saved = {
+        "norm inputs (2 RMSNorms)": 2 * e * s_n * h,
+        "norm outputs = QKV and FC1 inputs": 2 * e * s_n * h,
+        "1/rms of each norm": 2 * (e if local else 4) * s_n,
+        "RoPE cos and sin for q and k": 4 * e * s * d,
+        "q": e * s * q,
+        "k, v": 2 * e * s * (q if local and not selective else kv),
+        "attention output = proj input": e * s * q,
+        "FC1 output = SwiGLU input (gate, up)": 2 * e * s * f / tp,
+        "SwiGLU output = FC2 input": e * s * f / tp,
+    }
+    if not selective:
+        saved["softmax log-sum-exp (fp32)"] = 4 * s * shape.num_attention_heads / tp
+    if local:
+        saved["x * 1/rms of each norm (unfused)"] = 2 * e * s_n * h
+        saved["silu(gate), up + 0 (unfused SwiGLU)"] = 2 * e * s * f / tp
+        if not selective:
+            saved["SDPA's fp32 additive mask [s, s]"] = 4 * s * s
+    return saved
+
+
+def logits_peak_bytes(tokens: float, vocab_local: int, logits_bytes: int = 2,
+                      chunk_tokens: Optional[int] = None) -> Dict[str, float]:
+    """What the last stage holds for the logits of one micro-batch, from
+    `backends/megatron/logprobs.py` (`ChunkedVocabParallelLogProbs`), with n = tokens, V = vocab_local:
+
+        logits      the output layer's [n, V] in the model dtype (saved for backward)
+        forward     logits + 3 fp32 [chunk, V]: the scaled chunk, its exp and exp·scaled
+        backward    logits + their gradient (`empty_like(logits)`) + two fp32 softmax chunks
+                    (the loop's `p` of the previous chunk lives until the next one is
+                    assigned) + with bf16 logits the fp32 cast of the chunk before the division
+        peak        the larger; plus the per-token fp32 log p, logsumexp and entropy
+    """
+    if chunk_tokens is None:
+        from dapo_mega.backends.megatron.logprobs import LOGPROB_CHUNK_TOKENS
+
+        chunk_tokens = LOGPROB_CHUNK_TOKENS
+    n = float(tokens)
+    logits = logits_bytes * n * vocab_local
+    chunk = 4 * min(chunk_tokens, n) * vocab_local
+    second = chunk if logits_bytes != 4 else 0.0  # fp32 logits: .float() and .to(fp32) copy nothing
+    forward = logits + 3 * chunk
+    backward = 2 * logits + 2 * chunk + second
+    return {"logits": logits, "fp32_chunk": chunk, "forward": forward, "backward": backward,
+            "peak": max(forward, backward) + 3 * 4 * n}
+
+
+def stage_activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> Dict[str, float]:
+    """Activation memory of pipeline stage `stage` for the learner's step (module docstring):
+    {per_layer, kept, recompute, workspace, logits, peak} bytes; peak = kept + the larger of
+    (recompute + workspace) and the logits peak (the last stage's loss runs before any layer
+    is recomputed)."""
+    m = cfg.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    spec, e = learner_spec_and_bytes(cfg)
+    s, h, f = m.micro_batch_tokens / m.context_parallel_size, shape.hidden_size, shape.ffn_hidden_size
+    s_n = s / tp if m.sequence_parallel else s
+    layers, in_flight, last = stage_layers(shape, pp, stage), pp - stage, stage == pp - 1
+    per_layer = sum(layer_saved_bytes(shape, s, tp, m.sequence_parallel, spec, e,
+                                      selective=m.recompute_granularity == "selective").values())
+    layer_input = e * s_n * h  # what a recompute checkpoint keeps
     if m.recompute_granularity == "full":
-        kept = 2 * s * h / tp if m.sequence_parallel else 2 * s * h
-        total = layers * in_flight * kept + full_layer
+        n = max(1, m.recompute_num_layers or 1)
+        if m.recompute_method == "block":
+            recomputed = min(n, layers)
+            per_micro_batch = recomputed * layer_input + (layers - recomputed) * per_layer
+            recompute = per_layer if recomputed else 0.0
+        else:
+            per_micro_batch = math.ceil(layers / n) * layer_input
+            recompute = min(n, layers) * per_layer
     else:
-        total = layers * in_flight * full_layer
-    if stage == pp - 1:
-        total += 4 * s * math.ceil(shape.vocab_size / tp)
-    return int(total)
+        per_micro_batch, recompute = layers * per_layer, 0.0
+    # backward of one layer: the SwiGLU's input and output gradients, one all-gathered [s, h] GEMM input
+    workspace = e * s * (3 * f / tp + h)
+    kept = in_flight * per_micro_batch
+    logits = 0.0
+    if last:
+        kept += (2 if spec == "transformer_engine" else 3) * e * s_n * h  # final norm input, output-layer input
+        logits = logits_peak_bytes(s, padded_vocab_per_gpu(shape, tp), e)["peak"]
+    return {"per_layer": per_layer, "kept": kept, "recompute": recompute, "workspace": workspace, "logits": logits,
+            "peak": kept + max(recompute + workspace, logits)}
+
+
+def fp8_cache_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> float:
+    """FP8 weight caches of one GPU of `stage`: Transformer Engine keeps each FP8 GEMM's weight
+    cast to FP8 and its transpose (1 byte each per parameter) from the first micro-batch of a
+    step to the last. Layers kept in bf16 (num_layers_at_start/end_in_bf16, which megatron
+    ignores under delayed scaling) have none."""
+    m = cfg.megatron
+    if not m.fp8.enabled:
+        return 0.0
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    layers = stage_layers(shape, pp, stage)
+    if m.fp8.recipe != "delayed":
+        if stage == 0:
+            layers -= min(layers, m.fp8.num_layers_at_start_in_bf16)
+        if stage == pp - 1:
+            layers -= min(layers, m.fp8.num_layers_at_end_in_bf16)
+    linear = layer_params(shape)["sharded"] - _qkv_bias(shape)
+    return 2.0 * max(0, layers) * math.ceil(linear / tp)
+
+
+def _qkv_bias(shape: ModelShape) -> int:
+    return (shape.num_attention_heads + 2 * shape.num_key_value_heads) * shape.head_dim if shape.qkv_bias else 0
 
 
 def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> int:
     """K and V of every layer for one token on one engine GPU (bf16; KV heads split by TP)."""
     kv_heads = max(1, math.ceil(shape.num_key_value_heads / engine_tp))
     return 2 * shape.num_layers * kv_heads * shape.head_dim * 2
+
+
+LEARNER_CONTEXT_GIB = 1.5
+"""Assumed: one learner rank's CUDA context (~0.5 GiB with torch on an H100), the NCCL
+communicators of its TP, PP, DP and embedding groups, and the cuBLAS / TE workspaces."""
+ENGINE_CONTEXT_GIB = 1.0
+"""Assumed: one engine GPU's CUDA context, NCCL and what SGLang allocates outside its memory
+saver (kept while the engine is released for training)."""
+ENGINE_RUNTIME_GIB = 3.0
+"""Assumed: SGLang's CUDA graphs and forward activations on one engine GPU, what its
+(1 − mem_fraction_static) share of the free memory is left for."""
+
+
+def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> Dict[str, float]:
+    """SGLang 0.5.23's KV budget on one engine GPU (`_profile_available_bytes`): free memory B
+    measured when the engine starts (after its CUDA context, and, colocated, beside the
+    learner's `learner_resident` bytes and context), the weights loaded, then
+    rest = free_after_load − B·(1 − f) = f·B − weights."""
+    r, gpu = cfg.rollout, cfg.cluster.gpu_memory_gib * GIB
+    contexts = (ENGINE_CONTEXT_GIB + (LEARNER_CONTEXT_GIB if cfg.cluster.mode == "colocated" else 0.0)) * GIB
+    free_at_start = gpu - learner_resident - contexts
+    weights = 2 * phi / r.engine_tp_size
+    return {"free_at_start": free_at_start, "weights": weights, "contexts": contexts,
+            "kv": r.mem_fraction_static * free_at_start - weights}
+
+
+def colocated_fit(cfg: DapoConfig, phi: int, stage: dict, dp: int) -> Dict[str, float]:
+    """One colocated GPU of a stage in both phases (bytes). The engine sizes its KV pool when
+    it starts: on a fresh run the learner then holds its bf16 params, fp32 grads and fp32
+    master shard but no Adam m, v (made at the first step) and no FP8 caches (made at the
+    first forward); on a resumed run the whole model state. During rollout the learner holds
+    model state + FP8 caches (torch's cache emptied before the engines resume) beside the
+    engine's weights, KV pool and runtime; during training the released engine keeps its
+    context. The rollout figure is the fresh run's (the larger pool)."""
+    m, params = cfg.megatron, stage["params"]
+    fresh = params * (2 + 4 + (4 / dp if m.use_distributed_optimizer else 4))
+    at_fresh = engine_kv_room(cfg, phi, fresh)
+    at_resume = engine_kv_room(cfg, phi, stage["model_state_bytes"])
+    learner = stage["model_state_bytes"] + stage["fp8_cache_bytes"]
+    engine = at_fresh["weights"] + max(0.0, at_fresh["kv"]) + ENGINE_RUNTIME_GIB * GIB
+    return {"kv_fresh": at_fresh["kv"], "kv_resumed": at_resume["kv"], "learner_resident": learner,
+            "engine_weights": at_fresh["weights"], "contexts": at_fresh["contexts"],
+            "rollout_bytes": learner + at_fresh["contexts"] + engine,
+            "training_bytes": stage["total_bytes"] + at_fresh["contexts"]}
+
+
+def checkpoint_bytes(cfg: DapoConfig, phi: int) -> Dict[str, float]:
+    """One training checkpoint (`backends/megatron/checkpoint.py` `_full_state`): the model's
+    sharded state dict in its dtype (each tensor once, replicas deduplicated) and the
+    optimizer's: fp32 master params + Adam m and v under bf16 (12 bytes per parameter), m and v
+    only when the params are fp32 (8); RNG and trainer state are negligible. The run directory
+    keeps `trainer.keep_last_k` and prunes only after the next one is committed, so the disk
+    peak is keep_last_k + 1 of them."""
+    _, e = learner_spec_and_bytes(cfg)
+    model, optimizer = e * phi, (12 if e == 2 else 8) * phi
+    each = model + optimizer
+    keep = cfg.trainer.keep_last_k
+    return {"model_bytes": model, "optimizer_bytes": optimizer, "bytes": each, "keep_last_k": keep,
+            "disk_peak_bytes": (keep + 1) * each}
+
+
+HF_READER_BYTES = 4e9
+"""Assumed: what the HF reader of a conversion holds at once, one safetensors file
+(Qwen2.5-32B ships 17 of ~3.9 GB)."""
+
+
+def conversion_host_ram_bytes(phi: int, tp: int, dtype_bytes: int = 2) -> Dict[str, float]:
+    """Estimate, not a measurement: host RAM of `tools/convert_checkpoint.py` at `--tp tp`,
+    with the model built without random initialisation in the checkpoint's dtype: per
+    process ~1.5x its TP shard (the shard, plus the tensors being copied into it) plus what
+    the HF reader holds (`HF_READER_BYTES`); `tp` processes."""
+    per_process = 1.5 * dtype_bytes * phi / tp + HF_READER_BYTES
+    return {"tp": tp, "per_process_bytes": per_process, "total_bytes": tp * per_process}
 
 
 @dataclass
@@ -219,61 +449,32 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     """The layout, memory, learner efficiency and warnings of `cfg` on its cluster.* shape.
 
     Pure (no I/O but config.json); `lengths` is the response-length assumption of the
-    efficiency figures (default `LengthAssumption()`).
+    efficiency figures (default `LengthAssumption()`). ConfigError where the learner would
+    refuse the layout (context parallelism), with the learner's own message.
     """
-    c, m, r, a = cfg.cluster, cfg.megatron, cfg.rollout, cfg.algo
+    c, m, r = cfg.cluster, cfg.megatron, cfg.rollout
     shape, source = resolve_model_shape(cfg)
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    gpus_per_node = c.gpus_per_node
     disagg = c.mode == "disaggregated"
     engine_nodes = c.engine_nodes if disagg else c.num_nodes
     learner_nodes = c.num_nodes - c.engine_nodes if disagg else c.num_nodes
-    world = learner_nodes * gpus_per_node
+    world = learner_nodes * c.gpus_per_node
     warnings: List[str] = []
-    model_parallel = tp * pp * cp
-    if world % model_parallel:
-        warnings.append(f"learner GPUs {world} not divisible by tp*pp*cp = {model_parallel}")
-    dp = max(1, world // model_parallel)
-    if tp > gpus_per_node:
-        warnings.append(f"TP {tp} crosses nodes ({gpus_per_node} GPUs per node): TP all-reduces go over the network")
-    if r.engine_tp_size > gpus_per_node:
-        warnings.append(f"engine TP {r.engine_tp_size} crosses nodes ({gpus_per_node} GPUs per node)")
-    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp and tp % shape.num_key_value_heads:
-        warnings.append(f"{shape.num_attention_heads} heads / {shape.num_key_value_heads} KV heads do not split over TP {tp}")
-    if shape.num_layers % pp:
-        warnings.append(f"{shape.num_layers} layers do not split evenly over PP {pp}")
+    dp = _check_layout(cfg, shape, world, warnings)
 
-    gpu_bytes = c.gpu_memory_gib * GIB
-    optimizer_factor = 2 + 4 + (12 / dp if m.use_distributed_optimizer else 12)
-    stages = []
-    for stage in range(pp):
-        params = stage_params_per_gpu(shape, tp, pp, stage)
-        state = params * optimizer_factor
-        acts = activation_bytes(cfg, shape, stage)
-        stages.append({"stage": stage, "params": params, "param_bytes": params * 2, "grad_bytes": params * 4,
-                       "optimizer_bytes": params * (12 / dp if m.use_distributed_optimizer else 12),
-                       "model_state_bytes": state, "activation_bytes": acts, "total_bytes": state + acts})
+    stages = learner_stages(cfg, shape, dp)
     worst = max(stages, key=lambda st: st["total_bytes"])
-    if worst["total_bytes"] > 0.9 * gpu_bytes:
+    if worst["total_bytes"] > 0.9 * c.gpu_memory_gib * GIB:
         warnings.append(f"learner does not fit: stage {worst['stage']} needs {worst['total_bytes'] / GIB:.1f} GiB of "
                         f"{c.gpu_memory_gib:.0f} GiB (keep 10% for the CUDA context and fragmentation); raise TP/PP, "
                         "enable megatron.recompute_granularity=full or lower micro_batch_tokens")
-
     phi = total_params(shape)
-    e = r.engine_tp_size * r.engine_dp_size
-    resident = max(st["model_state_bytes"] for st in stages) if not disagg else 0
-    engine_room = e * (min(r.mem_fraction_static * gpu_bytes, gpu_bytes - resident)) - 2 * phi
-    per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
-    seq_tokens = a.max_prompt_length + a.max_response_length
-    kv_tokens = max(0, int(engine_room // per_token))
-    if engine_room <= 0:
-        warnings.append(f"engines have no KV-cache room: {e} GPUs x mem_fraction_static {r.mem_fraction_static} "
-                        f"cannot hold {2 * phi / GIB:.1f} GiB of weights"
-                        + (" next to the resident learner state" if not disagg else ""))
-    engine_gpus = engine_nodes * gpus_per_node
-    used_engine_gpus = r.num_engines * e
+    engines = _engine_memory(cfg, shape, phi, stages, dp, warnings)
+    engine_gpus = engine_nodes * c.gpus_per_node
+    used_engine_gpus = r.num_engines * engines["gpus_per_engine"]
     if used_engine_gpus > engine_gpus:
-        warnings.append(f"{r.num_engines} engines x {e} GPUs need {used_engine_gpus} GPUs, the engine nodes have {engine_gpus}")
+        warnings.append(f"{r.num_engines} engines x {engines['gpus_per_engine']} GPUs need {used_engine_gpus} GPUs, "
+                        f"the engine nodes have {engine_gpus}")
     elif used_engine_gpus < engine_gpus:
         warnings.append(f"engines idle GPUs: {engine_gpus - used_engine_gpus} of {engine_gpus} engine GPUs run no engine")
     if disagg and c.max_staleness == 0:
@@ -281,44 +482,128 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
 
     placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=c.device != "cpu"))
     warnings.extend(f"placement: {problem}" for problem in placement.problems())
+    efficiency = learner_efficiency(cfg, dp, lengths)
+    if efficiency["configured"]["dp_imbalance"] > 1.10 and not m.balance_data_parallel:
+        warnings.append(f"data-parallel ranks uneven: the busiest carries "
+                        f"{efficiency['configured']['dp_imbalance']:.2f}x the mean tokens; set "
+                        "megatron.balance_data_parallel=true (or more samples per rank)")
+    spec, element_bytes = learner_spec_and_bytes(cfg)
+    s_h_t = m.micro_batch_tokens * shape.hidden_size / tp if m.sequence_parallel else None
+    sync_bytes = 2 * phi
+    return {
+        "model": {"name": cfg.model.name, "source": source, **asdict(shape)}, "total_params": phi,
+        "cluster": {"mode": c.mode, "num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node,
+                    "learner_nodes": learner_nodes, "engine_nodes": engine_nodes, "gpu_memory_gib": c.gpu_memory_gib},
+        "parallel": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world,
+                     "sequence_parallel": m.sequence_parallel, "recompute": m.recompute_granularity,
+                     "distributed_optimizer": m.use_distributed_optimizer, "fp8": m.fp8.enabled},
+        "learner_memory": {"stages": stages, "worst_stage": worst["stage"], "worst_total_gib": worst["total_bytes"] / GIB,
+                           "layer_spec": spec, "activation_element_bytes": element_bytes,
+                           "per_layer_activation_s_h_over_t": (stages[0]["per_layer_activation_bytes"] / s_h_t
+                                                               if s_h_t else None)},
+        "engines": engines,
+        "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
+                        "seconds_at_400gbps": sync_bytes * 8 / 400e9},
+        "checkpoint": checkpoint_bytes(cfg, phi),
+        "conversion_host_ram": {"import_export": conversion_host_ram_bytes(phi, tp),
+                                "verify": conversion_host_ram_bytes(phi, 1)},
+        "learner_efficiency": efficiency,
+        "layout": _node_layout(cfg, placement), "warnings": warnings,
+        "sync": {"transport": placement.transport, "groups": [
+            {"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size,
+             "learner_ranks": [mb.index for mb in g.members if mb.role == "learner"]} for g in placement.groups]},
+    }
+
+
+def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List[str]) -> int:
+    """DP of the learners; layout problems into `warnings`, the learner's refusals raised."""
+    c, m, r = cfg.cluster, cfg.megatron, cfg.rollout
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if cp != 1:  # what the learner refuses, in its own words (imported only then: it brings torch)
+        from dapo_mega.backends.megatron.layout import ParallelLayout
+        from dapo_mega.backends.megatron.train_step import check_learner_supports
+
+        check_learner_supports(ParallelLayout.from_config(m, world))
+    model_parallel = tp * pp * cp
+    if world % model_parallel:
+        warnings.append(f"learner GPUs {world} not divisible by tp*pp*cp = {model_parallel}")
+    if tp > c.gpus_per_node:
+        warnings.append(f"TP {tp} crosses nodes ({c.gpus_per_node} GPUs per node): TP all-reduces go over the network")
+    if r.engine_tp_size > c.gpus_per_node:
+        warnings.append(f"engine TP {r.engine_tp_size} crosses nodes ({c.gpus_per_node} GPUs per node)")
+    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp and tp % shape.num_key_value_heads:
+        warnings.append(f"{shape.num_attention_heads} heads / {shape.num_key_value_heads} KV heads do not split over TP {tp}")
+    if shape.num_layers % pp:
+        warnings.append(f"{shape.num_layers} layers do not split evenly over PP {pp}")
+    return max(1, world // model_parallel)
+
+
+def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[dict]:
+    """Memory of one learner GPU of each pipeline stage (bytes; module docstring). bf16
+    params: param 2 + main grad 4 + (master, m, v) 12 per parameter; fp32 params (CPU): 4 +
+    4 + (m, v) 8; the optimizer's share divided by DP under the distributed optimizer."""
+    m = cfg.megatron
+    _, e = learner_spec_and_bytes(cfg)
+    optimizer_share = (12 if e == 2 else 8) / (dp if m.use_distributed_optimizer else 1)
+    stages = []
+    for stage in range(m.pipeline_model_parallel_size):
+        params = stage_params_per_gpu(shape, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, stage)
+        state = params * (e + 4 + optimizer_share)
+        acts = stage_activation_bytes(cfg, shape, stage)
+        fp8 = fp8_cache_bytes(cfg, shape, stage)
+        stages.append({"stage": stage, "params": params, "param_bytes": params * e, "grad_bytes": params * 4,
+                       "optimizer_bytes": params * optimizer_share, "model_state_bytes": state,
+                       "fp8_cache_bytes": fp8, "per_layer_activation_bytes": acts["per_layer"],
+                       "activation_kept_bytes": acts["kept"], "recompute_bytes": acts["recompute"] + acts["workspace"],
+                       "logits_bytes": acts["logits"], "activation_bytes": acts["peak"],
+                       "total_bytes": state + fp8 + acts["peak"]})
+    return stages
+
+
+def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[dict], dp: int,
+                   warnings: List[str]) -> dict:
+    """KV room of each engine by SGLang's formula and, colocated, the sum of learner and engine
+    on one GPU in each phase (`colocated_fit`), warnings into `warnings`."""
+    r, c, a = cfg.rollout, cfg.cluster, cfg.algo
+    gpus = r.engine_tp_size * r.engine_dp_size
+    gpu_bytes = c.gpu_memory_gib * GIB
+    colocated = [] if c.mode == "disaggregated" else [dict(colocated_fit(cfg, phi, st, dp), stage=st["stage"])
+                                                      for st in stages]
+    room = engine_kv_room(cfg, phi, 0.0)
+    kv_per_gpu = min(f["kv_resumed"] for f in colocated) if colocated else room["kv"]
+    engine_room = gpus * kv_per_gpu
+    per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
+    seq_tokens = a.max_prompt_length + a.max_response_length
+    kv_tokens = max(0, int(engine_room // per_token))
+    if engine_room <= 0:
+        warnings.append(f"engines have no KV-cache room: {gpus} GPUs x mem_fraction_static {r.mem_fraction_static} "
+                        f"cannot hold {2 * phi / GIB:.1f} GiB of weights"
+                        + (" next to the resident learner state" if colocated else ""))
+    for fit in colocated:
+        for phase, used in (("rollout", fit["rollout_bytes"]), ("training", fit["training_bytes"])):
+            if used > gpu_bytes:
+                warnings.append(f"learner and engine do not fit together on a stage-{fit['stage']} GPU during "
+                                f"{phase}: {used / GIB:.1f} of {c.gpu_memory_gib:.0f} GiB (dapo-mega plan's "
+                                "colocated lines); lower rollout.mem_fraction_static or micro_batch_tokens, or raise TP/PP")
+    return {"num_engines": r.num_engines, "gpus_per_engine": gpus, "kv_room_bytes": max(0.0, engine_room),
+            "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens,
+            "max_full_length_sequences": kv_tokens // seq_tokens if seq_tokens else 0,
+            "mem_fraction_static": r.mem_fraction_static, "kv_per_gpu_bytes": kv_per_gpu,
+            "weights_per_gpu_bytes": room["weights"], "colocated": colocated}
+
+
+def _node_layout(cfg: DapoConfig, placement) -> List[dict]:
     layout = []
-    for node in range(c.num_nodes):
+    for node in range(cfg.cluster.num_nodes):
         roles = []
         ranks = [lp.rank for lp in placement.learners if lp.device.node == node]
         if ranks:
             roles.append(f"learner ranks {ranks[0]}-{ranks[-1]}")
         engines = placement.engines_on_node(node)
         if engines:
-            roles.append(f"engines {engines[0].index}-{engines[-1].index} (TP {r.engine_tp_size})")
-        layout.append({"node": node, "roles": roles,
-                       "engine_gpus": {e.index: list(e.gpu_ids) for e in engines}})
-    groups = [{"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size,
-               "learner_ranks": [m.index for m in g.members if m.role == "learner"]} for g in placement.groups]
-
-    efficiency = learner_efficiency(cfg, dp, lengths)
-    if efficiency["configured"]["dp_imbalance"] > 1.10 and not m.balance_data_parallel:
-        warnings.append(f"data-parallel ranks uneven: the busiest carries "
-                        f"{efficiency['configured']['dp_imbalance']:.2f}x the mean tokens; set "
-                        "megatron.balance_data_parallel=true (or more samples per rank)")
-
-    sync_bytes = 2 * phi
-    return {
-        "model": {"name": cfg.model.name, "source": source, **asdict(shape)}, "total_params": phi,
-        "cluster": {"mode": c.mode, "num_nodes": c.num_nodes, "gpus_per_node": gpus_per_node,
-                    "learner_nodes": learner_nodes, "engine_nodes": engine_nodes, "gpu_memory_gib": c.gpu_memory_gib},
-        "parallel": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world,
-                     "sequence_parallel": m.sequence_parallel, "recompute": m.recompute_granularity,
-                     "distributed_optimizer": m.use_distributed_optimizer, "fp8": m.fp8.enabled},
-        "learner_memory": {"stages": stages, "worst_stage": worst["stage"], "worst_total_gib": worst["total_bytes"] / GIB},
-        "engines": {"num_engines": r.num_engines, "gpus_per_engine": e, "kv_room_bytes": max(0.0, engine_room),
-                    "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens,
-                    "max_full_length_sequences": kv_tokens // seq_tokens if seq_tokens else 0},
-        "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
-                        "seconds_at_400gbps": sync_bytes * 8 / 400e9},
-        "learner_efficiency": efficiency,
-        "layout": layout, "warnings": warnings,
-        "sync": {"transport": placement.transport, "groups": groups},
-    }
+            roles.append(f"engines {engines[0].index}-{engines[-1].index} (TP {cfg.rollout.engine_tp_size})")
+        layout.append({"node": node, "roles": roles, "engine_gpus": {e.index: list(e.gpu_ids) for e in engines}})
+    return layout
 
 
 def format_plan(plan: dict, sections: Sequence[str] = ()) -> str:
@@ -330,18 +615,8 @@ def format_plan(plan: dict, sections: Sequence[str] = ()) -> str:
              f"cluster {plan['cluster']['mode']}: {plan['cluster']['num_nodes']} nodes x "
              f"{plan['cluster']['gpus_per_node']} GPUs ({plan['cluster']['gpu_memory_gib']:.0f} GiB)",
              f"learners: TP {p['tp']} PP {p['pp']} CP {p['cp']} DP {p['dp']} (world {p['world_size']}), "
-             f"SP {p['sequence_parallel']}, recompute {p['recompute']}, fp8 {p['fp8']}", "",
-             "stage  params/GPU   params   grads    optim    state    activ    total  (GiB)"]
-    for st in plan["learner_memory"]["stages"]:
-        lines.append(f"{st['stage']:>5}  {st['params'] / 1e9:8.3f}B  " + "  ".join(
-            f"{st[k] / GIB:7.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes",
-                                            "activation_bytes", "total_bytes")))
-    eng = plan["engines"]
-    lines += ["", f"engines: {eng['num_engines']} x {eng['gpus_per_engine']} GPUs, KV room "
-              f"{eng['kv_room_bytes'] / GIB:.1f} GiB per engine = {eng['kv_tokens']:,} tokens "
-              f"= {eng['max_full_length_sequences']} full-length sequences",
-              f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
-              f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)"]
+             f"SP {p['sequence_parallel']}, recompute {p['recompute']}, fp8 {p['fp8']}", ""]
+    lines += _memory_lines(plan)
     eff = plan["learner_efficiency"]
     assumed, conf, base = eff["assumption"], eff["configured"], eff["padded_contiguous"]
     lines += ["", f"learner efficiency, one mini-batch of {assumed['samples']} samples (assumed: responses "
@@ -367,3 +642,42 @@ def format_plan(plan: dict, sections: Sequence[str] = ()) -> str:
         lines += ["", section]
     lines += [""] + [f"WARNING: {w}" for w in plan["warnings"]] if plan["warnings"] else ["", "no warnings"]
     return "\n".join(lines)
+
+
+def _memory_lines(plan: dict) -> List[str]:
+    """The memory part of `format_plan`: learner stages, engines, one colocated GPU, checkpoints,
+    conversion."""
+    mem, eng, gpu = plan["learner_memory"], plan["engines"], plan["cluster"]["gpu_memory_gib"]
+    lines = ["stage  params/GPU   params   grads    optim   fp8 w.  layers  recomp.  logits    total  (GiB)"]
+    for st in mem["stages"]:
+        lines.append(f"{st['stage']:>5}  {st['params'] / 1e9:8.3f}B  " + "  ".join(
+            f"{st[k] / GIB:6.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "fp8_cache_bytes",
+                                            "activation_kept_bytes", "recompute_bytes", "logits_bytes",
+                                            "total_bytes")))
+    factor = mem["per_layer_activation_s_h_over_t"]
+    lines.append(f"  activations ({mem['layer_spec']} spec, {mem['activation_element_bytes']} bytes per element): "
+                 f"{mem['stages'][0]['per_layer_activation_bytes'] / GIB:.3f} GiB per layer and micro-batch"
+                 + (f" = {factor:.1f}*s*h/t" if factor else "") + "; layers = kept over the micro-batches in flight, "
+                 "total = state + fp8 w. + layers + max(recomp., logits)")
+    lines += ["", f"engines: {eng['num_engines']} x {eng['gpus_per_engine']} GPUs, KV room "
+              f"{eng['kv_room_bytes'] / GIB:.1f} GiB per engine = {eng['kv_tokens']:,} tokens "
+              f"= {eng['max_full_length_sequences']} full-length sequences (SGLang: mem_fraction_static "
+              f"{eng['mem_fraction_static']} x free memory at start - {eng['weights_per_gpu_bytes'] / GIB:.1f} GiB "
+              "weights, per GPU)"]
+    for fit in eng["colocated"]:
+        lines.append(f"  colocated stage-{fit['stage']} GPU, rollout: learner {fit['learner_resident'] / GIB:.1f} + "
+                     f"CUDA contexts {fit['contexts'] / GIB:.1f} + engine weights {fit['engine_weights'] / GIB:.1f} + "
+                     f"KV {max(0.0, fit['kv_fresh']) / GIB:.1f} (first job; {fit['kv_resumed'] / GIB:.1f} resumed) + "
+                     f"graphs {ENGINE_RUNTIME_GIB:.1f} = {fit['rollout_bytes'] / GIB:.1f} of {gpu:.0f} GiB; training: "
+                     f"{fit['training_bytes'] / GIB:.1f} of {gpu:.0f} GiB")
+    lines.append(f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
+                 f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)")
+    ck, conv = plan["checkpoint"], plan["conversion_host_ram"]
+    lines += [f"checkpoints: {ck['bytes'] / 1e9:,.1f} GB each (model {ck['model_bytes'] / 1e9:,.1f} + fp32 optimizer "
+              f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written: "
+              f"{ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
+              f"conversion host RAM (estimate: 1.5x the TP shard + {HF_READER_BYTES / 1e9:.0f} GB read, per process): "
+              f"import/export --tp {conv['import_export']['tp']} {conv['import_export']['total_bytes'] / 1e9:,.0f} GB "
+              f"({conv['import_export']['per_process_bytes'] / 1e9:,.1f} per process), verify --tp 1 "
+              f"{conv['verify']['total_bytes'] / 1e9:,.0f} GB"]
+    return lines
