@@ -146,3 +146,22 @@ def test_only_the_driver_writes(tmp_path):
     cfg = _cfg(tmp_path)
     settle_run_dir(cfg, write=False)
     assert not cfg.run_dir.exists()
+
+
+def test_a_refused_resume_stops_before_learner_ranks_are_spawned(tmp_path, monkeypatch):
+    """cluster.num_learner_processes > 1: the parent settles the run directory before torchrun."""
+    from dapo_mega.config import load_config
+    from dapo_mega.driver import learner_ranks
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(learner_ranks.subprocess, "call", lambda *a, **k: pytest.fail("ranks were spawned"))
+    base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "cluster.num_learner_processes=2"]
+    cfg = load_config(base)
+    identity = settle_run_dir(cfg)
+    _fake_checkpoint(cfg.run_dir, 1)
+    with pytest.raises(ConfigChangeRefused, match="algo.verifier"):
+        learner_ranks.maybe_spawn_learners(load_config([*base, "algo.verifier=math_verify"]))
+    seen = {}
+    monkeypatch.setattr(learner_ranks.subprocess, "call", lambda argv, env: seen.update(env=env) or 0)
+    assert learner_ranks.maybe_spawn_learners(load_config([*base, "trainer.total_steps=50"])) == 0
+    assert seen["env"]["DAPO_MEGA_RUN_ID"] == identity.run_id   # the ranks keep the run's id
