@@ -1,9 +1,12 @@
-"""`dapo-mega` command line: train, eval, plan, ablate.
+"""`dapo-mega` command line: train, eval, audit, plan, ablate.
 
     dapo-mega train [hydra overrides]      the DAPO run (no overrides: embedded CPU default)
     dapo-mega train --cfg job [overrides]  print the composed config and exit
     dapo-mega train --help                 every config field with its default and meaning
     dapo-mega eval  [overrides] eval.checkpoint=... avg@k on the held-out set
+    dapo-mega audit [overrides] [--checkpoint PATH] [--n N] [--seed S] [--per-stratum K] [--out DIR] [--json]
+                                           N fixed training prompts rolled out and graded as in training
+                                           -> audit.md / audit.html / audit.json for a person to read
     dapo-mega plan  [overrides] [clock.key=value] [--json]
                                            layout and memory per GPU and the run's clock (phase
                                            durations beside the timeouts), without starting anything
@@ -20,7 +23,7 @@ from typing import List, Optional
 
 from dapo_mega.config import ConfigError, describe_fields, load_config, to_yaml
 
-COMMANDS = ("train", "eval", "plan", "ablate")
+COMMANDS = ("train", "eval", "audit", "plan", "ablate")
 
 
 def _usage() -> str:
@@ -53,6 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if command == "ablate":  # its own config group besides the train overrides
         return _ablate(rest)
+    if command == "audit":  # its own flags besides the overrides
+        return _audit(rest)
     show_cfg = False
     as_json = False
     overrides: List[str] = []
@@ -89,6 +94,22 @@ def _ablate(rest: List[str]) -> int:
     except ConfigError as exc:
         print(f"dapo-mega: config error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _audit(rest: List[str]) -> int:
+    from dapo_mega.audit import run_audit_command
+    from dapo_mega.data import DataError
+    from dapo_mega.rollout.engine_process import EngineStartError
+
+    try:
+        return run_audit_command(rest)
+    except (ConfigError, DataError) as exc:
+        print(f"dapo-mega: {'data' if isinstance(exc, DataError) else 'config'} error: {_one_line(exc)}",
+              file=sys.stderr)
+        return 2
+    except EngineStartError as exc:  # names the engine's log and quotes its last lines
+        print(f"dapo-mega: engine error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _one_line(exc: BaseException) -> str:

@@ -95,27 +95,10 @@ class Session:
         self.policy_sync = PolicySync.start(cfg, self.layout, self.role, self.engine_urls)
 
     def _model_dir(self) -> Path:
-        if self.cfg.model.hf_path:
-            path = Path(self.cfg.model.hf_path)
-            if not (path / "config.json").exists():
-                raise FileNotFoundError(f"model.hf_path={path}: no config.json there. Fix: point model.hf_path at "
-                                        "a Hugging Face checkpoint directory")
-            return path
-        return self.run_dir / "base_model"
+        return model_dir_of(self.cfg)
 
     def _build_tiny_model(self) -> None:
-        """Every rank may get here before process groups exist: each builds the same
-        deterministic files into its own tmp dir and the first rename wins."""
-        import shutil
-
-        from dapo_mega.models.tiny import build_tiny_model_dir
-
-        tmp = self.model_dir.with_name(self.model_dir.name + f".tmp{os.getpid()}")
-        build_tiny_model_dir(tmp, self.cfg.model, seed=self.cfg.megatron.seed)
-        try:
-            os.rename(tmp, self.model_dir)
-        except OSError:  # another rank (or the Slurm prepare step) was first
-            shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_model(self.cfg, self.model_dir)
 
     def _load_initial_weights(self) -> None:
         """A fresh run: `model.megatron_path`, else the HF weights of the model directory."""
@@ -242,6 +225,33 @@ class Session:
                 self.layout.destroy()
             else:
                 torch.distributed.destroy_process_group()
+
+
+def model_dir_of(cfg: DapoConfig) -> Path:
+    """The HF directory the run's model comes from: `model.hf_path`, else `<run_dir>/base_model`
+    (the tiny model, built there by `build_tiny_model` when missing)."""
+    if cfg.model.hf_path:
+        path = Path(cfg.model.hf_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.hf_path={path}: no config.json there. Fix: point model.hf_path at "
+                                    "a Hugging Face checkpoint directory")
+        return path
+    return cfg.run_dir / "base_model"
+
+
+def build_tiny_model(cfg: DapoConfig, model_dir: Path) -> None:
+    """The tiny model's HF files in `model_dir`. Every rank may get here before process groups
+    exist: each builds the same deterministic files into its own tmp dir and the first rename wins."""
+    import shutil
+
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
+    build_tiny_model_dir(tmp, cfg.model, seed=cfg.megatron.seed)
+    try:
+        os.rename(tmp, model_dir)
+    except OSError:  # another rank (or the Slurm prepare step) was first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _problem_fields(d: Dict[str, Any]) -> Dict[str, Any]:
