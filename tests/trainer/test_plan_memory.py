@@ -27,35 +27,80 @@ def test_qwen32b_parameter_count_matches_the_published_size():
     assert plan["total_params"] == expected
 
 
-def test_qwen32b_colocated_plan_matches_hand_computed_memory():
+# The hand computation of docs/cluster.md ("Memory by hand"), its results as literals.
+HAND = {
+    "params": (2_048_356_352, 2_048_361_472),
+    "model_state_bytes": (15_362_672_640, 15_362_711_040),
+    "per_layer_activation_bytes": (675_231_744, 675_231_744),
+    "activation_kept_bytes": (1_845_493_760, 980_418_560),
+    "recompute_bytes": (1_373_059_072, 1_373_059_072),
+    "logits_bytes": (0, 2_187_599_872),
+    "total_bytes": (18_581_225_472, 18_530_729_472),
+}
+
+
+def _within(value, hand, rel=0.10):
+    return abs(value - hand) <= rel * hand
+
+
+def test_qwen32b_colocated_plan_matches_the_hand_computation_in_docs():
     plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))
     p = plan["parallel"]
     assert (p["tp"], p["pp"], p["dp"], p["world_size"]) == (8, 2, 8, 128)  # 128 GPUs / (8*2)
+    for stage in plan["learner_memory"]["stages"]:
+        for key, hand in HAND.items():
+            assert _within(stage[key], hand[stage["stage"]]), (stage["stage"], key, stage[key], hand)
+        assert stage["fp8_cache_bytes"] == 0
     stage0, stage1 = plan["learner_memory"]["stages"]
-    # stage 0: 32 layers x (487,595,008 TP-sharded / 8 + 10,240 norms) + embedding 152064/8*5120
-    #        = 32 * 60,959,616 + 97,320,960 = 2,048,028,672 ; stage 1 adds the final norm instead
-    assert stage0["params"] == 2_048_028_672
-    assert stage1["params"] == 2_048_028_672 + 5_120
-    # model state: bf16 param 2 + fp32 grad 4 + (master 4 + m 4 + v 4) / DP 8 = 7.5 bytes/param
-    assert stage1["model_state_bytes"] == pytest.approx(2_048_033_792 * 7.5)
-    assert stage1["model_state_bytes"] / GIB == pytest.approx(14.305, abs=1e-3)
-    assert stage1["optimizer_bytes"] == pytest.approx(2_048_033_792 * 1.5)
-    # activations, s = 22528 tokens, h = 5120, SP on, full recompute:
-    #   kept layer input 2*s*h/8 = 28,835,840 ; one recomputed layer s*h*34/8 = 490,209,280
-    #   stage 0: 32 layers x 2 micro-batches in flight x 28,835,840 + 490,209,280 = 2,335,703,040
-    #   stage 1: 32 x 1 x 28,835,840 + 490,209,280 + fp32 logits 4*22528*(152064/8) 1,712,848,896
-    assert stage0["activation_bytes"] == 2_335_703_040
-    assert stage1["activation_bytes"] == 922_746_880 + 490_209_280 + 1_712_848_896
-    assert plan["learner_memory"]["worst_stage"] == 1
-    assert plan["learner_memory"]["worst_total_gib"] == pytest.approx((15_360_253_440 + 3_125_805_056) / GIB)
-    # KV room per engine (TP 4): 4 x min(0.6 x 80 GiB, 80 GiB - 15,360,253,440 resident) - 2 x 32,763,876,352
-    room = 4 * 0.6 * 80 * GIB - 2 * 32_763_876_352
-    assert plan["engines"]["kv_room_bytes"] == pytest.approx(room)
-    # K+V x 64 layers x (8 KV heads / 4) x 128 x 2 bytes = 65,536 per GPU, x4 GPUs per engine
-    assert plan["engines"]["kv_bytes_per_token"] == 262_144
-    assert plan["engines"]["kv_tokens"] == int(room // 262_144) == 536_463
+    assert stage0["params"] == 2_048_356_352 and stage1["params"] == 2_048_361_472  # exact: counting
+    assert plan["learner_memory"]["per_layer_activation_s_h_over_t"] == pytest.approx(46.8, abs=0.05)  # not 34
+    assert plan["learner_memory"]["worst_stage"] == 0
+    # KV room per engine: 4 GPUs x (0.6 x free at start - 2*Phi/4), free at start 67,852,280,320
+    eng = plan["engines"]
+    assert _within(eng["kv_room_bytes"], 97_317_720_064) and eng["kv_room_bytes"] / GIB < 92  # 131 GiB before
+    assert eng["kv_bytes_per_token"] == 262_144
+    assert _within(eng["kv_tokens"], 371_237)
+    assert _within(eng["weights_per_gpu_bytes"], 16_381_938_176)
+    for fit in eng["colocated"]:  # one GPU during rollout: 58.9 of 80 GiB; training 19.8
+        assert _within(fit["rollout_bytes"], 63_208_676_147)
+        assert _within(fit["kv_fresh"], 25_558_446_899)
+        assert _within(fit["training_bytes"], 21_265_580_032)
+    ck = plan["checkpoint"]
+    assert _within(ck["bytes"], 458_694_268_928) and _within(ck["disk_peak_bytes"], 1_834_777_075_712)
+    assert ck["keep_last_k"] == 3
+    ram = plan["conversion_host_ram"]
+    assert _within(ram["import_export"]["total_bytes"], 130.3e9) and _within(ram["verify"]["total_bytes"], 102.3e9)
     assert plan["weight_sync"]["bytes_per_step"] == 2 * 32_763_876_352
-    assert plan["warnings"] == []
+    assert plan["warnings"] == []  # learner and engine fit together, by SGLang's formula too
+
+
+def test_fp8_adds_weight_caches_and_context_parallel_is_refused_as_the_learner_does():
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import check_learner_supports
+    from dapo_mega.config import ConfigError
+
+    fp8 = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_fp8"]))
+    for stage in fp8["learner_memory"]["stages"]:  # FP8 copy + transpose of 32 layers' linear weights
+        assert _within(stage["fp8_cache_bytes"], 3_900_702_720)
+        assert _within(stage["total_bytes"], HAND["total_bytes"][stage["stage"]] + 3_900_702_720)
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b", "megatron.context_parallel_size=2"])
+    with pytest.raises(ConfigError) as planned:
+        compute_plan(cfg)
+    with pytest.raises(ConfigError) as learner:
+        check_learner_supports(ParallelLayout.from_config(cfg.megatron, 128))
+    assert str(planned.value) == str(learner.value)
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "megatron.context_parallel_size=2"]) == 2
+
+
+def test_plan_warns_when_learner_and_engine_do_not_fit_on_one_gpu():
+    # f = 0.95: the first job's pool 0.95 x 69.9e9 - 16.4e9 = 50.0e9; beside the learner's
+    # 15.4e9, 2.7e9 of contexts, 16.4e9 of weights and 3.2e9 of graphs: 87.7e9 > 85.9e9
+    plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]))
+    assert any(w.startswith("learner and engine do not fit together on a stage-1 GPU during rollout")
+               for w in plan["warnings"]), plan["warnings"]
+    disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
+    assert disagg["engines"]["colocated"] == []  # engine GPUs hold no learner: 0.85 x (80 - 1) GiB - weights
+    assert _within(disagg["engines"]["kv_per_gpu_bytes"], 0.85 * 79 * GIB - 16_381_938_176)
 
 
 def test_plan_warns_on_cross_node_tp_idle_engines_and_oom():
@@ -87,5 +132,10 @@ def test_plan_cli_json_and_exit_status(capsys):
     assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["parallel"]["tp"] == 8 and len(out["layout"]) == 16
+    assert out["checkpoint"]["bytes"] == 14 * 32_763_876_352 and out["checkpoint"]["disk_peak_bytes"] == 4 * 14 * 32_763_876_352
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b"]) == 0
+    text = capsys.readouterr().out
+    assert "checkpoints: 458.7 GB each" in text and "1.83 TB on disk" in text
+    assert "46.8*s*h/t" in text and "colocated stage-1 GPU, rollout:" in text
     assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "cluster.gpu_memory_gib=16"]) == 1
     assert "WARNING: learner does not fit" in capsys.readouterr().out
