@@ -151,7 +151,8 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
 
 def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
     """`dapo-mega plan`: the plan (layout, memory) and the clock (durations beside the timeouts
-    that bound them), warnings of both last; exit 1 when the learner does not fit."""
+    that bound them), warnings of both last; exit 1 when the learner does not fit, alone or
+    beside a colocated engine."""
     import json
 
     from dapo_mega.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
@@ -174,7 +175,8 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
               f"{cfg.algo.max_num_gen_batches}), {per_round * cfg.trainer.total_steps / 1e9:,.1f} GB over "
               f"{cfg.trainer.total_steps} steps of one round")
     print(json.dumps(plan, indent=2) if as_json else format_plan(plan, sections=[format_clock(cfg, clock), ledger]))
-    return 1 if any(w.startswith("learner does not fit") for w in plan["warnings"]) else 0
+    return 1 if any(w.startswith(("learner does not fit", "learner and engine do not fit"))
+                    for w in plan["warnings"]) else 0
 
 
 if __name__ == "__main__":

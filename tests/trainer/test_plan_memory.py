@@ -98,6 +98,7 @@ def test_plan_warns_when_learner_and_engine_do_not_fit_on_one_gpu():
     plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]))
     assert any(w.startswith("learner and engine do not fit together on a stage-1 GPU during rollout")
                for w in plan["warnings"]), plan["warnings"]
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]) == 1
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
     assert disagg["engines"]["colocated"] == []  # engine GPUs hold no learner: 0.85 x (80 - 1) GiB - weights
     assert _within(disagg["engines"]["kv_per_gpu_bytes"], 0.85 * 79 * GIB - 16_381_938_176)
