@@ -67,6 +67,16 @@ class Session:
             raise
         return s
 
+    def _cuda_device(self, world_size: int) -> Optional[int]:
+        """This learner rank's GPU from the run's placement (None on a CPU), the one the weight
+        sync and the colocated hand-over assume it is on."""
+        if not torch.cuda.is_available():
+            return None
+        from dapo_mega.backends.placement import learner_cuda_index, trainer_placement
+
+        placement = trainer_placement(self.cfg, world_size, True, os.environ)
+        return learner_cuda_index(placement.learner(int(os.environ["RANK"])), os.environ)
+
     def _start(self) -> None:
         from dapo_mega.backends.megatron.layout import ParallelLayout
         from dapo_mega.backends.megatron.train_step import MegatronLearner
@@ -80,7 +90,7 @@ class Session:
         if not (self.model_dir / "config.json").exists():
             self._build_tiny_model()
         self.layout = ParallelLayout.from_config(cfg.megatron, world_size, hf_config=str(self.model_dir))
-        self.layout.initialize(timeout_s=cfg.cluster.dist_timeout_s)
+        self.layout.initialize(timeout_s=cfg.cluster.dist_timeout_s, cuda_device=self._cuda_device(world_size))
         # the driver's progress counter is published from here on (driver/gate.py)
         gate = DriverGate(cfg.cluster.driver_stall_timeout_s, is_driver=is_driver, progress=finished_requests)
         gate.start()

@@ -297,6 +297,31 @@ def visible_devices(gpu_ids: Sequence[int], parent_visible: Optional[str] = None
     return ",".join(parent[g] for g in gpu_ids)
 
 
+def learner_cuda_index(learner: LearnerPlacement, env: Mapping[str, str]) -> int:
+    """The CUDA device index this learner process selects: the placement's GPU of its node,
+    as the process numbers it (its position in CUDA_VISIBLE_DEVICES; 0 when its launcher
+    bound it to one GPU). A launcher whose LOCAL_RANK disagrees with the placement put
+    ranks on other nodes or GPUs than the weight sync expects, and is refused."""
+    if learner.device.gpu is None:
+        raise ValueError(f"learner rank {learner.rank} has no GPU in this placement")
+    local = env.get("LOCAL_RANK")
+    if local is not None and int(local) != learner.local_rank:
+        raise ValueError(f"learner rank {learner.rank}: the launcher set LOCAL_RANK={local}, the placement has it "
+                         f"as local rank {learner.local_rank} ({learner.device}); ranks must fill nodes in order "
+                         "(Slurm's block distribution, srun --distribution=block)")
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return learner.device.gpu
+    if len(visible) == 1:
+        return 0
+    if not all(v.isdigit() for v in visible) and learner.device.gpu < len(visible):
+        return learner.device.gpu  # UUIDs: listed in the node's order
+    if str(learner.device.gpu) not in visible:
+        raise ValueError(f"learner rank {learner.rank} is placed on GPU {learner.device.gpu} of its node, which "
+                         f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} hides")
+    return visible.index(str(learner.device.gpu))
+
+
 def learner_coordinates(rank: int, tp: int, cp: int, pp: int, world: int) -> Tuple[int, int, int, int]:
     """(tp_rank, cp_rank, dp_rank, pp_rank) of `rank` in megatron-core's order tp-cp-ep-dp-pp."""
     dp = max(1, world // (tp * cp * pp))

@@ -252,3 +252,25 @@ def test_the_syncer_forms_the_groups_the_plan_reports(name):
         planned = {urls[m.index]: m.group_rank for m in group.members if m.role == "engine" and m.engine_tp_rank == 0}
         assert planned == offsets
         assert group.members[0].group_rank == 0 and group.members[0].index == placement.weight_sources()[stage].rank
+
+
+def test_a_learner_selects_the_gpu_its_placement_gives_it():
+    """The runtime's device rule (`learner_cuda_index`, what the session passes to
+    `layout.initialize`): the placement's GPU, as this process numbers it; a launcher that
+    disagrees with the placement is refused, naming both."""
+    from dapo_mega.backends.placement import learner_cuda_index
+
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b_disagg"])  # 8 learner nodes x 8 GPUs
+    placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=True))
+    rank_13 = placement.learner(13)
+    assert rank_13.device == Device(1, 5) and rank_13.local_rank == 5
+    assert learner_cuda_index(rank_13, {"LOCAL_RANK": "5"}) == 5
+    assert learner_cuda_index(rank_13, {"LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == 1
+    assert learner_cuda_index(rank_13, {"LOCAL_RANK": "5", "CUDA_VISIBLE_DEVICES": "3"}) == 0  # bound by its launcher
+    with pytest.raises(ValueError, match="LOCAL_RANK=1.*local rank 5"):  # cyclic task distribution
+        learner_cuda_index(rank_13, {"LOCAL_RANK": "1"})
+    with pytest.raises(ValueError, match="GPU 5 of its node.*hides"):
+        learner_cuda_index(rank_13, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    cpu = place(cfg, ClusterShape.from_config(cfg, use_gpu=False))
+    with pytest.raises(ValueError, match="no GPU"):
+        learner_cuda_index(cpu.learner(0), {})

@@ -90,12 +90,15 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------ start-up
     def initialize(self, backend: Optional[str] = None, init_method: Optional[str] = None,
-                   rank: Optional[int] = None, timeout_s: int = 1800) -> "ParallelLayout":
+                   rank: Optional[int] = None, timeout_s: int = 1800,
+                   cuda_device: Optional[int] = None) -> "ParallelLayout":
         """Validate, start torch.distributed if needed, then megatron's parallel_state.
 
         backend: default gloo without CUDA, nccl with it. init_method/rank default to
         env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), as torchrun and srun set them.
         On the CPU the megatron CUDA substitutions (`cpu_support`) are installed first.
+        cuda_device: the GPU this rank selects (the trainer passes its placement's,
+        `backends.placement.learner_cuda_index`); default LOCAL_RANK, as torchrun sets it.
         """
         self.validate()
         from megatron.core import parallel_state
@@ -106,7 +109,8 @@ class ParallelLayout:
         if not torch.distributed.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                local = int(os.environ.get("LOCAL_RANK", "0"))
+                torch.cuda.set_device(cuda_device if cuda_device is not None else local)
             torch.distributed.init_process_group(
                 backend=backend, init_method=init_method or "env://", world_size=self.world_size,
                 rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
