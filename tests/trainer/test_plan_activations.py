@@ -17,7 +17,10 @@ The local layer spec in fp32 is what runs on a CPU, so its variant of the formul
 checked; the Transformer Engine variant differs in named terms only (`layer_saved_bytes`).
 Factors: per-layer activations, recomputed layers, logits and model state within 1%; the
 kept checkpoint inputs between the formula and the formula plus the per-micro-batch inputs
-it leaves out (bool mask, token ids, RoPE frequencies: negligible at 22k tokens, not here).
+it leaves out (bool mask, token ids, RoPE frequencies: negligible at 22k tokens, not here);
+the peak of a whole step (forward, log-probs, backward), measured with the same dispatch
+mode, between 0.8x and 1.1x the plan's activation peak (measured 0.94x without and 0.90x
+with full recompute: the backward-temporaries term is an upper bound).
 """
 
 from __future__ import annotations
@@ -133,13 +136,13 @@ def _measure(rank, world):
                  learner.optimizer, "chained_optimizers", [learner.optimizer]) for s in opt.optimizer.state.values()
                  for t in s.values() if torch.is_tensor(t) and t.numel() > 1)}
 
-    model = learner.model_chunks[0]
+    (model,), _ = build_model(hf, cfg.megatron, layout)
     tokens, position_ids, mask = _inputs(60)
+    labels = torch.roll(tokens, -1, dims=1)
     out = {}
     plain = _saved_bytes_by_layer(model, lambda: out.setdefault("logits", model(tokens, position_ids, mask)))
 
     logits = out["logits"].detach().requires_grad_(True)
-    labels = torch.roll(tokens, -1, dims=1)
 
     def log_prob_step():
         log_p, _ = chunked_log_probs_and_entropy(logits, labels, 0.7, hf.vocab_size, chunk_tokens=CHUNK)
@@ -152,8 +155,23 @@ def _measure(rank, world):
     loss = {}
     kept = _saved_bytes_by_layer(full, lambda: loss.setdefault("sum", full(tokens, position_ids, mask).sum()))
     recomputed = _saved_bytes_by_layer(full, lambda: loss["sum"].backward())
+    step_peaks = [_step_peak(m, tokens, position_ids, mask, labels, hf.vocab_size) for m in (model, full)]
     return {"state": state, "plain": plain, "logits_peak": logits_peak, "kept": kept, "recomputed": recomputed,
-            "vocab_local": logits.shape[-1], "vocab": hf.vocab_size}
+            "vocab_local": logits.shape[-1], "vocab": hf.vocab_size, "step_peaks": step_peaks}
+
+
+def _step_peak(model, tokens, position_ids, mask, labels, vocab):
+    """Peak bytes above the weights and their gradients of one forward, log-prob and backward."""
+    from dapo_mega.backends.megatron.logprobs import LOGPROB_CHUNK_TOKENS, chunked_log_probs_and_entropy
+
+    def step():
+        log_p, _ = chunked_log_probs_and_entropy(model(tokens, position_ids, mask), labels, 0.7, vocab,
+                                                 chunk_tokens=LOGPROB_CHUNK_TOKENS)
+        log_p.sum().backward()
+
+    step()  # the gradients exist from here on
+    params = list(model.parameters())
+    return _peak_new_bytes(step, params + [p.grad for p in params] + [tokens, position_ids, mask, labels])
 
 
 def test_plan_memory_meets_a_tiny_model_on_the_cpu():
@@ -187,6 +205,12 @@ def test_plan_memory_meets_a_tiny_model_on_the_cpu():
     assert acts["kept"] <= measured_kept <= 1.01 * (acts["kept"] + left_out), (measured_kept, acts["kept"])
     for layer in range(shape.num_layers):
         assert abs(got["recomputed"][layer] - per_layer) <= 0.01 * per_layer, (layer, got["recomputed"][layer])
+
+    # the whole step (forward, log-probs, backward; transient weight gradients included) against
+    # the stage's activation peak: kept + max(recomputed layers + backward temporaries, logits)
+    for config, measured in zip((cfg, full_cfg), got["step_peaks"]):
+        planned = stage_activation_bytes(config, shape, 0)["peak"]
+        assert 0.8 * planned <= measured <= 1.1 * planned, (config.megatron.recompute_granularity, measured, planned)
 
     # logits: the model's fp32 logits + their gradient + the chunks of ChunkedVocabParallelLogProbs
     expected = logits_peak_bytes(TOKENS, got["vocab_local"], logits_bytes=4, chunk_tokens=CHUNK)["peak"]
