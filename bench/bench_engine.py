@@ -7,7 +7,7 @@ runs `model.generate(do_sample=True, num_return_sequences=n)` on the left-padded
 in this process. JSON to bench/results/engine.json.
 
 Where the real SGLang CPU venv exists (`$DAPO_MEGA_SGLANG_PYTHON` or `.venv-sglang`, built by
-../shared/sglang-cpu/setup.sh), the same rollout also runs on a real SGLang 0.5.23 server
+tools/setup_sglang_cpu.sh), the same rollout also runs on a real SGLang 0.5.23 server
 (float32, the same thread count): keys `sglang_*`.
 
     python bench/bench_engine.py [--quick]
@@ -97,7 +97,7 @@ def run_sglang(model_dir: str, prompts, n: int, new_tokens: int, threads: int) -
     python = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or Path(__file__).resolve().parents[1] / ".venv-sglang"
                   / "bin" / "python")
     if not python.exists():
-        return {"sglang_skipped": f"no SGLang venv at {python} (../shared/sglang-cpu/setup.sh)"}
+        return {"sglang_skipped": f"no SGLang venv at {python} (tools/setup_sglang_cpu.sh)"}
     rollout = RolloutConfig(backend="sglang", engine_python=str(python), dtype="float32", health_timeout_s=300,
                             max_running_requests=len(prompts) * n,
                             extra_server_args=["--max-total-tokens", "8192"])

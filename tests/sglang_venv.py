@@ -1,7 +1,9 @@
-"""Where the tests find the real SGLang server's venv (../shared/sglang-cpu/setup.sh), or why not."""
+"""Where the tests find the real SGLang server's venv (tools/setup_sglang_cpu.sh builds it), or why not."""
 
 import os
 from pathlib import Path
+
+from ci_lane import lane_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -12,10 +14,10 @@ def sglang_python() -> Path:
 
 
 def sglang_python_or_skip() -> Path:
-    import pytest
-
+    """The venv's interpreter; without one the test skips, or fails under CI."""
     python = sglang_python()
     if not python.exists():
-        pytest.skip(f"no SGLang venv at {python}: build one with ../shared/sglang-cpu/setup.sh "
-                    f"{REPO / '.venv-sglang'} (or set DAPO_MEGA_SGLANG_PYTHON)")
+        lane_unavailable(f"no SGLang venv at {python}: build one with tools/setup_sglang_cpu.sh "
+                         f"{REPO / '.venv-sglang'} --offline DIR (see tools/sglang_cpu/README.md), "
+                         f"or set DAPO_MEGA_SGLANG_PYTHON")
     return python

@@ -2,14 +2,14 @@
 
 `LocalSlurmCluster(workdir).start()` writes its own slurm.conf, munge key and state
 directories under `workdir` (nothing in /etc is touched), starts one `munged` on a private
-socket, one `slurmctld` and two `slurmd` daemons posing as nodes n1 and n2
-(../shared/notes/local-slurm.md), and waits until `sinfo` shows both nodes idle. `stop()`
-ends exactly the daemons it started, by pid. Client commands (`sbatch`, `squeue`,
-`scontrol`, `scancel`) find the cluster through the `SLURM_CONF` in `env()`.
+socket, one `slurmctld` and two `slurmd` daemons posing as nodes n1 and n2, and waits
+until `sinfo` shows both nodes idle. `stop()` ends exactly the daemons it started, by pid.
+Client commands (`sbatch`, `squeue`, `scontrol`, `scancel`) find the cluster through the
+`SLURM_CONF` in `env()`.
 
 Packages: slurmctld, slurmd, slurm-client, munge (Debian, Slurm 22.05). `ensure_installed()`
 installs them with apt-get when missing and returns a reason string when it cannot, so
-the tests skip with that reason.
+the tests skip with that reason (under CI they fail with it: tests/ci_lane.py).
 """
 
 from __future__ import annotations
@@ -293,19 +293,19 @@ class LocalSlurmCluster:
 
 
 def start_or_skip(workdir) -> "LocalSlurmCluster":
-    """A started local cluster in `workdir`, or pytest.skip saying why it cannot run here.
-    The caller stops it."""
-    import pytest
+    """A started local cluster in `workdir`; where it cannot run here the test skips saying
+    why, or fails with that reason under CI. The caller stops it."""
+    from ci_lane import lane_unavailable
 
     if os.geteuid() != 0:
-        pytest.skip("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root here")
+        lane_unavailable("the local Slurm cluster runs its daemons as root (SlurmUser=root); not root here")
     reason = ensure_installed()
     if reason:
-        pytest.skip(f"no local Slurm: {reason}")
+        lane_unavailable(f"no local Slurm: {reason}")
     cluster = LocalSlurmCluster(workdir)
     try:
         cluster.start()
     except Exception as exc:  # the daemons could not come up on this machine
         cluster.stop()
-        pytest.skip(f"local Slurm cluster did not start: {exc}")
+        lane_unavailable(f"local Slurm cluster did not start: {exc}")
     return cluster

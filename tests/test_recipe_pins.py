@@ -3,7 +3,8 @@
 Sources, cited per value below:
   [paper]  DAPO, arXiv 2503.14476 v1 (section numbers of that version);
   [verl]   verl's recipe/dapo/run_dapo_qwen2.5_32b.sh, the public reproduction (AIME 52);
-  [notes]  ../shared/notes/dapo-recipe.md, where both are summarised.
+  [reward] verl's verl/utils/reward_score/math_dapo.py, the recipe's reward function;
+  [data]   the published DAPO-Math-17k parquet, as read.
 A change to one of these numbers is a departure from the published run: it must be made
 here too, with its reason, or the test fails.
 
@@ -50,14 +51,14 @@ RECIPE = [
     ("algo.temperature", 1.0, "[verl] temperature=1.0 for training rollouts"),
     ("algo.top_p", 1.0, "[verl] top_p=1.0"),
     ("algo.top_k", -1, "[verl] top_k=-1"),
-    ("algo.verifier", "dapo", "[notes] the recipe's reward: last 300 chars, `Answer:`, Minerva normalisation"),
+    ("algo.verifier", "dapo", "[reward] the recipe's reward: last 300 chars, `Answer:`, Minerva normalisation"),
     ("algo.lr", 1e-6, "[paper] §4.1 AdamW, constant lr 1e-6 after warm-up; [verl] optim.lr=1e-6"),
     ("algo.lr_warmup_steps", 20, "[paper] §4.1 linear warm-up over 20 rollout steps (verl's script: 10)"),
-    ("algo.weight_decay", 0.1, "[verl] optim.weight_decay=0.1; [notes]"),
-    ("algo.grad_clip", 1.0, "[verl] actor.grad_clip=1.0; [notes]"),
+    ("algo.weight_decay", 0.1, "[verl] optim.weight_decay=0.1"),
+    ("algo.grad_clip", 1.0, "[verl] actor.grad_clip=1.0"),
     ("data.apply_chat_template", True, "[verl] prompts rendered with the tokenizer's chat template, "
                                        "add_generation_prompt=True, for training and validation"),
-    ("data.dedup", True, "[notes] the published DAPO-Math-17k repeats prompts: deduplicate"),
+    ("data.dedup", True, "[data] the published DAPO-Math-17k repeats prompts: deduplicate"),
     ("eval.n_samples", 32, "[paper] §4.1 AIME 2024 avg@32; [verl] val_kwargs.n=32"),
     ("eval.temperature", 1.0, "[paper] §4.1 evaluation temperature 1.0; [verl] val_kwargs.temperature=1.0"),
     ("eval.top_p", 0.7, "[paper] §4.1 evaluation top-p 0.7; [verl] val_top_p=0.7"),

@@ -15,9 +15,9 @@ changed to answer as SGLang does. Differences that remain are deliberate and nam
 * `sampling_seed`: SGLang 0.5.23 honours it only with `--enable-deterministic-inference`,
   which needs a GPU attention backend; on a CPU it is ignored. The embedded engine honours it.
 
-The SGLang server runs from the venv `../shared/sglang-cpu/setup.sh` builds:
+The SGLang server runs from the venv `tools/setup_sglang_cpu.sh` builds:
 `$DAPO_MEGA_SGLANG_PYTHON`, else `<repo>/.venv-sglang/bin/python`; without it the SGLang
-half skips, saying so. Each server starts once per module (SGLang: ~20 s, ~2 GB).
+half skips, saying so (under CI=true it fails: tests/ci_lane.py). Each server starts once per module (SGLang: ~20 s, ~2 GB).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ run: one step, then resumed to a second; after each run every engine serves the 
 version, and its greedy output (tokens and log-probs) equals transformers' on the HF export
 of the checkpoint the run saved.
 
-Needs the SGLang venv (`../shared/sglang-cpu/setup.sh`, see test_conformance.py); skips
-without it. The model is random (no warm start), so dynamic sampling is off: every group
+Needs the SGLang venv (`tools/setup_sglang_cpu.sh`, see test_conformance.py); skips
+without it (fails under CI=true). The model is random (no warm start), so dynamic sampling is off: every group
 is all-wrong and would be filtered. In the TP 2 / PP 2 runs rewards differ only through the
 overlong penalty, so responses run to 48 tokens and are penalised from the 5th: this random
 model ends ~40% of them early (EOS), at different lengths, so a step's advantages are never

@@ -6,7 +6,7 @@ is the one place where the learner substitutes them, so that the *same* megatron
 code paths (GPTModel, tensor-parallel layers, pipeline schedules, DDP, the distributed
 optimizer, grad clipping) run in CPU tests and in the embedded CPU default. It is applied
 only when no GPU is present (`enable_cpu_support()` does nothing on a CUDA machine) and it
-is idempotent. See ../shared/notes/megatron-cpu.md for how each call site was found.
+is idempotent.
 
 The substitutions, process-wide:
 

@@ -1,7 +1,8 @@
 """Command lines the launcher builds, read by the real parsers: SGLang 0.5.23's
 `ServerArgs` and sglang-router 0.3.2's `RouterArgs` (run in the SGLang venv, see
-tests/rollout/test_conformance.py; they skip, saying why, without it), and the embedded
-engine's own parser. What the client sends to a server is checked by the conformance suite.
+tests/rollout/test_conformance.py; without it they skip, saying why, and fail under CI=true),
+and the embedded engine's own parser. What the client sends to a server is checked by the
+conformance suite.
 """
 
 import json
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ci_lane import lane_unavailable
 from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
@@ -41,7 +43,7 @@ def parse_in_sglang_venv(code: str, argv, module: str) -> dict:
     python = sglang_python_or_skip()
     check = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True)
     if check.returncode != 0:
-        pytest.skip(f"{module} is not installed in {python}")
+        lane_unavailable(f"{module} is not installed in {python} (tools/setup_sglang_cpu.sh installs it)")
     out = subprocess.run([str(python), "-c", code, json.dumps(list(argv))], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
