@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Dict, Optional
 
 from dapo_mega.config import DapoConfig, check_warm_start, from_yaml
 from dapo_mega.heap import freeze_startup_objects, keep_freed_memory
+from dapo_mega.resources import PhaseMeter
 
 
 def train(cfg: DapoConfig) -> int:
@@ -56,39 +56,31 @@ def train(cfg: DapoConfig) -> int:
             role.log_step(0, role.evaluate(), {})  # held-out accuracy before any RL step
         role.start_rollouts(run.state.step + 1)  # a thread, when disaggregated with staleness > 0
         for step in range(run.state.step + 1, cfg.trainer.total_steps + 1):
-            timings: Dict[str, float] = {}
-
-            t = time.perf_counter()
-            batch = role.next_rollout_batch(step, run.state.policy_version)  # generate, reward, filter
-            samples = role.train_samples(batch)  # advantages; every learner rank gets the list
-            timings["time/rollout_s"] = time.perf_counter() - t
-
-            t = time.perf_counter()
-            s.engines_release_memory()          # colocated: engines free memory
-            train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
-            s.engines_resume_memory()
-            timings["time/train_s"] = time.perf_counter() - t
-
-            t = time.perf_counter()
-            run.state.policy_version += 1
-            sync_metrics = s.sync_weights()     # engines now serve version policy_version
-            timings["time/sync_s"] = time.perf_counter() - t
+            meter = PhaseMeter()                # seconds and peak memory of each phase (resources.py)
+            with meter.phase("rollout"):
+                batch = role.next_rollout_batch(step, run.state.policy_version)  # generate, reward, filter
+                samples = role.train_samples(batch)  # advantages; every learner rank gets the list
+            with meter.phase("train"):
+                s.engines_release_memory()      # colocated: engines free memory
+                train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
+                s.engines_resume_memory()
+            with meter.phase("sync"):
+                run.state.policy_version += 1
+                sync_metrics = s.sync_weights()  # engines now serve version policy_version
 
             run.state.step = step
             role.write_ledger(step, batch)      # one row per sample, kept or rejected
             eval_metrics: Dict[str, float] = {}
             if run.should_eval(step):
-                t = time.perf_counter()
-                eval_metrics = role.evaluate()
-                timings["time/eval_s"] = time.perf_counter() - t
-            run.clock.record_step(sum(timings.values()))
+                with meter.phase("eval"):
+                    eval_metrics = role.evaluate()
+            run.clock.record_step(sum(meter.timings().values()))
             out_of_time = step < cfg.trainer.total_steps and role.out_of_time(run.clock)  # wall-time limit
             if run.should_save(step) or out_of_time:
-                t = time.perf_counter()
-                s.save_checkpoint(step)
-                timings["time/save_s"] = time.perf_counter() - t
-                run.clock.record_save(timings["time/save_s"])
-            role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, timings)
+                with meter.phase("save"):
+                    s.save_checkpoint(step)
+                run.clock.record_save(meter.metrics["time/save_s"])
+            role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, meter.metrics)
             if out_of_time:
                 role.say(f"[trainer] stopped after step {step} of {cfg.trainer.total_steps} to end within "
                          f"trainer.wall_time_minutes={cfg.trainer.wall_time_minutes:g} (running "

@@ -35,6 +35,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.run_dir": 0,
     "dapo_mega.run_identity": 0,
     "dapo_mega.heap": 0,
+    "dapo_mega.resources": 0,
     "dapo_mega.tether": 0,
     # 1: backends: Megatron (model, layout, train step, sharded state) and SGLang (launch, client).
     "dapo_mega.backends": 1,

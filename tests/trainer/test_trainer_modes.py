@@ -44,6 +44,7 @@ DESIGN_KEYS = [
     "rollout/clip_rate", "loss/clip_frac_low", "loss/clip_frac_high", "actor/entropy", "actor/grad_norm",
     "verifier/num_errors", "time/rollout_s", "time/train_s", "time/sync_s", "sync/gbps",
     "rollout/tokens_per_s", "perf/train_tokens_per_s",
+    "mem/rollout/rss_peak_gib", "mem/train/rss_peak_gib", "mem/sync/rss_peak_gib",  # the driver's, per phase
 ]
 
 LEDGER_FIELDS = ["run_id", "step", "prompt_id", "dataset_revision", "sample_index", "seed", "policy_version_min",
