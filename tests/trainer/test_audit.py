@@ -125,6 +125,30 @@ def test_parse_audit_args_splits_flags_from_overrides():
 
 
 # ------------------------------------------------------------------ the sheet
+def assert_well_formed(page):
+    """Every tag opened is closed, in order (what a response could break if not escaped)."""
+    from html.parser import HTMLParser
+
+    class Tags(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.mismatched = [], []
+
+        def handle_starttag(self, tag, attrs):
+            if tag != "meta":
+                self.stack.append(tag)
+
+        def handle_endtag(self, tag):
+            if self.stack and self.stack[-1] == tag:
+                self.stack.pop()
+            else:
+                self.mismatched.append(tag)
+
+    parser = Tags()
+    parser.feed(page)
+    assert parser.stack == [] and parser.mismatched == []
+
+
 def test_sheet_escapes_every_text():
     nasty = "<script>alert('x')</script> & \"q\"\n```\nAnswer: </pre>"
     r = record(response=nasty, prompt="<b>bold</b> | pipe", truth="<i>5</i>", correct=False, extracted="</pre>")
@@ -134,6 +158,7 @@ def test_sheet_escapes_every_text():
     assert "&lt;b&gt;bold&lt;/b&gt;" in page and "&lt;model &amp; co&gt;" in page
     assert page.count("<pre>") == page.count("</pre>")  # the response's "</pre>" cannot close a block
     assert "<link" not in page and "<style>" in page and "src=" not in page  # self-contained
+    assert_well_formed(page)
     md = render_markdown(sheet)
     assert "````text\n" + nasty + "\n````" in md  # a fence longer than the response's own backticks
     assert "| policy | <model & co> |" in md
