@@ -48,6 +48,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print("Ablation fields (ablation.key=value; pick one with +ablation=dapo_ladder or one_factor):")
             print("\n".join("  " + line for line in describe_fields(AblationConfig, prefix="ablation.")))
+        if command == "audit":
+            from dapo_mega.audit import USAGE
+
+            print("Audit flags (besides the overrides):\n" + USAGE)
         if command == "plan":
             from dapo_mega.clock import ClockAssumptions
 

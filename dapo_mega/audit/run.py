@@ -74,7 +74,7 @@ def parse_audit_args(args: Sequence[str]) -> Tuple[AuditOptions, List[str]]:
             except ValueError:
                 raise ConfigError(f"{name}: {value!r} is not an integer. Fix: e.g. {name} 16") from None
         elif arg.startswith("--"):
-            raise ConfigError(f"{arg}: unknown flag. Usage:\n{USAGE}")
+            raise ConfigError(f"{arg}: unknown flag. Usage: {USAGE.splitlines()[0]}")
         else:
             overrides.append(arg)
     if options.num_prompts < 1 or options.per_stratum < 0:
@@ -93,9 +93,6 @@ def resolve_policy(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Tuple[Pat
     from dapo_mega.session import build_tiny_model, model_dir_of
 
     if checkpoint:
-        if not Path(checkpoint).exists():
-            raise ConfigError(f"--checkpoint: {checkpoint} does not exist. Fix: point it at an HF directory, a "
-                              "Megatron checkpoint or a run directory")
         return _hf_dir_of(checkpoint, workdir), checkpoint
     if cfg.model.megatron_path:
         return _hf_dir_of(cfg.model.megatron_path, workdir), f"initial policy: {cfg.model.megatron_path}"
@@ -202,6 +199,9 @@ def run_audit(cfg: DapoConfig, options: AuditOptions) -> Tuple[AuditSheet, Path]
     from dapo_mega.run_identity import run_id_of_path
 
     check_data_paths(cfg.data)
+    if options.checkpoint and not Path(options.checkpoint).exists():
+        raise ConfigError(f"--checkpoint: {options.checkpoint} does not exist. Fix: point it at an HF directory, a "
+                          "Megatron checkpoint or a run directory")
     seed = cfg.trainer.seed if options.seed is None else options.seed
     train, _, revision = build_datasets(cfg.data)
     if not train:
