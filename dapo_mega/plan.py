@@ -307,7 +307,8 @@ def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> Dict[s
     learner's `learner_resident` bytes and context), the weights loaded, then
     rest = free_after_load − B·(1 − f) = f·B − weights."""
     r, gpu = cfg.rollout, cfg.cluster.gpu_memory_gib * GIB
-    contexts = (ENGINE_CONTEXT_GIB + (LEARNER_CONTEXT_GIB if cfg.cluster.mode == "colocated" else 0.0)) * GIB
+    contexts = 0.0 if cfg.cluster.device == "cpu" else (  # no CUDA on a CPU cluster
+        ENGINE_CONTEXT_GIB + (LEARNER_CONTEXT_GIB if cfg.cluster.mode == "colocated" else 0.0)) * GIB
     free_at_start = gpu - learner_resident - contexts
     weights = 2 * phi / r.engine_tp_size
     return {"free_at_start": free_at_start, "weights": weights, "contexts": contexts,
@@ -327,9 +328,10 @@ def colocated_fit(cfg: DapoConfig, phi: int, stage: dict, dp: int) -> Dict[str, 
     at_fresh = engine_kv_room(cfg, phi, fresh)
     at_resume = engine_kv_room(cfg, phi, stage["model_state_bytes"])
     learner = stage["model_state_bytes"] + stage["fp8_cache_bytes"]
-    engine = at_fresh["weights"] + max(0.0, at_fresh["kv"]) + ENGINE_RUNTIME_GIB * GIB
+    runtime = 0.0 if cfg.cluster.device == "cpu" else ENGINE_RUNTIME_GIB * GIB
+    engine = at_fresh["weights"] + max(0.0, at_fresh["kv"]) + runtime
     return {"kv_fresh": at_fresh["kv"], "kv_resumed": at_resume["kv"], "learner_resident": learner,
-            "engine_weights": at_fresh["weights"], "contexts": at_fresh["contexts"],
+            "engine_weights": at_fresh["weights"], "contexts": at_fresh["contexts"], "engine_runtime": runtime,
             "rollout_bytes": learner + at_fresh["contexts"] + engine,
             "training_bytes": stage["total_bytes"] + at_fresh["contexts"]}
 
@@ -358,8 +360,8 @@ def conversion_host_ram_bytes(phi: int, tp: int, dtype_bytes: int = 2) -> Dict[s
     """Estimate, not a measurement: host RAM of `tools/convert_checkpoint.py` at `--tp tp`,
     with the model built without random initialisation in the checkpoint's dtype: per
     process ~1.5x its TP shard (the shard, plus the tensors being copied into it) plus what
-    the HF reader holds (`HF_READER_BYTES`); `tp` processes."""
-    per_process = 1.5 * dtype_bytes * phi / tp + HF_READER_BYTES
+    the HF reader holds (`HF_READER_BYTES`, at most the model); `tp` processes."""
+    per_process = 1.5 * dtype_bytes * phi / tp + min(HF_READER_BYTES, dtype_bytes * phi)
     return {"tp": tp, "per_process_bytes": per_process, "total_bytes": tp * per_process}
 
 
@@ -668,7 +670,7 @@ def _memory_lines(plan: dict) -> List[str]:
         lines.append(f"  colocated stage-{fit['stage']} GPU, rollout: learner {fit['learner_resident'] / GIB:.1f} + "
                      f"CUDA contexts {fit['contexts'] / GIB:.1f} + engine weights {fit['engine_weights'] / GIB:.1f} + "
                      f"KV {max(0.0, fit['kv_fresh']) / GIB:.1f} (first job; {fit['kv_resumed'] / GIB:.1f} resumed) + "
-                     f"graphs {ENGINE_RUNTIME_GIB:.1f} = {fit['rollout_bytes'] / GIB:.1f} of {gpu:.0f} GiB; training: "
+                     f"graphs {fit['engine_runtime'] / GIB:.1f} = {fit['rollout_bytes'] / GIB:.1f} of {gpu:.0f} GiB; training: "
                      f"{fit['training_bytes'] / GIB:.1f} of {gpu:.0f} GiB")
     lines.append(f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
                  f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)")
@@ -676,7 +678,7 @@ def _memory_lines(plan: dict) -> List[str]:
     lines += [f"checkpoints: {ck['bytes'] / 1e9:,.1f} GB each (model {ck['model_bytes'] / 1e9:,.1f} + fp32 optimizer "
               f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written: "
               f"{ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
-              f"conversion host RAM (estimate: 1.5x the TP shard + {HF_READER_BYTES / 1e9:.0f} GB read, per process): "
+              f"conversion host RAM (estimate: 1.5x the TP shard + up to {HF_READER_BYTES / 1e9:.0f} GB read, per process): "
               f"import/export --tp {conv['import_export']['tp']} {conv['import_export']['total_bytes'] / 1e9:,.0f} GB "
               f"({conv['import_export']['per_process_bytes'] / 1e9:,.1f} per process), verify --tp 1 "
               f"{conv['verify']['total_bytes'] / 1e9:,.0f} GB"]
