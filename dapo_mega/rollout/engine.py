@@ -188,6 +188,14 @@ class GenerationEngine:
         with self._cv:
             return sum(1 for s in self._running if s.finish_reason is None), len(self._waiting)
 
+    def kv_tokens(self) -> Tuple[int, int]:
+        """(tokens in the running sequences' KV cache, the most it holds: max_running_requests
+        sequences of the model's context): SGLang's /v1/loads num_used_tokens /
+        max_total_num_tokens."""
+        with self._cv:
+            used = sum(len(s.prompt_ids) + len(s.output_ids) for s in self._running if s.finish_reason is None)
+        return used, self.max_running_requests * self.max_context
+
     def is_idle(self) -> bool:
         """Nothing running, and nothing waiting unless paused (SGLang's release condition)."""
         running, waiting = self.load()

@@ -140,6 +140,9 @@ class RolloutManager:
         """url -> requests completed there (every round since the manager was made)."""
         self.samples_by_engine: Dict[str, int] = {}
         """url -> samples completed there."""
+        self.engine_loads: Dict[str, Dict[str, float]] = {}
+        """url -> peaks of the engine's /v1/loads seen by the watchdog since the last step
+        (KV tokens used and held at most, requests running): `engine_load_metrics`."""
         self.carry: List[Group] = []
         self.pending: List[Any] = []
         """Prompts drawn but never completed (a streamed round stopped first): drawn again first."""
@@ -314,6 +317,7 @@ class RolloutManager:
                     t0 = time.monotonic()
                     if await probe.health(timeout_s=self.probe_interval_s):
                         last_progress[url] = time.monotonic()
+                        await self._observe_loads(url, probe)
                     elif time.monotonic() - last_progress[url] > self.liveness_timeout_s:
                         self._mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
                                              f"{time.monotonic() - last_progress[url]:.0f} s with "
@@ -611,7 +615,36 @@ class RolloutManager:
                         "rollout/pending_prompts": len(self.pending)}
         if self.keep_rate is not None:
             self.metrics["rollout/keep_rate_estimate"] = self.keep_rate
+        self.metrics.update(self.engine_load_metrics())
         return kept, samples
+
+    async def _observe_loads(self, url: str, probe: EngineClient) -> None:
+        """Keep the peaks of one /v1/loads answer (an engine without it is not held to it)."""
+        try:
+            loads = await asyncio.wait_for(probe.loads(), timeout=self.probe_interval_s)
+        except (asyncio.TimeoutError, EngineError, aiohttp.ClientError, OSError, KeyError, TypeError):
+            return
+        peak = self.engine_loads.setdefault(url, {})
+        for key in ("num_used_tokens", "max_total_num_tokens", "num_running_reqs"):
+            value = sum(float(d.get(key, 0) or 0) for d in loads)
+            peak[key] = max(peak.get(key, 0.0), value)
+
+    def engine_load_metrics(self) -> Dict[str, float]:
+        """The engines' KV cache and batch at their busiest since the last call (then reset):
+        engine/kv_used_tokens_peak (largest on one engine), engine/kv_capacity_tokens (the
+        smallest engine's), engine/kv_usage_peak (used / capacity, worst engine) and
+        engine/running_requests_peak. Empty when no probe saw an engine busy."""
+        seen, self.engine_loads = self.engine_loads, {}
+        if not seen:
+            return {}
+        capacity = [p["max_total_num_tokens"] for p in seen.values() if p.get("max_total_num_tokens")]
+        usage = [p["num_used_tokens"] / p["max_total_num_tokens"] for p in seen.values()
+                 if p.get("max_total_num_tokens")]
+        out = {"engine/kv_used_tokens_peak": max(p.get("num_used_tokens", 0.0) for p in seen.values()),
+               "engine/running_requests_peak": max(p.get("num_running_reqs", 0.0) for p in seen.values())}
+        if capacity:
+            out.update({"engine/kv_capacity_tokens": min(capacity), "engine/kv_usage_peak": max(usage)})
+        return out
 
     def round_size(self, need: int, gen_batch_size: int) -> int:
         """Prompts to request for `need` more kept groups: gen_batch_size until a keep rate has

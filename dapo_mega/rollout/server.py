@@ -377,8 +377,10 @@ class EngineServer:
     async def loads(self, request: web.Request) -> web.Response:
         """SGLang's GET /v1/loads, its core per-DP-rank fields (one rank here)."""
         running, waiting = self.engine.load()
+        used, total = self.engine.kv_tokens()
         load = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                "max_running_requests": self.engine.max_running_requests, "token_usage": 0.0}
+                "max_running_requests": self.engine.max_running_requests, "num_used_tokens": used,
+                "max_total_num_tokens": total, "token_usage": used / max(total, 1)}
         return web.json_response({"timestamp": time.time(), "loads": [load]})
 
     async def release_memory(self, request: web.Request) -> web.Response:

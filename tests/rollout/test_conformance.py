@@ -359,6 +359,13 @@ def test_a_running_request_is_in_the_loads_and_the_embedded_engine_refuses_a_rel
     t = start_long_generation(server, result, max_new_tokens=240)
     loads = run(lambda c: c.loads(), server)
     assert loads[0]["num_running_reqs"] + loads[0]["num_waiting_reqs"] > 0, loads
+    deadline = time.monotonic() + 60  # once it runs, its tokens are in the KV cache the loads report
+    while loads[0]["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        loads = run(lambda c: c.loads(), server)
+    load = loads[0]
+    assert 0 < load["num_used_tokens"] <= load["max_total_num_tokens"], load
+    assert 0 < load["token_usage"] <= 1, load
     if server.kind == "embedded":
         body = expect_400(lambda c: c.release_memory_occupation(["kv_cache"]), server)
         assert "only when server is idle" in str(body), body

@@ -76,6 +76,11 @@ def test_slow_engine_is_not_dead_and_a_total_timeout_would_kill_it(slow_engines)
     assert min(latencies) >= 3 * LIVENESS_S, f"requests {latencies} too short for the test's ratio"
     assert mgr.dead_engines() == {} and len(groups) == 4
     assert elapsed < 60
+    # the watchdog's probes also read each busy engine's /v1/loads: its KV cache at its busiest
+    load = mgr.engine_load_metrics()
+    assert 0 < load["engine/kv_used_tokens_peak"] <= load["engine/kv_capacity_tokens"], load
+    assert 0 < load["engine/kv_usage_peak"] <= 1 and load["engine/running_requests_peak"] >= 1, load
+    assert mgr.engine_load_metrics() == {}  # reset: the next step reports its own
     # the same work under a total-request limit of LIVENESS_S (the old rule): engines "die"
     strict = RolloutManager([EngineEndpoint(e.url, timeout_s=LIVENESS_S) for e in slow_engines], n_samples=2,
                             sampling_params={"max_new_tokens": TOKENS, "ignore_eos": True}, prompts_per_request=1,
