@@ -321,8 +321,10 @@ def colocated_fit(cfg: DapoConfig, phi: int, stage: dict, dp: int) -> Dict[str, 
     master shard but no Adam m, v (made at the first step) and no FP8 caches (made at the
     first forward); on a resumed run the whole model state. During rollout the learner holds
     model state + FP8 caches (torch's cache emptied before the engines resume) beside the
-    engine's weights, KV pool and runtime; during training the released engine keeps its
-    context. The rollout figure is the fresh run's (the larger pool)."""
+    engine's weights, KV pool and runtime, and at the weight sync that precedes it two
+    buckets (`weights/handover.py`: the source rank's gathered HF tensors and the flat
+    buffer every rank receives); during training the released engine keeps its context.
+    The rollout figure is the fresh run's (the larger pool)."""
     m, params = cfg.megatron, stage["params"]
     fresh = params * (2 + 4 + (4 / dp if m.use_distributed_optimizer else 4))
     at_fresh = engine_kv_room(cfg, phi, fresh)
@@ -330,9 +332,10 @@ def colocated_fit(cfg: DapoConfig, phi: int, stage: dict, dp: int) -> Dict[str, 
     learner = stage["model_state_bytes"] + stage["fp8_cache_bytes"]
     runtime = 0.0 if cfg.cluster.device == "cpu" else ENGINE_RUNTIME_GIB * GIB
     engine = at_fresh["weights"] + max(0.0, at_fresh["kv"]) + runtime
+    sync = 2 * (cfg.rollout.weight_sync_bucket_mb << 20)
     return {"kv_fresh": at_fresh["kv"], "kv_resumed": at_resume["kv"], "learner_resident": learner,
             "engine_weights": at_fresh["weights"], "contexts": at_fresh["contexts"], "engine_runtime": runtime,
-            "rollout_bytes": learner + at_fresh["contexts"] + engine,
+            "sync_buffers": sync, "rollout_bytes": learner + sync + at_fresh["contexts"] + engine,
             "training_bytes": stage["total_bytes"] + at_fresh["contexts"]}
 
 
@@ -499,7 +502,8 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
         "parallel": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world,
                      "sequence_parallel": m.sequence_parallel, "recompute": m.recompute_granularity,
                      "distributed_optimizer": m.use_distributed_optimizer, "fp8": m.fp8.enabled},
-        "learner_memory": {"stages": stages, "worst_stage": worst["stage"], "worst_total_gib": worst["total_bytes"] / GIB,
+        "learner_memory": {"stages": stages, "worst_stage": worst["stage"],
+                           "worst_total_gib": worst["total_bytes"] / GIB,
                            "layer_spec": spec, "activation_element_bytes": element_bytes,
                            "per_layer_activation_s_h_over_t": (stages[0]["per_layer_activation_bytes"] / s_h_t
                                                                if s_h_t else None)},
@@ -586,7 +590,8 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[di
             if used > gpu_bytes:
                 warnings.append(f"learner and engine do not fit together on a stage-{fit['stage']} GPU during "
                                 f"{phase}: {used / GIB:.1f} of {c.gpu_memory_gib:.0f} GiB (dapo-mega plan's "
-                                "colocated lines); lower rollout.mem_fraction_static or micro_batch_tokens, or raise TP/PP")
+                                "colocated lines); lower rollout.mem_fraction_static or micro_batch_tokens, "
+                                "or raise TP/PP")
     return {"num_engines": r.num_engines, "gpus_per_engine": gpus, "kv_room_bytes": max(0.0, engine_room),
             "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens,
             "max_full_length_sequences": kv_tokens // seq_tokens if seq_tokens else 0,
@@ -670,7 +675,9 @@ def _memory_lines(plan: dict) -> List[str]:
         lines.append(f"  colocated stage-{fit['stage']} GPU, rollout: learner {fit['learner_resident'] / GIB:.1f} + "
                      f"CUDA contexts {fit['contexts'] / GIB:.1f} + engine weights {fit['engine_weights'] / GIB:.1f} + "
                      f"KV {max(0.0, fit['kv_fresh']) / GIB:.1f} (first job; {fit['kv_resumed'] / GIB:.1f} resumed) + "
-                     f"graphs {fit['engine_runtime'] / GIB:.1f} = {fit['rollout_bytes'] / GIB:.1f} of {gpu:.0f} GiB; training: "
+                     f"graphs {fit['engine_runtime'] / GIB:.1f} + sync buckets {fit['sync_buffers'] / GIB:.1f} = "
+                     f"{fit['rollout_bytes'] / GIB:.1f} of {gpu:.0f} GiB; "
+                     "training: "
                      f"{fit['training_bytes'] / GIB:.1f} of {gpu:.0f} GiB")
     lines.append(f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
                  f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)")
@@ -678,7 +685,8 @@ def _memory_lines(plan: dict) -> List[str]:
     lines += [f"checkpoints: {ck['bytes'] / 1e9:,.1f} GB each (model {ck['model_bytes'] / 1e9:,.1f} + fp32 optimizer "
               f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written: "
               f"{ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
-              f"conversion host RAM (estimate: 1.5x the TP shard + up to {HF_READER_BYTES / 1e9:.0f} GB read, per process): "
+              f"conversion host RAM (estimate: 1.5x the TP shard + up to {HF_READER_BYTES / 1e9:.0f} GB read, "
+              "per process): "
               f"import/export --tp {conv['import_export']['tp']} {conv['import_export']['total_bytes'] / 1e9:,.0f} GB "
               f"({conv['import_export']['per_process_bytes'] / 1e9:,.1f} per process), verify --tp 1 "
               f"{conv['verify']['total_bytes'] / 1e9:,.0f} GB"]
