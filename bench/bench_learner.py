@@ -1,28 +1,37 @@
-"""Learner throughput: the Megatron train step vs plain PyTorch (HF transformers), one run.
+"""Learner throughput: the Megatron train step vs HF transformers on the same packed rows.
 
-    python bench/bench_learner.py [--quick]          -> bench/results/learner.json
+    python bench/bench_learner.py [--quick] [--no-dp2]      -> bench/results/learner.json
 
 Both sides train the same Qwen2-shaped model on the same batch of samples with a
-long-tailed length distribution (log-normal responses, median 1/8 of the longest, a few
-at the cap, as DAPO's responses are) on the same machine in this process: forward +
-backward + AdamW step per mini-batch. Megatron runs twice: with sequence packing (the
-default, `megatron.sequence_packing`) and with one sample per padded row, to measure what
-packing buys; the result also gives each run's padding efficiency (real tokens / tokens
-computed) and, from `packing.measure_layout`, the data-parallel imbalance the same batch
-would have over 4 ranks with and without balancing (the benchmark itself runs DP 1).
+long-tailed length distribution (log-normal responses, median 1/8 of the longest, one at
+the cap, as DAPO's responses are): forward + backward + clip + AdamW step of one
+mini-batch, the DAPO token-level loss with the global token count. The old-log-prob pass is
+done once before timing, on both sides.
 
-* megatron: `MegatronLearner._update` (megatron-core GPTModel, get_forward_backward_func,
-  Megatron DDP + get_megatron_optimizer) with the DAPO loss, one process (TP=PP=DP=1).
-  On the CPU this is the local layer spec in fp32 with the CPU substitutions installed;
-  on a GPU the TE spec in bf16 and, when Transformer Engine is installed, FP8 too, with
-  model FLOPs utilisation (MFU) against the GPU's bf16 peak. Without TE the GPU run uses
-  the local spec in bf16 and says so in the result.
-* pytorch: transformers `Qwen2ForCausalLM` with the same padded micro-batches, the same
-  token-level policy loss (`compute_policy_loss`), `torch.optim.AdamW`.
+* ours: `MegatronLearner._update` (megatron-core GPTModel, get_forward_backward_func,
+  Megatron DDP + get_megatron_optimizer), sequence packing on (the default): on the CPU
+  the local spec in fp32 (rows as wide as the longest sample, a block-diagonal causal mask);
+  on a GPU the Transformer Engine spec in bf16 (THD rows), FP8 too where TE is installed.
+* baseline, the strongest fair one: transformers `Qwen2ForCausalLM` (attn_implementation
+  "sdpa") on *the same packed rows* as ours: each row the same samples side by side with
+  position_ids restarting per sample and the same block-diagonal causal mask, passed as a
+  4D boolean mask (transformers hands a 4D mask to SDPA as given; `hf_packed_inputs`; a test
+  checks that a packed row's log-probs equal each sample run alone), the same loss
+  (`compute_policy_loss`), `torch.optim.AdamW`, grad clipping. On the CPU it runs outside
+  the learner's CUDA-to-CPU function mode (`without_function_mode`), so it pays none of it.
+* secondary rows: both on one sample per padded row (what packing buys each), and ours
+  packed against ours padded.
+* DP 2 (two gloo processes, one thread each, `--no-dp2` skips): the same mini-batch split
+  over two ranks by token count (`megatron.balance_data_parallel`, Karmarkar-Karp) and in
+  contiguous blocks, timed in alternation in the same processes. Each rank records when it
+  reaches the gradient all-reduce (megatron's `finalize_model_grads`); the measured
+  imbalance is the slowest rank's compute time over the mean (fastest round of each rank),
+  beside the computed-token imbalance it should follow. The step time (slowest rank, whole
+  update) is the row's figure.
 
-Tokens/s counts useful (unpadded) prompt + response tokens per second of the fastest of
-`repeats` updates (each side; the total time is in the JSON too). The old-log-prob pass is
-excluded on both sides. `run(quick)` returns the result dict (for a future bench/run.py).
+Every side is timed in alternation, `repeats` rounds (>= 3 quick, >= 5 full); a figure is
+its fastest round, with median and range (bench/timing.py). Tokens/s counts useful
+(unpadded) prompt + response tokens. `run(quick)` returns the result dict (bench/run.py).
 """
 
 from __future__ import annotations
@@ -33,18 +42,24 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import spread, throughput_figure, time_alternating  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 # Dense bf16 peak TFLOP/s used for MFU (H100/H200 SXM); override with DAPO_PEAK_TFLOPS.
 DEFAULT_PEAK_TFLOPS = 989.0
 
 
+# ---------------------------------------------------------------------- workload
 def _model_shape(quick: bool, gpu: bool) -> Dict[str, int]:
     if gpu:
         return dict(tiny_hidden_size=1024, tiny_num_layers=8, tiny_num_attention_heads=16, tiny_num_key_value_heads=4,
@@ -53,12 +68,12 @@ def _model_shape(quick: bool, gpu: bool) -> Dict[str, int]:
         return dict(tiny_hidden_size=64, tiny_num_layers=2, tiny_num_attention_heads=4, tiny_num_key_value_heads=2,
                     tiny_intermediate_size=256, tiny_max_position_embeddings=512)
     return dict(tiny_hidden_size=256, tiny_num_layers=4, tiny_num_attention_heads=8, tiny_num_key_value_heads=2,
-                tiny_intermediate_size=768, tiny_max_position_embeddings=512)
+                tiny_intermediate_size=768, tiny_max_position_embeddings=1024)
 
 
 def _samples(num: int, max_len: int, vocab: int, seed: int = 0):
     """Prompts of max_len/16..max_len/8 tokens; responses log-normal (median max_len/8, σ 1),
-    capped so that prompt + response <= max_len; the longest sample is at the cap."""
+    capped so that prompt + response <= max_len; the first sample is at the cap."""
     from dapo_mega.backends.megatron.batch import TrainSample
 
     rng = random.Random(seed)
@@ -73,6 +88,40 @@ def _samples(num: int, max_len: int, vocab: int, seed: int = 0):
     return out
 
 
+@dataclasses.dataclass
+class Workload:
+    """One benchmark size: the model, the samples of one mini-batch, the repeats."""
+
+    cfg: Any
+    hf_config: Any
+    shape: Dict[str, int]
+    samples: List[Any]
+    max_len: int
+    repeats: int
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+
+def build_workload(quick: bool, gpu: bool) -> Workload:
+    """quick: 8 samples of <= 64 tokens, hidden 64 (fixed per-op costs dominate); full on a
+    CPU: 32 samples of <= 512 tokens (~5k tokens), hidden 256, 4 layers; GPU: 32 of <= 2048."""
+    from dapo_mega.config import DapoConfig, ModelConfig
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    shape = _model_shape(quick, gpu)
+    cfg = DapoConfig()
+    cfg.model = ModelConfig(**shape)
+    hf_config = tiny_hf_config(cfg.model, vocab_size=32000 if gpu else None)
+    max_len = 2048 if gpu else (64 if quick else 512)
+    num = 8 if quick and not gpu else 32
+    cfg.megatron.micro_batch_tokens = max_len * (4 if gpu else 2)
+    cfg.algo.lr, cfg.algo.lr_warmup_steps = 1e-5, 0
+    return Workload(cfg=cfg, hf_config=hf_config, shape=shape, samples=_samples(num, max_len, hf_config.vocab_size),
+                    max_len=max_len, repeats=3 if quick else 5)
+
+
 def _flops_per_token(shape: Dict[str, int], vocab: int, seq: int) -> float:
     """6·N (dense params, fwd+bwd) + attention 12·L·h·s/2 (causal), per token."""
     h, layers, ffn = shape["tiny_hidden_size"], shape["tiny_num_layers"], shape["tiny_intermediate_size"]
@@ -83,168 +132,330 @@ def _flops_per_token(shape: Dict[str, int], vocab: int, seq: int) -> float:
     return 6.0 * params + 6.0 * layers * h * seq
 
 
-def _bench_megatron(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool, packing: bool = True) -> Dict[str, Any]:
-    from functools import partial
-
-    from dapo_mega.backends.megatron.batch import count_loss_tokens
-    from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
-    from dapo_mega.distributed import free_port
-
-    cfg.megatron.transformer_impl = impl
-    cfg.megatron.sequence_packing = packing
-    cfg.megatron.fp8.enabled = fp8
-    cfg.megatron.fp8.recipe = "tensorwise" if fp8 else cfg.megatron.fp8.recipe
-    layout = ParallelLayout.from_config(cfg.megatron, 1, hf_config).initialize(
-        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0)
-    learner = MegatronLearner(cfg, hf_config, layout)
-    indices = list(range(len(samples)))
-    old = learner._local_log_probs(samples, indices)
-    samples = [dataclasses.replace(s, old_log_probs=old[i].tolist()) for i, s in enumerate(samples)]
-    tokens = float(count_loss_tokens(samples, indices))
-    micro = learner._micro_batches(samples, indices)
-    seqs = float(sum(1 for i in indices if any(samples[i].response_loss_mask())))  # seq-mean denominators
-    loss_func = partial(learner._policy_loss_func, tokens, seqs)
-    learner._update(micro, loss_func, lr=None)  # warm-up (allocations, TE kernels)
-    _sync()
-    elapsed, best = _time_updates(lambda: learner._update(micro, loss_func, lr=None), repeats)
-    result = {"layer_spec": learner.info.layer_spec, "params_dtype": learner.info.params_dtype,
-              "fp8": learner.info.fp8, "seconds": elapsed, "best_update_s": best,
-              "tokens_per_s": sum(s.length for s in samples) / best,
-              "micro_batches": len(micro), "sequence_packing": packing,
-              "padding_efficiency": sum(mb.real_tokens for mb in micro) / sum(mb.tokens.numel() for mb in micro)}
-    torch.distributed.destroy_process_group()
-    layout.destroy()
-    return result
-
-
-def _bench_pytorch(cfg, hf_config, samples, repeats: int, dtype: torch.dtype) -> Dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from dapo_mega.algo import compute_policy_loss
-    from dapo_mega.backends.megatron.batch import collate_micro_batch, count_loss_tokens, plan_micro_batches
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).to(device)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.algo.lr, betas=(cfg.algo.adam_beta1, cfg.algo.adam_beta2),
-                                  weight_decay=cfg.algo.weight_decay)
-    indices = list(range(len(samples)))
-    groups = plan_micro_batches(samples, indices, cfg.megatron.micro_batch_tokens)
-    micro = [collate_micro_batch(samples, g) for g in groups]
-    with torch.no_grad():
-        for mb in micro:
-            logits = model(input_ids=mb.tokens.to(device)).logits.float() / cfg.algo.temperature
-            mb.old_log_probs = torch.log_softmax(logits, -1).gather(-1, mb.labels.to(device)[..., None])[..., 0].cpu()
-    tokens = float(count_loss_tokens(samples, indices))
-
-    def update():
-        optimizer.zero_grad(set_to_none=True)
-        for mb in micro:
-            logits = model(input_ids=mb.tokens.to(device)).logits.float() / cfg.algo.temperature
-            log_probs = torch.log_softmax(logits, -1).gather(-1, mb.labels.to(device)[..., None])[..., 0]
-            loss, _ = compute_policy_loss(log_probs, mb.old_log_probs.to(device), mb.advantages.to(device),
-                                          mb.response_mask.to(device), global_num_tokens=tokens)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algo.grad_clip)
-        optimizer.step()
-
-    update()
-    _sync()
-    elapsed, best = _time_updates(update, repeats)
-    return {"seconds": elapsed, "best_update_s": best, "tokens_per_s": sum(s.length for s in samples) / best,
-            "params_dtype": str(dtype).replace("torch.", ""), "micro_batches": len(micro),
-            "padding_efficiency": sum(mb.real_tokens for mb in micro) / sum(mb.tokens.numel() for mb in micro)}
-
-
-def _time_updates(update, repeats: int):
-    """(total seconds, fastest single update) over `repeats` timed updates.
-
-    Throughput uses the fastest update (as timeit does): on a shared machine the others
-    measure the neighbours as much as the code.
-    """
-    times = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        update()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return sum(times), min(times)
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
+def _layout_stats(micro) -> Dict[str, Any]:
+    return {"micro_batches": len(micro), "rows": sum(mb.tokens.shape[0] for mb in micro),
+            "computed_tokens": sum(mb.tokens.numel() for mb in micro),
+            "padding_efficiency": sum(mb.real_tokens for mb in micro) / sum(mb.tokens.numel() for mb in micro)}
 
 
-def run(quick: bool) -> Dict[str, Any]:
+# ---------------------------------------------------------------------- the HF baseline
+def same_rows(samples: Sequence[Any], micro_batch) -> Any:
+    """A copy of `micro_batch`'s layout (the same samples in the same rows and columns) with
+    the explicit block-diagonal causal mask, whatever the learner's attention layout; its
+    old_log_probs are zeros, to be filled by the baseline's own forward."""
+    from dapo_mega.backends.megatron.batch import ATTENTION_MASK, collate_packed_micro_batch
+
+    rows: List[List[int]] = [[] for _ in range(micro_batch.tokens.shape[0])]
+    for p in sorted(micro_batch.placements, key=lambda p: (p.row, p.start)):
+        rows[p.row].append(p.sample_index)
+    bare = [dataclasses.replace(s, old_log_probs=None, engine_log_probs=None) for s in samples]
+    return collate_packed_micro_batch(bare, rows, seq_len=micro_batch.tokens.shape[1], attention=ATTENTION_MASK)
+
+
+def hf_packed_inputs(micro_batch, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
+    """transformers forward kwargs for a micro-batch: packed rows (attention="mask") get
+    position_ids restarting per sample and the 4D [B, 1, S, S] boolean mask, True = attend
+    (transformers' convention, the inverse of megatron's), which `create_causal_mask`
+    returns as given and SDPA applies as is; padded rows (one sample each, right padding)
+    need only the ids: the causal mask alone keeps the padding out."""
+    from dapo_mega.backends.megatron.batch import ATTENTION_CAUSAL, ATTENTION_MASK
+
+    if micro_batch.attention == ATTENTION_CAUSAL:
+        return {"input_ids": micro_batch.tokens.to(device)}
+    if micro_batch.attention != ATTENTION_MASK:
+        raise ValueError(f"hf_packed_inputs takes causal or mask micro-batches, not {micro_batch.attention!r}")
+    return {"input_ids": micro_batch.tokens.to(device), "position_ids": micro_batch.position_ids.to(device),
+            "attention_mask": (~micro_batch.attention_mask).to(device)}
+
+
+def hf_token_log_probs(model, micro_batch, temperature: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, S] log-probs of each position's label under `model` (float32)."""
+    logits = model(**hf_packed_inputs(micro_batch, device)).logits.float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, micro_batch.labels.to(device)[..., None])[..., 0]
+
+
+class HFBaseline:
+    """transformers Qwen2 (SDPA) + torch AdamW training on given micro-batches."""
+
+    def __init__(self, cfg, hf_config, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        self.model.to(self.device).train()
+        algo = cfg.algo
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, betas=(algo.adam_beta1, algo.adam_beta2),
+                                           weight_decay=algo.weight_decay)
+
+    def write_old_log_probs(self, micro) -> None:
+        with torch.no_grad():
+            for mb in micro:
+                mb.old_log_probs = hf_token_log_probs(self.model, mb, self.cfg.algo.temperature, self.device).cpu()
+
+    def update(self, micro, global_tokens: float) -> None:
+        from dapo_mega.algo import compute_policy_loss
+        from dapo_mega.backends.megatron.cpu_support import without_function_mode
+
+        with without_function_mode():  # the learner's CPU op interception is not the baseline's cost
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in micro:
+                log_probs = hf_token_log_probs(self.model, mb, self.cfg.algo.temperature, self.device)
+                loss, _ = compute_policy_loss(log_probs, mb.old_log_probs.to(self.device), mb.advantages.to(self.device),
+                                              mb.response_mask.to(self.device), global_num_tokens=global_tokens)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algo.grad_clip)
+            self.optimizer.step()
+
+
+# ---------------------------------------------------------------------- DP 1: four sides in alternation
+def _loss_denominators(samples) -> tuple:
+    from dapo_mega.backends.megatron.batch import count_loss_tokens
+
+    indices = list(range(len(samples)))
+    tokens = float(count_loss_tokens(samples, indices))
+    seqs = float(sum(1 for s in samples if any(s.response_loss_mask())))
+    return tokens, seqs
+
+
+def _bench_dp1(work: Workload, impl: str, fp8: bool) -> Dict[str, Any]:
+    """Megatron packed / padded and HF packed / padded, timed in alternation in this process."""
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.distributed import free_port
+
+    cfg, samples = work.cfg, work.samples
+    cfg.megatron.transformer_impl = impl
+    cfg.megatron.fp8.enabled = fp8
+    cfg.megatron.fp8.recipe = "tensorwise" if fp8 else cfg.megatron.fp8.recipe
+    layout = ParallelLayout.from_config(cfg.megatron, 1, work.hf_config).initialize(
+        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0)
+    try:
+        learner = MegatronLearner(cfg, work.hf_config, layout)
+        indices = list(range(len(samples)))
+        micro = {}
+        for packing in (True, False):
+            cfg.megatron.sequence_packing = packing
+            micro["megatron_packed" if packing else "megatron_padded"] = learner._micro_batches(samples, indices)
+        cfg.megatron.sequence_packing = True
+        for name in ("megatron_packed", "megatron_padded"):
+            learner._write_old_log_probs(micro[name])
+        # the baseline's rows are ours, sample for sample (packed) or the same padded rows
+        micro["hf_packed"] = [same_rows(samples, mb) for mb in micro["megatron_packed"]]
+        micro["hf_padded"] = [dataclasses.replace(mb, old_log_probs=None) for mb in micro["megatron_padded"]]
+        dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+        hf = HFBaseline(cfg, work.hf_config, dtype)
+        hf.write_old_log_probs(micro["hf_packed"])
+        hf.write_old_log_probs(micro["hf_padded"])
+        tokens, seqs = _loss_denominators(samples)
+        loss_func = partial(learner._policy_loss_func, tokens, seqs)
+        sides = {"megatron_packed": lambda: learner._update(micro["megatron_packed"], loss_func, lr=None),
+                 "hf_packed": lambda: hf.update(micro["hf_packed"], tokens),
+                 "megatron_padded": lambda: learner._update(micro["megatron_padded"], loss_func, lr=None),
+                 "hf_padded": lambda: hf.update(micro["hf_padded"], tokens)}
+        for call in sides.values():  # warm-up (allocations, kernels)
+            call()
+        seconds = time_alternating(sides, work.repeats, sync=_sync)
+        info = {"layer_spec": learner.info.layer_spec, "params_dtype": learner.info.params_dtype,
+                "fp8": learner.info.fp8, "hf_params_dtype": str(dtype).replace("torch.", "")}
+    finally:
+        torch.distributed.destroy_process_group()
+        layout.destroy()
+    runs = {name: {"seconds": seconds[name], "best_update_s": min(seconds[name]),
+                   "tokens_per_s": work.useful_tokens / min(seconds[name]), **_layout_stats(micro[name])}
+            for name in sides}
+    return {"runs": runs, "seconds": seconds, **info}
+
+
+def _bench_fp8(work: Workload) -> Dict[str, Any]:
+    """Megatron packed with FP8 (Transformer Engine), timed alone (best of repeats)."""
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.distributed import free_port
+
+    cfg = work.cfg
+    cfg.megatron.transformer_impl, cfg.megatron.fp8.enabled, cfg.megatron.fp8.recipe = "transformer_engine", True, "tensorwise"
+    layout = ParallelLayout.from_config(cfg.megatron, 1, work.hf_config).initialize(
+        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0)
+    try:
+        learner = MegatronLearner(cfg, work.hf_config, layout)
+        micro = learner._micro_batches(work.samples, list(range(len(work.samples))))
+        learner._write_old_log_probs(micro)
+        loss_func = partial(learner._policy_loss_func, *_loss_denominators(work.samples))
+        learner._update(micro, loss_func, lr=None)
+        seconds = time_alternating({"fp8": lambda: learner._update(micro, loss_func, lr=None)}, work.repeats,
+                                   sync=_sync)["fp8"]
+    finally:
+        torch.distributed.destroy_process_group()
+        layout.destroy()
+        cfg.megatron.fp8.enabled = False
+    return {"seconds": seconds, "best_update_s": min(seconds), "tokens_per_s": work.useful_tokens / min(seconds),
+            "spread_s": spread(seconds), **_layout_stats(micro)}
+
+
+# ---------------------------------------------------------------------- DP 2: balanced vs contiguous
+def _dp2_rank(rank: int, world_size: int, quick: bool, repeats: int) -> Dict[str, Any]:
+    """One DP rank: the mini-batch split balanced and contiguous, updates timed in alternation;
+    per round the time to the gradient all-reduce (this rank's compute) and the whole update."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.train_step import MegatronLearner
+
+    work = build_workload(quick, gpu=torch.cuda.is_available())
+    cfg, samples = work.cfg, work.samples
+    cfg.megatron.transformer_impl = "local" if not torch.cuda.is_available() else cfg.megatron.transformer_impl
+    layout = ParallelLayout.from_config(cfg.megatron, world_size, work.hf_config).initialize()
+    try:
+        learner = MegatronLearner(cfg, work.hf_config, layout)
+        reached: List[float] = []
+        finalize = learner.config.finalize_model_grads_func
+
+        def timed_finalize(*args, **kwargs):
+            _sync()
+            reached.append(time.perf_counter())
+            return finalize(*args, **kwargs)
+
+        learner.config.finalize_model_grads_func = timed_finalize
+        indices = list(range(len(samples)))
+        loss_func = partial(learner._policy_loss_func, *_loss_denominators(samples))
+        layouts = {}
+        for balanced in (True, False):
+            cfg.megatron.balance_data_parallel = balanced
+            shard = learner._shard(samples, indices)
+            micro = learner._schedule_passes(samples, [shard])[0]
+            learner._write_old_log_probs(micro)
+            layouts["balanced" if balanced else "contiguous"] = (shard, micro)
+        compute = {name: [] for name in layouts}
+        step = {name: [] for name in layouts}
+        for round_ in range(repeats + 1):  # round 0 is the warm-up
+            for name, (_, micro) in layouts.items():
+                torch.distributed.barrier()
+                reached.clear()
+                start = time.perf_counter()
+                learner._update(micro, loss_func, lr=None)
+                _sync()
+                end = time.perf_counter()
+                if round_:
+                    compute[name].append(reached[0] - start)
+                    step[name].append(end - start)
+        return {name: {"compute_s": compute[name], "step_s": step[name], "samples": len(shard),
+                       "useful_tokens": sum(samples[i].length for i in shard), **_layout_stats(micro)}
+                for name, (shard, micro) in layouts.items()}
+    finally:
+        torch.distributed.destroy_process_group()
+        layout.destroy()
+
+
+def summarize_dp(ranks: Sequence[Dict[str, Any]], useful_tokens: int) -> Dict[str, Any]:
+    """Per layout, from each rank's rounds: the step time (slowest rank, per round), the
+    measured compute imbalance (slowest rank's fastest compute / the mean of the ranks'
+    fastest) and per round, and the computed-token imbalance."""
+    out = {}
+    for name in ranks[0]:
+        per_rank = [r[name] for r in ranks]
+        rounds = len(per_rank[0]["step_s"])
+        step_s = [max(r["step_s"][k] for r in per_rank) for k in range(rounds)]
+        best = [min(r["compute_s"]) for r in per_rank]
+        per_round = [max(c) / statistics.mean(c) for c in zip(*(r["compute_s"] for r in per_rank))]
+        computed = [r["computed_tokens"] for r in per_rank]
+        out[name] = {"step_s": step_s, "step_spread_s": spread(step_s), "tokens_per_s": useful_tokens / min(step_s),
+                     "compute_best_s": best, "measured_imbalance": max(best) / statistics.mean(best),
+                     "measured_imbalance_per_round": spread(per_round),
+                     "token_imbalance": max(computed) / statistics.mean(computed),
+                     "ranks": [{k: r[k] for k in ("samples", "useful_tokens", "computed_tokens", "micro_batches")}
+                               for r in per_rank]}
+    return out
+
+
+def _bench_dp2(quick: bool, repeats: int, useful_tokens: int) -> Dict[str, Any]:
+    from dapo_mega.weights.spawn import spawn_gloo
+
+    import bench_learner  # the spawned ranks import the worker by this name, also under __main__
+
+    start = time.perf_counter()
+    ranks = spawn_gloo(bench_learner._dp2_rank, 2, args=(quick, repeats), timeout_s=3600)
+    return {**summarize_dp(ranks, useful_tokens), "seconds": time.perf_counter() - start,
+            "threads_per_rank": max(1, (os.cpu_count() or 1) // 2)}
+
+
+# ---------------------------------------------------------------------- the result
+def run(quick: bool, dp2: bool = True) -> Dict[str, Any]:
     """Run the benchmark; returns (and writes to bench/results/learner.json) the result dict."""
     import warnings
 
     warnings.filterwarnings("ignore")
-    from dapo_mega.config import DapoConfig, ModelConfig
-    from dapo_mega.models.tiny import tiny_hf_config
-
-    gpu = torch.cuda.is_available()
-    shape = _model_shape(quick, gpu)
-    cfg = DapoConfig()
-    cfg.model = ModelConfig(**shape)
-    vocab = 32000 if gpu else None
-    hf_config = tiny_hf_config(cfg.model, vocab_size=vocab)
-    max_len = 2048 if gpu else (64 if quick else 256)
-    num = 32 if gpu else (8 if quick else 16)
-    repeats = 3 if quick else 5
-    cfg.megatron.micro_batch_tokens = max_len * (4 if gpu else 2)
-    cfg.algo.lr, cfg.algo.lr_warmup_steps = 1e-5, 0
-    samples = _samples(num, max_len, hf_config.vocab_size)
-    result: Dict[str, Any] = {"device": torch.cuda.get_device_name() if gpu else "cpu",
-                              "threads": torch.get_num_threads(), "model": shape, "vocab": hf_config.vocab_size,
-                              "samples": num, "tokens_per_update": sum(s.length for s in samples),
-                              "repeats": repeats, "quick": quick}
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     from dapo_mega.backends.megatron.packing import measure_layout
 
-    lengths = [s.length for s in samples]
-    result["dp4_imbalance"] = {
-        "contiguous": measure_layout(lengths, 4, cfg.megatron.micro_batch_tokens, False, False).dp_imbalance,
-        "balanced": measure_layout(lengths, 4, cfg.megatron.micro_batch_tokens, True, True).dp_imbalance}
-    if not gpu:
-        megatron = _bench_megatron(cfg, hf_config, samples, repeats, impl="local", fp8=False)
-        padded = _bench_megatron(cfg, hf_config, samples, repeats, impl="local", fp8=False, packing=False)
-        pytorch = _bench_pytorch(cfg, hf_config, samples, repeats, torch.float32)
-        result.update(megatron=megatron, megatron_padded=padded, pytorch=pytorch,
-                      note="CPU: megatron local spec fp32 with the CPU substitutions (a TorchFunctionMode adds "
-                           "Python overhead per op), packed rows with a per-sample causal mask, vs HF "
-                           "transformers fp32 with padded rows")
-    else:
+    gpu = torch.cuda.is_available()
+    work = build_workload(quick, gpu)
+    cfg = work.cfg
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    lengths = [s.length for s in work.samples]
+    result: Dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if gpu else "cpu", "threads": torch.get_num_threads(),
+        "model": work.shape, "vocab": work.hf_config.vocab_size, "samples": len(work.samples),
+        "tokens_per_update": work.useful_tokens, "longest_sample": max(lengths), "repeats": work.repeats,
+        "quick": quick, "micro_batch_tokens": cfg.megatron.micro_batch_tokens,
+        "predicted_dp_imbalance": {
+            f"dp{dp}_{mode}": measure_layout(lengths, dp, cfg.megatron.micro_batch_tokens, True, mode == "balanced"
+                                             ).dp_imbalance for dp in (2, 4) for mode in ("contiguous", "balanced")}}
+    impl = "local"
+    if gpu:
         from dapo_mega.backends.megatron.model import transformer_engine_available
 
-        te = transformer_engine_available()
-        impl = "transformer_engine" if te else "local"
-        runs = {"megatron_bf16": _bench_megatron(cfg, hf_config, samples, repeats, impl=impl, fp8=False),
-                "megatron_padded": _bench_megatron(cfg, hf_config, samples, repeats, impl=impl, fp8=False,
-                                                   packing=False)}
-        if te:
-            runs["megatron_fp8"] = _bench_megatron(cfg, hf_config, samples, repeats, impl="transformer_engine", fp8=True)
-        else:
+        impl = "transformer_engine" if transformer_engine_available() else "local"
+        if impl == "local":
             result["note"] = "Transformer Engine not installed: megatron ran the local spec in bf16, no FP8 run"
-        pytorch = _bench_pytorch(cfg, hf_config, samples, repeats, torch.bfloat16)
+    dp1 = _bench_dp1(work, impl=impl, fp8=False)
+    runs, seconds = dp1.pop("runs"), dp1.pop("seconds")
+    result.update(dp1, **runs)
+    if gpu and impl == "transformer_engine":
+        result["megatron_fp8"] = _bench_fp8(work)
+    if gpu:
         peak = float(os.environ.get("DAPO_PEAK_TFLOPS", DEFAULT_PEAK_TFLOPS)) * 1e12
-        flops = _flops_per_token(shape, hf_config.vocab_size, max_len // 2)
-        for run_result in list(runs.values()) + [pytorch]:
-            run_result["mfu"] = run_result["tokens_per_s"] * flops / peak
-        result.update(runs, pytorch=pytorch, megatron=runs["megatron_bf16"], peak_tflops=peak / 1e12)
-    result["ratio_megatron_over_pytorch"] = result["megatron"]["tokens_per_s"] / result["pytorch"]["tokens_per_s"]
-    result["ratio_packed_over_padded"] = (result["megatron"]["tokens_per_s"]
-                                          / result["megatron_padded"]["tokens_per_s"])
-    # the keys bench/run.py tabulates
-    result.update(name="learner", metric="useful train tokens/s", ours=result["megatron"]["tokens_per_s"],
-                  baseline=result["pytorch"]["tokens_per_s"], baseline_name="HF transformers + AdamW",
-                  ratio=result["ratio_megatron_over_pytorch"], higher_is_better=True)
+        flops = _flops_per_token(work.shape, work.hf_config.vocab_size, work.max_len // 2)
+        for name in list(runs) + (["megatron_fp8"] if "megatron_fp8" in result else []):
+            result[name]["mfu"] = result[name]["tokens_per_s"] * flops / peak
+        result["peak_tflops"] = peak / 1e12
+    tokens = work.useful_tokens
+    attention = "THD rows (TE)" if impl == "transformer_engine" else "rows as wide as the longest sample"
+    result.update(throughput_figure(
+        "learner", "useful train tokens/s", tokens, seconds["megatron_packed"], tokens, seconds["hf_packed"],
+        "HF transformers + AdamW, same packed rows",
+        f"transformers Qwen2 (SDPA, {result['hf_params_dtype']}) + torch AdamW on the same packed rows as ours "
+        f"({attention}; position_ids per sample, block-diagonal causal 4D mask), the same loss and clipping; "
+        f"{len(work.samples)} samples, {tokens} tokens per update, hidden {work.shape['tiny_hidden_size']}, DP 1"))
+    result["rows"] = [
+        throughput_figure("learner (padded rows)", "useful train tokens/s", tokens, seconds["megatron_padded"],
+                          tokens, seconds["hf_padded"], "HF transformers + AdamW, same padded rows",
+                          "both sides one sample per right-padded row, causal mask only"),
+        throughput_figure("learner (packing)", "useful train tokens/s", tokens, seconds["megatron_packed"],
+                          tokens, seconds["megatron_padded"], "ours with one sample per padded row",
+                          "what sequence packing buys the Megatron step"),
+    ]
+    if dp2 and (not gpu or torch.cuda.device_count() >= 2):
+        dp = _bench_dp2(quick, work.repeats, tokens)
+        result["dp2"] = dp
+        bal, con = dp["balanced"], dp["contiguous"]
+        result["rows"].append(throughput_figure(
+            "learner DP 2 (balanced)", "useful train tokens/s, 2 gloo ranks", tokens, bal["step_s"], tokens,
+            con["step_s"], "the same, contiguous blocks per rank",
+            "two processes, one mini-batch split by token count (Karmarkar-Karp) vs in contiguous blocks; "
+            "step = slowest rank's whole update",
+            measured_imbalance={"balanced": bal["measured_imbalance"], "contiguous": con["measured_imbalance"]},
+            token_imbalance={"balanced": bal["token_imbalance"], "contiguous": con["token_imbalance"]}))
+    else:
+        result["dp2"] = {"skipped": "--no-dp2" if not dp2 else "needs 2 GPUs"}
+    result["ratio_megatron_over_pytorch"] = result["ratio"]
+    result["ratio_packed_over_padded"] = result["megatron_packed"]["tokens_per_s"] / result["megatron_padded"]["tokens_per_s"]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return result
@@ -253,11 +464,15 @@ def run(quick: bool) -> Dict[str, Any]:
 def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch (seconds)")
+    parser.add_argument("--no-dp2", action="store_true", help="skip the two-process DP run")
     args = parser.parse_args(argv)
-    result = run(args.quick)
-    print(json.dumps({k: result[k] for k in ("device", "megatron", "megatron_padded", "pytorch",
-                                             "ratio_megatron_over_pytorch", "ratio_packed_over_padded",
-                                             "dp4_imbalance")}, indent=2))
+    result = run(args.quick, dp2=not args.no_dp2)
+    rows = [result] + result["rows"]
+    print(json.dumps({r["name"]: {k: r[k] for k in ("ours", "baseline", "ratio", "ratio_median", "ours_spread",
+                                                     "baseline_spread")} for r in rows}, indent=2))
+    if "balanced" in result["dp2"]:
+        print(json.dumps({k: {m: result["dp2"][k][m] for m in ("measured_imbalance", "token_imbalance")}
+                          for k in ("balanced", "contiguous")}, indent=2))
 
 
 if __name__ == "__main__":
