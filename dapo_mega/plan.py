@@ -22,8 +22,9 @@ the learner pads it; norms replicated):
     activations  what one transformer layer keeps for backward for one micro-batch of
                  s = micro_batch_tokens tokens, tensor by tensor (`layer_saved_bytes`; the
                  derivation and the 32B numbers: docs/cluster.md, "Memory by hand"); with
-                 sequence parallelism ~45·s·h/t for Qwen2.5 (SwiGLU of 5.4h, GQA, no
-                 dropout, flash attention: no s² term). Kept per stage (1F1B: p − s
+                 sequence parallelism 46.8·s·h/t for Qwen2.5-32B, 45.2 without RoPE's cos
+                 and sin (SwiGLU of 5.4h, GQA, no dropout, flash attention: no s² term;
+                 GPT-3's is 34). Kept per stage (1F1B: p − s
                  micro-batches in flight on stage s): every layer's tensors (no or
                  selective recompute), or the input of each recompute chunk, s·h/t
                  elements (full, uniform), or both per layer (full, block); plus, one at a
@@ -36,7 +37,7 @@ the learner pads it; norms replicated):
 KV cache per engine (SGLang 0.5.23, `kv_cache_configurator._profile_available_bytes`): per
 engine GPU, with B the free memory when the engine starts (after its CUDA context) and
 f = mem_fraction_static,
-    rest = free after loading the weights − B·(1 − f) = f·B − 2·Φ/e
+    rest = free after loading the weights − B·(1 − f) = f·B − 2·Φ/e   (e = engine TP)
 Colocated, the engines start after the learners initialise, so B = G − the learner's
 resident state − both CUDA contexts; the GPU then holds, during rollout, the learner's
 state, both contexts, the engine's weights, its KV pool and its CUDA graphs and activations
