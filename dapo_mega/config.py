@@ -633,6 +633,11 @@ class EvalConfig:
     """Null: the training max_response_length, so scores compare."""
     max_problems: int = 0
     """Evaluate only the first N problems (0 = all)."""
+    seed: Optional[int] = 0
+    """Sampling seed: each problem's request carries a seed from (seed, problem id), so the
+    same checkpoint and settings give the same avg@k, and two checkpoints are compared on the
+    same random numbers (null: unseeded; SGLang honours it only with
+    --enable-deterministic-inference)."""
     checkpoint: str = ""
     """`dapo-mega eval`: the model to evaluate (HF dir, Megatron checkpoint or run dir)."""
     compare_checkpoint: str = ""

@@ -9,6 +9,12 @@ on the same problems, prompt encoding, length limit and verifier:
 
     dapo-mega eval eval.checkpoint=outputs/run/checkpoints/latest
     dapo-mega eval eval.checkpoint=A eval.compare_checkpoint=B eval.output=cmp.json
+
+Comparisons repeat: requests are seeded (`eval.seed`, per problem), so a checkpoint scores
+the same twice and two checkpoints meet the same random numbers; a comparison reports B - A
+with a paired bootstrap interval over problems (`paired_difference`); the settings record
+the eval set's revision, the engine, the seed and the verifier's version; each checkpoint's
+result has its own file (`eval_<run>_<step>.json` under the run's eval/ unless eval.output).
 """
 
 from __future__ import annotations
@@ -84,16 +90,21 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
                              prompts_per_request=cfg.rollout.prompts_per_request,
                              requests_per_engine=cfg.rollout.requests_per_engine,
                              liveness_timeout_s=cfg.rollout.liveness_timeout_s,
-                             probe_interval_s=cfg.rollout.liveness_probe_interval_s)
+                             probe_interval_s=cfg.rollout.liveness_probe_interval_s, seed=e.seed)
     groups = run_coroutine(manager.generate_groups(list(problems)))
     samples = [(g, s) for g in groups for s in g.samples]
     scored = compute_rewards(verifier, [s.response_text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
                              [len(s.token_ids) for _, s in samples], cfg.algo,
                              answer_prefixes=[verification_prefix(g.prompt, cfg.data.prompt_template)
                                               for g, _ in samples])
+    from dapo_mega.data.problem import compute_dataset_revision
+
     result = EvalResult(k=e.n_samples, settings={"temperature": e.temperature, "top_p": e.top_p,
                                                  "max_response_length": max_len, "verifier": verifier.name,
-                                                 "verifier_version": verifier.version, "run_id": run_id},
+                                                 "verifier_version": verifier.version, "run_id": run_id,
+                                                 "seed": e.seed, "num_problems": len(problems),
+                                                 "eval_set_revision": compute_dataset_revision(list(problems)),
+                                                 "engine": engine_identity(cfg)},
                         engines={url: {"requests": manager.requests_by_engine.get(url, 0),
                                        "samples": manager.samples_by_engine.get(url, 0)}
                                  for url in manager.engine_urls},
@@ -111,6 +122,47 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
                                 "k": len(g.samples), "pass_rate": correct / max(len(g.samples), 1),
                                 "truncated": truncated, "sample_answers": answers[:4]})
     return result
+
+
+def engine_identity(cfg: DapoConfig) -> str:
+    """The engine that generated: `sglang <version>` (the release the API is pinned to) or
+    `embedded dapo-mega <version>`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if cfg.rollout.backend == "sglang":
+        from dapo_mega.backends.sglang.api import SGLANG_VERSION_READ
+
+        return f"sglang {SGLANG_VERSION_READ}"
+    try:
+        return f"embedded dapo-mega {version('dapo-mega')}"
+    except PackageNotFoundError:
+        return "embedded dapo-mega"
+
+
+def result_name(checkpoint: str) -> str:
+    """File stem of a checkpoint's result: `eval_<run>_<step dir>` from its last two path parts,
+    so evaluating another checkpoint does not overwrite this one's."""
+    parts = [p for p in Path(checkpoint).resolve().parts[-2:] if p not in ("/", "")]
+    return "eval_" + "_".join("".join(c if c.isalnum() or c in "-." else "_" for c in p) for p in parts)
+
+
+def paired_difference(a: EvalResult, b: EvalResult, reps: int = 10_000, seed: int = 0,
+                      level: float = 0.95) -> Dict[str, float]:
+    """B's avg@k minus A's on the problems both scored, with a percentile bootstrap interval
+    over problems (the pairs resampled together, seeded): {difference, low, high, level,
+    problems, reps}. Pairing removes the problems' own difficulty from the spread."""
+    import numpy as np
+
+    by_id = {p["id"]: p["pass_rate"] for p in b.problems}
+    pairs = [(p["pass_rate"], by_id[p["id"]]) for p in a.problems if p["id"] in by_id]
+    if not pairs:
+        raise ValueError("the two results share no problem: nothing to compare")
+    d = np.array([pb - pa for pa, pb in pairs])
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(reps, len(d)))].mean(axis=1)
+    tail = (1 - level) / 2
+    return {"difference": float(d.mean()), "low": float(np.quantile(means, tail)),
+            "high": float(np.quantile(means, 1 - tail)), "level": level, "problems": len(d), "reps": reps}
 
 
 def _hf_dir_of(checkpoint: str, workdir: Path) -> Path:
@@ -162,6 +214,9 @@ def compare_results(a: EvalResult, b: EvalResult) -> str:
                    key=lambda t: -abs(t[0]))
     for delta, pid in diffs[:10]:
         lines.append(f"  {pid:28s} {by_id[pid]['pass_rate'] - delta:10.3f} {by_id[pid]['pass_rate']:10.3f}")
+    paired = paired_difference(a, b)
+    lines += ["", f"B - A: {paired['difference']:+.4f} avg@{a.k}, {paired['level']:.0%} paired bootstrap interval "
+              f"[{paired['low']:+.4f}, {paired['high']:+.4f}] over {paired['problems']} problems"]
     return "\n".join(lines)
 
 
@@ -171,7 +226,8 @@ def run_eval_command(cfg: DapoConfig) -> int:
         print("dapo-mega eval: set eval.checkpoint=PATH (an HF directory, a Megatron checkpoint, or a run "
               "directory), and optionally eval.compare_checkpoint=PATH")
         return 2
-    out = Path(cfg.eval.output or (cfg.run_dir / "eval" / "eval_result.json"))
+    named = Path(cfg.eval.output) if cfg.eval.output else None  # else one file per checkpoint
+    out = named or cfg.run_dir / "eval" / f"{result_name(cfg.eval.checkpoint)}.json"
     with tempfile.TemporaryDirectory(prefix="dapo_mega_eval_") as tmp:
         a = evaluate_checkpoint(cfg, cfg.eval.checkpoint, Path(tmp))
         a.write(out)
@@ -179,7 +235,11 @@ def run_eval_command(cfg: DapoConfig) -> int:
               f"-> {out}\n{a.engine_line()}")
         if cfg.eval.compare_checkpoint:
             b = evaluate_checkpoint(cfg, cfg.eval.compare_checkpoint, Path(tmp))
-            b_out = out.with_name(out.stem + "_compare" + out.suffix)
-            b.write(b_out)
+            b_name = f"{out.stem}_compare" if named else result_name(cfg.eval.compare_checkpoint)
+            b.write(out.with_name(b_name + out.suffix))
             print(compare_results(a, b))
+            comparison = out.with_name(f"{out.stem}_vs_{b_name}_paired{out.suffix}")
+            comparison.write_text(json.dumps({"a": str(cfg.eval.checkpoint), "b": str(cfg.eval.compare_checkpoint),
+                                              "avg_at_k": [a.avg_at_k, b.avg_at_k], "paired": paired_difference(a, b),
+                                              "settings": a.settings}, indent=1))
     return 0

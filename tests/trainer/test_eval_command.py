@@ -78,3 +78,44 @@ def test_eval_and_compare_checkpoints(tmp_path):
         assert r["avg_at_k"] == pytest.approx(sum(p["pass_rate"] for p in r["problems"]) / len(r["problems"]))
         assert r["pass_at_k"] == pytest.approx(sum(p["correct"] > 0 for p in r["problems"]) / len(r["problems"]))
     assert f"avg@2 = {result['avg_at_k']:.4f}" in proc.stdout and "largest differences" in proc.stdout
+    paired = json.loads((tmp_path / "result_vs_result_compare_paired.json").read_text())["paired"]
+    assert paired["difference"] == pytest.approx(compare["avg_at_k"] - result["avg_at_k"])
+    assert paired["low"] <= paired["difference"] <= paired["high"] and "paired bootstrap interval" in proc.stdout
+
+
+def test_seeded_evaluation_repeats_and_a_paired_comparison_of_one_model_with_itself_is_zero(tmp_path):
+    """eval.seed: the same checkpoint and settings give the same per-problem results at
+    temperature 1 (the requests carry seeds from (seed, problem id)); unseeded they vary; the
+    paired bootstrap interval of a model against itself is exactly [0, 0], and against a
+    shifted copy it brackets the shift."""
+    import copy
+
+    from dapo_mega.data import PromptEncoder, build_datasets
+    from dapo_mega.evaluate import evaluate_problems, paired_difference
+    from dapo_mega.reward import build_verifier
+    from dapo_mega.rollout.fleet import EngineFleet
+
+    model = build_model(tmp_path / "model", seed=3)
+    cfg = load_config([*OVERRIDES, "eval.temperature=1.0", "eval.n_samples=4", "eval.top_p=1.0"])
+    _, problems, _ = build_datasets(cfg.data)
+    problems = problems[:cfg.eval.max_problems]
+    encoder, verifier = PromptEncoder.from_pretrained(model, cfg.data), build_verifier(cfg.algo.verifier)
+    with EngineFleet(cfg.rollout, str(model), tmp_path / "logs", num_threads=1) as fleet:
+        engines = fleet.start(1)
+        first, second = (evaluate_problems(engines, problems, cfg, encoder.encode, verifier) for _ in range(2))
+        cfg.eval.seed = None
+        unseeded = [evaluate_problems(engines, problems, cfg, encoder.encode, verifier) for _ in range(2)]
+
+    def answers(result):
+        return [(p["id"], p["correct"], p["sample_answers"]) for p in result.problems]
+
+    assert answers(first) == answers(second) and first.settings["seed"] == 0
+    assert first.settings["eval_set_revision"] and first.settings["engine"].startswith("embedded")
+    assert answers(unseeded[0]) != answers(unseeded[1]), "unseeded sampling repeated itself: the test shows nothing"
+    assert paired_difference(first, second) == {"difference": 0.0, "low": 0.0, "high": 0.0, "level": 0.95,
+                                                "problems": len(problems), "reps": 10_000}
+    shifted = copy.deepcopy(first)
+    for p in shifted.problems:
+        p["pass_rate"] = min(1.0, p["pass_rate"] + 0.25) if p["id"] != problems[0].id else p["pass_rate"]
+    paired = paired_difference(first, shifted)
+    assert paired["low"] <= paired["difference"] <= paired["high"] and paired["difference"] > 0
