@@ -44,12 +44,10 @@ from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.rollout.fleet import EngineFleet, free_port
 from dapo_mega.weights.sync import WeightSyncer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import spread, throughput_figure  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
-
-
-def spread(seconds) -> dict:
-    """min, median and max of repeated timings."""
-    return {"min": min(seconds), "median": statistics.median(seconds), "max": max(seconds)}
 
 
 def run(quick: bool = False, reps: int = 0) -> dict:
@@ -118,17 +116,20 @@ def run(quick: bool = False, reps: int = 0) -> dict:
               "engine_versions_after": versions, "backend": "gloo (CPU)",
               "baseline_detail": "raw broadcast of the same bytes in the same bucket sizes into a receive buffer "
                                  "the engines touched before; best of reps each, timed in alternation"}
-    # the keys bench/run.py tabulates
-    result.update(name="weight_sync", metric="weight sync GB/s", ours=sync_gbps, baseline=raw_gbps,
-                  baseline_name="raw broadcast, same bytes and buckets, touched buffer", ratio=result["ratio_sync_over_raw"],
-                  higher_is_better=True)
+    # the keys bench/run.py tabulates (best of each side, ratio of medians, spreads in GB/s)
+    result.update(throughput_figure("weight_sync", "weight sync GB/s", nbytes / 1e9, sync_s, nbytes / 1e9, raw_s,
+                                    "raw broadcast, same bytes and buckets, touched buffer",
+                                    result["baseline_detail"]))
     sglang = run_sglang(reps=3 if quick else 5)
     result.update(sglang)
     if "sglang_sync_gbps" in sglang:  # a second row of bench/run.py's table
-        result["rows"] = [{"name": "weight_sync (SGLang)", "metric": "weight sync GB/s, real SGLang",
-                           "ours": sglang["sglang_sync_gbps"], "baseline": sglang["sglang_raw_broadcast_gbps"],
-                           "baseline_name": "raw broadcast of the same bytes", "higher_is_better": True,
-                           "ratio": sglang["sglang_ratio_sync_over_raw"]}]
+        gb = sglang["sglang_model_bytes"] / 1e9
+        result["rows"] = [throughput_figure(
+            "weight_sync (SGLang)", "weight sync GB/s, real SGLang", gb, sglang["sglang_sync_seconds"], gb,
+            sglang["sglang_raw_broadcast_seconds"], "raw broadcast of the same bytes, touched buffer",
+            f"one raw broadcast of the same bytes into a plain receiver process beside the server, into a buffer it "
+            f"touched before (into a fresh buffer: {sglang['sglang_raw_fresh_buffer_gbps']:.3g} GB/s); SGLang "
+            f"receives {SGLANG_BUCKET_MB} MB buckets; timed in turn with the sync")]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return result
