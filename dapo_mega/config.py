@@ -544,6 +544,13 @@ class TrainerConfig:
     """Save a training checkpoint every this many steps (0 = only at the end)."""
     keep_last_k: int = 2
     """Checkpoints kept; older ones are deleted after a new one is complete."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0 = none): checkpoints
+    to compare later on the same hold-out."""
+    resume_step: int = 0
+    """Resume from exactly this step's checkpoint (0 = the latest). Later checkpoints, ledger
+    shards and eval files move to <run_dir>/set_aside/ (nothing is lost); later starts with
+    the same setting go on from the restarted run's own latest checkpoint."""
     eval_interval: int = 10
     """Evaluate on the held-out set every this many steps (0 = off); also before step 1
     and after the last."""
@@ -600,6 +607,9 @@ class TrainerConfig:
                       f"{t.stop_margin_minutes} must be >= 0", "use 0 for no limit")
         if t.total_steps < 0:
             raise err("trainer.total_steps", "must be >= 0", "use a positive number of rollout steps")
+        for name in ("keep_every", "resume_step"):
+            if getattr(t, name) < 0:
+                raise err(f"trainer.{name}", f"must be >= 0, got {getattr(t, name)}", "use 0 (off)")
         if t.keep_last_k < 1:
             raise err("trainer.keep_last_k", "must be >= 1 (the latest checkpoint is always kept)", "use 2")
         _check_choice("trainer.wandb_mode", t.wandb_mode, WandbMode)

@@ -308,9 +308,9 @@ def completed_steps(cfg: DapoConfig) -> int:
     """Step of the checkpoint a resumed job would start from (0: none, or resume off)."""
     if not cfg.trainer.resume:
         return 0
-    from dapo_mega.run_dir import find_latest_checkpoint
+    from dapo_mega.run_dir import resume_checkpoint
 
-    latest = find_latest_checkpoint(cfg.run_dir.resolve())
+    latest = resume_checkpoint(cfg.run_dir.resolve(), True, cfg.trainer.resume_step)
     return int(latest.name.split("_")[-1]) if latest is not None else 0
 
 

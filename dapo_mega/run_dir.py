@@ -44,6 +44,9 @@ MODEL_OPTIM_DIR = "model_optim"
 TRAINER_STATE_FILE = "trainer_state.json"
 MODEL_META_FILE = "dapo_mega_model.json"
 RNG_DIR = "rng"
+BRANCHED_FILE = "restarted_from"
+"""Under checkpoints/: the step a `trainer.resume_step` restart went back to (a later start
+with the same setting goes on from the latest checkpoint instead of going back again)."""
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -102,6 +105,46 @@ def find_latest_checkpoint(run_dir: Path | str) -> Optional[Path]:
             return root / name
     complete = list_complete_checkpoints(root)
     return complete[-1] if complete else None
+
+
+def resume_checkpoint(run_dir: Path | str, resume: bool = True, step: int = 0) -> Optional[Path]:
+    """The checkpoint a start resumes from: none without `resume`; the latest complete one,
+    or with `step` > 0 (`trainer.resume_step`) exactly step_<step>, refused (naming the
+    complete ones) when it is not there."""
+    if not resume:
+        return None
+    branched = checkpoints_root(run_dir) / BRANCHED_FILE
+    if step <= 0 or (branched.is_file() and branched.read_text().strip() == str(step)):
+        return find_latest_checkpoint(run_dir)  # a restart from `step` already happened: go on from there
+    named = checkpoints_root(run_dir) / step_dir_name(step)
+    if not is_complete_checkpoint(named):
+        have = [int(_STEP_DIR.match(p.name).group(1)) for p in list_complete_checkpoints(run_dir)]
+        raise CheckpointNotFoundError(f"trainer.resume_step={step}: no complete checkpoint {named}; the run has "
+                                      f"steps {have or 'none'}. Fix: name one of them, or 0 for the latest")
+    return named
+
+
+def set_aside_after(run_dir: Path | str, step: int, label: str) -> Optional[Path]:
+    """A restart from an earlier step (`trainer.resume_step`) keeps what the later steps wrote:
+    their checkpoints, ledger shards and eval files, and metrics.jsonl as it was, move to
+    `<run_dir>/set_aside/<label>/` (the same relative paths), so that the new steps cannot
+    overwrite them. Returns that directory, or None when there was nothing after `step`."""
+    run_dir = Path(run_dir)
+    later = [p for p in list_complete_checkpoints(run_dir) if int(_STEP_DIR.match(p.name).group(1)) > step]
+    for sub in ("ledger", "eval"):
+        later += [p for p in sorted((run_dir / sub).glob("step_*")) if int(p.name.split("_")[1].split(".")[0]) > step]
+    if not later:
+        return None
+    dest = run_dir / "set_aside" / label
+    for path in later:
+        target = dest / path.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    if (run_dir / "metrics.jsonl").exists():
+        shutil.copy2(run_dir / "metrics.jsonl", dest / "metrics.jsonl")
+    write_text_atomic(checkpoints_root(run_dir) / LATEST_FILE, step_dir_name(step) + "\n")
+    write_text_atomic(checkpoints_root(run_dir) / BRANCHED_FILE, f"{step}\n")
+    return dest
 
 
 def resolve_checkpoint_dir(path: Path | str) -> Path:
@@ -200,15 +243,20 @@ def commit_step_dir(tmp: Path | str, files: Dict[str, str]) -> Path:
     return final
 
 
-def prune_checkpoints(run_dir: Path | str, keep_last_k: int) -> List[Path]:
-    """Delete all but the newest `keep_last_k` complete checkpoints, and stale tmp dirs.
-
-    The checkpoint `latest` points to is never deleted. Returns what was deleted.
+def prune_checkpoints(run_dir: Path | str, keep_last_k: int, keep_every: int = 0) -> List[Path]:
+    """Delete all but the newest `keep_last_k` complete checkpoints, and stale tmp dirs;
+    with `keep_every` > 0 (`trainer.keep_every`) every step that is a multiple of it is kept
+    too (checkpoints to compare later). The checkpoint `latest` points to is never deleted.
+    Returns what was deleted.
     """
     root = checkpoints_root(run_dir)
     complete = list_complete_checkpoints(root)
     latest = find_latest_checkpoint(root)
-    doomed = [p for p in complete[: max(len(complete) - keep_last_k, 0)] if p != latest]
+
+    def kept_forever(p: Path) -> bool:
+        return keep_every > 0 and int(_STEP_DIR.match(p.name).group(1)) % keep_every == 0
+
+    doomed = [p for p in complete[: max(len(complete) - keep_last_k, 0)] if p != latest and not kept_forever(p)]
     doomed += [p for p in root.iterdir() if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from dapo_mega.config import ConfigError, DapoConfig, from_yaml, save_config
-from dapo_mega.run_dir import find_latest_checkpoint, read_trainer_state, write_text_atomic
+from dapo_mega.run_dir import read_trainer_state, resume_checkpoint, write_text_atomic
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -258,7 +258,7 @@ def settle_run_dir(cfg: DapoConfig, write: bool = True, inherited_run_id: Option
     config.yaml are written; without it, this only checks. `inherited_run_id` is the id the
     parent of a spawned rank settled (RUN_ID_ENV)."""
     run_dir = cfg.run_dir
-    checkpoint = find_latest_checkpoint(run_dir) if cfg.trainer.resume else None
+    checkpoint = resume_checkpoint(run_dir, cfg.trainer.resume, cfg.trainer.resume_step)
     if write:
         run_dir.mkdir(parents=True, exist_ok=True)
     if checkpoint is None:

@@ -32,6 +32,7 @@ from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
 from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
+from dapo_mega.run_dir import set_aside_after
 
 
 class Session:
@@ -171,6 +172,12 @@ class Session:
             print(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
                   f"{state.policy_version}", flush=True)
             rollouts.load_state_dict(state.data_cursor, state.rollout_carry, lambda d: Problem(**_problem_fields(d)))
+            if cfg.trainer.resume_step:  # a restart from an earlier step: later steps' files are kept aside
+                label = f"after_step_{state.step}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+                kept = set_aside_after(self.run_dir, state.step, label)
+                if kept is not None:
+                    print(f"[trainer] trainer.resume_step={state.step}: the later checkpoints, ledger shards and "
+                          f"eval files moved to {kept}", flush=True)
             prune_records_after(self.run_dir, state.step)
         recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, {**config_dict(cfg), "run_id": self.run.run_id},
                                state.step, wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,

@@ -95,9 +95,9 @@ class RunState:
         """Load the latest complete checkpoint (weights, optimizer, RNG, trainer state) when
         `trainer.resume` is on and there is one. Collective. Returns whether it did."""
         from dapo_mega.backends.megatron.checkpoint import load_checkpoint
-        from dapo_mega.run_dir import find_latest_checkpoint
+        from dapo_mega.run_dir import resume_checkpoint
 
-        latest = find_latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        latest = resume_checkpoint(self.run_dir, self.cfg.resume, self.cfg.resume_step)
         if latest is None:
             return False
         raw = load_checkpoint(learner, latest)
@@ -111,7 +111,7 @@ class RunState:
         from dapo_mega.backends.megatron.checkpoint import save_checkpoint
 
         save_checkpoint(learner, self.run_dir, step, {**asdict(self.state), **driver_state},
-                        keep_last_k=self.cfg.keep_last_k)
+                        keep_last_k=self.cfg.keep_last_k, keep_every=self.cfg.keep_every)
 
     def should_eval(self, step: int) -> bool:
         n = self.cfg.eval_interval

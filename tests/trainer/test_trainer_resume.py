@@ -121,3 +121,26 @@ def test_a_resume_that_changes_the_verifier_stops_unless_the_change_is_allowed(t
     assert [r["run_id"] for r in read_rows(run_dir) if r["step"] >= 1] == [run_id, run_id]
     report = render_markdown(build_report(run_dir))
     assert 'step 2: algo.verifier "dapo" -> "math_verify"' in report
+
+
+@pytest.mark.slow
+def test_a_restart_from_a_named_step_keeps_the_later_steps_aside(tmp_path):
+    """trainer.resume_step=1 after 3 saved steps: training goes on from step 1 (its step 2 is
+    trained again), the old steps 2-3 (checkpoints, ledger shards, metrics as they were) are in
+    set_aside/, and the same command again goes on from the restarted run's latest."""
+    run_dir = tmp_path / RUN_NAME
+    quick = ["trainer.sft_warmup_steps=0", "trainer.save_interval=1", "trainer.keep_last_k=5", "trainer.eval_interval=0"]
+    run_train(tmp_path, *quick, "trainer.total_steps=3", tag="first")
+    output = run_train(tmp_path, *quick, "trainer.total_steps=2", "trainer.resume_step=1", tag="restart")
+    assert "resumed from" in output and "at step 1" in output and "moved to" in output
+    aside = [p for p in (run_dir / "set_aside").iterdir()]
+    assert len(aside) == 1 and aside[0].name.startswith("after_step_1_")
+    assert sorted(p.name for p in (aside[0] / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert sorted(p.name for p in (aside[0] / "ledger").iterdir()) == ["step_00000002.parquet", "step_00000003.parquet"]
+    assert [json.loads(line)["step"] for line in (aside[0] / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["step"] >= 1] == [1, 2, 3]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+        ["step_000001", "step_000002"]
+    assert sorted({r.step for r in read_records(run_dir)}) == [1, 2]
+    again = run_train(tmp_path, *quick, "trainer.total_steps=2", "trainer.resume_step=1", tag="again")
+    assert "at step 2" in again and len(list((run_dir / "set_aside").iterdir())) == 1

@@ -135,8 +135,37 @@ def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_di
     verify_checkpoint_files(ckpt_dir)
     state = model_sharded_state_dict(model_chunks)
     verify_checkpoint_fits(state, ckpt_dir)
+    merge_factories_in_place(state)
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
     load_model_state(model_chunks, loaded)
+
+
+def merge_factories_in_place(state: Dict[str, Any]) -> None:
+    """Make each ShardedTensorFactory's merge write into its own tensor and return it.
+
+    dist_checkpointing loads the pieces a factory builds (SwiGLU's fc1 as gate and up
+    halves) into views of the parameter, then merges them into new tensors (torch.cat) and
+    returns all merged tensors at once: ~half a model more host memory at the peak. Copied
+    into the parameter as each is made, the merge holds one parameter's temporary at a time.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    for factory in nested_values(state):
+        if isinstance(factory, ShardedTensorFactory) and isinstance(factory.data, torch.Tensor):
+            factory.merge_fn = _merge_into(factory.merge_fn, factory.data)
+
+
+def _merge_into(merge_fn, target: torch.Tensor):
+    def merge(sub_state_dict):
+        merged = merge_fn(sub_state_dict)
+        if isinstance(merged, torch.Tensor) and merged is not target and merged.shape == target.shape:
+            with torch.no_grad():
+                target.copy_(merged)
+            return target
+        return merged
+
+    return merge
 
 
 def resolve_megatron_source(megatron_path: Path | str) -> Dict[str, Any]:
@@ -286,7 +315,7 @@ def _model_meta(learner) -> Dict[str, Any]:
 
 
 def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict[str, Any],
-                    keep_last_k: int = 2, optimizer_sharding: Optional[str] = None) -> Path:
+                    keep_last_k: int = 2, optimizer_sharding: Optional[str] = None, keep_every: int = 0) -> Path:
     """Save model, optimizer, scheduler, RNG and `trainer_state` as `step_<N>` (collective).
 
     Every learner rank calls it. `trainer_state` must be JSON-serialisable (checked before
@@ -332,7 +361,7 @@ def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict
         raise CheckpointSaveError(f"could not save checkpoint step {step} to {final}: {why}; the partial "
                                   f"directory was removed and the previous checkpoint and 'latest' are intact") from error
     if rank0 and keep_last_k > 0:
-        prune_checkpoints(root, keep_last_k)
+        prune_checkpoints(root, keep_last_k, keep_every)
     D.barrier()
     return final
 

@@ -63,6 +63,48 @@ def test_prune_keeps_last_k_and_never_the_latest(tmp_path):
         "the newest K and the checkpoint `latest` names both survive pruning"
 
 
+def test_keep_every_keeps_the_multiples_beside_the_last_k(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in range(1, 9):
+        _fake_checkpoint(root, step)
+    R.write_text_atomic(root / R.LATEST_FILE, "step_000008\n")
+    R.prune_checkpoints(tmp_path, keep_last_k=2, keep_every=3)
+    assert [p.name for p in R.list_complete_checkpoints(tmp_path)] == \
+        ["step_000003", "step_000006", "step_000007", "step_000008"]
+
+
+def test_a_restart_from_a_named_step_sets_the_later_steps_aside_once(tmp_path):
+    """trainer.resume_step: exactly that checkpoint (an absent one is refused, naming the
+    steps there are); the later checkpoints, ledger shards, eval files and metrics move to
+    set_aside/ (nothing lost); a later start with the same setting goes on from the latest."""
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        _fake_checkpoint(root, step)
+    R.write_text_atomic(root / R.LATEST_FILE, "step_000006\n")
+    for sub, name in (("ledger", "step_000003.parquet"), ("ledger", "step_000005.parquet"),
+                      ("eval", "step_000006.json")):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        (tmp_path / sub / name).write_text(name)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 6}\n')
+    with pytest.raises(R.CheckpointNotFoundError, match=r"resume_step=3.*steps \[2, 4, 6\]"):
+        R.resume_checkpoint(tmp_path, True, 3)
+    assert R.resume_checkpoint(tmp_path, False, 2) is None
+    assert R.resume_checkpoint(tmp_path, True, 0).name == "step_000006"
+    assert R.resume_checkpoint(tmp_path, True, 2).name == "step_000002"
+    kept = R.set_aside_after(tmp_path, 2, "after_step_2")
+    assert kept == tmp_path / "set_aside" / "after_step_2"
+    records = sorted(str(p.relative_to(kept)) for p in kept.rglob("*")
+                     if p.is_file() and p.relative_to(kept).parts[0] != "checkpoints")
+    assert records == ["eval/step_000006.json", "ledger/step_000003.parquet", "ledger/step_000005.parquet",
+                       "metrics.jsonl"]
+    assert [p.name for p in R.list_complete_checkpoints(kept)] == ["step_000004", "step_000006"]
+    assert [p.name for p in R.list_complete_checkpoints(tmp_path)] == ["step_000002"]
+    assert not list((tmp_path / "ledger").iterdir()) and R.find_latest_checkpoint(tmp_path).name == "step_000002"
+    _fake_checkpoint(root, 3)  # the restarted run saves step 3; its next start goes on from there
+    R.write_text_atomic(root / R.LATEST_FILE, "step_000003\n")
+    assert R.resume_checkpoint(tmp_path, True, 2).name == "step_000003"
+
+
 # --------------------------------------------------------------------------- learner
 
 
