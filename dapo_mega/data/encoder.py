@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from dapo_mega.config import ConfigError
 from dapo_mega.data.problem import Problem, format_prompt
@@ -64,6 +64,7 @@ class PromptEncoder:
                               "has a chat_template")
         self._cache: Dict[Tuple[str, str], List[int]] = {}
         self._lock = threading.Lock()
+        self._fingerprint: Optional[str] = None
 
     @classmethod
     def from_config(cls, tokenizer: Any, data_cfg: Any) -> "PromptEncoder":
@@ -76,6 +77,28 @@ class PromptEncoder:
         from transformers import AutoTokenizer
 
         return cls.from_config(AutoTokenizer.from_pretrained(str(model_dir)), data_cfg)
+
+    def fingerprint(self) -> str:
+        """What the model is given, in one string every ledger row carries: the prompt template,
+        the chat template (a hash of its text, or off) and the tokenizer (its name and vocabulary
+        size, and a hash of its vocabulary), e.g.
+        `template=dapo;chat=off;tokenizer=tiny-qwen2/vocab 99/4f1c0a2b9e3d`. A change of any
+        of them changes the string. Computed once (the tokenizer does not change)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
+        import hashlib
+
+        tok = self.tokenizer
+        chat = "off"
+        if self.apply_chat_template:
+            chat = hashlib.sha256(str(tok.chat_template).encode()).hexdigest()[:12]
+        vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+        digest = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:12]
+        name = str(getattr(tok, "name_or_path", "") or type(tok).__name__).rstrip("/").split("/")[-1]
+        return f"template={self.prompt_template};chat={chat};tokenizer={name}/vocab {len(vocab)}/{digest}"
 
     # ------------------------------------------------------------------ the prompt
     def messages(self, problem: Problem) -> List[Dict[str, str]]:

@@ -172,7 +172,7 @@ class DriverRole(LearnerRankRole):
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
         write_ledger(self.run.run_dir, self.run.run_id, step, batch.samples, text=LedgerText.of(self.cfg.trainer),
-                     run_name=self.cfg.trainer.run_name)
+                     run_name=self.cfg.trainer.run_name, encoder=self.rollouts.encoder.fingerprint())
         self.last_batch = batch
 
     def evaluate(self) -> Dict[str, float]:

@@ -123,10 +123,11 @@ class RunState:
 
 
 def write_ledger(run_dir: Path, run_id: str, step: int, samples: Sequence[ScoredSample],
-                 text: LedgerText = FULL_TEXT, run_name: str = "") -> Path:
+                 text: LedgerText = FULL_TEXT, run_name: str = "", encoder: str = "") -> Path:
     """The ledger shard of `step`: one row per sample the step generated or dropped, its
-    texts as `text` keeps them (`LedgerText.of(cfg.trainer)`), each with the run's id and name."""
-    return write_step(run_dir, step, [ledger_record(s, run_id, text, run_name) for s in samples])
+    texts as `text` keeps them (`LedgerText.of(cfg.trainer)`), each with the run's id and name
+    and the prompt encoder's fingerprint."""
+    return write_step(run_dir, step, [ledger_record(s, run_id, text, run_name, encoder) for s in samples])
 
 
 def prune_records_after(run_dir: Path, step: int) -> None:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from dapo_mega.reward.types import VerifyResult
+from dapo_mega.reward.types import VerifyResult, code_version
 
 ANSWER_PATTERN = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
@@ -86,7 +86,7 @@ class DapoVerifier:
 
     max_response_chars: Optional[int] = 300
     name: str = "dapo"
-    version: str = "dapo-minerva-v1"
+    version: str = code_version("dapo", __file__)
     runs_in_process: bool = True
 
     def score(self, response: str, ground_truth: str) -> VerifyResult:

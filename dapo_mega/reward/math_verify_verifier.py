@@ -15,16 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from dapo_mega.reward.types import VerifyResult
-
-
-def _math_verify_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("math-verify")
-    except Exception:  # metadata missing in an odd install: still stamp something
-        return "unknown"
+from dapo_mega.reward.types import VerifyResult, code_version
 
 
 @dataclass(frozen=True)
@@ -39,7 +30,7 @@ class MathVerifyVerifier:
 
     max_response_chars: Optional[int] = 2000
     name: str = "math_verify"
-    version: str = f"math-verify-{_math_verify_version()}-v1"
+    version: str = code_version("math_verify", __file__, "math-verify")
     runs_in_process: bool = False
 
     def score(self, response: str, ground_truth: str) -> VerifyResult:

@@ -7,7 +7,9 @@ visible next to the rewards it produced.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Dict, Optional, Protocol, runtime_checkable
 
 
@@ -106,3 +108,20 @@ class VerifyStats:
 
     def as_metrics(self, prefix: str = "verifier/") -> Dict[str, float]:
         return {f"{prefix}{key}": float(value) for key, value in asdict(self).items()}
+
+
+def code_version(name: str, source_file: str, *packages: str) -> str:
+    """A verifier's version derived from what decides its verdicts, not typed by hand: its
+    source file's hash and the versions of the libraries it calls, e.g.
+    `dapo-3f9c1a2b7d` or `math_verify-a41c09e2f1+math-verify-0.8.0`. Any edit of the file
+    (or a library upgrade) gives another version in the ledger."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256(Path(source_file).read_bytes()).hexdigest()[:10]
+    libs = []
+    for package in packages:
+        try:
+            libs.append(f"+{package}-{version(package)}")
+        except PackageNotFoundError:
+            libs.append(f"+{package}-missing")
+    return f"{name}-{digest}{''.join(libs)}"

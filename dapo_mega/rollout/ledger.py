@@ -89,6 +89,15 @@ class LedgerRecord:
     """prompt_text is not all of the prompt (as response_text_elided)."""
     run_name: str = ""
     """trainer.run_name: shared by reruns and by ablation runs of one seed; `run_id` is unique."""
+    extracted_answer: Optional[str] = None
+    """The answer the verifier read from the response (normalised), None when it found none."""
+    answer_found: Optional[bool] = None
+    """The format verdict: the verifier found an answer to judge (DAPO: an `Answer:` line)."""
+    verifier_error: Optional[str] = None
+    """The verifier's error text when it raised or timed out (the row's reward is then -1)."""
+    encoder: str = ""
+    """What the model was given (`PromptEncoder.fingerprint`: prompt template, chat-template
+    hash, tokenizer): a template change shows here, prompt_text being the problem before it."""
 
     def __post_init__(self):
         # Rows of shards written before these columns existed read back as nulls: whole texts.
@@ -98,12 +107,13 @@ class LedgerRecord:
             self.prompt_text_chars = len(self.prompt_text)
         self.response_text_elided = bool(self.response_text_elided)
         self.run_name = self.run_name or ""
+        self.encoder = self.encoder or ""
         self.prompt_text_elided = bool(self.prompt_text_elided)
 
 
 _TYPES = {int: pa.int64(), float: pa.float64(), bool: pa.bool_(), str: pa.string(),
           "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string(),
-          "Optional[int]": pa.int64()}
+          "Optional[int]": pa.int64(), "Optional[str]": pa.string(), "Optional[bool]": pa.bool_()}
 SCHEMA = pa.schema([(f.name, _TYPES[f.type]) for f in fields(LedgerRecord)])
 TEXT_COLUMNS = ("response_text", "prompt_text")
 
@@ -149,9 +159,10 @@ FULL_TEXT = LedgerText()
 
 
 def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEXT,
-                  run_name: str = "") -> LedgerRecord:
+                  run_name: str = "", encoder: str = "") -> LedgerRecord:
     """The ledger row of a sample that has been scored and stamped by its consumer; its
-    texts as `text` keeps them; `run_id` unique to the run, `run_name` its trainer.run_name."""
+    texts as `text` keeps them; `run_id` unique to the run, `run_name` its trainer.run_name,
+    `encoder` the prompt encoder's fingerprint."""
     response_text, response_elided = text.keep(sample.response_text)
     prompt_text, prompt_elided = text.keep(sample.prompt_text)
     return LedgerRecord(
@@ -165,7 +176,9 @@ def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEX
         verifier_version=sample.score.verifier_version, reject_reason=sample.reject_reason,
         response_text=response_text, prompt_text=prompt_text, gen_round=sample.gen_round,
         response_text_chars=len(sample.response_text), response_text_elided=response_elided,
-        prompt_text_chars=len(sample.prompt_text), prompt_text_elided=prompt_elided, run_name=run_name)
+        prompt_text_chars=len(sample.prompt_text), prompt_text_elided=prompt_elided, run_name=run_name,
+        extracted_answer=sample.score.extracted, answer_found=sample.score.extracted is not None,
+        verifier_error=sample.score.verifier_error, encoder=encoder)
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:

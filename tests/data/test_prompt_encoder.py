@@ -169,3 +169,22 @@ def test_train_and_eval_send_identical_chat_prompt_ids(model_dir, tokenizer, tmp
     for p, ids in zip(held_out, eval_ids):
         assert ids == _chat_ids(tokenizer, [{"role": "user", "content": p.prompt}])
         assert tokenizer.decode(ids).startswith(f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\n")
+
+
+def test_the_fingerprint_changes_with_the_template_the_chat_template_and_the_tokenizer(tmp_path):
+    """The ledger's `encoder` column: one string that any change of what the model is given
+    changes (prompt template, chat template text, tokenizer vocabulary)."""
+    from types import SimpleNamespace
+
+    from dapo_mega.data.encoder import PromptEncoder
+
+    def tokenizer(vocab, chat="{{ messages }}"):
+        return SimpleNamespace(get_vocab=lambda: dict(vocab), chat_template=chat, name_or_path="/m/tiny")
+
+    base = PromptEncoder(tokenizer({"a": 0, "b": 1}), "raw").fingerprint()
+    assert base.startswith("template=raw;chat=off;tokenizer=tiny/vocab 2/")
+    assert PromptEncoder(tokenizer({"a": 0, "b": 1}), "dapo").fingerprint() != base
+    assert PromptEncoder(tokenizer({"a": 0, "c": 1}), "raw").fingerprint() != base
+    chat_a = PromptEncoder(tokenizer({"a": 0, "b": 1}), "raw", apply_chat_template=True).fingerprint()
+    chat_b = PromptEncoder(tokenizer({"a": 0, "b": 1}, "{{ other }}"), "raw", apply_chat_template=True).fingerprint()
+    assert len({base, chat_a, chat_b}) == 3

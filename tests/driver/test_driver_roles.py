@@ -62,7 +62,8 @@ def test_driver_writes_the_ledger_with_the_configured_text_setting(tmp_path):
 
     cfg = DapoConfig()
     cfg.trainer.ledger_text = "none"
-    role = DriverRole(cfg, RunState(str(tmp_path), cfg.trainer), SimpleNamespace(), None, [], None)
+    encoder = SimpleNamespace(fingerprint=lambda: "template=raw;chat=off;tokenizer=t/vocab 9/abc")
+    role = DriverRole(cfg, RunState(str(tmp_path), cfg.trainer), SimpleNamespace(encoder=encoder), None, [], None)
     try:
         samples = [replace(s, prompt_text="prompt a") for s in group("a", [1.0, -1.0]).stamp(1, 0)]
         role.write_ledger(1, RolloutBatch(step=1, samples=samples))
@@ -71,3 +72,4 @@ def test_driver_writes_the_ledger_with_the_configured_text_setting(tmp_path):
     rows = read_records(tmp_path, steps=[1])
     assert len(rows) == 2 and all(r.response_text == "" and r.prompt_text == "" for r in rows)
     assert all(r.response_text_chars == 4 for r in rows)       # the original length is still recorded
+    assert {r.encoder for r in rows} == {"template=raw;chat=off;tokenizer=t/vocab 9/abc"}

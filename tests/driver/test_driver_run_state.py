@@ -36,11 +36,12 @@ def test_ledger_rows_keep_the_samples_names(tmp_path):
     assert json.loads(rows[0].reward_components) == {"correctness": 0.0, "overlong_penalty": 0.0}
     assert (rows[0].response_text_chars, rows[0].response_text_elided) == (len(samples[0].response_text), False)
     # every ledger column is the sample's field of the same name, except the run's id and name, the
-    # reward's parts, which the sample holds in its typed `score`, and what the ledger kept of
-    # the texts (trainer.ledger_text)
+    # reward's parts and verdict, which the sample holds in its typed `score`, what the ledger kept
+    # of the texts (trainer.ledger_text), and the run's prompt encoder
     assert {f.name for f in fields(LedgerRecord) if not hasattr(samples[0], f.name)} == {
         "run_id", "run_name", "reward_components", "verifier", "verifier_version", "response_text_chars",
-        "response_text_elided", "prompt_text_chars", "prompt_text_elided"}
+        "response_text_elided", "prompt_text_chars", "prompt_text_elided", "extracted_answer", "answer_found",
+        "verifier_error", "encoder"}
 
 
 def test_ledger_rows_record_what_was_kept(tmp_path):

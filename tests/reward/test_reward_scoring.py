@@ -155,7 +155,7 @@ def math_verify_pool():
 
 def test_math_verify_accepts_equivalent_forms(math_verify_pool):
     verifier = build_verifier("math_verify")
-    assert verifier.name == "math_verify" and verifier.version.startswith("math-verify-")
+    assert verifier.name == "math_verify" and verifier.version.startswith("math_verify-")
     responses = ["so \\boxed{\\frac{1}{2}}", "Answer: 0.5", "the answer is $\\frac{2}{4}$", "\\boxed{3}", "Answer: 46"]
     truths = ["1/2", "\\frac{1}{2}", "0.5", "1/2", "46"]
     results, stats = score_responses(verifier, responses, truths, timeout_s=10.0, pool=math_verify_pool)

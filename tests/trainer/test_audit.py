@@ -190,7 +190,7 @@ def test_score_records_runs_both_verifiers():
     assert records[2].flags == ["copied_answer", "no_working"]
     assert records[3].flags == ["several_answer_lines"]
     assert records[0].components == {"correctness": 1.0, "overlong_penalty": 0.0}
-    assert records[1].other.name == "math_verify" and records[1].other.version.startswith("math-verify-")
+    assert records[1].other.name == "math_verify" and records[1].other.version.startswith("math_verify-")
 
 
 # ------------------------------------------------------------------ end to end

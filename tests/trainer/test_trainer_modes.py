@@ -118,6 +118,14 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
     # every row names the data it came from: one revision (not '')
     revisions = {r.dataset_revision for recs in by_step.values() for r in recs}
     assert len(revisions) == 1 and "" not in revisions, revisions
+    # ... and what the model was given (one encoder), and who graded it (a derived version)
+    encoders = {r.encoder for recs in by_step.values() for r in recs}
+    assert len(encoders) == 1 and next(iter(encoders)).startswith("template=raw;chat=off;tokenizer="), encoders
+    from dapo_mega.reward import build_verifier
+
+    assert {r.verifier_version for recs in by_step.values() for r in recs} == {build_verifier("dapo").version}
+    assert all(r.answer_found == (r.extracted_answer is not None) for recs in by_step.values() for r in recs)
+    assert all(r.verifier_error is None for recs in by_step.values() for r in recs if r.reject_reason == "kept")
     for step, recs in by_step.items():
         for r in recs:
             for name in LEDGER_FIELDS:
