@@ -6,7 +6,8 @@ Reads each file with the trainer's own reader (dapo_mega.data.read_problems: sch
 bad-row handling, dedup of repeated prompts), drops training prompts that also appear in
 the evaluation set, and writes `<out>/dapo_math_17k.parquet` and `<out>/aime_2024.parquet`
 in the same schema (one row per problem), each with `<name>.revision.json` beside it: the
-dataset revision the trainer stamps into the ledger, the source file's sha256 and the
+revision of its problems, the run revision (what a run on both files stamps into every ledger
+row: `run_dataset_revision`, as the trainer computes it), the source file's sha256 and the
 counts (rows, duplicates, skipped rows by reason). The revisions are printed at the end.
 The trainer's configs/data/dapo_math_17k.yaml reads `$DAPO_DATA_DIR` (default `data/`).
 """
@@ -23,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from dapo_mega.data import DataError, Problem, compute_dataset_revision, read_problems
+from dapo_mega.data import DataError, Problem, compute_dataset_revision, read_problems, run_dataset_revision
 
 AIME_2024_PROBLEMS = 30
 
@@ -90,8 +91,14 @@ def prepare(dapo_math: Path, aime: Optional[Path], out_dir: Path, on_bad_row: st
     record = write_dataset(train, dapo_math, train_report, out_dir / "dapo_math_17k.parquet", "MATH")
     record["eval_overlap"] = len(overlap)
     record["eval_overlap_dropped"] = 0 if keep_eval_overlap else len(overlap)
-    (out_dir / "dapo_math_17k.revision.json").write_text(json.dumps(record, indent=2) + "\n")
     records["dapo_math_17k"] = record
+    # what the trainer stamps into every ledger row when it reads both files (data.train_path
+    # and data.eval_path): one definition, `run_dataset_revision`
+    run_revision = run_dataset_revision(record["revision"], records["aime_2024"]["revision"] if aime is not None
+                                        else compute_dataset_revision([]))
+    for name, rec in records.items():
+        rec["run_revision"] = run_revision
+        (out_dir / f"{name}.revision.json").write_text(json.dumps(rec, indent=2) + "\n")
     return records
 
 
@@ -113,6 +120,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{name}: {record['num_problems']} problems from {record['source_rows']} rows "
               f"({record['duplicates_dropped']} duplicates, {record['skipped_rows']} skipped) "
               f"revision {record['revision']} -> {args.out / record['file']}")
+    print(f"run revision {next(iter(records.values()))['run_revision']} (what a run on these files stamps into "
+          "every ledger row and prints at start)")
     return 0
 
 

@@ -18,6 +18,7 @@ from dapo_mega.data.problem import (
     compute_dataset_revision,
     format_prompt,
     reference_response,
+    run_dataset_revision,
     verification_prefix,
 )
 from dapo_mega.data.readers import ReadReport, read_problems
@@ -44,6 +45,7 @@ __all__ = [
     "SYNTHETIC_SOURCE",
     "build_datasets",
     "compute_dataset_revision",
+    "run_dataset_revision",
     "evaluate_expression",
     "format_prompt",
     "generate_synthetic_problems",

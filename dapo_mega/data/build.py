@@ -12,7 +12,7 @@ import hashlib
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
-from dapo_mega.data.problem import Problem, compute_dataset_revision
+from dapo_mega.data.problem import Problem, compute_dataset_revision, run_dataset_revision
 from dapo_mega.data.readers import read_problems
 from dapo_mega.data.synthetic import generate_synthetic_problems
 
@@ -46,7 +46,7 @@ def build_datasets(data_cfg: Any, report: Optional[Dict[str, Any]] = None) -> Tu
         info["source"] = "files"
     info["train_revision"] = compute_dataset_revision(train)
     info["eval_revision"] = compute_dataset_revision(held_out)
-    revision = hashlib.sha256(f"{info['train_revision']}:{info['eval_revision']}".encode()).hexdigest()[:12]
+    revision = run_dataset_revision(info["train_revision"], info["eval_revision"])
     info["revision"] = revision
     info["num_train"], info["num_eval"] = len(train), len(held_out)
     logger.info("data: %d train / %d held-out problems, revision %s", len(train), len(held_out), revision)

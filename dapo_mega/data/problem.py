@@ -85,3 +85,9 @@ def compute_dataset_revision(problems: Sequence[Problem]) -> str:
         digest.update(line.encode("utf-8", errors="surrogatepass"))
         digest.update(b"\n")
     return digest.hexdigest()[:12]
+
+
+def run_dataset_revision(train_revision: str, eval_revision: str) -> str:
+    """The revision a run stamps into every ledger row: its training and held-out splits'
+    revisions together (`build_datasets`; `tools/prepare_data.py` prints the same one)."""
+    return hashlib.sha256(f"{train_revision}:{eval_revision}".encode()).hexdigest()[:12]

@@ -59,6 +59,14 @@ def test_prepare_dedups_drops_eval_overlap_and_records_revision(tmp_path):
     # the prepared file reads back to the same problems (and revision) as the source
     source_problems, _ = read_problems(tmp_path / "aime.parquet", dedup=True)
     assert aime_record["revision"] == compute_dataset_revision(source_problems)
+    # the run revision it prints is the one a run on these files stamps (the trainer's own build)
+    from dapo_mega.config import DataConfig
+    from dapo_mega.data import build_datasets
+
+    _, _, run_revision = build_datasets(DataConfig(train_path=str(out / "dapo_math_17k.parquet"),
+                                                   eval_path=str(out / "aime_2024.parquet")))
+    assert record["run_revision"] == aime_record["run_revision"] == run_revision
+    assert f"run revision {run_revision}" in result.stdout
 
 
 def test_prepare_reports_a_bad_row_and_exits_nonzero(tmp_path):
