@@ -387,8 +387,10 @@ def _bench_dp2(quick: bool, repeats: int, useful_tokens: int) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the result
-def run(quick: bool, dp2: bool = True) -> Dict[str, Any]:
-    """Run the benchmark; returns (and writes to bench/results/learner.json) the result dict."""
+def run(quick: bool, dp2: bool = True, reps: int = 0) -> Dict[str, Any]:
+    """Run the benchmark; returns (and writes to bench/results/learner.json) the result dict.
+
+    reps: rounds per side (default 3 quick, 5 full)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -396,6 +398,7 @@ def run(quick: bool, dp2: bool = True) -> Dict[str, Any]:
 
     gpu = torch.cuda.is_available()
     work = build_workload(quick, gpu)
+    work.repeats = reps or work.repeats
     cfg = work.cfg
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     lengths = [s.length for s in work.samples]
