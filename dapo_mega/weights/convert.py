@@ -25,7 +25,9 @@ case they run on the calling ranks.
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -126,8 +128,13 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _build(hf_cfg: Dict[str, Any], tp: int, pp: int, world_size: int):
-    """Initialise the layout on this rank and build the model chunks (fp32 on CPU)."""
+def _build(hf_cfg: Dict[str, Any], tp: int, pp: int, world_size: int, dtype: torch.dtype):
+    """Initialise the layout on this rank and build the model chunks in `dtype`, uninitialised.
+
+    `dtype` is the checkpoint's (bf16 for a bf16 checkpoint, on the CPU too): the model is
+    held once, in the bytes it is stored in. Every tensor is loaded next, so nothing is
+    drawn (`initialize=False`) and the pages stay untouched until the load writes them.
+    """
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.model import build_model
     from dapo_mega.config import MegatronConfig
@@ -135,7 +142,7 @@ def _build(hf_cfg: Dict[str, Any], tp: int, pp: int, world_size: int):
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           params_dtype="float32" if not torch.cuda.is_available() else "auto")
     layout = ParallelLayout.from_config(mcfg, world_size, hf_cfg).initialize()
-    chunks, info = build_model(hf_cfg, mcfg, layout, initialize=False)  # every tensor is loaded next
+    chunks, info = build_model(hf_cfg, mcfg, layout, initialize=False, params_dtype=dtype)
     for chunk in chunks:
         chunk.eval()
     return layout, chunks, info
@@ -203,15 +210,13 @@ def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, 
     from dapo_mega.weights.stream import load_hf_into_megatron
 
     hf_cfg = read_hf_config_dict(hf_path)
-    layout, chunks, info = _build(hf_cfg, tp, pp, world_size)
+    dtype = _target_dtype(dtype_name, hf_cfg)
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, dtype)
     reader = HFCheckpointReader(hf_path)
     used = load_hf_into_megatron(chunks, info, layout, reader)
-    dtype = _target_dtype(dtype_name, hf_cfg)
-    for chunk in chunks:
-        chunk.to(dtype)
     all_used = [None] * world_size
     torch.distributed.all_gather_object(all_used, sorted(used))
-    save_dist_checkpoint(model_sharded_state_dict(chunks), Path(out) / CONVERTED_MODEL_SUBDIR)
+    save_dist_checkpoint(_consume_into_save_state(chunks), Path(out) / CONVERTED_MODEL_SUBDIR)
     if rank != 0:
         return None
     used_all = set().union(*map(set, all_used))
@@ -228,21 +233,38 @@ def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, 
                              tp=tp, pp=pp, dtype=_dtype_str(dtype), notes=notes)
 
 
-def _bytes_of(reader: HFCheckpointReader, names, dtype: torch.dtype) -> int:
-    from safetensors import safe_open
+def _consume_into_save_state(chunks) -> Dict[str, Any]:
+    """The chunks' sharded state dict, with no tensor a view; the chunks are left empty.
 
-    total, item = 0, torch.empty((), dtype=dtype).element_size()
-    by_file: Dict[str, List[str]] = {}
-    for n in names:
-        by_file.setdefault(reader.weight_map[n], []).append(n)
-    for file_name, tensor_names in by_file.items():
-        with safe_open(str(reader.hf_dir / file_name), framework="pt") as f:
-            for n in tensor_names:
-                numel = 1
-                for s in f.get_slice(n).get_shape():
-                    numel *= s
-                total += numel * item
-    return total
+    megatron's torch_dist writer clones every CPU tensor that is a view of a larger storage
+    (SwiGLU's fc1 is saved as its gate and up halves, views of one parameter), all before it
+    writes anything: ~half a model more at once. Here each such parameter is replaced by
+    copies of its views one parameter at a time and then freed, so the save adds one
+    parameter, not the views of all of them. The model is unusable afterwards.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = model_sharded_state_dict(chunks)
+    apply_factories(state)
+    params = {p.untyped_storage().data_ptr(): p for c in chunks for p in c.parameters()}
+    views: Dict[int, List[Any]] = {}
+    for sh in nested_values(state):
+        if isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.Tensor) and sh.data.device.type == "cpu":
+            storage = sh.data.untyped_storage()
+            if storage.nbytes() != sh.data.numel() * sh.data.element_size():
+                views.setdefault(storage.data_ptr(), []).append(sh)
+    for ptr, shards in views.items():
+        for sh in shards:
+            sh.data = sh.data.clone()
+        if ptr in params:
+            params[ptr].data = torch.empty(0, dtype=params[ptr].dtype)
+    return state
+
+
+def _bytes_of(reader: HFCheckpointReader, names, dtype: torch.dtype) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(reader.shape(n)) * item for n in names)
 
 
 # --------------------------------------------------------------------------- export
@@ -263,11 +285,12 @@ def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
                                    "--hf-config-from DIR (the HF directory the run started from)")
     M.check_architecture(hf_cfg)
     side_dir = Path(hf_config_from) if hf_config_from else src["side_dir"]
-    saved_dtype = src["meta"].get("dtype") or (src["meta"].get("model_info") or {}).get("params_dtype")
+    stored = _stored_dtype(src["meta"])
     out = Path(hf_path)
     out.mkdir(parents=True, exist_ok=True)
     results = run_on_ranks(_export_worker, tp * pp, (str(src["ckpt_dir"]), str(out), hf_cfg, tp, pp,
-                                                      max_shard_bytes, dtype or saved_dtype, progress))
+                                                      max_shard_bytes, dtype or (stored and _dtype_str(stored)),
+                                                      stored, progress))
     summary: ConversionSummary = results[0]
     copied = copy_hf_side_files(side_dir, out, include_config=False) if side_dir else []
     _write_hf_config(out, hf_cfg, summary.dtype)
@@ -293,11 +316,12 @@ def _write_generation_config(out: Path, hf_cfg: Dict[str, Any]) -> None:
 
 
 def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: Dict[str, Any], tp: int, pp: int,
-                   max_shard_bytes: int, dtype_name: Optional[str], progress: bool) -> Optional[ConversionSummary]:
-
-    layout, chunks, info = _build(hf_cfg, tp, pp, world_size)
-    load_model_from_dist_checkpoint(chunks, ckpt_dir)
+                   max_shard_bytes: int, dtype_name: Optional[str], stored_dtype: Optional[torch.dtype],
+                   progress: bool) -> Optional[ConversionSummary]:
+    """Build in the dtype the checkpoint stores (so the load casts nothing), write `dtype_name`."""
     dtype = dtype_from_name(dtype_name) or torch.float32
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, stored_dtype or dtype)
+    load_model_from_dist_checkpoint(chunks, ckpt_dir)
     summary = export_learner_to_hf(chunks, info, layout, out, max_shard_bytes=max_shard_bytes, dtype=dtype,
                                    progress=progress)
     if rank != 0:
@@ -362,18 +386,34 @@ def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
 # --------------------------------------------------------------------------- verify
 
 
-def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, tolerance: float = 1e-3,
+DEFAULT_VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+"""Relative logit tolerance of `verify` by the dtype it runs in (bf16 keeps 8 bits of mantissa:
+two correct implementations differ by ~1% of the largest logit after a few layers)."""
+
+
+def _stored_dtype(meta: Dict[str, Any]) -> Optional[torch.dtype]:
+    """The dtype a converted or training checkpoint's model tensors are stored in, if recorded."""
+    return dtype_from_name(meta.get("dtype") or (meta.get("model_info") or {}).get("params_dtype"))
+
+
+def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, tolerance: Optional[float] = None,
                       num_tokens: int = 32, batch_size: int = 2, seed: int = 0,
-                      text: Optional[str] = None) -> ConversionSummary:
+                      text: Optional[str] = None, dtype: Optional[str] = None) -> ConversionSummary:
     """Logits of the HF model and the Megatron checkpoint on the same tokens.
 
-    Both run in float32. Pass when max |Δlogit| ≤ tolerance · max(1, max |HF logit|).
-    Tokens: `text` through the HF tokenizer, else `batch_size × num_tokens` ids drawn from
-    `seed`. Pipeline parallelism is not used here (the forward runs on one stage).
+    Both run in `dtype` (default: the dtype the Megatron checkpoint stores, so each model
+    is held in its checkpoint's bytes), one after the other: the Megatron model is freed
+    before the HF one is loaded, so a process holds one model at a time. Pass when
+    max |Δlogit| ≤ tolerance · max(1, max |HF logit|), tolerance by default from
+    DEFAULT_VERIFY_TOLERANCE. Tokens: `text` through the HF tokenizer, else
+    `batch_size × num_tokens` ids drawn from `seed`. Pipeline parallelism is not used here
+    (the forward runs on one stage).
     """
     start = time.time()
     hf_cfg = read_hf_config_dict(hf_path)
     src = resolve_megatron_source(megatron_path)
+    run_dtype = dtype_from_name(dtype) or _stored_dtype(src["meta"]) or torch.float32
+    tolerance = DEFAULT_VERIFY_TOLERANCE[run_dtype] if tolerance is None else tolerance
     if text is not None:
         from transformers import AutoTokenizer
 
@@ -381,7 +421,8 @@ def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 
     else:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, hf_cfg["vocab_size"], (batch_size, num_tokens), generator=g)
-    results = run_on_ranks(_verify_worker, tp, (str(hf_path), str(src["ckpt_dir"]), hf_cfg, tp, ids, tolerance))
+    results = run_on_ranks(_verify_worker, tp, (str(hf_path), str(src["ckpt_dir"]), hf_cfg, tp, ids, tolerance,
+                                                run_dtype))
     summary: ConversionSummary = results[0]
     summary.source, summary.destination = str(hf_path), str(megatron_path)
     summary.seconds = time.time() - start
@@ -401,24 +442,40 @@ def megatron_logits(chunks, info, input_ids: torch.Tensor) -> torch.Tensor:
     return logits[..., : info.shape.vocab_size].float()
 
 
-def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: Dict[str, Any], tp: int,
-                   input_ids: torch.Tensor, tolerance: float) -> Optional[ConversionSummary]:
+def _release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim).
 
-    layout, chunks, info = _build(hf_cfg, tp, 1, world_size)
+    Tensors under glibc's mmap threshold (which grows to 32 MiB as large tensors are freed)
+    live on the heap, whose freed pages stay resident until trimmed; without the trim the
+    freed Megatron model's smaller tensors would still count while the HF model is read.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: Dict[str, Any], tp: int,
+                   input_ids: torch.Tensor, tolerance: float, dtype: torch.dtype) -> Optional[ConversionSummary]:
+    layout, chunks, info = _build(hf_cfg, tp, 1, world_size, dtype)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)
-    for chunk in chunks:
-        chunk.float()
     meg = megatron_logits(chunks, info, input_ids)
+    del chunks  # one model at a time: the HF one is loaded once this one is gone
+    _release_freed_memory()
     if rank != 0:
         return None
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).eval()
     with torch.no_grad():
         ref = hf_model(input_ids).logits.float()
+    del hf_model
     diff = (meg - ref).abs()
     bound = tolerance * max(1.0, ref.abs().max().item())
     return ConversionSummary(action="verify", source=hf_path, destination=ckpt_dir, num_tensors=0, tp=tp, pp=1,
-                             dtype="float32", max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(),
+                             dtype=_dtype_str(dtype), max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(),
                              tolerance=bound, passed=bool(diff.max().item() <= bound),
                              notes=[f"tokens: {tuple(input_ids.shape)}"])

@@ -3,11 +3,11 @@
 `HFCheckpointReader` opens a single `model.safetensors` or a sharded checkpoint with
 `model.safetensors.index.json`, checks up front that every shard file the index lists
 exists (a missing shard is named, with the tensors it would hold), and returns tensors
-lazily with `safe_open`: only the tensor asked for is read.
+lazily: only the tensor asked for is read, with plain reads (no memory map).
 
 `ShardedSafetensorsWriter` accepts `(name, tensor)` pairs as they stream out of
-`iter_megatron_to_hf`, flushes a shard file whenever `max_shard_bytes` would be exceeded
-and writes `model.safetensors.index.json` in the layout `save_pretrained` produces
+`iter_megatron_to_hf`, writes each to disk as it comes, closes a shard file whenever
+`max_shard_bytes` would be exceeded and writes `model.safetensors.index.json` in the layout `save_pretrained` produces
 (`model-00001-of-00003.safetensors`, `{"metadata": {"total_size": ...}, "weight_map": ...}`).
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -28,11 +30,46 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 """transformers' default max_shard_size for save_pretrained (5 GB)."""
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors_header(path: Path | str) -> Tuple[int, Dict[str, dict]]:
+    """(offset of the data section, {tensor: {"dtype", "shape", "data_offsets"}}) of one file.
+
+    The format: 8 bytes little-endian header length N, N bytes of JSON, then the data;
+    `data_offsets` are relative to the data section.
+    """
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def _read_into(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill `out` (contiguous) with the bytes at `offset` of `path`, by plain reads."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise WeightMappingError(f"{path}: file ends inside a tensor (truncated shard?)")
+            done += n
+
+
 class HFCheckpointReader:
     """Lazy tensor access to an HF safetensors checkpoint directory.
 
     reader(name) -> torch.Tensor (KeyError subclass MissingHFTensorError when absent),
-    `name in reader`, reader.keys(). Shard files are opened on first use and kept open.
+    `name in reader`, reader.keys(), reader.shape(name). Each call reads that one tensor
+    with plain file reads into a fresh tensor: nothing is memory-mapped, so the file's
+    pages stay in the page cache and never count in this process's resident memory
+    (safetensors' `safe_open` maps the whole shard; a conversion that read every tensor
+    through it carried the checkpoint's bytes once more in its RSS).
     """
 
     def __init__(self, hf_dir: Path | str):
@@ -50,14 +87,11 @@ class HFCheckpointReader:
                 raise WeightMappingError(f"{index_path}: shard file(s) listed in the index are missing: {listed}")
             self.weight_map = weight_map
         elif (self.hf_dir / SINGLE_NAME).exists():
-            from safetensors import safe_open
-
-            with safe_open(str(self.hf_dir / SINGLE_NAME), framework="pt") as f:
-                self.weight_map = {k: SINGLE_NAME for k in f.keys()}
+            self.weight_map = {k: SINGLE_NAME for k in read_safetensors_header(self.hf_dir / SINGLE_NAME)[1]}
         else:
             raise WeightMappingError(f"{self.hf_dir}: no {INDEX_NAME} or {SINGLE_NAME} (only safetensors "
                                      "checkpoints are supported; re-save with safe_serialization=True)")
-        self._handles: Dict[str, object] = {}
+        self._headers: Dict[str, Tuple[int, Dict[str, dict]]] = {}
 
     def keys(self) -> List[str]:
         return list(self.weight_map)
@@ -65,24 +99,47 @@ class HFCheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _entry(self, name: str) -> Tuple[Path, int, dict]:
         file_name = self.weight_map.get(name)
         if file_name is None:
             raise MissingHFTensorError(f"tensor {name} is missing from the Hugging Face checkpoint {self.hf_dir}")
-        handle = self._handles.get(file_name)
-        if handle is None:
-            from safetensors import safe_open
+        if file_name not in self._headers:
+            self._headers[file_name] = read_safetensors_header(self.hf_dir / file_name)
+        data_start, header = self._headers[file_name]
+        if name not in header:
+            raise MissingHFTensorError(f"tensor {name}: the index names {file_name}, which does not hold it")
+        return self.hf_dir / file_name, data_start, header[name]
 
-            handle = safe_open(str(self.hf_dir / file_name), framework="pt")
-            self._handles[file_name] = handle
-        return handle.get_tensor(name)
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._entry(name)[2]["shape"])
+
+    def __call__(self, name: str) -> torch.Tensor:
+        path, data_start, entry = self._entry(name)
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise WeightMappingError(f"tensor {name} in {path}: unsupported safetensors dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        out = torch.empty(entry["shape"], dtype=dtype)
+        if out.numel() * out.element_size() != end - begin:
+            raise WeightMappingError(f"tensor {name} in {path}: {end - begin} bytes for shape {entry['shape']}")
+        _read_into(path, data_start + begin, out)
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
+        self._headers.clear()
+
+
+_SAFETENSORS_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
+_COPY_CHUNK = 16 * 2**20
 
 
 class ShardedSafetensorsWriter:
     """Write streamed tensors into size-bounded safetensors shards plus an index.
+
+    Each tensor's bytes go to disk as it arrives (into the open shard's data file), so the
+    writer holds no tensor: memory stays at one tensor whatever the shard size. A shard is
+    closed by writing its header and then the data file behind it (a safetensors file is
+    header first, and the header is only known once the shard is complete).
 
     `prefix` lets several writers (one per pipeline stage) share a directory; `finalize`
     returns the {tensor: temporary file} map, and `write_index` renames all temporary
@@ -94,34 +151,51 @@ class ShardedSafetensorsWriter:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
         self.prefix = prefix
-        self._pending: Dict[str, torch.Tensor] = {}
+        self._entries: Dict[str, dict] = {}
+        self._data = None
         self._pending_bytes = 0
         self._files: List[str] = []
         self.weight_map: Dict[str, str] = {}
         self.total_bytes = 0
 
+    def _shard_name(self) -> str:
+        return f"{self.prefix}-{len(self._files):05d}.safetensors.tmp"
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.weight_map or name in self._pending:
+        if name in self.weight_map or name in self._entries:
             raise WeightMappingError(f"tensor {name} written twice")
+        code = _SAFETENSORS_CODES.get(tensor.dtype)
+        if code is None:
+            raise WeightMappingError(f"tensor {name}: dtype {tensor.dtype} cannot be stored in safetensors here")
         nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+        if self._entries and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        # clone: the tensor may be a view into a gathered buffer that is reused.
-        self._pending[name] = tensor.detach().to("cpu").contiguous().clone()
+        if self._data is None:
+            self._data = open(self.out_dir / (self._shard_name() + ".data"), "wb")
+        host = tensor.detach().to("cpu").contiguous()
+        self._data.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+        self._entries[name] = {"dtype": code, "shape": list(host.shape),
+                               "data_offsets": [self._pending_bytes, self._pending_bytes + nbytes]}
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self._pending:
+        if not self._entries:
             return
-        file_name = f"{self.prefix}-{len(self._files):05d}.safetensors.tmp"
-        save_file(self._pending, str(self.out_dir / file_name), metadata={"format": "pt"})
+        file_name = self._shard_name()
+        data_path = Path(self._data.name)
+        self._data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # safetensors pads its header to 8 bytes, so tensors stay aligned
+        with open(self.out_dir / file_name, "wb") as out, open(data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(header)))
+            out.write(header)
+            shutil.copyfileobj(data, out, _COPY_CHUNK)
+        data_path.unlink()
         self._files.append(file_name)
-        for name in self._pending:
+        for name in self._entries:
             self.weight_map[name] = file_name
-        self._pending, self._pending_bytes = {}, 0
+        self._entries, self._data, self._pending_bytes = {}, None, 0
 
     def finalize(self) -> Tuple[Dict[str, str], List[str], int]:
         """Flush; returns (tensor → temporary file, temporary files in order, total bytes)."""

@@ -68,7 +68,7 @@ class ModelInfo:
     """"local" or "transformer_engine" (TE fuses the pre-norms into linear_qkv / linear_fc1:
     `...linear_qkv.layer_norm_weight` instead of `...input_layernorm.weight`)."""
     params_dtype: str
-    """"float32" or "bfloat16"."""
+    """"float32" or "bfloat16" ("float16" only in a conversion's `params_dtype` build)."""
     fp8: Optional[str]
     """None, "e4m3" or "hybrid"."""
 
@@ -231,8 +231,8 @@ def _layer_spec(spec: str):
 
 
 def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
-                device: Optional[torch.device] = None, initialize: bool = True
-                ) -> Tuple[List[torch.nn.Module], ModelInfo]:
+                device: Optional[torch.device] = None, initialize: bool = True,
+                params_dtype: Optional[torch.dtype] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage) and the ModelInfo.
 
     `initialize=False` when weights are loaded next (conversion, every training start): the
@@ -240,6 +240,10 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
     (on a CPU it draws each TP-split weight whole, then shards it) nor `initialize_weights`
     (one full tensor per parameter): at 32B those were two random copies of the model per
     rank, minutes of drawing and most of a conversion's host memory.
+
+    `params_dtype` overrides `mcfg.params_dtype` for builds that only hold weights and never
+    train (conversion): any of fp32 / bf16 / fp16, on the CPU too, so a bf16 checkpoint is
+    held in bf16 (half the bytes of the fp32 the CPU learner needs).
 
     `layout.initialize()` must have run. The chunks are bare GPTModels (no DDP wrapper), so
     their parameter names are the megatron-core ones (`embedding.word_embeddings.weight`,
@@ -256,6 +260,9 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
     has_gpu = torch.cuda.is_available()
     plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_available())
     kwargs = dict(plan.config_kwargs)
+    if params_dtype is not None:
+        kwargs.update(params_dtype=_dtype_str(params_dtype), pipeline_dtype=_dtype_str(params_dtype),
+                      bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16)
     kwargs["params_dtype"] = getattr(torch, kwargs["params_dtype"])
     kwargs["pipeline_dtype"] = getattr(torch, kwargs["pipeline_dtype"])
     kwargs["perform_initialization"] = initialize
@@ -286,8 +293,12 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
     if initialize:
         initialize_weights(chunks, arch, layout.tp, padded_vocab, seed=mcfg.seed)
     info = ModelInfo(shape=arch.with_padded_vocab(padded_vocab), layer_spec=plan.layer_spec,
-                     params_dtype=plan.params_dtype, fp8=kwargs.get("fp8"))
+                     params_dtype=_dtype_str(kwargs["params_dtype"]), fp8=kwargs.get("fp8"))
     return chunks, info
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
