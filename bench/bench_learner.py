@@ -3,9 +3,9 @@
     python bench/bench_learner.py [--quick] [--no-dp2]      -> bench/results/learner.json
 
 Both sides train the same Qwen2-shaped model on the same batch of samples with a
-long-tailed length distribution (log-normal responses, median 1/8 of the longest, one at
-the cap, as DAPO's responses are): forward + backward + clip + AdamW step of one
-mini-batch, the DAPO token-level loss with the global token count. The old-log-prob pass is
+long-tailed length distribution (groups of G responses to one prompt with correlated
+log-normal lengths, median 1/8 of the longest, one at the cap, as DAPO's responses are):
+forward + backward + clip + AdamW step of one mini-batch, the DAPO token-level loss with the global token count. The old-log-prob pass is
 done once before timing, on both sides.
 
 * ours: `MegatronLearner._update` (megatron-core GPTModel, get_forward_backward_func,
@@ -71,18 +71,24 @@ def _model_shape(quick: bool, gpu: bool) -> Dict[str, int]:
                 tiny_intermediate_size=768, tiny_max_position_embeddings=1024)
 
 
-def _samples(num: int, max_len: int, vocab: int, seed: int = 0):
-    """Prompts of max_len/16..max_len/8 tokens; responses log-normal (median max_len/8, σ 1),
-    capped so that prompt + response <= max_len; the first sample is at the cap."""
+def _samples(num: int, max_len: int, vocab: int, group: int, seed: int = 0):
+    """`num` samples in groups of `group` responses to one prompt, as a rollout hands them
+    over: prompts of max_len/16..max_len/8 tokens; each group's length scale log-normal
+    (median max_len/8, σ 1), its responses log-normal around it (σ 0.5), capped so that
+    prompt + response <= max_len; the first sample is at the cap. Lengths correlate within
+    a group (a hard prompt's responses are all long), which is what leaves contiguous DP
+    blocks unbalanced."""
     from dapo_mega.backends.megatron.batch import TrainSample
 
     rng = random.Random(seed)
     out = []
     for i in range(num):
-        prompt_len = rng.randint(max(1, max_len // 16), max(1, max_len // 8))
-        cap = max_len - prompt_len
-        response_len = cap if i == 0 else max(1, min(cap, int(rng.lognormvariate(math.log(max_len / 8), 1.0))))
-        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        if i % group == 0:
+            prompt_len = rng.randint(max(1, max_len // 16), max(1, max_len // 8))
+            prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+            scale = rng.lognormvariate(math.log(max_len / 8), 1.0)
+        cap = max_len - len(prompt)
+        response_len = cap if i == 0 else max(1, min(cap, int(rng.lognormvariate(math.log(scale), 0.5))))
         response = [rng.randrange(3, vocab) for _ in range(response_len)]
         out.append(TrainSample(prompt_ids=prompt, response_ids=response, advantage=1.0 if i % 2 else -1.0))
     return out
@@ -105,8 +111,9 @@ class Workload:
 
 
 def build_workload(quick: bool, gpu: bool) -> Workload:
-    """quick: 8 samples of <= 64 tokens, hidden 64 (fixed per-op costs dominate); full on a
-    CPU: 32 samples of <= 512 tokens (~5k tokens), hidden 256, 4 layers; GPU: 32 of <= 2048."""
+    """quick: 2 groups of 4 samples of <= 64 tokens, hidden 64 (fixed per-op costs dominate);
+    full on a CPU: 4 groups of 8 samples of <= 512 tokens (~5k tokens), hidden 256, 4 layers;
+    GPU: 4 groups of 8 of <= 2048."""
     from dapo_mega.config import DapoConfig, ModelConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
@@ -115,10 +122,10 @@ def build_workload(quick: bool, gpu: bool) -> Workload:
     cfg.model = ModelConfig(**shape)
     hf_config = tiny_hf_config(cfg.model, vocab_size=32000 if gpu else None)
     max_len = 2048 if gpu else (64 if quick else 512)
-    num = 8 if quick and not gpu else 32
+    num, group = (8, 4) if quick and not gpu else (32, 8)
     cfg.megatron.micro_batch_tokens = max_len * (4 if gpu else 2)
     cfg.algo.lr, cfg.algo.lr_warmup_steps = 1e-5, 0
-    return Workload(cfg=cfg, hf_config=hf_config, shape=shape, samples=_samples(num, max_len, hf_config.vocab_size),
+    return Workload(cfg=cfg, hf_config=hf_config, shape=shape, samples=_samples(num, max_len, hf_config.vocab_size, group),
                     max_len=max_len, repeats=3 if quick else 5)
 
 

@@ -194,12 +194,13 @@ def render_markdown(results: Dict[str, Any]) -> str:
              "median and the range.", "",
              "| benchmark | metric | ours | baseline | baseline figure | ratio | repeats |",
              "|---|---|---|---|---|---|---|"]
-    details = []
+    details, last = [], None
     for name, result in results["benchmarks"].items():
         for row in figure_rows(name, result):
             lines.append(table_row(row))
-            if row.get("baseline_detail"):
+            if row.get("baseline_detail") and row["baseline_detail"] != last:
                 details.append(f"- {row['name']}: baseline = {row['baseline_detail']}")
+                last = row["baseline_detail"]
             for note in row.get("notes", []):
                 details.append(f"  - {note}")
     return "\n".join(lines + ([""] + details if details else [])) + "\n"
