@@ -491,7 +491,12 @@ class ClusterConfig:
     mode: str = "colocated"
     """colocated (learners and engines share devices) or disaggregated."""
     max_staleness: int = 0
-    """Disaggregated only: versions generation may run ahead (0 = synchronous)."""
+    """Disaggregated only: versions generation may run ahead of the learner (the queue; 0 =
+    synchronous)."""
+    max_sample_age: Optional[int] = None
+    """The oldest sample kept, in versions behind the learner that trains on it (null: equal
+    to max_staleness). Groups older are dropped as `stale` and refilled by fresh ones, so that
+    with the queue fixed (max_staleness) the age alone can vary (configs/ablation/max_age.yaml)."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     num_learner_processes: int = 1
@@ -512,12 +517,20 @@ class ClusterConfig:
     """Learner ranks waiting for the driver (rollout, evaluation) stop when the driver's
     progress counter (finished requests, phases) has not moved for this long."""
 
+    @property
+    def age_limit(self) -> int:
+        """The oldest sample kept (max_sample_age, or max_staleness when it is null)."""
+        return self.max_staleness if self.max_sample_age is None else self.max_sample_age
+
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
         c, err = self, _field_error
         _check_choice("cluster.mode", c.mode, ClusterMode)
         if c.max_staleness < 0:
             raise err("cluster.max_staleness", "must be >= 0", "use 0 (synchronous) or 1 (one-step off-policy)")
+        if c.max_sample_age is not None and c.max_sample_age < 0:
+            raise err("cluster.max_sample_age", f"must be >= 0 or null, got {c.max_sample_age}",
+                      "use null (= cluster.max_staleness)")
         if c.mode == "colocated" and c.max_staleness > 0:
             raise err("cluster.max_staleness", f"is {c.max_staleness} in colocated mode, where engines and learners "
                       "take turns on the same devices", "set cluster.mode=disaggregated or max_staleness=0")

@@ -134,7 +134,8 @@ class DriverRole(LearnerRankRole):
         c = self.cfg.cluster
         if c.mode == "disaggregated" and c.max_staleness > 0:
             self.producer = AsyncRollouts(self.rollouts, first_step, self.cfg.trainer.total_steps, c.max_staleness,
-                                          engine_version=self.run.state.policy_version)
+                                          engine_version=self.run.state.policy_version,
+                                          max_sample_age=c.max_sample_age)
 
     def next_rollout_batch(self, step: int, learner_version: int) -> RolloutBatch:
         if self.producer is None:

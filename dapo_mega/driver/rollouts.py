@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.manager import RolloutManager
@@ -45,6 +45,8 @@ class RolloutBatch:
     """The prompt iterator's state right after this batch's prompts were drawn."""
     rollout_carry: Optional[Dict[str, Any]] = None
     """The manager's state right after this batch (carry-over, pending prompts, keep rate)."""
+    seconds: float = 0.0
+    """Wall time of its generation and scoring (refills included)."""
 
 
 class RolloutSource:
@@ -60,8 +62,9 @@ class RolloutSource:
         self.prompts_too_long = 0
         """Prompts skipped so far because they exceed algo.max_prompt_length."""
 
-    def collect(self, step: int, learner_version: int) -> RolloutBatch:
-        """Generate, score and filter the groups of `step` for a learner at `learner_version`."""
+    def collect(self, step: int, learner_version: int, num_groups: Optional[int] = None) -> RolloutBatch:
+        """Generate, score and filter the groups of `step` for a learner at `learner_version`
+        (algo.train_batch_size of them, or `num_groups` to refill a batch)."""
         a = self.cfg.algo
         t = time.perf_counter()
         stats: List[VerifyStats] = []  # this step's scoring rounds
@@ -70,16 +73,20 @@ class RolloutSource:
         # there the manager streams (rounds sized from its keep rate, requests in flight aborted
         # once the batch is full) so that little surplus is generated in the first place.
         groups, samples = self.manager.collect_step(
-            step, learner_version, self._next_prompts, lambda gs: self._score(gs, stats), a.train_batch_size,
+            step, learner_version, self._next_prompts, lambda gs: self._score(gs, stats), num_groups or a.train_batch_size,
             a.gen_batch_size, dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
-            max_staleness=self.cfg.cluster.max_staleness)
-        metrics = compute_rollout_metrics(samples, time.perf_counter() - t)
+            max_staleness=self.cfg.cluster.age_limit)
+        seconds = time.perf_counter() - t
+        metrics = compute_rollout_metrics(samples, seconds)
+        # ages as stamped here (a learner at learner_version); AsyncRollouts.take restamps them
+        metrics.update(compute_age_metrics(samples, len({s.prompt_id for s in samples if s.reject_reason == "stale"})))
         metrics.update(self.manager.metrics)
         metrics["data/prompts_too_long"] = float(self.prompts_too_long)
         if stats:
             metrics.update(_sum_verify_stats(stats).as_metrics())
         return RolloutBatch(step=step, groups=groups, samples=samples, metrics=metrics,
-                            data_cursor=self.prompts.state_dict(), rollout_carry=self.manager.state_dict())
+                            data_cursor=self.prompts.state_dict(), rollout_carry=self.manager.state_dict(),
+                            seconds=seconds)
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint needs when no batch has been drawn yet."""
@@ -130,16 +137,30 @@ class RolloutSource:
 class AsyncRollouts:
     """A RolloutSource on its own thread, generating ahead of training.
 
-    Batch b is started only once the engines serve a version of at least b - 1 - k, so that
-    when it is consumed (at version b - 1) no token is more than k versions old — except
-    tokens of groups carried over by dynamic sampling, which `take` drops as stale.
+    Batch b is started only once the engines serve a version of at least b - 1 - k
+    (k = cluster.max_staleness, the queue), so that when it is consumed (at version b - 1)
+    no token is more than k versions old. `take` drops groups older than the age limit a
+    (cluster.max_sample_age, default k; groups carried over by dynamic sampling can be older
+    than k) as stale and refills the batch with groups generated for it at the engines'
+    current version (`_refill`: the thread serves the request before its next batch). A batch
+    that was refilled checkpoints the data cursor and carry-over after the refill, so a resume
+    skips the prompts drawn ahead for the next batch rather than training twice on the
+    refill's.
     """
 
+    MAX_REFILLS = 10
+    """Refill rounds of one batch before giving up (every refill is at the current version,
+    so one suffices unless dynamic sampling carried old groups in again)."""
+
     def __init__(self, source: RolloutSource, first_step: int, last_step: int, max_staleness: int,
-                 engine_version: int):
+                 engine_version: int, max_sample_age: Optional[int] = None):
         self.source = source
         self.k = max_staleness
+        self.age_limit = max_staleness if max_sample_age is None else max_sample_age
         self.ready: "queue.Queue[Optional[RolloutBatch]]" = queue.Queue()
+        self._refills: "queue.Queue[RolloutBatch]" = queue.Queue()
+        self._refill_wanted: Optional[Tuple[int, int, int]] = None
+        """(step, learner version, groups) the main thread waits for; served first."""
         self._version = engine_version
         self._version_changed = threading.Condition()
         self._stop = False
@@ -155,41 +176,81 @@ class AsyncRollouts:
 
     def _run(self, first_step: int, last_step: int) -> None:
         try:
-            for step in range(first_step, last_step + 1):
+            step = first_step
+            while True:
                 with self._version_changed:
-                    self._version_changed.wait_for(lambda: self._stop or self._version >= step - 1 - self.k)
+                    self._version_changed.wait_for(lambda: self._stop or self._refill_wanted is not None
+                                                   or (step <= last_step and self._version >= step - 1 - self.k))
                     if self._stop:
                         return
+                    wanted, self._refill_wanted = self._refill_wanted, None
                     version = self._version
+                if wanted is not None:
+                    refill_step, learner_version, groups = wanted
+                    self._refills.put(self.source.collect(refill_step, min(version, learner_version), groups))
+                    continue
                 self.ready.put(self.source.collect(step, version))
+                step += 1
         except BaseException as exc:  # handed to the main thread by take()
             self._error = exc
             self.ready.put(None)
+            self._refills.put(None)
 
-    def take(self, step: int, learner_version: int) -> RolloutBatch:
-        """The batch of `step`, consumed by a learner at `learner_version`: groups older than
-        max_staleness are dropped as stale, and the kept ones are stamped with the consumer.
-        Waits as long as the rollout thread lives (a round lasts what its engines need; the
+    def _wait(self, q: "queue.Queue[Optional[RolloutBatch]]", what: str) -> RolloutBatch:
+        """The next item of `q` while the thread lives (a round lasts what its engines need; the
         manager's liveness probes bound a hung engine, and a failed thread hands over None)."""
         while True:
             try:
-                batch = self.ready.get(timeout=5.0)
+                batch = q.get(timeout=5.0)
                 break
             except queue.Empty:
-                if not self._thread.is_alive() and self.ready.empty():
-                    raise RuntimeError(f"rollout thread ended without the batch of step {step}: "
-                                       f"{self._error}") from self._error
+                if not self._thread.is_alive() and q.empty():
+                    raise RuntimeError(f"rollout thread ended without {what}: {self._error}") from self._error
         if batch is None:
             raise RuntimeError(f"rollout thread failed: {self._error}") from self._error
+        return batch
+
+    def take(self, step: int, learner_version: int) -> RolloutBatch:
+        """The batch of `step`, consumed by a learner at `learner_version`: groups older than
+        the age limit are dropped as stale and refilled, and the kept ones are stamped with
+        the consumer."""
+        batch = self._wait(self.ready, f"the batch of step {step}")
         if batch.step != step:
             raise RuntimeError(f"rollout batch of step {batch.step} arrived for step {step}")
-        fresh, stale = drop_stale_groups(batch.groups, learner_version, self.k)
+        want = len(batch.groups)
+        fresh, stale = self._restamp(batch, step, learner_version)
+        refilled = 0
+        for _ in range(self.MAX_REFILLS):
+            if len(fresh) >= want:
+                break
+            more = self._refill(step, learner_version, want - len(fresh))
+            more_fresh, more_stale = self._restamp(more, step, learner_version)
+            fresh, stale, refilled = fresh + more_fresh, stale + more_stale, refilled + len(more_fresh)
+            batch.samples += more.samples
+            batch.data_cursor, batch.rollout_carry = more.data_cursor, more.rollout_carry
+            batch.seconds += more.seconds
+        batch.groups = fresh[:want]
+        batch.metrics = {k: v for k, v in batch.metrics.items() if not k.startswith(("age/", "rollout/age_"))}
+        batch.metrics.update(compute_rollout_metrics(batch.samples, batch.seconds))  # refills and stale ones in
+        batch.metrics.update(compute_age_metrics(batch.samples, len(stale)))
+        batch.metrics["rollout/refilled_groups"] = float(refilled)
+        return batch
+
+    def _restamp(self, batch: RolloutBatch, step: int, learner_version: int) -> Tuple[List[Group], List[Group]]:
+        """Drop `batch`'s groups older than the age limit; stamp every group's samples with the
+        consumer (in place, in batch.samples); (fresh, stale)."""
+        fresh, stale = drop_stale_groups(batch.groups, learner_version, self.age_limit)
         consumed = {id(s) for g in batch.groups for s in g.samples}
         batch.samples = [s for s in batch.samples if id(s) not in consumed] + \
             [s for g in fresh + stale for s in g.stamp(step, learner_version)]
-        batch.groups = fresh
-        batch.metrics.update(compute_age_metrics(batch.samples, len(stale)))
-        return batch
+        return fresh, stale
+
+    def _refill(self, step: int, learner_version: int, groups: int) -> RolloutBatch:
+        """`groups` more groups for `step`, generated by the thread at the engines' version."""
+        with self._version_changed:
+            self._refill_wanted = (step, learner_version, groups)
+            self._version_changed.notify_all()
+        return self._wait(self._refills, f"the refill of step {step}")
 
     def stop(self) -> None:
         with self._version_changed:

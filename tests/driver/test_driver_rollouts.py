@@ -80,11 +80,12 @@ class CountingSource:
         self.started = []
         self.fail_at = fail_at
 
-    def collect(self, step, learner_version):
+    def collect(self, step, learner_version, num_groups=None):
         if step == self.fail_at:
             raise ValueError("engine on fire")
-        self.started.append((step, learner_version))
-        kept = group(f"s{step}", [1.0, -1.0], version=learner_version)
+        refill = num_groups is not None  # a refill of `step` after stale groups were dropped
+        self.started.append((step, learner_version) + (("refill",) if refill else ()))
+        kept = group(f"{'f' if refill else 's'}{step}", [1.0, -1.0], version=learner_version)
         rejected = group(f"r{step}", [1.0, 1.0], version=learner_version)
         rejected.set_reasons(["all_correct_group"] * 2)
         samples = rejected.stamp(step, learner_version) + kept.stamp(step, learner_version)
@@ -116,11 +117,14 @@ def test_async_generation_waits_for_the_engines_version():
         kept = [s for s in batch.samples if s.reject_reason == "kept"]
         assert len(batch.samples) == 4 and len(kept) == 2            # no row twice
         assert all(s.learner_version == 1 and s.age == 1 for s in kept)
-        # step 3 consumed at version 3: 2 versions old > k, dropped as stale
+        # step 3 consumed at version 3: 2 versions old > k, dropped as stale and refilled at version 3
         rollouts.engines_serve(3)
         batch = rollouts.take(3, learner_version=3)
-        assert batch.groups == [] and batch.metrics["rollout/stale_groups"] == 1
-        assert sorted(s.reject_reason for s in batch.samples) == ["all_correct_group"] * 2 + ["stale"] * 2
+        assert [g.prompt_id for g in batch.groups] == ["f3"] and batch.metrics["rollout/stale_groups"] == 1
+        assert batch.metrics["rollout/refilled_groups"] == 1 and (3, 3, "refill") in source.started
+        assert sorted(s.reject_reason for s in batch.samples) == ["all_correct_group"] * 4 + ["kept"] * 2 + \
+            ["stale"] * 2
+        assert all(s.age == 0 for s in batch.samples if s.reject_reason == "kept")
     finally:
         rollouts.stop()
 
@@ -137,3 +141,23 @@ def test_async_failure_reaches_the_main_thread_and_stop_is_prompt():
     t = time.monotonic()
     waiting.stop()                                          # blocked on version 4: wakes up and ends
     assert time.monotonic() - t < 5 and not any(t.name == "rollouts" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_queue_and_the_age_limit_are_two_settings():
+    """cluster.max_staleness=2 (generation runs two versions ahead) with max_sample_age=0: the
+    batches generated ahead are too old when consumed, dropped as stale and refilled at the
+    engines' version, so every trained sample is on-policy while the queue stays as it was."""
+    source = CountingSource()
+    rollouts = AsyncRollouts(source, first_step=1, last_step=3, max_staleness=2, engine_version=0, max_sample_age=0)
+    try:
+        assert wait_for(lambda: len(source.started) == 3)  # all three steps start at version 0: the queue
+        assert source.started == [(1, 0), (2, 0), (3, 0)]
+        batch = rollouts.take(1, learner_version=0)
+        assert [g.prompt_id for g in batch.groups] == ["s1"] and batch.metrics["rollout/refilled_groups"] == 0
+        rollouts.engines_serve(1)
+        batch = rollouts.take(2, learner_version=1)  # generated at 0, 1 old > 0: refilled at version 1
+        assert [g.prompt_id for g in batch.groups] == ["f2"] and (2, 1, "refill") in source.started
+        assert batch.metrics["age/0/num_samples"] == 2 and "age/1/num_samples" in batch.metrics  # the stale ones
+        assert all(s.age == 0 for s in batch.samples if s.reject_reason == "kept")
+    finally:
+        rollouts.stop()
