@@ -286,7 +286,12 @@ def start_long_generation(server, result: dict, max_new_tokens=200) -> threading
             result["error"] = exc
     t = threading.Thread(target=go, daemon=True)
     t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # until the server has it (a fixed sleep missed on a loaded machine)
+    while time.monotonic() < deadline and t.is_alive():
+        load = run(lambda c: c.loads(), server)[0]
+        if load["num_running_reqs"] + load["num_waiting_reqs"] > 0:
+            break
+        time.sleep(0.05)
     return t
 
 
