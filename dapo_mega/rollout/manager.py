@@ -27,14 +27,26 @@
   step) stream instead: a round asks for gen_batch_size prompts until a keep rate has been
   measured, then for (groups still needed) / keep_rate with a margin (`round_size`; the
   estimate is a ratio of exponentially decayed counts carried in `state_dict`, so a resume
-  keeps it). Each request's groups are
-  scored and filtered as soon as it finishes (in prompt order), and once the batch is full no
-  request is sent any more and those in flight are aborted (`POST /abort_request` with
-  `abort_all` on each engine that has one, SGLang's and the embedded engine's). Aborted and
-  unsent prompts are kept (`pending`, in `state_dict`) and drawn first next round; an aborted
-  sample was never completed, so it is no ledger row: it is counted in the metrics
-  (`rollout/aborted_requests`, `_samples`, `_tokens`). Asynchronous modes generate whole
-  rounds of gen_batch_size and carry the surplus as before.
+  keeps it). Groups are decided (scored, filtered, kept or made ledger rows) as their
+  requests finish, but strictly in prompt order: a group is decided only once every group
+  before it in the round has been, so the batch is the first train_batch_size groups in
+  prompt order that pass the filter, whichever engine was faster. Once it is full no request
+  is sent any more and those in flight are aborted (`POST /abort_request` with `abort_all` on
+  each engine that has one, SGLang's and the embedded engine's).
+* What a streamed step trains on, and what its ledger holds, does not depend on timing: every
+  prompt of the round after the last one decided goes back to `pending` (in `state_dict`,
+  drawn first next round or step), whether its request was never sent, aborted, or had
+  finished. A finished one is not scored and its samples are discarded: keeping them (as
+  ledger rows, as a carried surplus, or in the keep-rate estimate) would make the ledger,
+  the carry and the next round's size depend on which requests happened to finish before the
+  abort. Its prompt is not lost (unlike a carried surplus, which the next step drops as stale,
+  prompt and all), and is generated again, with the policy of the step that draws it. The
+  cost is generation: the discarded and the aborted samples are counted in the metrics
+  (`rollout/discarded_groups`, `_samples`, `_tokens`; `rollout/aborted_requests`, `_samples`,
+  `_tokens`), never ledger rows, and a streamed step carries nothing
+  (`rollout/carried_groups` = 0). With `seed`, the same prompts then give the same tokens
+  (below), so two runs with one seed write the same ledger. Asynchronous modes generate
+  whole rounds of gen_batch_size, decide every group and carry the surplus.
 * With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
   `sampling_seed` made from (seed, step, round, prompt id): on the embedded engine a step
   redone after a resume, or a chunk retried on another engine, samples the same tokens;
@@ -42,7 +54,7 @@
   (`rollout.extra_server_args`, a GPU attention backend), and otherwise samples afresh.
 * Every sample is a typed `ScoredSample` (rollout/samples.py) from the engine's reply on:
   scored by `reward_fn`, given its reject reason, stamped with the consuming step and
-  learner version; every one (kept or rejected) becomes a ledger row.
+  learner version; every one decided (kept or rejected) becomes a ledger row.
 * Policy versions come from the engine's `weight_versions` spans, never assumed;
   `drop_stale_groups` enforces `max_staleness`.
 """
@@ -527,81 +539,48 @@ class RolloutManager:
 
         `reward_fn(groups)` returns, per group, per sample, its `SampleReward`.
         `stream` (default: `max_staleness == 0`, where a surplus could only be dropped as
-        stale) sizes each round from the keep rate, scores groups as their request finishes
-        and aborts the requests in flight once the batch is full (module docstring).
+        stale) sizes each round from the keep rate, decides groups in prompt order as their
+        requests finish, aborts the requests in flight once the batch is full and returns the
+        round's undecided prompts to `pending` (module docstring).
         """
         if stream is None:
             stream = max_staleness == 0
-        samples: List[ScoredSample] = []
         self._step = step
         carried, self.carry = self.carry, []
+        stale: List[Group] = []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
-            samples += [s for g in stale for s in g.stamp(step, learner_version)]
-        kept: List[Group] = list(carried)
-        counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0, "aborted_requests": 0,
-                  "aborted_samples": 0, "aborted_tokens": 0}
-
-        def filter_groups(groups: List[Group]) -> bool:
-            """Score and filter finished groups into kept / rejected; True once the batch is full."""
-            if not groups:
-                return len(kept) >= train_batch_size
-            for g, rewards in zip(groups, reward_fn(groups)):
-                for s, reward in zip(g.samples, rewards):
-                    s.score = reward
-            if dynamic_sampling:
-                sel = _select(groups)
-                counts["all_correct"] += sel.num_all_correct
-                counts["all_wrong"] += sel.num_all_wrong
-                offset = 0
-                for g in groups:
-                    g.set_reasons(sel.sample_reasons[offset:offset + len(g.samples)])
-                    offset += len(g.samples)
-            else:
-                for g in groups:
-                    g.set_reasons(["kept"] * len(g.samples))
-            n_kept = 0
-            for g in groups:
-                for s in g.samples:
-                    if s.score.verifier_error and s.reject_reason == "kept":
-                        s.reject_reason = "verifier_error"
-                if all(s.reject_reason not in ("kept", "verifier_error") for s in g.samples):
-                    samples.extend(g.stamp(step, learner_version))
-                else:
-                    kept.append(g)
-                    n_kept += 1
-            counts["seen"] += len(groups)
-            self._observe_keep_rate(n_kept, len(groups))
-            return len(kept) >= train_batch_size
-
-        while len(kept) < train_batch_size:
+        fill = _StepFill(self, step, learner_version, reward_fn, train_batch_size, dynamic_sampling, stream, carried)
+        for g in stale:
+            fill.samples += g.stamp(step, learner_version)
+        counts = fill.counts
+        while not fill.full():
             rounds = counts["rounds"]
             if max_num_gen_batches and rounds >= max_num_gen_batches:
                 raise DynamicSamplingExhausted(
-                    f"step {step}: dynamic sampling kept {len(kept)} of algo.train_batch_size={train_batch_size} "
+                    f"step {step}: dynamic sampling kept {len(fill.kept)} of algo.train_batch_size={train_batch_size} "
                     f"groups after {rounds} rounds (algo.max_num_gen_batches={max_num_gen_batches}): "
                     f"{counts['seen']} groups generated, {counts['all_correct']} all-correct and "
                     f"{counts['all_wrong']} all-wrong (uniform rewards carry no "
                     "gradient). Fix: use easier data (all wrong) or harder data (all correct), raise "
                     "algo.n_samples_per_prompt, raise algo.max_num_gen_batches or set it to 0 (no limit), or set "
                     "algo.dynamic_sampling=false.")
-            size = self.round_size(train_batch_size - len(kept), gen_batch_size) if stream else gen_batch_size
+            size = self.round_size(fill.need(), gen_batch_size) if stream else gen_batch_size
             prompts = self._draw(prompt_source, size)
             counts["requested"] += len(prompts)
             counts["rounds"] += 1
+            fill.start_round(prompts)
             if stream:
-                out = run_coroutine(self._generate(prompts, rounds, filter_groups,
-                                                 want=lambda: train_batch_size - len(kept)))
+                out = run_coroutine(self._generate(prompts, rounds, fill.take, want=fill.need))
                 if not out.stopped and len(out.groups) != len(prompts):
                     raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
                                        f"dead engines: {self.dead}; failures: {out.failures[-5:]}")
-                self.pending = out.unsent + self.pending
-                for key in ("aborted_requests", "aborted_samples", "aborted_tokens"):
-                    counts[key] += getattr(out, key)
+                self._set_aside_undecided(prompts, fill, out)
             else:
-                filter_groups(run_coroutine(self.generate_groups(prompts, gen_round=rounds)))
-        self.carry = kept[train_batch_size:]
-        kept = kept[:train_batch_size]
+                fill.take(run_coroutine(self.generate_groups(prompts, gen_round=rounds)))
+        self.carry = fill.kept[train_batch_size:]
+        kept = fill.kept[:train_batch_size]
+        samples = fill.samples
         for g in kept:
             samples += g.stamp(step, learner_version)
         # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
@@ -609,14 +588,25 @@ class RolloutManager:
         self.metrics = {"rollout/gen_batches": counts["rounds"], "rollout/groups_generated": counts["seen"],
                         "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead),
                         "rollout/prompts_requested": counts["requested"],
-                        "rollout/aborted_requests": counts["aborted_requests"],
-                        "rollout/aborted_samples": counts["aborted_samples"],
-                        "rollout/aborted_tokens": counts["aborted_tokens"],
-                        "rollout/pending_prompts": len(self.pending)}
+                        "rollout/pending_prompts": len(self.pending),
+                        **{f"rollout/{k}": counts[k] for k in _SET_ASIDE_COUNTS}}
         if self.keep_rate is not None:
             self.metrics["rollout/keep_rate_estimate"] = self.keep_rate
         self.metrics.update(self.engine_load_metrics())
         return kept, samples
+
+    def _set_aside_undecided(self, prompts: Sequence[Any], fill: "_StepFill", out: "_RoundOutcome") -> None:
+        """After a streamed round: its prompts after the last one decided go back to `pending`
+        (in prompt order, before the older pending ones), whether their request was never sent,
+        aborted, or finished; the samples of those that finished are discarded (counted)."""
+        self.pending = list(prompts[fill.decided:]) + self.pending
+        discarded = [g for i, g in out.groups.items() if i >= fill.decided]
+        counts = fill.counts
+        counts["discarded_groups"] += len(discarded)
+        counts["discarded_samples"] += sum(len(g.samples) for g in discarded)
+        counts["discarded_tokens"] += sum(len(s.token_ids) for g in discarded for s in g.samples)
+        for key in ("aborted_requests", "aborted_samples", "aborted_tokens"):
+            counts[key] += getattr(out, key)
 
     async def _observe_loads(self, url: str, probe: EngineClient) -> None:
         """Keep the peaks of one /v1/loads answer (an engine without it is not held to it)."""
@@ -736,6 +726,93 @@ class _RoundOutcome:
     """Samples of the aborted requests (never completed: no ledger rows)."""
     aborted_tokens: int = 0
     """Tokens those samples had generated when aborted."""
+
+
+_SET_ASIDE_COUNTS = ("aborted_requests", "aborted_samples", "aborted_tokens", "discarded_groups",
+                     "discarded_samples", "discarded_tokens")
+"""Metrics of a streamed step's work that is no ledger row (module docstring)."""
+
+
+class _StepFill:
+    """One step's batch, filled in prompt order (RolloutManager.collect_step).
+
+    `take` is the round's `on_groups`: it decides groups (scores them, filters them, keeps
+    them or makes them ledger rows) strictly in the order of the round's prompts. Streamed, it
+    decides no group once the batch is full, and scores at most as many groups at a time as
+    are still needed, so a group after the last one needed is never scored either; otherwise
+    it decides every group and the kept surplus is carried.
+    """
+
+    def __init__(self, manager: RolloutManager, step: int, learner_version: int,
+                 reward_fn: Callable[[List[Group]], List[List[SampleReward]]], train_batch_size: int,
+                 dynamic_sampling: bool, stream: bool, carried: Sequence[Group]):
+        self.manager = manager
+        self.step, self.learner_version = step, learner_version
+        self.reward_fn = reward_fn
+        self.train_batch_size = train_batch_size
+        self.dynamic_sampling = dynamic_sampling
+        self.stream = stream
+        self.kept: List[Group] = list(carried)
+        self.samples: List[ScoredSample] = []
+        """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""
+        self.counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0,
+                       **{k: 0 for k in _SET_ASIDE_COUNTS}}
+        self.round_prompts: Sequence[Any] = ()
+        self.decided = 0
+        """Groups of the current round decided: always its first `decided` prompts."""
+
+    def need(self) -> int:
+        return max(0, self.train_batch_size - len(self.kept))
+
+    def full(self) -> bool:
+        return len(self.kept) >= self.train_batch_size
+
+    def start_round(self, prompts: Sequence[Any]) -> None:
+        self.round_prompts, self.decided = prompts, 0
+
+    def take(self, groups: List[Group]) -> bool:
+        """Decide `groups` (the next ones in prompt order) as far as the rule allows; True once
+        the batch is full. Groups that are not the next in prompt order (handed over after a
+        failed chunk, when the round fails anyway) are left undecided."""
+        groups = list(groups)
+        if not groups or self.decided >= len(self.round_prompts) or \
+                groups[0].prompt is not self.round_prompts[self.decided]:
+            return self.full()
+        while groups and not (self.stream and self.full()):
+            n = self.need() if self.stream else len(groups)
+            part, groups = groups[:n], groups[n:]
+            self._decide(part)
+        return self.full()
+
+    def _decide(self, groups: List[Group]) -> None:
+        """Score and filter `groups` into kept / rejected (ledger rows), in order."""
+        for g, rewards in zip(groups, self.reward_fn(groups)):
+            for s, reward in zip(g.samples, rewards):
+                s.score = reward
+        if self.dynamic_sampling:
+            sel = _select(groups)
+            self.counts["all_correct"] += sel.num_all_correct
+            self.counts["all_wrong"] += sel.num_all_wrong
+            offset = 0
+            for g in groups:
+                g.set_reasons(sel.sample_reasons[offset:offset + len(g.samples)])
+                offset += len(g.samples)
+        else:
+            for g in groups:
+                g.set_reasons(["kept"] * len(g.samples))
+        n_kept = 0
+        for g in groups:
+            for s in g.samples:
+                if s.score.verifier_error and s.reject_reason == "kept":
+                    s.reject_reason = "verifier_error"
+            if all(s.reject_reason not in ("kept", "verifier_error") for s in g.samples):
+                self.samples.extend(g.stamp(self.step, self.learner_version))
+            else:
+                self.kept.append(g)
+                n_kept += 1
+        self.decided += len(groups)
+        self.counts["seen"] += len(groups)
+        self.manager._observe_keep_rate(n_kept, len(groups))
 
 
 class _Retry(Exception):
