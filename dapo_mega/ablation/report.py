@@ -36,7 +36,8 @@ from dapo_mega.ablation.stats import Difference, Interval, mean_interval, welch_
 EVAL_KEY = "eval/avg_at_k"
 ENTROPY_KEY = "rollout/entropy_mc"
 SUMMARY_FIELDS = ("final_avg_at_k", "best_avg_at_k", "steps_to_target", "samples_per_trained", "response_length",
-                  "entropy_end", "clip_frac_low", "clip_frac_high", "truncated_frac")
+                  "entropy_end", "clip_frac_low", "clip_frac_high", "truncated_frac", "rollouts_per_step",
+                  "length_limit", "peak_memory_gib")
 CURVES = (  # (metric key, panel title) of ablation.png
     (EVAL_KEY, "held-out avg@k"),
     ("rollout/accuracy", "rollout accuracy"),
@@ -60,6 +61,12 @@ class RunSummary:
     clip_frac_low: Optional[float] = None
     clip_frac_high: Optional[float] = None
     truncated_frac: Optional[float] = None
+    rollouts_per_step: Optional[float] = None
+    """The resource envelope beside the comparison: responses generated per step, ..."""
+    length_limit: Optional[float] = None
+    """... the response length limit (algo.max_response_length, from the run's config.yaml), ..."""
+    peak_memory_gib: Optional[float] = None
+    """... and the driver's peak memory over the run's phases (CUDA reserved on a GPU, else RSS)."""
     curves: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
 
 
@@ -107,8 +114,25 @@ def summarize_run(rows: List[Dict[str, Any]], seed: int, run_dir: str, target: O
     s.clip_frac_low = _mean([v for _, v in _series(rl, "loss/clip_frac_low")])
     s.clip_frac_high = _mean([v for _, v in _series(rl, "loss/clip_frac_high")])
     s.truncated_frac = _mean([v for _, v in _series(rl, "rollout/clip_rate")])
+    s.rollouts_per_step = _mean([v for _, v in _series(rl, "rollout/num_samples")])
+    s.peak_memory_gib = peak_memory_gib(rl)
     s.curves = {key: _series(rows, key) for key, _ in CURVES}
+    config = Path(run_dir) / "config.yaml"
+    if config.is_file():
+        from dapo_mega.config import from_yaml
+
+        s.length_limit = float(from_yaml(config.read_text()).algo.max_response_length)
     return s
+
+
+def peak_memory_gib(rows: List[Dict[str, Any]]) -> Optional[float]:
+    """The largest per-phase peak in metrics rows: CUDA reserved where recorded, else RSS."""
+    for suffix in ("cuda_reserved_peak_gib", "rss_peak_gib"):
+        values = [float(v) for r in rows for k, v in r.items()
+                  if k.startswith("mem/") and k.endswith(suffix) and isinstance(v, (int, float))]
+        if values:
+            return max(values)
+    return None
 
 
 def collect(plan: AblationPlan, is_done=None) -> List[RungResult]:
@@ -174,7 +198,8 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
     vs = "previous rung" if mode == "ladder" else "first rung"
     target_col = f"steps to avg@k ≥ {target:g}" if target is not None else "steps to target"
     head = ["rung", "seeds", "final avg@k", "best avg@k", f"Δ final vs {vs} ({pct} Welch)", target_col,
-            "generated / trained", "response length", "entropy (end)", "clip low", "clip high", "truncated"]
+            "generated / trained", "response length", "entropy (end)", "clip low", "clip high", "truncated",
+            "rollouts / step", "length limit", "peak memory (GiB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results:
         n = len(row.runs)
@@ -191,7 +216,10 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
                  format_interval(row.stats.get("entropy_end")),
                  format_interval(row.stats.get("clip_frac_low"), 4),
                  format_interval(row.stats.get("clip_frac_high"), 4),
-                 format_interval(row.stats.get("truncated_frac"))]
+                 format_interval(row.stats.get("truncated_frac")),
+                 format_interval(row.stats.get("rollouts_per_step"), 0),
+                 format_interval(row.stats.get("length_limit"), 0),
+                 format_interval(row.stats.get("peak_memory_gib"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     legend = (f"Mean ± {pct} t-interval over seeds (Student, n−1 degrees of freedom). Δ: difference of "
               f"final held-out avg@k to the {vs}, Welch's {pct} interval; `*` marks an interval that excludes "
@@ -199,7 +227,9 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
               "resolution of trainer.eval_interval. Entropy: "
               "−mean log p of the sampled tokens under the rollout policy over the last 20% of steps. "
               "Clip low/high: fraction of tokens clipped by 1−ε_low / 1+ε_high. Truncated: fraction of "
-              "responses cut at max_response_length.")
+              "responses cut at max_response_length. The resource envelope: responses generated per step, "
+              "the response length limit, and the driver's peak memory over the run's phases (GiB; CUDA "
+              "reserved on a GPU, else resident set).")
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

@@ -378,3 +378,20 @@ def test_submit_slurm_chains_warm_start_array_and_report(tmp_path):
     tasks = json.loads((Path(plan.directory) / "slurm" / "runs.json").read_text())
     assert tasks == [r.overrides for r in plan.runs[1:]]
     assert "dapo_mega.ablation report" in (Path(plan.directory) / "slurm" / "report.sbatch").read_text()
+
+
+def test_the_resource_envelope_sits_beside_each_run(tmp_path):
+    """Rollouts per step, the length limit (the run's config.yaml) and the peak memory of its
+    phases (CUDA reserved where recorded, else RSS) are in every run's summary and the table."""
+    from dapo_mega.config import DapoConfig, to_yaml
+
+    cfg = DapoConfig()
+    cfg.algo.max_response_length = 40
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    rows = _rows([0.2, 0.5])
+    rows[1].update({"mem/rollout/rss_peak_gib": 1.5, "mem/train/rss_peak_gib": 2.25})
+    rows[2].update({"mem/train/rss_peak_gib": 2.0})
+    s = summarize_run(rows, seed=1, run_dir=str(tmp_path), target=None)
+    assert (s.rollouts_per_step, s.length_limit, s.peak_memory_gib) == (16.0, 40.0, 2.25)
+    rows[2]["mem/train/cuda_reserved_peak_gib"] = 60.0
+    assert summarize_run(rows, seed=1, run_dir="nowhere", target=None).peak_memory_gib == 60.0
