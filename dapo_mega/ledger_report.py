@@ -177,9 +177,19 @@ def age_label(age: int) -> str:
     return f"{last}+" if age >= last else str(max(age, 0))
 
 
+TRAINED_REASONS = ("kept", "verifier_error")
+"""Rows the learner trained on: the age table compares these only (`AgeTally`)."""
+
+
 class AgeTally:
-    """Rows, reward sum and correct rows per age bucket, added to row by row (in ledger
-    order, so a streamed tally sums the same floats in the same order as one over all rows)."""
+    """Rows, reward sum and correct rows per age bucket of the samples trained on, added to
+    row by row (in ledger order, so a streamed tally sums the same floats in the same order as
+    one over all rows).
+
+    Only trained rows count (kept groups): every age then passed the same filter. Over all
+    rows, young samples include the uniform groups dynamic sampling rejects while old ones are
+    mostly carried-over groups already selected for mixed outcomes, so age 1 looked far better
+    than age 0 for a reason that has nothing to do with age."""
 
     def __init__(self):
         self.count: Counter = Counter()
@@ -188,6 +198,8 @@ class AgeTally:
 
     def add(self, records: Iterable) -> None:
         for r in records:
+            if r.reject_reason not in TRAINED_REASONS:
+                continue
             label = age_label(int(r.age))
             self.count[label] += 1
             self.reward[label] += float(r.reward)
@@ -598,6 +610,8 @@ def render_markdown(report: LedgerReport, max_suspicious: int = 50) -> str:
                      f"| {s.length_p50:g} | {s.length_p90:g} | {s.length_max} | {s.truncation_rate:.3f} "
                      f"| {s.verifier_errors} / {metric_err} | {reasons} |")
     lines += ["", "## By sample age (versions behind the learner)", "",
+              "Samples trained on only (kept groups: every age passed the same filter, so the comparison is "
+              "within kept groups, not matched on prompts).", "",
               "| age | samples | reward mean | pass rate |", "|---|---:|---:|---:|"]
     lines += [f"| {a.label} | {a.num_samples} | {a.reward_mean:+.3f} | {a.pass_rate:.3f} |" for a in report.ages]
     lines += ["", "## Reject reasons (all steps)", "", "| reason | samples |", "|---|---:|"]

@@ -73,11 +73,12 @@ def test_step_diagnostics_match_hand_counts():
 def test_age_buckets_match_hand_counts():
     step1, step2, step3 = hand_ledger()
     ages = {a.label: a for a in compute_age_buckets(step1 + step2 + step3)}
-    assert list(ages) == ["0", "1", "3+"]                  # no sample is two versions old
-    assert ages["0"].num_samples == 18                     # step 1 and step 3
-    assert ages["0"].pass_rate == pytest.approx(9 / 18) and ages["0"].reward_mean == pytest.approx(0.0)
+    # trained rows only (kept groups): A and B (uniform, rejected) and E (stale) are left out,
+    # so age 0 is not pulled down by the all-wrong groups dynamic sampling drops
+    assert list(ages) == ["0", "1"]
+    assert ages["0"].num_samples == 10                     # C (step 1), F, G, H (step 3)
+    assert ages["0"].pass_rate == pytest.approx(5 / 10) and ages["0"].reward_mean == pytest.approx(0.0)
     assert ages["1"].num_samples == 4 and ages["1"].pass_rate == 0.25 and ages["1"].reward_mean == -0.5
-    assert ages["3+"].num_samples == 4 and ages["3+"].pass_rate == 0.0 and ages["3+"].reward_mean == -1.0
 
 
 def test_exploit_flags():
@@ -142,7 +143,8 @@ def test_report_files_and_cli(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "ledger_report.py"), str(run_dir), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "# Ledger report" in proc.stdout and "| 3+ | 4 | -1.000 | 0.000 |" in proc.stdout
+    assert "# Ledger report" in proc.stdout and "| 1 | 4 | -0.500 | 0.250 |" in proc.stdout and "| 3+ |" not in proc.stdout
+    assert "Samples trained on only (kept groups" in proc.stdout
     assert (out / "ledger_report.md").read_text() == text
     assert (out / "ledger_report.png").stat().st_size > 1000
     empty = subprocess.run([sys.executable, str(REPO / "tools" / "ledger_report.py"), str(tmp_path / "none")],
