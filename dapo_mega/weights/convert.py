@@ -18,6 +18,12 @@ A converted Megatron checkpoint directory:
 `checkpoints/` directory or `latest` file, or the run directory (its latest complete
 checkpoint is used; only the model part of `model_optim/` is read).
 
+Memory: each process holds its share of the model once, in the checkpoint's dtype, built
+without random initialisation; tensors are read and written one at a time (peak RSS per
+process ≈ the imports + model bytes / (tp·pp) + about one full copy of the largest HF
+tensor; bench/bench_conversion_memory.py measures 1.49-1.52x a 929 MiB bf16 checkpoint at
+TP 1, 0.42x of it the imports). `verify` holds the Megatron model, then the HF one.
+
 The top-level functions run the work in `tp·pp` spawned gloo processes (CPU) unless
 torch.distributed is already initialised with that world size (torchrun / srun), in which
 case they run on the calling ranks.
@@ -386,9 +392,11 @@ def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
 # --------------------------------------------------------------------------- verify
 
 
-DEFAULT_VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-"""Relative logit tolerance of `verify` by the dtype it runs in (bf16 keeps 8 bits of mantissa:
-two correct implementations differ by ~1% of the largest logit after a few layers)."""
+DEFAULT_VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+"""Relative logit tolerance of `verify` by the dtype it runs in. In fp32 the two models agree
+exactly here; bf16 keeps 8 bits of mantissa, and a correct conversion of a random Qwen2 shape
+(hidden 2048) differed by 1.6% of the largest logit at 4 layers and 2.0% at 8, growing with
+depth. A wrong mapping differs by the logits' own size; `--dtype fp32` is the tight check."""
 
 
 def _stored_dtype(meta: Dict[str, Any]) -> Optional[torch.dtype]:
@@ -475,7 +483,11 @@ def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_c
     del hf_model
     diff = (meg - ref).abs()
     bound = tolerance * max(1.0, ref.abs().max().item())
+    passed = bool(diff.max().item() <= bound)
+    notes = [f"tokens: {tuple(input_ids.shape)}"]
+    if not passed and dtype != torch.float32:
+        notes.append(f"both forwards ran in {_dtype_str(dtype)}; --dtype fp32 compares without its rounding "
+                     "(twice the memory)")
     return ConversionSummary(action="verify", source=hf_path, destination=ckpt_dir, num_tensors=0, tp=tp, pp=1,
                              dtype=_dtype_str(dtype), max_abs_diff=diff.max().item(), mean_abs_diff=diff.mean().item(),
-                             tolerance=bound, passed=bool(diff.max().item() <= bound),
-                             notes=[f"tokens: {tuple(input_ids.shape)}"])
+                             tolerance=bound, passed=passed, notes=notes)
