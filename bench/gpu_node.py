@@ -25,6 +25,12 @@ What it measures, each with the seconds it took (`seconds` = wall-clock of that 
    group with the server, `WeightSyncer` buckets) syncs it twice; GB/s of the second.
 4. SGLang rollout tokens/s on that server: `--rollout-prompts` prompts x n=`--rollout-n`
    samples of `--rollout-tokens` tokens (ignore_eos, random weights).
+5. the colocated hand-over on one GPU (`part_handover`): the learner process builds the
+   CUDA-IPC payload of the project's hand-over for the shape's layer weights, a second
+   process on the same GPU (the engine's side) unpickles it with the same UUID patch and
+   copies it out: bytes unchanged (checksum) and GB/s. Needs neither SGLang nor a NCCL
+   group, so it runs on one GPU (a NCCL group of two processes on GPU 0 is refused:
+   "Duplicate GPU detected"; the SGLang sync of part 3 needs a server on its own GPU).
 
 Each part runs in its own subprocess, so GPU memory is free between parts. Whatever is not
 installed is skipped and listed under "skipped" with the reason.
@@ -219,9 +225,18 @@ def part_sglang(args) -> Dict[str, Any]:
             url = engine.url
             result["server_start_seconds"] = time.perf_counter() - started
             t = time.perf_counter()
-            sync = subprocess.run([sys.executable, str(BENCH_DIR / "gpu_sglang_sync.py"), "--url", url,
-                                   "--model-path", str(model_dir)], capture_output=True, text=True, timeout=600)
-            if sync.returncode != 0:
+            import torch
+
+            if torch.cuda.device_count() < 2:  # the syncer's NCCL rank would share GPU 0 with the server
+                sync = None
+                result["weight_sync"] = {"skipped": "one GPU: a NCCL group with the server on its GPU is refused "
+                                                    "(Duplicate GPU detected); part 5 measures the hand-over"}
+            else:
+                sync = subprocess.run([sys.executable, str(BENCH_DIR / "gpu_sglang_sync.py"), "--url", url,
+                                       "--model-path", str(model_dir)], capture_output=True, text=True, timeout=600)
+            if sync is None:
+                pass
+            elif sync.returncode != 0:
                 result["weight_sync"] = {"error": sync.stderr[-2000:]}
             else:
                 text = sync.stdout[sync.stdout.index("{"):]
@@ -250,6 +265,61 @@ def part_sglang(args) -> Dict[str, Any]:
     return result
 
 
+HANDOVER_RECEIVER = """
+import base64, json, pickle, sys, time, torch
+from dapo_mega.weights import transport
+transport.patch_torch_reductions()  # the engine's side: the UUID back to this process's index
+payload = sys.stdin.read()
+t0 = time.perf_counter()
+named = pickle.loads(base64.b64decode(payload))
+kept = [(n, t.clone()) for n, t in named]  # what an engine's load does: copy out of the sender's memory
+torch.cuda.synchronize()
+seconds = time.perf_counter() - t0
+print(json.dumps({"seconds": seconds, "tensors": len(kept), "device": str(kept[0][1].device),
+                  "checksum": float(sum(t.double().sum().item() for _, t in kept)),
+                  "bytes": sum(t.numel() * t.element_size() for _, t in kept)}))
+"""
+
+
+def part_handover(args) -> Dict[str, Any]:
+    """The colocated weight path on one GPU: this process (the learner) builds the CUDA-IPC
+    payload of the project's hand-over (`transport.serialize_cuda_ipc`: torch's reductions
+    patched to name the GPU by UUID) for the 7B shape's layer tensors; a second process on
+    the same GPU (the engine's side) unpickles it with the same patch and copies each tensor
+    out; the bytes must arrive unchanged (checksum), and GB/s is what the copy-out sustains."""
+    import torch
+
+    from dapo_mega.weights import transport
+
+    shape = replace(QWEN25_7B, num_layers=args.layers)
+    h, ffn = shape.hidden_size, shape.ffn_hidden_size
+    kv = shape.num_key_value_heads * (h // shape.num_attention_heads)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    named = []
+    for layer in range(shape.num_layers):
+        for name, dims in (("self_attn.q_proj.weight", (h, h)), ("self_attn.k_proj.weight", (kv, h)),
+                           ("self_attn.v_proj.weight", (kv, h)), ("self_attn.o_proj.weight", (h, h)),
+                           ("mlp.gate_proj.weight", (ffn, h)), ("mlp.up_proj.weight", (ffn, h)),
+                           ("mlp.down_proj.weight", (h, ffn))):
+            named.append((f"model.layers.{layer}.{name}",
+                          torch.randn(dims, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    payload = transport.serialize_cuda_ipc(named)
+    serialize_s = time.perf_counter() - t0
+    proc = subprocess.run([sys.executable, "-c", HANDOVER_RECEIVER], input=payload, capture_output=True, text=True,
+                          timeout=150, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        return {"error": f"receiver exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = float(sum(t.double().sum().item() for _, t in named))
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    return {"tensors": len(named), "bytes": nbytes, "serialize_seconds": serialize_s, "payload_chars": len(payload),
+            "receive_seconds": got["seconds"], "gbps": nbytes / got["seconds"] / 1e9,
+            "bytes_unchanged": got["bytes"] == nbytes and got["checksum"] == expected,
+            "receiver_device": got["device"]}
+
+
 # ============================================================================ driver
 def _run_part(part: str, argv: List[str], timeout_s: float) -> Dict[str, Any]:
     """One part in a fresh process; its JSON is the last line of its stdout."""
@@ -270,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.part:
         part = {"learner_bf16": lambda: part_learner(args, "bf16"), "learner_fp8": lambda: part_learner(args, "fp8"),
-                "sglang": lambda: part_sglang(args)}[args.part]
+                "sglang": lambda: part_sglang(args), "handover": lambda: part_handover(args)}[args.part]
         print(json.dumps(part()))
         return 0
     import torch
@@ -290,6 +360,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         report["learner_fp8"] = _run_part("learner_fp8", argv, 240)
     else:
         report["skipped"]["learner_fp8"] = "Transformer Engine is not installed (the bf16 run used the local spec)"
+    report["handover"] = _run_part("handover", argv, 180)  # two processes on one GPU: no NCCL group
     if args.skip_sglang:
         report["skipped"]["sglang"] = "--skip-sglang"
     elif importlib.util.find_spec("sglang") is None:
