@@ -26,8 +26,8 @@
 * Synchronous modes (`max_staleness == 0`, where a carried surplus is dropped as stale next
   step) stream instead: a round asks for gen_batch_size prompts until a keep rate has been
   measured, then for (groups still needed) / keep_rate with a margin (`round_size`; the
-  estimate is a ratio of exponentially decayed counts carried in `state_dict`, so a resume
-  keeps it). Groups are decided (scored, filtered, kept or made ledger rows) as their
+  estimate is a ratio of exponentially decayed counts, updated one decided group at a time,
+  carried in `state_dict`, so a resume keeps it). Groups are decided (scored, filtered, kept or made ledger rows) as their
   requests finish, but strictly in prompt order: a group is decided only once every group
   before it in the round has been, so the batch is the first train_batch_size groups in
   prompt order that pass the filter, whichever engine was faster. Once it is full no request
@@ -800,19 +800,20 @@ class _StepFill:
         else:
             for g in groups:
                 g.set_reasons(["kept"] * len(g.samples))
-        n_kept = 0
         for g in groups:
             for s in g.samples:
                 if s.score.verifier_error and s.reject_reason == "kept":
                     s.reject_reason = "verifier_error"
-            if all(s.reject_reason not in ("kept", "verifier_error") for s in g.samples):
-                self.samples.extend(g.stamp(self.step, self.learner_version))
-            else:
+            kept = any(s.reject_reason in ("kept", "verifier_error") for s in g.samples)
+            if kept:
                 self.kept.append(g)
-                n_kept += 1
+            else:
+                self.samples.extend(g.stamp(self.step, self.learner_version))
+            # one group at a time: the estimate depends on the groups decided, in order, and not
+            # on how they were cut into requests
+            self.manager._observe_keep_rate(int(kept), 1)
         self.decided += len(groups)
         self.counts["seen"] += len(groups)
-        self.manager._observe_keep_rate(n_kept, len(groups))
 
 
 class _Retry(Exception):

@@ -28,7 +28,8 @@ RUN_NAME = "run"
 TRAIN_GROUPS, GROUP_SIZE = 4, 4
 
 # Single-digit sums, a short warm start (so some answers are right and rewards vary), 3
-# steps of 4 groups x 4 samples. gen_batch_size = 8 > 4 leaves surplus groups every step.
+# steps of 4 groups x 4 samples. gen_batch_size = 8 > 4 leaves a surplus every step (carried
+# in the asynchronous modes, back to `pending` in the synchronous ones).
 SMALL = [
     f"trainer.run_name={RUN_NAME}", "trainer.sft_warmup_steps=20", "trainer.sft_batch_size=32",
     "trainer.total_steps=3", "trainer.save_interval=0", "trainer.eval_interval=0",
@@ -180,16 +181,17 @@ def test_colocated_sync_end_to_end(tmp_path):
     by_step = records_by_step(run_dir)
     printed = re.search(r"held-out problems, revision (\S+);", output).group(1)
     assert {r.dataset_revision for recs in by_step.values() for r in recs} == {printed}  # was '' in every row
-    # gen 8 prompts for 4 groups: synchronous rounds stream and abort the requests in flight
-    # once 4 groups are kept, so the surplus is what finished with the last kept group (step 1:
-    # at most the other request of 4 prompts; later rounds are sized from the keep rate). Steps
-    # 2 and 3 first drop the groups carried from the previous version (age 1, `stale`).
+    # gen 8 prompts for 4 groups: synchronous rounds stream, decide groups in prompt order and
+    # abort the requests in flight once 4 groups are kept; the prompts after the 4th go back to
+    # `pending` (a finished request's samples discarded, counted), so nothing is carried and
+    # nothing goes stale, and every step's rows are its 4 groups
     rows = read_rows(run_dir)
     by_row = {r["step"]: r for r in rows}
     stale = [sum(r.reject_reason == "stale" for r in by_step[s]) for s in (1, 2, 3)]
-    assert stale == [0, 4 * by_row[1]["rollout/carried_groups"], 4 * by_row[2]["rollout/carried_groups"]]
-    assert max(stale) <= 16
+    assert stale == [0, 0, 0] and all(by_row[s]["rollout/carried_groups"] == 0 for s in (1, 2, 3))
+    assert all(len(by_step[s]) == 4 * 4 == 4 * by_row[s]["rollout/groups_generated"] for s in (1, 2, 3))
     assert all(by_row[s]["rollout/prompts_requested"] >= by_row[s]["rollout/groups_generated"] for s in (1, 2, 3))
+    assert all(by_row[s]["rollout/discarded_samples"] == 4 * by_row[s]["rollout/discarded_groups"] for s in (1, 2, 3))
     # evaluation before step 1 and after the last step, with the same problems
     evals = [r for r in rows if "eval/avg_at_k" in r]
     assert [r["step"] for r in evals] == [0, 3]
