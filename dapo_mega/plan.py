@@ -355,17 +355,20 @@ def checkpoint_bytes(cfg: DapoConfig, phi: int) -> Dict[str, float]:
             "disk_peak_bytes": (keep + 1) * each}
 
 
-HF_READER_BYTES = 4e9
-"""Assumed: what the HF reader of a conversion holds at once, one safetensors file
-(Qwen2.5-32B ships 17 of ~3.9 GB)."""
+CONVERSION_FIXED_BYTES = 0.4e9
+"""Measured: the converting process's interpreter with torch and megatron imported
+(`bench/bench_conversion_memory.py`: 386 MiB), which does not grow with the model."""
 
 
-def conversion_host_ram_bytes(phi: int, tp: int, dtype_bytes: int = 2) -> Dict[str, float]:
-    """Estimate, not a measurement: host RAM of `tools/convert_checkpoint.py` at `--tp tp`,
-    with the model built without random initialisation in the checkpoint's dtype: per
-    process ~1.5x its TP shard (the shard, plus the tensors being copied into it) plus what
-    the HF reader holds (`HF_READER_BYTES`, at most the model); `tp` processes."""
-    per_process = 1.5 * dtype_bytes * phi / tp + min(HF_READER_BYTES, dtype_bytes * phi)
+def conversion_host_ram_bytes(phi: int, tp: int, largest_tensor: int, dtype_bytes: int = 2) -> Dict[str, float]:
+    """Host RAM of `tools/convert_checkpoint.py` at `--tp tp`, by the rule the conversion
+    benchmark measured (1.50x / 1.49x / 1.52x of a 929 MiB checkpoint for import / export /
+    verify at TP 1): each process holds its share of the model once, in the checkpoint's
+    dtype (no random initialisation, HF tensors read one at a time), plus up to two copies
+    of the largest HF tensor (`largest_tensor` elements: the embedding or output layer)
+    while it is gathered or padded (one copy at TP 1), plus `CONVERSION_FIXED_BYTES`."""
+    copies = 2 if tp > 1 else 1
+    per_process = CONVERSION_FIXED_BYTES + dtype_bytes * phi / tp + copies * dtype_bytes * largest_tensor
     return {"tp": tp, "per_process_bytes": per_process, "total_bytes": tp * per_process}
 
 
@@ -495,6 +498,7 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
                         "megatron.balance_data_parallel=true (or more samples per rank)")
     spec, element_bytes = learner_spec_and_bytes(cfg)
     s_h_t = m.micro_batch_tokens * shape.hidden_size / tp if m.sequence_parallel else None
+    embedding = shape.vocab_size * shape.hidden_size  # the largest HF tensor a conversion gathers
     sync_bytes = 2 * phi
     return {
         "model": {"name": cfg.model.name, "source": source, **asdict(shape)}, "total_params": phi,
@@ -512,8 +516,8 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
         "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
                         "seconds_at_400gbps": sync_bytes * 8 / 400e9},
         "checkpoint": checkpoint_bytes(cfg, phi),
-        "conversion_host_ram": {"import_export": conversion_host_ram_bytes(phi, tp),
-                                "verify": conversion_host_ram_bytes(phi, 1)},
+        "conversion_host_ram": {"import_export": conversion_host_ram_bytes(phi, tp, embedding),
+                                "verify": conversion_host_ram_bytes(phi, 1, embedding)},
         "learner_efficiency": efficiency,
         "layout": _node_layout(cfg, placement), "warnings": warnings,
         "sync": {"transport": placement.transport, "groups": [
@@ -686,7 +690,7 @@ def _memory_lines(plan: dict) -> List[str]:
     lines += [f"checkpoints: {ck['bytes'] / 1e9:,.1f} GB each (model {ck['model_bytes'] / 1e9:,.1f} + fp32 optimizer "
               f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written: "
               f"{ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
-              f"conversion host RAM (estimate: 1.5x the TP shard + up to {HF_READER_BYTES / 1e9:.0f} GB read, "
+              "conversion host RAM (the shard once in bf16 + up to two copies of the embedding + 0.4 GB, "
               "per process): "
               f"import/export --tp {conv['import_export']['tp']} {conv['import_export']['total_bytes'] / 1e9:,.0f} GB "
               f"({conv['import_export']['per_process_bytes'] / 1e9:,.1f} per process), verify --tp 1 "
