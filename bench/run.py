@@ -26,14 +26,12 @@ records one ("commit unknown" otherwise).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -156,7 +154,9 @@ def figure_rows(name: str, result: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def _num(x: Any) -> str:
-    return f"{x:.4g}" if isinstance(x, (int, float)) else "-"
+    if not isinstance(x, (int, float)):
+        return "-"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def _cell(value: Any, rounds: Optional[Dict[str, float]]) -> str:
@@ -207,13 +207,35 @@ def render_markdown(results: Dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------- main
+RUNNER = """
+import json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+module, quick, out = sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+try:
+    import importlib
+    result = importlib.import_module(module).run(quick=quick)
+except Exception as exc:
+    traceback.print_exc()
+    result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+with open(out, "w") as f:
+    json.dump(result, f)
+"""
+
+
 def run_benchmark(module_name: str, quick: bool) -> Dict[str, Any]:
-    try:
-        result = importlib.import_module(module_name).run(quick=quick)
-        result.setdefault("status", "ok")  # a benchmark may report itself "skipped"
-    except Exception as exc:  # report and go on: one broken benchmark must not hide the others
-        result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        print(result["traceback"], file=sys.stderr)
+    """`module.run(quick)` in a fresh interpreter: one benchmark's process state (the
+    learner's CPU function mode, thread pools, the heap) must not slow or speed the next."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run([sys.executable, "-c", RUNNER, str(BENCH_DIR), module_name, "1" if quick else "0",
+                               str(out)], cwd=REPO)
+        if not out.exists():
+            return {"status": "failed", "error": f"{module_name} exited with {proc.returncode} and no result "
+                                                 "(its output is above)"}
+        result = json.loads(out.read_text())
+    result.setdefault("status", "ok")  # a benchmark may report itself "skipped"
     return result
 
 
