@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import spread, throughput_figure, time_alternating  # noqa: E402
+from timing import alternation_order, spread, throughput_figure, time_alternating  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 # Dense bf16 peak TFLOP/s used for MFU (H100/H200 SXM); override with DAPO_PEAK_TFLOPS.
@@ -343,7 +343,8 @@ def _dp2_rank(rank: int, world_size: int, quick: bool, repeats: int) -> Dict[str
         compute = {name: [] for name in layouts}
         step = {name: [] for name in layouts}
         for round_ in range(repeats + 1):  # round 0 is the warm-up
-            for name, (_, micro) in layouts.items():
+            for name in alternation_order(list(layouts), round_):
+                micro = layouts[name][1]
                 torch.distributed.barrier()
                 reached.clear()
                 start = time.perf_counter()

@@ -31,12 +31,15 @@ def time_alternating(sides: Mapping[str, Callable[[], Any]], repeats: int,
                      sync: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
     """Seconds of each side's call, `repeats` rounds of one call per side in turn.
 
+    Odd rounds run the sides in reverse order (A B, B A, A B, ...), so a side is not always
+    the one that runs right after another (caches, allocator, a neighbour's burst).
     sync: called before and after each timed call (e.g. torch.cuda.synchronize), untimed
     before, timed after (the work must be finished when the clock stops).
     """
     seconds: Dict[str, List[float]] = {name: [] for name in sides}
-    for _ in range(repeats):
-        for name, call in sides.items():
+    for round_ in range(repeats):
+        for name in alternation_order(list(sides), round_):
+            call = sides[name]
             if sync is not None:
                 sync()
             start = time.perf_counter()
@@ -45,6 +48,11 @@ def time_alternating(sides: Mapping[str, Callable[[], Any]], repeats: int,
                 sync()
             seconds[name].append(time.perf_counter() - start)
     return seconds
+
+
+def alternation_order(names: Sequence[str], round_: int) -> List[str]:
+    """The sides' order in round `round_`: as given in even rounds, reversed in odd ones."""
+    return list(names) if round_ % 2 == 0 else list(reversed(names))
 
 
 def throughput_figure(name: str, metric: str, ours_work: float, ours_seconds: Sequence[float],

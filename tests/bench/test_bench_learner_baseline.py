@@ -98,11 +98,11 @@ def test_spread_by_hand():
         timing.spread([])
 
 
-def test_time_alternating_calls_the_sides_in_turn():
+def test_time_alternating_calls_the_sides_in_turn_reversing_every_other_round():
     calls = []
     seconds = timing.time_alternating({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3,
                                       sync=lambda: calls.append("sync"))
-    assert [c for c in calls if c != "sync"] == ["a", "b"] * 3
+    assert [c for c in calls if c != "sync"] == ["a", "b", "b", "a", "a", "b"]
     assert calls.count("sync") == 12
     assert {k: len(v) for k, v in seconds.items()} == {"a": 3, "b": 3}
 
