@@ -5,7 +5,7 @@
     python bench/run.py --only learner,weight_sync
     python bench/run.py --e2e              also rerun the end-to-end comparison with TRL
 
-The result records the commit (`git rev-parse HEAD`, and whether the checkout had
+The result records the commit (`git rev-parse HEAD`, and whether tracked files had
 uncommitted changes, naming them), the machine (CPU model, cores, torch, GPU) and the date.
 Each benchmark module has `run(quick: bool) -> dict` returning at least
 `{"name", "metric", "ours", "baseline", "baseline_name", "ratio", "higher_is_better"}` and,
@@ -90,6 +90,8 @@ def summarize_committed_e2e(data: Dict[str, Any], path: str = "bench/results/e2e
                             committed_in: Optional[str] = None) -> Dict[str, Any]:
     """The end-to-end result of a committed e2e_trl.json, reduced to what it supports."""
     measured_at = data.get("commit") or "commit unknown"
+    if data.get("commit") and data.get("dirty"):
+        measured_at += " + uncommitted changes"
     interval = data.get("eval_interval")
     steps = data.get("steps_to_target", {})
     both = [s for s in data.get("per_seed", []) if s.get("ours_reached") and s.get("trl_reached")]

@@ -78,6 +78,8 @@ def test_committed_e2e_reports_what_the_file_supports():
 def test_committed_e2e_names_its_commit_when_the_file_has_one():
     out = bench_run.summarize_committed_e2e({"commit": "feedbeef", "per_seed": []})
     assert out["measured_at"] == "feedbeef" and "ours_spread" not in out and "rows" not in out
+    dirty = bench_run.summarize_committed_e2e({"commit": "feedbeef", "dirty": True, "per_seed": []})
+    assert dirty["measured_at"] == "feedbeef + uncommitted changes"
 
 
 def test_git_state_and_machine_have_the_fields_the_table_reads():
