@@ -21,7 +21,8 @@
   they hold the new weights (`serve_again`), the rollouts.
 * Dynamic sampling (DAPO §3.2): rounds of prompts from `prompt_source`, scored by
   `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups` (Eq. 11), until
-  `train_batch_size` groups are kept; the surplus is carried to the next step
+  `train_batch_size` groups are kept (`BatchFill`, rollout/batch_fill.py, decides them in
+  prompt order); the surplus is carried to the next step
   (`state_dict`). `max_num_gen_batches` bounds the rounds (0 = no limit).
 * Synchronous modes (`max_staleness == 0`, where a carried surplus is dropped as stale next
   step) stream instead: a round asks for gen_batch_size prompts until a keep rate has been
@@ -69,11 +70,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
-import torch
 
 from dapo_mega.backends.sglang.client import EngineClient, EngineError, SampleResult
 from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
 from dapo_mega.reward.types import SampleReward
+from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, BatchFill
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, parse_version
 
 __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample",
@@ -96,16 +97,6 @@ class RolloutError(RuntimeError):
 
 class DynamicSamplingExhausted(RuntimeError):
     """max_num_gen_batches rounds did not fill the batch."""
-
-
-def _select(groups: Sequence[Group]):
-    """Per-sample reasons through the algo package's group filter (Eq. 11)."""
-    from dapo_mega.algo import select_informative_groups
-
-    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
-    correct = torch.tensor([s.correct for g in groups for s in g.samples])
-    index = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
-    return select_informative_groups(rewards, index, correct=correct)
 
 
 class RolloutManager:
@@ -550,7 +541,8 @@ class RolloutManager:
         stale: List[Group] = []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
-        fill = _StepFill(self, step, learner_version, reward_fn, train_batch_size, dynamic_sampling, stream, carried)
+        fill = BatchFill(step, learner_version, reward_fn, train_batch_size, dynamic_sampling, stream, carried,
+                         observe_keep_rate=self._observe_keep_rate)
         for g in stale:
             fill.samples += g.stamp(step, learner_version)
         counts = fill.counts
@@ -589,13 +581,13 @@ class RolloutManager:
                         "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead),
                         "rollout/prompts_requested": counts["requested"],
                         "rollout/pending_prompts": len(self.pending),
-                        **{f"rollout/{k}": counts[k] for k in _SET_ASIDE_COUNTS}}
+                        **{f"rollout/{k}": counts[k] for k in SET_ASIDE_COUNTS}}
         if self.keep_rate is not None:
             self.metrics["rollout/keep_rate_estimate"] = self.keep_rate
         self.metrics.update(self.engine_load_metrics())
         return kept, samples
 
-    def _set_aside_undecided(self, prompts: Sequence[Any], fill: "_StepFill", out: "_RoundOutcome") -> None:
+    def _set_aside_undecided(self, prompts: Sequence[Any], fill: BatchFill, out: "_RoundOutcome") -> None:
         """After a streamed round: its prompts after the last one decided go back to `pending`
         (in prompt order, before the older pending ones), whether their request was never sent,
         aborted, or finished; the samples of those that finished are discarded (counted)."""
@@ -726,94 +718,6 @@ class _RoundOutcome:
     """Samples of the aborted requests (never completed: no ledger rows)."""
     aborted_tokens: int = 0
     """Tokens those samples had generated when aborted."""
-
-
-_SET_ASIDE_COUNTS = ("aborted_requests", "aborted_samples", "aborted_tokens", "discarded_groups",
-                     "discarded_samples", "discarded_tokens")
-"""Metrics of a streamed step's work that is no ledger row (module docstring)."""
-
-
-class _StepFill:
-    """One step's batch, filled in prompt order (RolloutManager.collect_step).
-
-    `take` is the round's `on_groups`: it decides groups (scores them, filters them, keeps
-    them or makes them ledger rows) strictly in the order of the round's prompts. Streamed, it
-    decides no group once the batch is full, and scores at most as many groups at a time as
-    are still needed, so a group after the last one needed is never scored either; otherwise
-    it decides every group and the kept surplus is carried.
-    """
-
-    def __init__(self, manager: RolloutManager, step: int, learner_version: int,
-                 reward_fn: Callable[[List[Group]], List[List[SampleReward]]], train_batch_size: int,
-                 dynamic_sampling: bool, stream: bool, carried: Sequence[Group]):
-        self.manager = manager
-        self.step, self.learner_version = step, learner_version
-        self.reward_fn = reward_fn
-        self.train_batch_size = train_batch_size
-        self.dynamic_sampling = dynamic_sampling
-        self.stream = stream
-        self.kept: List[Group] = list(carried)
-        self.samples: List[ScoredSample] = []
-        """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""
-        self.counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0,
-                       **{k: 0 for k in _SET_ASIDE_COUNTS}}
-        self.round_prompts: Sequence[Any] = ()
-        self.decided = 0
-        """Groups of the current round decided: always its first `decided` prompts."""
-
-    def need(self) -> int:
-        return max(0, self.train_batch_size - len(self.kept))
-
-    def full(self) -> bool:
-        return len(self.kept) >= self.train_batch_size
-
-    def start_round(self, prompts: Sequence[Any]) -> None:
-        self.round_prompts, self.decided = prompts, 0
-
-    def take(self, groups: List[Group]) -> bool:
-        """Decide `groups` (the next ones in prompt order) as far as the rule allows; True once
-        the batch is full. Groups that are not the next in prompt order (handed over after a
-        failed chunk, when the round fails anyway) are left undecided."""
-        groups = list(groups)
-        if not groups or self.decided >= len(self.round_prompts) or \
-                groups[0].prompt is not self.round_prompts[self.decided]:
-            return self.full()
-        while groups and not (self.stream and self.full()):
-            n = self.need() if self.stream else len(groups)
-            part, groups = groups[:n], groups[n:]
-            self._decide(part)
-        return self.full()
-
-    def _decide(self, groups: List[Group]) -> None:
-        """Score and filter `groups` into kept / rejected (ledger rows), in order."""
-        for g, rewards in zip(groups, self.reward_fn(groups)):
-            for s, reward in zip(g.samples, rewards):
-                s.score = reward
-        if self.dynamic_sampling:
-            sel = _select(groups)
-            self.counts["all_correct"] += sel.num_all_correct
-            self.counts["all_wrong"] += sel.num_all_wrong
-            offset = 0
-            for g in groups:
-                g.set_reasons(sel.sample_reasons[offset:offset + len(g.samples)])
-                offset += len(g.samples)
-        else:
-            for g in groups:
-                g.set_reasons(["kept"] * len(g.samples))
-        for g in groups:
-            for s in g.samples:
-                if s.score.verifier_error and s.reject_reason == "kept":
-                    s.reject_reason = "verifier_error"
-            kept = any(s.reject_reason in ("kept", "verifier_error") for s in g.samples)
-            if kept:
-                self.kept.append(g)
-            else:
-                self.samples.extend(g.stamp(self.step, self.learner_version))
-            # one group at a time: the estimate depends on the groups decided, in order, and not
-            # on how they were cut into requests
-            self.manager._observe_keep_rate(int(kept), 1)
-        self.decided += len(groups)
-        self.counts["seen"] += len(groups)
 
 
 class _Retry(Exception):

@@ -1,0 +1,121 @@
+"""One step's batch, filled in prompt order: the rollout manager's dynamic sampling (DAPO §3.2).
+
+Groups are decided (scored by `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups`,
+Eq. 11, then kept or made ledger rows) strictly in the order of a round's prompts, so the batch
+is the first `train_batch_size` groups in prompt order that pass the filter, however the
+groups were cut into requests and whichever request finished first. Streamed
+(`RolloutManager.collect_step`, synchronous modes), no group after the batch is full is
+decided, nor scored; otherwise every group is decided and the kept surplus is carried.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence
+
+import torch
+
+from dapo_mega.reward.types import SampleReward
+from dapo_mega.rollout.samples import Group, ScoredSample
+
+__all__ = ["BatchFill", "SET_ASIDE_COUNTS", "select_groups"]
+
+
+def select_groups(groups: Sequence[Group]):
+    """Per-sample reasons through the algo package's group filter (Eq. 11)."""
+    from dapo_mega.algo import select_informative_groups
+
+    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
+    correct = torch.tensor([s.correct for g in groups for s in g.samples])
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    return select_informative_groups(rewards, index, correct=correct)
+
+
+SET_ASIDE_COUNTS = ("aborted_requests", "aborted_samples", "aborted_tokens", "discarded_groups",
+                     "discarded_samples", "discarded_tokens")
+"""Counts of a streamed step's work that is no ledger row: `rollout/<name>` metrics (see
+dapo_mega/rollout/manager.py's module docstring)."""
+
+
+class BatchFill:
+    """One step's batch, filled in prompt order (module docstring; RolloutManager.collect_step).
+
+    `take` is the round's `on_groups`: it decides groups (scores them, filters them, keeps
+    them or makes them ledger rows) strictly in the order of the round's prompts. Streamed, it
+    decides no group once the batch is full, and scores at most as many groups at a time as
+    are still needed, so a group after the last one needed is never scored either; otherwise
+    it decides every group and the kept surplus is carried.
+    """
+
+    def __init__(self, step: int, learner_version: int, reward_fn: Callable[[List[Group]], List[List[SampleReward]]],
+                 train_batch_size: int, dynamic_sampling: bool, stream: bool, carried: Sequence[Group],
+                 observe_keep_rate: Callable[[int, int], None]):
+        """observe_keep_rate(kept, seen): told of every decided group, in order (the manager's
+        keep-rate estimate)."""
+        self.observe_keep_rate = observe_keep_rate
+        self.step, self.learner_version = step, learner_version
+        self.reward_fn = reward_fn
+        self.train_batch_size = train_batch_size
+        self.dynamic_sampling = dynamic_sampling
+        self.stream = stream
+        self.kept: List[Group] = list(carried)
+        self.samples: List[ScoredSample] = []
+        """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""
+        self.counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0,
+                       **{k: 0 for k in SET_ASIDE_COUNTS}}
+        self.round_prompts: Sequence[Any] = ()
+        self.decided = 0
+        """Groups of the current round decided: always its first `decided` prompts."""
+
+    def need(self) -> int:
+        return max(0, self.train_batch_size - len(self.kept))
+
+    def full(self) -> bool:
+        return len(self.kept) >= self.train_batch_size
+
+    def start_round(self, prompts: Sequence[Any]) -> None:
+        self.round_prompts, self.decided = prompts, 0
+
+    def take(self, groups: List[Group]) -> bool:
+        """Decide `groups` (the next ones in prompt order) as far as the rule allows; True once
+        the batch is full. Groups that are not the next in prompt order (handed over after a
+        failed chunk, when the round fails anyway) are left undecided."""
+        groups = list(groups)
+        if not groups or self.decided >= len(self.round_prompts) or \
+                groups[0].prompt is not self.round_prompts[self.decided]:
+            return self.full()
+        while groups and not (self.stream and self.full()):
+            n = self.need() if self.stream else len(groups)
+            part, groups = groups[:n], groups[n:]
+            self._decide(part)
+        return self.full()
+
+    def _decide(self, groups: List[Group]) -> None:
+        """Score and filter `groups` into kept / rejected (ledger rows), in order."""
+        for g, rewards in zip(groups, self.reward_fn(groups)):
+            for s, reward in zip(g.samples, rewards):
+                s.score = reward
+        if self.dynamic_sampling:
+            sel = select_groups(groups)
+            self.counts["all_correct"] += sel.num_all_correct
+            self.counts["all_wrong"] += sel.num_all_wrong
+            offset = 0
+            for g in groups:
+                g.set_reasons(sel.sample_reasons[offset:offset + len(g.samples)])
+                offset += len(g.samples)
+        else:
+            for g in groups:
+                g.set_reasons(["kept"] * len(g.samples))
+        for g in groups:
+            for s in g.samples:
+                if s.score.verifier_error and s.reject_reason == "kept":
+                    s.reject_reason = "verifier_error"
+            kept = any(s.reject_reason in ("kept", "verifier_error") for s in g.samples)
+            if kept:
+                self.kept.append(g)
+            else:
+                self.samples.extend(g.stamp(self.step, self.learner_version))
+            # one group at a time: the estimate depends on the groups decided, in order, and not
+            # on how they were cut into requests
+            self.observe_keep_rate(int(kept), 1)
+        self.decided += len(groups)
+        self.counts["seen"] += len(groups)
