@@ -1,0 +1,76 @@
+"""The step's batch fill (rollout/batch_fill.py) on hand-made groups, no engine: groups are
+decided in prompt order, none after the batch is full is scored, and the keep-rate estimate
+depends on the groups decided, not on how they were cut into requests."""
+
+from dataclasses import dataclass
+
+from dapo_mega.reward import SampleReward
+from dapo_mega.rollout.batch_fill import BatchFill
+from dapo_mega.rollout.manager import RolloutManager
+from dapo_mega.rollout.samples import Group, ScoredSample
+
+G = 2
+
+
+@dataclass
+class Prompt:
+    id: str
+    prompt: list
+
+
+def group(prompt):
+    samples = [ScoredSample(prompt_id=prompt.id, sample_index=j, token_ids=[j], logprobs=None, weight_versions=[],
+                            response_text="", truncated=False, seed=None, engine_id="e", queue_delay_s=0.0,
+                            generation_latency_s=0.0) for j in range(G)]
+    return Group(prompt=prompt, prompt_input=prompt.prompt, samples=samples, engine_id="e", queue_delay_s=0.0,
+                 latency_s=0.0)
+
+
+def fill_of(stream, scored):
+    """A fill for 2 groups where p<k> passes the filter for even k; `scored` logs each call."""
+    def reward_fn(groups):
+        scored.append([g.prompt_id for g in groups])
+        return [[SampleReward(float(s.sample_index % 2), bool(s.sample_index % 2)) if int(g.prompt_id[1:]) % 2 == 0
+                 else SampleReward(-1.0, False) for s in g.samples] for g in groups]
+    mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
+    fill = BatchFill(1, 0, reward_fn, train_batch_size=2, dynamic_sampling=True, stream=stream, carried=[],
+                     observe_keep_rate=mgr._observe_keep_rate)
+    return fill, mgr
+
+
+def test_streamed_fill_decides_in_prompt_order_and_scores_nothing_after_the_batch():
+    prompts = [Prompt(f"p{i}", [i]) for i in range(8)]
+    groups = [group(p) for p in prompts]
+    scored = []
+    fill, _ = fill_of(True, scored)
+    fill.start_round(prompts)
+    assert fill.take(groups[4:8]) is False          # not the next in prompt order: left undecided
+    assert fill.decided == 0 and scored == []
+    assert fill.take(groups[0:4]) is True           # p0 kept, p1 rejected, p2 kept: full
+    assert [g.prompt_id for g in fill.kept] == ["p0", "p2"] and fill.decided == 3
+    assert scored == [["p0", "p1"], ["p2"]]         # at most the groups still needed at a time: p3 never scored
+    assert [s.prompt_id for s in fill.samples] == ["p1"] * G
+    assert fill.take(groups[4:8]) is True and fill.decided == 3   # after the batch: nothing more
+
+
+def test_unstreamed_fill_decides_everything_and_keeps_the_surplus():
+    prompts = [Prompt(f"p{i}", [i]) for i in range(6)]
+    scored = []
+    fill, _ = fill_of(False, scored)
+    fill.start_round(prompts)
+    assert fill.take([group(p) for p in prompts]) is True
+    assert [g.prompt_id for g in fill.kept] == ["p0", "p2", "p4"] and fill.decided == 6 and len(scored) == 1
+
+
+def test_keep_rate_does_not_depend_on_how_groups_were_cut_into_requests():
+    prompts = [Prompt(f"p{i}", [i]) for i in range(8)]
+    rates = []
+    for size in (1, 3, 8):
+        fill, mgr = fill_of(False, [])
+        fill.train_batch_size = 99
+        fill.start_round(prompts)
+        groups = [group(p) for p in prompts]
+        for i in range(0, len(groups), size):
+            fill.take(groups[i:i + size])
+        rates.append((mgr.keep_rate, mgr._keep_counts))
+    assert rates[0] == rates[1] == rates[2]
