@@ -22,7 +22,7 @@ processes never share an interpreter):
    max_completion_length, learning rate + warm-up, temperature, top-p, grad clip)` on the
    HF model loaded with `from_pretrained(WORK/warm_hf)`. Rewards come from
    `dapo_mega.reward.compute_rewards` (the DAPO verifier on answer_prefix + response, plus
-   the same soft overlong penalty). One TRL "rollout step" = 16 prompts x G samples
+   the same soft overlong penalty). One TRL "rollout step" = train_batch_size prompts x G samples (32 x 8 here)
    generated, `train_batch_size / mini_batch_size` optimizer updates, as in ours.
 
 Held-out evaluation, identical for both: `dapo_mega.evaluate.evaluate_problems` (k samples

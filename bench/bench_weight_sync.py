@@ -179,7 +179,9 @@ def run_sglang(reps: int) -> dict:
         state = {k: v.clone() + 1e-3 for k, v in AutoModelForCausalLM.from_pretrained(tmp).state_dict().items()}
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         rollout = RolloutConfig(backend="sglang", engine_python=str(python), dtype="float32", health_timeout_s=300,
-                                request_timeout_s=600, extra_server_args=["--max-total-tokens", "4096"])
+                                request_timeout_s=600,
+                                # an idle SGLang 0.5.23 scheduler spins on a core: it would slow the raw side
+                                extra_server_args=["--max-total-tokens", "4096", "--sleep-on-idle"])
         port = free_port()
         receiver = subprocess.Popen([sys.executable, "-c", RAW_RECEIVER, str(port), str(nbytes), str(2 * (reps + 1))])
         fleet = EngineFleet(rollout, tmp, Path(tmp) / "logs", device="cpu")
