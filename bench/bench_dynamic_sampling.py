@@ -97,7 +97,8 @@ def plugin_minimum(prompts: Iterable[Tuple[int, int]], group_size: int) -> float
     return weight / informative if informative > 0 else float("inf")
 
 
-def ledger_waste(rows: Sequence[Dict[str, Any]], group_size: int, carried_groups_at_end: int) -> Dict[str, Any]:
+def ledger_waste(rows: Sequence[Dict[str, Any]], group_size: int, carried_groups_at_end: int,
+                 discarded_samples: int = 0) -> Dict[str, Any]:
     """Measured and minimum samples per trained sample from ledger rows.
 
     Args:
@@ -105,12 +106,15 @@ def ledger_waste(rows: Sequence[Dict[str, Any]], group_size: int, carried_groups
         group_size: G.
         carried_groups_at_end: informative groups generated but not yet trained when the run
             ended (`rollout/carried_groups` of the last step); they are not in the ledger.
+        discarded_samples: samples that finished after a streamed batch was full, discarded
+            with their prompts put back (`rollout/discarded_samples` summed over steps); they
+            are generated work that is no ledger row either.
     """
     groups: Dict[Tuple[int, str], List[Dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[(r["step"], r["prompt_id"])].append(r)
     trained = sum(len(g) for g in groups.values() if any(r["reject_reason"] in TRAINED_REASONS for r in g))
-    generated = len(rows) + carried_groups_at_end * group_size
+    generated = len(rows) + carried_groups_at_end * group_size + discarded_samples
     per_prompt: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
     per_step: Dict[int, List[int]] = defaultdict(lambda: [0, 0])
     for r in rows:
@@ -126,6 +130,7 @@ def ledger_waste(rows: Sequence[Dict[str, Any]], group_size: int, carried_groups
     measured = generated / trained if trained else float("inf")
     return {"samples_generated": generated, "samples_trained": trained, "ledger_rows": len(rows),
             "groups_in_ledger": len(groups), "carried_groups_at_end": carried_groups_at_end,
+            "discarded_samples": discarded_samples,
             "distinct_prompts": len(per_prompt), "measured": measured, "minimum": minimum,
             "minimum_plugin": plugin_minimum(pairs, group_size),
             "minimum_per_step_pooled": pooled_weight / pooled_inf if pooled_inf > 0 else float("inf"),
@@ -166,7 +171,8 @@ def run(quick: bool = False, keep_work: bool = False) -> Dict[str, Any]:
         rows = read_ledger(run_dir).select(["step", "prompt_id", "correct", "reject_reason",
                                             "response_length"]).to_pylist()
         last = max(metrics, key=lambda m: m["step"])
-        waste = ledger_waste(rows, cfg.algo.n_samples_per_prompt, int(last.get("rollout/carried_groups", 0)))
+        waste = ledger_waste(rows, cfg.algo.n_samples_per_prompt, int(last.get("rollout/carried_groups", 0)),
+                             int(sum(m.get("rollout/discarded_samples", 0) for m in metrics)))
         # Requests aborted once a batch was full (synchronous streaming) are no ledger rows; their
         # partial tokens count here as samples of the mean completed length.
         aborted_tokens = sum(m.get("rollout/aborted_tokens", 0) for m in metrics)

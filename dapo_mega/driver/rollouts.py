@@ -68,14 +68,14 @@ class RolloutSource:
         a = self.cfg.algo
         t = time.perf_counter()
         stats: List[VerifyStats] = []  # this step's scoring rounds
-        # Surplus groups carried from an older version obey max_staleness too: in the
-        # synchronous modes (0) they are dropped as `stale`, so every trained sample is on-policy;
-        # there the manager streams (rounds sized from its keep rate, requests in flight aborted
-        # once the batch is full) so that little surplus is generated in the first place.
+        # Groups carried from an older version obey the age limit (cluster.max_sample_age): older
+        # ones are dropped as `stale`. The synchronous modes (no queue) stream: rounds sized from
+        # the keep rate, the batch filled in prompt order, prompts after the last one needed put
+        # back (rollout/batch_fill.py), so nothing is carried and the batch does not depend on timing.
         groups, samples = self.manager.collect_step(
             step, learner_version, self._next_prompts, lambda gs: self._score(gs, stats), num_groups or a.train_batch_size,
             a.gen_batch_size, dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
-            max_staleness=self.cfg.cluster.age_limit)
+            max_staleness=self.cfg.cluster.age_limit, stream=self.cfg.cluster.max_staleness == 0)
         seconds = time.perf_counter() - t
         metrics = compute_rollout_metrics(samples, seconds)
         # ages as stamped here (a learner at learner_version); AsyncRollouts.take restamps them
