@@ -12,6 +12,7 @@ finished (then dropped them as `stale` next step) and made no rows of them when 
 so the two ledgers differed.
 """
 
+import pytest
 from test_trainer_modes import RUN_NAME, read_rows, run_train
 
 from dapo_mega.rollout.ledger import read_records
@@ -30,6 +31,7 @@ def ledger_rows(run_dir):
     return sorted(tuple(getattr(r, name) for name in COMPARED) for r in read_records(run_dir))
 
 
+@pytest.mark.slow
 def test_two_runs_with_one_seed_write_the_same_ledger(tmp_path):
     for name, schedule in SCHEDULES.items():
         (tmp_path / name).mkdir()
