@@ -50,12 +50,11 @@ from math import comb
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
+from dapo_mega.rollout.samples import TRAINED_REASONS
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results" / "dynamic_sampling.json"
-
-TRAINED_REASONS = ("kept", "verifier_error")
-"""Reasons of samples that belong to a group the learner trained on (manager.collect_step)."""
 
 
 # ============================================================================ pure math

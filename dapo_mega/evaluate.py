@@ -24,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import ConfigError, DapoConfig
@@ -204,8 +204,9 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Eval
     return result
 
 
-def compare_results(a: EvalResult, b: EvalResult) -> str:
-    """A side-by-side table: overall avg@k and the problems where the two differ most."""
+def compare_results(a: EvalResult, b: EvalResult, paired: Optional[Dict[str, float]] = None) -> str:
+    """A side-by-side table: overall avg@k, the problems where the two differ most, and B - A
+    with its paired bootstrap interval (`paired`: `paired_difference(a, b)`, computed if not given)."""
     by_id = {p["id"]: p for p in b.problems}
     lines = [f"{'':30s} {'A':>10s} {'B':>10s}",
              f"{'avg@' + str(a.k):30s} {a.avg_at_k:10.4f} {b.avg_at_k:10.4f}",
@@ -214,7 +215,7 @@ def compare_results(a: EvalResult, b: EvalResult) -> str:
                    key=lambda t: -abs(t[0]))
     for delta, pid in diffs[:10]:
         lines.append(f"  {pid:28s} {by_id[pid]['pass_rate'] - delta:10.3f} {by_id[pid]['pass_rate']:10.3f}")
-    paired = paired_difference(a, b)
+    paired = paired or paired_difference(a, b)
     lines += ["", f"B - A: {paired['difference']:+.4f} avg@{a.k}, {paired['level']:.0%} paired bootstrap interval "
               f"[{paired['low']:+.4f}, {paired['high']:+.4f}] over {paired['problems']} problems"]
     return "\n".join(lines)
@@ -237,9 +238,10 @@ def run_eval_command(cfg: DapoConfig) -> int:
             b = evaluate_checkpoint(cfg, cfg.eval.compare_checkpoint, Path(tmp))
             b_name = f"{out.stem}_compare" if named else result_name(cfg.eval.compare_checkpoint)
             b.write(out.with_name(b_name + out.suffix))
-            print(compare_results(a, b))
+            paired = paired_difference(a, b)
+            print(compare_results(a, b, paired))
             comparison = out.with_name(f"{out.stem}_vs_{b_name}_paired{out.suffix}")
             comparison.write_text(json.dumps({"a": str(cfg.eval.checkpoint), "b": str(cfg.eval.compare_checkpoint),
-                                              "avg_at_k": [a.avg_at_k, b.avg_at_k], "paired": paired_difference(a, b),
+                                              "avg_at_k": [a.avg_at_k, b.avg_at_k], "paired": paired,
                                               "settings": a.settings}, indent=1))
     return 0

@@ -59,6 +59,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
 
 import numpy as np
 
+from dapo_mega.rollout.samples import TRAINED_REASONS
+
 AGE_BUCKETS = (0, 1, 2, 3)
 """Lower edges of the age buckets; the last one is open (3+)."""
 MAX_FLAGGED = 1000
@@ -175,10 +177,6 @@ def compute_step_diagnostics(records: Sequence, metrics_rows: Sequence[Dict] = (
 def age_label(age: int) -> str:
     last = AGE_BUCKETS[-1]
     return f"{last}+" if age >= last else str(max(age, 0))
-
-
-TRAINED_REASONS = ("kept", "verifier_error")
-"""Rows the learner trained on: the age table compares these only (`AgeTally`)."""
 
 
 class AgeTally:

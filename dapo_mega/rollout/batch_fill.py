@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 
 from dapo_mega.reward.types import SampleReward
-from dapo_mega.rollout.samples import Group, ScoredSample
+from dapo_mega.rollout.samples import TRAINED_REASONS, Group, ScoredSample
 
 __all__ = ["BatchFill", "SET_ASIDE_COUNTS", "select_groups"]
 
@@ -109,7 +109,7 @@ class BatchFill:
             for s in g.samples:
                 if s.score.verifier_error and s.reject_reason == "kept":
                     s.reject_reason = "verifier_error"
-            kept = any(s.reject_reason in ("kept", "verifier_error") for s in g.samples)
+            kept = any(s.reject_reason in TRAINED_REASONS for s in g.samples)
             if kept:
                 self.kept.append(g)
             else:

@@ -14,6 +14,8 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from dapo_mega.rollout.samples import TRAINED_REASONS
+
 # Age buckets of asynchronous training: 0, 1, 2, 3+ versions behind the learner.
 AGE_BUCKETS = (0, 1, 2, 3)
 
@@ -26,7 +28,7 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
     correct = np.array([r.correct for r in records], dtype=np.float64)
     lengths = np.array([r.response_length for r in records], dtype=np.float64)
     truncated = np.array([r.truncated for r in records], dtype=np.float64)
-    kept = [r for r in records if r.reject_reason in ("kept", "verifier_error")]
+    kept = [r for r in records if r.reject_reason in TRAINED_REASONS]
     out = {
         "rollout/num_samples": float(len(records)),
         "rollout/reward_mean": float(rewards.mean()),
@@ -61,7 +63,7 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
     out["rollout/all_correct_rate"] = sum(all(r.correct for r in g) for g in groups.values()) / n_groups
     out["rollout/all_wrong_rate"] = sum(not any(r.correct for r in g) for g in groups.values()) / n_groups
     out["rollout/kept_group_frac"] = sum(
-        any(r.reject_reason in ("kept", "verifier_error") for r in g) for g in groups.values()) / n_groups
+        any(r.reject_reason in TRAINED_REASONS for r in g) for g in groups.values()) / n_groups
     return out
 
 

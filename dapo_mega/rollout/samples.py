@@ -28,6 +28,9 @@ def parse_version(version: Any) -> int:
         return 0
 
 
+TRAINED_REASONS = ("kept", "verifier_error")
+"""Reject reasons of samples the learner trains on (a verifier error scores -1 inside a kept group)."""
+
 @dataclass
 class ScoredSample:
     """One generated response, its provenance, its reward and its fate."""

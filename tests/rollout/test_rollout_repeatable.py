@@ -12,8 +12,6 @@ the same state. (The manager before this rule carried p4, p6 in run B and made r
 p7: the step-1 rows, the carry, `pending` and step 2's batch all differed.)
 """
 
-from dataclasses import dataclass
-
 import pytest
 
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
@@ -21,17 +19,12 @@ from dapo_mega.config import RolloutConfig
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import RolloutManager
+from test_rollout_manager import prompt_stream  # prompts p0, p1, ... drawn in order
 
 DELAY_MS = 150
 TOKENS = 10
 """A request on the slow engine decodes TOKENS steps of >= DELAY_MS: >= 1.5 s."""
 G = 2
-
-
-@dataclass
-class Prompt:
-    id: str
-    prompt: list
 
 
 def fleet_of_one(model_dir, delay_ms: float) -> EngineFleet:
@@ -50,16 +43,6 @@ def fast_and_slow(tiny_model_dir):
     finally:
         fast.close()
         slow.close()
-
-
-def prompt_stream():
-    counter = [0]
-
-    def take(k):
-        out = [Prompt(id=f"p{counter[0] + i}", prompt=[4 + (counter[0] + i) % 20, 5]) for i in range(k)]
-        counter[0] += k
-        return out
-    return take
 
 
 def every_other_kept(groups):
