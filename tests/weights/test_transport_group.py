@@ -1,7 +1,13 @@
 """`transport.init_custom_process_group` (the learner's side of a weight-update group) under
 torchrun: torch's `tcp://` rendezvous makes every rank a client there
 (TORCHELASTIC_USE_AGENT_STORE=True), so the learner, rank 0 of the group, must host the
-store itself or the engines wait out the timeout."""
+store itself or the engines wait out the timeout.
+
+A group still referenced by a module global is freed only at interpreter shutdown, after
+torch's native teardown has begun; CI once saw the store's host abort there ("terminate
+called without an active exception", exit -6) after a good broadcast. The trainer and the
+engine free their groups while running (`WeightSyncer.destroy_group`, the server's
+`destroy_group`), and so does this test."""
 
 import os
 import subprocess
@@ -14,13 +20,16 @@ import sys
 from datetime import timedelta
 import torch
 from dapo_mega.weights import transport
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "dapo_weight_sync_pp0",
-                                         timeout=timedelta(seconds=20))
-t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
-torch.distributed.broadcast(t, src=0, group=pg)
-print("got", t.tolist(), flush=True)
-transport.destroy_custom_process_group(pg)
+
+def member(rank, port):  # the group is a local, freed on return, as WeightSyncer.destroy_group frees it
+    pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "dapo_weight_sync_pp0",
+                                             timeout=timedelta(seconds=20))
+    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    torch.distributed.broadcast(t, src=0, group=pg)
+    print("got", t.tolist(), flush=True)
+    transport.destroy_custom_process_group(pg)
+
+member(int(sys.argv[1]), int(sys.argv[2]))
 """
 
 
