@@ -1,12 +1,16 @@
 """Answer verification and reward composition.
 
-    build_verifier(name)        "dapo" (the recipe's Minerva rule) or "math_verify"
+    build_verifier(spec)        "dapo" (the recipe's Minerva rule), "math_verify", or a reward
+                                plugin's import path "package.module:function" (registry.py)
+    check_verifier(spec, ...)   the same, and a plugin probed once in a worker (preflight)
     score_responses(...)        batch scoring with a hard time bound per response
     compute_rewards(...)        correctness ±1 + soft overlong penalty, per-sample components
 """
 
 from dapo_mega.reward.dapo_verifier import DapoVerifier, extract_answer, normalize_final_answer
 from dapo_mega.reward.math_verify_verifier import MathVerifyVerifier
+from dapo_mega.reward.plugin import PluginVerifier, RewardResult, is_plugin_path, problem_metadata
+from dapo_mega.reward.registry import VERIFIERS, build_verifier, check_verifier
 from dapo_mega.reward.scoring import (
     VerifierPool,
     close_verifier_pools,
@@ -27,21 +31,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-VERIFIERS = {"dapo": DapoVerifier, "math_verify": MathVerifyVerifier}
-
-
-def build_verifier(name: str) -> Verifier:
-    """The verifier named by `algo.verifier`."""
-    try:
-        return VERIFIERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown verifier {name!r}; use one of {sorted(VERIFIERS)} (algo.verifier)") from None
-
 
 __all__ = [
     "DapoVerifier",
     "MathVerifyVerifier",
+    "PluginVerifier",
     "RewardBatch",
+    "RewardResult",
     "SampleReward",
     "UNSCORED",
     "VERIFIERS",
@@ -50,12 +46,15 @@ __all__ = [
     "VerifyResult",
     "VerifyStats",
     "build_verifier",
+    "check_verifier",
     "close_verifier_pools",
     "coerce_text",
     "compute_rewards",
     "extract_answer",
     "get_verifier_pool",
+    "is_plugin_path",
     "normalize_final_answer",
+    "problem_metadata",
     "score_responses",
     "verifier_error_result",
 ]

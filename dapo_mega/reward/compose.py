@@ -8,14 +8,14 @@ reward on the last response token (it is an outcome reward; advantages spread it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 
 from dapo_mega.algo.overlong import compute_overlong_penalty
 from dapo_mega.reward.scoring import Text, VerifierPool, score_responses
-from dapo_mega.reward.types import SampleReward, Verifier, VerifyStats
+from dapo_mega.reward.types import Components, SampleReward, Verifier, VerifyStats
 
 
 @dataclass
@@ -28,6 +28,8 @@ class RewardBatch:
     correct: [N] bool.
     verifier_error: N × (None or "verifier_error: ...").
     extracted: N × the answer the verifier read (None if none).
+    verifier_components: N × the verifier's own breakdown of correctness (a reward plugin's
+        components; () for the built-in verifiers).
     stats: counts of the scoring call (errors, time-outs, seconds).
     """
 
@@ -40,16 +42,18 @@ class RewardBatch:
     stats: VerifyStats
     verifier_name: str
     verifier_version: str
+    verifier_components: List[Components] = field(default_factory=list)
 
     def items(self) -> List[SampleReward]:
         """The typed reward of every sample (what the rollout manager stores on each), the
         tensors read once, not element by element."""
+        parts = self.verifier_components or [()] * len(self.verifier_error)
         columns = zip(self.reward.tolist(), self.correct.tolist(), self.correctness.tolist(),
-                      self.overlong_penalty.tolist(), self.verifier_error, self.extracted)
+                      self.overlong_penalty.tolist(), self.verifier_error, self.extracted, parts)
         return [SampleReward(reward=reward, correct=correct, correctness=correctness, overlong_penalty=penalty,
                              verifier=self.verifier_name, verifier_version=self.verifier_version,
-                             verifier_error=error, extracted=extracted)
-                for reward, correct, correctness, penalty, error, extracted in columns]
+                             verifier_error=error, extracted=extracted, verifier_components=tuple(components))
+                for reward, correct, correctness, penalty, error, extracted, components in columns]
 
 
 def compute_rewards(
@@ -60,6 +64,7 @@ def compute_rewards(
     algo_cfg: Any,
     answer_prefixes: Optional[Sequence[str]] = None,
     pool: Optional[VerifierPool] = None,
+    metadata: Optional[Sequence[Mapping[str, Any]]] = None,
 ) -> RewardBatch:
     """Verify N responses and add the overlong penalty.
 
@@ -73,9 +78,10 @@ def compute_rewards(
             verifier_timeout_s.
         answer_prefixes: see `score_responses` (the synthetic task's "Answer:").
         pool: optional worker pool (default: the shared one of the verifier).
+        metadata: optional N problem metadata dicts for a reward plugin (`problem_metadata`).
     """
     results, stats = score_responses(verifier, responses, ground_truths, algo_cfg.verifier_timeout_s,
-                                     answer_prefixes=answer_prefixes, pool=pool)
+                                     answer_prefixes=answer_prefixes, pool=pool, metadata=metadata)
     correctness = torch.tensor([r.reward for r in results], dtype=torch.float32)
     if algo_cfg.overlong_buffer_enable:
         penalty = compute_overlong_penalty(list(response_lengths), algo_cfg.max_response_length,
@@ -94,4 +100,5 @@ def compute_rewards(
         stats=stats,
         verifier_name=verifier.name,
         verifier_version=verifier.version,
+        verifier_components=[r.components for r in results],
     )

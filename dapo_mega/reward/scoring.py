@@ -37,9 +37,9 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from dapo_mega.reward.types import Verifier, VerifyResult, VerifyStats, verifier_error_result
+from dapo_mega.reward.types import Verifier, VerifyResult, VerifyStats, call_verifier, verifier_error_result
 from dapo_mega.tether import popen_tethered
 
 logger = logging.getLogger(__name__)
@@ -158,12 +158,14 @@ class VerifierPool:
             self._workers.append(worker)
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], timeout_s: float,
-              stats: VerifyStats) -> List[VerifyResult]:
-        """Score every item; each gets at most `timeout_s` of a worker's time."""
+              stats: VerifyStats, metadata: Optional[Sequence[Mapping[str, Any]]] = None) -> List[VerifyResult]:
+        """Score every item; each gets at most `timeout_s` of a worker's time. `metadata`: N
+        problem metadata dicts for verifiers that take them (default: {} each)."""
         with self._lock:
-            return self._score_locked(responses, ground_truths, timeout_s, stats)
+            return self._score_locked(responses, ground_truths, timeout_s, stats,
+                                      metadata if metadata is not None else [{}] * len(responses))
 
-    def _score_locked(self, responses, ground_truths, timeout_s, stats) -> List[VerifyResult]:
+    def _score_locked(self, responses, ground_truths, timeout_s, stats, metadata) -> List[VerifyResult]:
         results: List[Optional[VerifyResult]] = [None] * len(responses)
         pending = deque(range(len(responses)))
         self._ensure_workers()
@@ -179,7 +181,7 @@ class VerifierPool:
                 worker = idle.pop()
                 index = pending.popleft()
                 try:
-                    worker.send_conn.send((index, responses[index], ground_truths[index]))
+                    worker.send_conn.send((index, responses[index], ground_truths[index], dict(metadata[index])))
                 except (OSError, ValueError, pickle.PicklingError) as exc:
                     results[index] = verifier_error_result(f"could not send to worker: {exc}")
                     stats.num_exceptions += 1
@@ -204,9 +206,9 @@ class VerifierPool:
                 index = worker.task[0]  # type: ignore[index]
                 worker.task = None
                 try:
-                    reply_index, (correct, reward, extracted, error) = conn.recv()
+                    reply_index, (correct, reward, extracted, error, components) = conn.recv()
                     assert reply_index == index, (reply_index, index)
-                    results[index] = VerifyResult(correct, reward, extracted, error)
+                    results[index] = VerifyResult(correct, reward, extracted, error, components)
                     if error is not None:
                         stats.num_exceptions += 1
                     idle.append(worker)
@@ -289,6 +291,7 @@ def score_responses(
     timeout_s: float = 5.0,
     answer_prefixes: Optional[Sequence[str]] = None,
     pool: Optional[VerifierPool] = None,
+    metadata: Optional[Sequence[Mapping[str, Any]]] = None,
 ) -> Tuple[List[VerifyResult], VerifyStats]:
     """Score responses against ground truths; never raises on bad input, never hangs.
 
@@ -302,6 +305,8 @@ def score_responses(
             with "Answer:" and the model only writes " 46\\n"). Empty for real datasets.
         pool: the worker pool for verifiers that cannot run in-process; default a shared
             pool per verifier.
+        metadata: optional N problem metadata dicts, given to verifiers that take them (a
+            reward plugin's third argument; see reward/plugin.py); default {} each.
 
     Returns:
         (results, stats): N VerifyResults in input order, and the counts of this call.
@@ -310,6 +315,9 @@ def score_responses(
         raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
     if answer_prefixes is not None and len(answer_prefixes) != len(responses):
         raise ValueError(f"{len(answer_prefixes)} answer prefixes for {len(responses)} responses")
+    if metadata is not None and len(metadata) != len(responses):
+        raise ValueError(f"{len(metadata)} metadata dicts for {len(responses)} responses")
+    metadata = metadata if metadata is not None else [{}] * len(responses)
     start = time.monotonic()
     stats = VerifyStats(num_responses=len(responses))
     window = verifier.max_response_chars
@@ -329,7 +337,7 @@ def score_responses(
             continue
         item_start = time.monotonic()
         try:
-            result = verifier.score(text, truth)
+            result = call_verifier(verifier, text, truth, metadata[i])
         except Exception as exc:  # noqa: BLE001 - scored, counted, never raised
             result = verifier_error_result(f"{type(exc).__name__}: {str(exc)[:200]}")
             stats.num_exceptions += 1
@@ -343,7 +351,8 @@ def score_responses(
 
     if pooled:
         pool = pool or get_verifier_pool(verifier)
-        pooled_results = pool.score([texts[i] for i in pooled], [truths[i] for i in pooled], timeout_s, stats)
+        pooled_results = pool.score([texts[i] for i in pooled], [truths[i] for i in pooled], timeout_s, stats,
+                                    metadata=[metadata[i] for i in pooled])
         for i, result in zip(pooled, pooled_results):
             results[i] = result
         stats.num_in_pool = len(pooled)

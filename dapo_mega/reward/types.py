@@ -10,7 +10,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Optional, Protocol, runtime_checkable
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
+
+Components = Tuple[Tuple[str, float], ...]
+"""A verifier's own breakdown of its score, as (name, value) pairs (frozen, hashable)."""
+
+VERIFIER_COMPONENT_PREFIX = "verifier/"
+"""The ledger's `reward_components` key of a verifier's own component `name`:
+`verifier/<name>` (a breakdown of `correctness`, never added to the reward again)."""
 
 
 @dataclass(frozen=True)
@@ -22,12 +29,15 @@ class VerifyResult:
     extracted: the answer the verifier read from the response (normalised), None if none.
     error: None, or "verifier_error: ..." when the verifier raised or ran out of time; the
         response is then scored as wrong (correct=False, reward=−1).
+    components: the verifier's own breakdown of `reward` (a reward plugin's `components`);
+        () for the built-in verifiers, whose reward is the ±1 verdict alone.
     """
 
     correct: bool
     reward: float
     extracted: Optional[str] = None
     error: Optional[str] = None
+    components: Components = ()
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,7 @@ class SampleReward:
     verifier / verifier_version: who graded it (stamped in the ledger).
     verifier_error: None, or "verifier_error: ..." when the verifier raised or timed out.
     extracted: the answer the verifier read (normalised), None if none.
+    verifier_components: the verifier's own breakdown of `correctness` (VerifyResult.components).
     """
 
     reward: float
@@ -51,14 +62,27 @@ class SampleReward:
     verifier_version: str = ""
     verifier_error: Optional[str] = None
     extracted: Optional[str] = None
+    verifier_components: Components = ()
 
     def components(self) -> Dict[str, float]:
-        """The parts that add up to `reward` (the ledger's `reward_components`)."""
-        return {"correctness": self.correctness, "overlong_penalty": self.overlong_penalty}
+        """The parts that add up to `reward` (the ledger's `reward_components`), then the
+        verifier's breakdown of `correctness` under `verifier/<name>` (not added again)."""
+        parts = {"correctness": self.correctness, "overlong_penalty": self.overlong_penalty}
+        parts.update((VERIFIER_COMPONENT_PREFIX + name, value) for name, value in self.verifier_components)
+        return parts
 
 
 UNSCORED = SampleReward(reward=0.0, correct=False)
 """The reward of a sample no verifier has seen yet."""
+
+
+def call_verifier(verifier: Verifier, response: str, ground_truth: str,
+                  metadata: Optional[Mapping[str, Any]] = None) -> VerifyResult:
+    """`verifier.score` with the problem's metadata where the verifier takes it (a reward
+    plugin), without it otherwise (the built-in verifiers and any two-argument one)."""
+    if getattr(verifier, "takes_metadata", False):
+        return verifier.score(response, ground_truth, dict(metadata or {}))  # type: ignore[call-arg]
+    return verifier.score(response, ground_truth)
 
 
 def verifier_error_result(message: str) -> VerifyResult:
@@ -77,6 +101,8 @@ class Verifier(Protocol):
     runs_in_process: its work is bounded by construction (bounded input, no super-linear
         backtracking, no symbolic evaluation), so `score_responses` may call it in the
         caller's process without a worker it could kill.
+    takes_metadata (optional, default False): `score` takes a third argument, the problem's
+        metadata dict (a reward plugin does; see `call_verifier`).
     """
 
     name: str
@@ -110,14 +136,16 @@ class VerifyStats:
         return {f"{prefix}{key}": float(value) for key, value in asdict(self).items()}
 
 
-def code_version(name: str, source_file: str, *packages: str) -> str:
+def code_version(name: str, source_file: str, *packages: str, declared: Optional[str] = None) -> str:
     """A verifier's version derived from what decides its verdicts, not typed by hand: its
     source file's hash and the versions of the libraries it calls, e.g.
     `dapo-3f9c1a2b7d` or `math_verify-a41c09e2f1+math-verify-0.8.0`. Any edit of the file
-    (or a library upgrade) gives another version in the ledger."""
+    (or a library upgrade) gives another version in the ledger. `declared`: a version its
+    author declared (a reward plugin's `__version__`), used in place of the hash:
+    `boxed_answer:score-1.2`."""
     from importlib.metadata import PackageNotFoundError, version
 
-    digest = hashlib.sha256(Path(source_file).read_bytes()).hexdigest()[:10]
+    digest = declared if declared is not None else hashlib.sha256(Path(source_file).read_bytes()).hexdigest()[:10]
     libs = []
     for package in packages:
         try:

@@ -3,9 +3,12 @@
 Started and killed by `VerifierPool` (scoring.py). Protocol over two pipes, using
 multiprocessing.connection framing:
 
-    parent → child: pickled verifier (bytes), then tasks (index, response, ground_truth),
-                    then None to stop
-    child → parent: ("ready", None), then (index, (correct, reward, extracted, error))
+    parent → child: pickled verifier (bytes), then tasks (index, response, ground_truth,
+                    metadata), then None to stop
+    child → parent: ("ready", None), then (index, (correct, reward, extracted, error, components))
+
+A reward plugin (`algo.verifier=module:function`) is imported here, by its path, when its
+verifier is unpickled: before "ready", so its import time is not charged to a task.
 
 Runs the verifier in this process's main thread, so libraries relying on signal.alarm
 work; the parent enforces the hard time bound by killing the process.
@@ -17,6 +20,8 @@ import logging
 import pickle
 import sys
 from multiprocessing.connection import Connection
+
+from dapo_mega.reward.types import call_verifier
 
 
 def serve(recv_conn: Connection, send_conn: Connection) -> None:
@@ -30,12 +35,13 @@ def serve(recv_conn: Connection, send_conn: Connection) -> None:
             return
         if task is None:
             return
-        index, response, ground_truth = task
+        index, response, ground_truth, metadata = task
         try:
-            result = verifier.score(response, ground_truth)
-            reply = (index, (bool(result.correct), float(result.reward), result.extracted, result.error))
+            result = call_verifier(verifier, response, ground_truth, metadata)
+            reply = (index, (bool(result.correct), float(result.reward), result.extracted, result.error,
+                             tuple(result.components)))
         except BaseException as exc:  # noqa: BLE001 - any failure is a scored verifier_error
-            reply = (index, (False, -1.0, None, f"verifier_error: {type(exc).__name__}: {str(exc)[:200]}"))
+            reply = (index, (False, -1.0, None, f"verifier_error: {type(exc).__name__}: {str(exc)[:200]}", ()))
         send_conn.send(reply)
 
 
