@@ -142,9 +142,9 @@ class DriverGate:
 
 def finished_requests() -> int:
     """Requests every rollout manager of this process has completed (the driver's progress)."""
-    from dapo_mega.rollout.manager import RolloutManager
+    from dapo_mega.rollout import dispatch
 
-    return RolloutManager.finished_requests_total
+    return dispatch.finished_requests()
 
 
 __all__ = ["DriverGate", "DriverStalled", "finished_requests"]

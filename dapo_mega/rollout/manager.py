@@ -65,34 +65,27 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
-from dapo_mega.backends.sglang.client import EngineClient, EngineError, SampleResult
+from dapo_mega.backends.sglang.client import EngineClient, EngineError
 from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
 from dapo_mega.reward.types import SampleReward
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, BatchFill
+from dapo_mega.rollout.dispatch import RolloutError, RoundDispatcher, RoundOutcome, chunk_size
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, parse_version
 
 __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample",
-           "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
+           "chunk_size", "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
 
 
 ROUND_MARGIN = 1.2
 """A streamed round asks for need / keep_rate x this many prompts (see `round_size`)."""
 MAX_ROUND_FACTOR = 4
 """A streamed round is at most this many x gen_batch_size prompts."""
-IN_FLIGHT_MARGIN = 1.0
-"""A streamed round keeps requests in flight for want x this many expected kept groups."""
 KEEP_RATE_EMA = 0.03
 """Weight of each finished group in the keep-rate estimate (half-life ~23 groups)."""
-
-
-class RolloutError(RuntimeError):
-    """Generation cannot complete (every engine dead, retries exhausted)."""
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -101,10 +94,6 @@ class DynamicSamplingExhausted(RuntimeError):
 
 class RolloutManager:
     """Generates groups on several engines; see the module docstring."""
-
-    finished_requests_total = 0
-    """Requests completed by every manager of this process: the driver's progress counter
-    (`driver/gate.py`), which training and evaluation rounds alike move."""
 
     def __init__(self, engines: Sequence[EngineAddress], n_samples: int, sampling_params: Dict[str, Any],
                  max_retries: int = 3,
@@ -230,275 +219,9 @@ class RolloutManager:
 
     async def _generate(self, prompts: Sequence[Any], gen_round: int,
                         on_groups: Optional[Callable[[List[Group]], bool]] = None,
-                        want: Optional[Callable[[], int]] = None) -> "_RoundOutcome":
-        """Generate `prompts` in chunks of prompts_per_request over the live engines.
-
-        With `on_groups`, each finished chunk's groups are handed to it as soon as every
-        earlier chunk has been handed over (prompt order, so the outcome does not depend on
-        which engine is faster); once it returns True no new request is sent, the requests
-        still in flight are aborted (`/abort_request` with abort_all on each engine that has
-        one: only this manager generates on the engines in the modes that stream) and their
-        prompts, with those never sent, are returned in `unsent`. Chunks finishing after the
-        stop are still handed over, in chunk order. With `want` (groups still needed) and a
-        keep-rate estimate, a request is sent only while the prompts in flight are expected
-        to keep fewer than want() x IN_FLIGHT_MARGIN groups.
-        """
-        out = _RoundOutcome()
-        live = [e.url for e in self.alive_engines()]
-        if not live:
-            raise RolloutError(f"no live engine (dead: {self.dead_engines()}; rejoining: {self.rejoining})")
-        size = chunk_size(len(prompts), len(live), self.prompts_per_request)
-        chunks = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
-        if not chunks:
-            return out
-        queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first
-        attempts = [0] * len(chunks)
-        for c in range(len(chunks)):
-            queue.put_nowait(c)
-        failures = out.failures
-        start = time.monotonic()
-        remaining = [len(chunks)]
-        done_event = asyncio.Event()
-        stop_event = asyncio.Event()
-        finished: Dict[int, List[Group]] = {}
-        settled = set()  # chunks finished or aborted: nothing more will come for them
-        next_chunk = [0]
-        in_flight: Dict[str, int] = {}
-        errors: List[BaseException] = []
-        abort_tasks: List[asyncio.Task] = []
-        open_prompts = [0]  # sent, not handed over yet (nor aborted, nor failed)
-        hung = {u: asyncio.Event() for u in live}  # set when the watchdog finds the engine hung
-        last_progress = {u: time.monotonic() for u in live}  # a probe answered or a request finished
-        changed = [asyncio.Event()]  # set (and replaced) whenever a request ends: idle workers look again
-
-        def notify() -> None:
-            changed[0].set()
-            changed[0] = asyncio.Event()
-
-        async def wait_for_change(timeout_s: float = 1.0) -> None:
-            """Until a request ends (or timeout_s: a safety net, not the mechanism)."""
-            try:
-                await asyncio.wait_for(changed[0].wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
-
-        def may_send(c: int) -> bool:
-            """The gate (docstring); a chunk that finished chunks wait for (a retry) always goes."""
-            rate = self.keep_rate
-            return (want is None or rate is None or any(f > c for f in finished)
-                    or open_prompts[0] * rate < want() * IN_FLIGHT_MARGIN)
-
-        def least_loaded(url: str) -> bool:
-            """No live engine has fewer requests in flight than `url` (module docstring)."""
-            dead = self.dead
-            mine = in_flight.get(url, 0)
-            return all(mine <= in_flight.get(u, 0) for u in live if u not in dead)
-
-        async def until_hung(url: str, request):
-            """The reply of `request`, or _Hung once the watchdog gives the engine up."""
-            task = asyncio.ensure_future(request)
-            gone = asyncio.ensure_future(hung[url].wait())
-            try:
-                await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-            if task.done():
-                return task.result()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise _Hung(self.dead.get(url, f"{url}: hung"))
-
-        async def watch(url: str) -> None:
-            """Probe `url` while it has requests in flight; mark it hung after liveness_timeout_s
-            without an answer or a finished request."""
-            async with EngineClient(self.endpoints[url]) as probe:
-                while not done_event.is_set() and url not in self.dead:
-                    if in_flight.get(url, 0) <= 0:
-                        last_progress[url] = time.monotonic()
-                        await wait_for_change(self.probe_interval_s)
-                        continue
-                    t0 = time.monotonic()
-                    if await probe.health(timeout_s=self.probe_interval_s):
-                        last_progress[url] = time.monotonic()
-                        await self._observe_loads(url, probe)
-                    elif time.monotonic() - last_progress[url] > self.liveness_timeout_s:
-                        self._mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
-                                             f"{time.monotonic() - last_progress[url]:.0f} s with "
-                                             f"{in_flight.get(url, 0)} request(s) in flight "
-                                             f"(rollout.liveness_timeout_s={self.liveness_timeout_s:g})")
-                        hung[url].set()
-                        notify()
-                        return
-                    await asyncio.sleep(max(0.0, self.probe_interval_s - (time.monotonic() - t0)))
-
-        def hand_over(c_groups: List[Group]) -> None:
-            open_prompts[0] -= len(c_groups)
-            if on_groups is None:
-                return
-            try:
-                full = on_groups(c_groups)
-            except BaseException as exc:  # raised by collect_step after the round
-                errors.append(exc)
-                full = True
-            if full and not stop_event.is_set():
-                stop_event.set()
-                notify()
-                abort_tasks.append(asyncio.create_task(self._abort_in_flight(
-                    [u for u, k in in_flight.items() if k > 0], failures)))
-
-        def deliver_in_order() -> None:
-            while next_chunk[0] < len(chunks) and next_chunk[0] in settled:
-                c = next_chunk[0]
-                next_chunk[0] += 1
-                if c in finished:
-                    hand_over(finished.pop(c))
-
-        def settle(c: int) -> None:
-            settled.add(c)
-            remaining[0] -= 1
-            deliver_in_order()
-            if remaining[0] == 0:
-                done_event.set()
-
-        async def worker(url: str, client: EngineClient):
-            try:
-                await work(url, client)
-            except Exception as exc:  # a bug, not an engine's failure: end the round, never hang on it
-                errors.append(exc)
-                done_event.set()
-                raise
-            finally:
-                notify()
-
-        async def work(url: str, client: EngineClient):
-            while not done_event.is_set() and not stop_event.is_set() and url not in self.dead:
-                if queue.empty():
-                    await wait_for_change()
-                    continue
-                if not least_loaded(url):
-                    await wait_for_change()
-                    continue
-                c = queue.get_nowait()  # no await from here to open_prompts += below
-                if not may_send(c):
-                    queue.put_nowait(c)
-                    await wait_for_change()
-                    continue
-                try:
-                    if url in self.dead or stop_event.is_set():  # no attempt spent
-                        queue.put_nowait(c)
-                        return
-                    idx = chunks[c]
-                    inputs = [self.prompt_to_input(prompts[i]) for i in idx]
-                    params = self._params_for([prompts[i] for i in idx], gen_round)
-                    t0 = time.monotonic()
-                    in_flight[url] = in_flight.get(url, 0) + 1
-                    open_prompts[0] += len(idx)
-                    failed = True
-                    try:
-                        samples = await until_hung(url, client.generate(inputs, params,
-                                                                        return_logprob=self.return_logprob))
-                        if any(s.aborted for s in samples):
-                            if stop_event.is_set():  # our own abort: the prompts go back unsent
-                                out.aborted_requests += 1
-                                out.aborted_samples += len(samples)
-                                out.aborted_tokens += sum(len(s.token_ids) for s in samples)
-                                out.unsent_chunks.append(c)
-                                settle(c)  # failed stays True: no longer open
-                                continue
-                            raise _Retry(f"{url}: request aborted by the engine")
-                    except _Hung as exc:
-                        self._requeue(queue, c, attempts, failures, str(exc), False)
-                        return
-                    except (_Retry, EngineError) as exc:
-                        fatal = isinstance(exc, EngineError) and exc.status < 500
-                        self._requeue(queue, c, attempts, failures, f"{exc}", fatal)
-                        if isinstance(exc, EngineError) and exc.status >= 500:
-                            self._mark_dead(url, str(exc))
-                            return
-                        continue
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        self._mark_dead(url, f"{type(exc).__name__}: {exc}")
-                        self._requeue(queue, c, attempts, failures, f"{url}: {self.dead[url]}", False)
-                        return
-                    else:
-                        failed = False
-                    finally:
-                        in_flight[url] -= 1
-                        if failed:  # aborted, requeued or fatal: no longer open
-                            open_prompts[0] -= len(idx)
-                    latency = time.monotonic() - t0
-                    last_progress[url] = time.monotonic()
-                    RolloutManager.finished_requests_total += 1
-                    self.requests_by_engine[url] = self.requests_by_engine.get(url, 0) + 1
-                    self.samples_by_engine[url] = self.samples_by_engine.get(url, 0) + len(samples)
-                    c_groups = []
-                    for k, i in enumerate(idx):
-                        seed = (params[k] if isinstance(params, list) else params).get("sampling_seed")
-                        replies = samples[k * self.n_samples:(k + 1) * self.n_samples]
-                        out.groups[i] = Group(prompt=prompts[i], prompt_input=inputs[k], engine_id=url,
-                                              queue_delay_s=t0 - start, latency_s=latency, gen_round=gen_round,
-                                              samples=[_scored_sample(r, prompts[i], seed, url, t0 - start, latency,
-                                                                      gen_round, self.dataset_revision)
-                                                       for r in replies])
-                        c_groups.append(out.groups[i])
-                    finished[c] = c_groups
-                    settle(c)
-                finally:
-                    notify()
-
-        # One HTTP session (connection pool) per engine, shared by its concurrent requests.
-        clients = {url: EngineClient(self.endpoints[url]) for url in live}
-        for client in clients.values():
-            await client.__aenter__()
-        # engine by engine within each rank of worker: the first chunks go round the engines
-        workers = [asyncio.create_task(worker(url, client)) for _ in range(self.requests_per_engine)
-                   for url, client in clients.items()]
-        watchers = [asyncio.create_task(watch(url)) for url in live]
-        try:
-            while not done_event.is_set() and not stop_event.is_set():
-                if failures and failures[-1].startswith("FATAL"):
-                    break
-                if all(w.done() for w in workers):
-                    break
-                await wait_for_change()
-        except BaseException:
-            for w in workers + watchers:
-                w.cancel()
-            await asyncio.gather(*workers, *watchers, return_exceptions=True)
-            await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
-            raise
-        # Workers return once their request in flight (aborted after a stop) is answered.
-        done_event.set()
-        notify()
-        errors += [r for r in await asyncio.gather(*workers, return_exceptions=True)
-                   if isinstance(r, Exception)]  # a worker's own bug, not an engine's failure
-        for w in watchers:
-            w.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
-        await asyncio.gather(*abort_tasks, return_exceptions=True)
-        await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
-        for c in sorted(finished):  # finished after a gap (an aborted or failed chunk before them)
-            hand_over(finished.pop(c))
-        out.stopped = stop_event.is_set()
-        if out.stopped:
-            while not queue.empty():
-                out.unsent_chunks.append(queue.get_nowait())
-            out.unsent = [prompts[i] for c in sorted(out.unsent_chunks) for i in chunks[c] if i not in out.groups]
-        if errors:
-            raise errors[0]
-        return out
-
-    async def _abort_in_flight(self, urls: Sequence[str], failures: List[str]) -> None:
-        """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised
-        (the request in flight then simply finishes)."""
-        async def one(url: str) -> None:
-            try:
-                async with EngineClient(self.endpoints[url]) as client:
-                    await client.abort_request(abort_all=True)
-            except Exception as exc:  # noqa: BLE001 - best effort
-                failures.append(f"{url}: abort_request failed: {type(exc).__name__}: {exc}")
-
-        await asyncio.gather(*(one(u) for u in urls))
+                        want: Optional[Callable[[], int]] = None) -> RoundOutcome:
+        """Generate `prompts` in chunks over the live engines (rollout/dispatch.py)."""
+        return await RoundDispatcher(self, prompts, gen_round, on_groups, want).run()
 
     def _params_for(self, prompts: Sequence[Any], gen_round: int) -> Any:
         """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
@@ -509,14 +232,6 @@ class RolloutManager:
             return self.sampling_params
         return [{**self.sampling_params, "sampling_seed": request_seed(self.seed, self._step, gen_round,
                                                                        str(getattr(p, "id", "")))} for p in prompts]
-
-    def _requeue(self, queue, c, attempts, failures, message, fatal) -> None:
-        attempts[c] += 1
-        if fatal or attempts[c] > self.max_retries:
-            failures.append(f"FATAL chunk {c} after {attempts[c]} attempts: {message}")
-        else:
-            failures.append(message)
-            queue.put_nowait(c)
 
     # ---------------------------------------------------------------- dynamic sampling
     def collect_step(self, step: int, learner_version: int, prompt_source: Callable[[int], List[Any]],
@@ -587,7 +302,7 @@ class RolloutManager:
         self.metrics.update(self.engine_load_metrics())
         return kept, samples
 
-    def _set_aside_undecided(self, prompts: Sequence[Any], fill: BatchFill, out: "_RoundOutcome") -> None:
+    def _set_aside_undecided(self, prompts: Sequence[Any], fill: BatchFill, out: RoundOutcome) -> None:
         """After a streamed round: its prompts after the last one decided go back to `pending`
         (in prompt order, before the older pending ones), whether their request was never sent,
         aborted, or finished; the samples of those that finished are discarded (counted)."""
@@ -673,19 +388,6 @@ def run_coroutine(coro):
             loop.close()
 
 
-def _scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
-                   latency_s: float, gen_round: int, dataset_revision: str = "") -> ScoredSample:
-    """A ScoredSample (not scored yet) from one sample of an engine's reply."""
-    text = getattr(prompt, "prompt", None)
-    return ScoredSample(
-        prompt_id=str(getattr(prompt, "id", "")), sample_index=reply.sample_index, token_ids=list(reply.token_ids),
-        logprobs=reply.logprobs, weight_versions=list(reply.weight_versions), response_text=reply.text,
-        truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
-        generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
-        dataset_revision=str(getattr(prompt, "dataset_revision", "") or dataset_revision),
-        prompt_text=text if isinstance(text, str) else "")
-
-
 def _plain(prompt: Any) -> Any:
     """A prompt item as plain data (as Group.to_dict stores it)."""
     from dataclasses import asdict
@@ -699,38 +401,3 @@ def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:
 
     digest = hashlib.sha256(f"{seed}:{step}:{gen_round}:{prompt_id}".encode()).digest()
     return int.from_bytes(digest[:7], "big")
-
-
-@dataclass
-class _RoundOutcome:
-    """What one generation round produced (RolloutManager._generate)."""
-
-    groups: Dict[int, Group] = field(default_factory=dict)
-    """prompt index -> its finished group."""
-    failures: List[str] = field(default_factory=list)
-    stopped: bool = False
-    """The batch filled and the rest of the round was cancelled."""
-    unsent_chunks: List[int] = field(default_factory=list)
-    unsent: List[Any] = field(default_factory=list)
-    """Prompts of the round never completed (never sent, or aborted in flight), in order."""
-    aborted_requests: int = 0
-    aborted_samples: int = 0
-    """Samples of the aborted requests (never completed: no ledger rows)."""
-    aborted_tokens: int = 0
-    """Tokens those samples had generated when aborted."""
-
-
-class _Retry(Exception):
-    pass
-
-
-class _Hung(Exception):
-    """The liveness watchdog gave the engine up while this request was in flight."""
-
-
-def chunk_size(num_prompts: int, num_engines: int, prompts_per_request: int) -> int:
-    """Prompts per request: `prompts_per_request`, or fewer so that every engine gets at least
-    one request when there are few prompts (30 AIME problems over 32 engines: 1 each)."""
-    if num_prompts <= 0:
-        return max(1, prompts_per_request)
-    return max(1, min(prompts_per_request, math.ceil(num_prompts / max(1, num_engines))))

@@ -12,6 +12,7 @@ from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout import ledger
+from dapo_mega.rollout.dispatch import finished_requests
 from dapo_mega.rollout.manager import DynamicSamplingExhausted, RolloutManager, drop_stale_groups, request_seed
 from dapo_mega.rollout.fleet import EngineFleet
 
@@ -59,13 +60,13 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_nothing(model_dir, tmp_p
                              requests_per_engine=1,  # one at a time: engine 1 still has work queued at the kill
                              seed=11)
         killed_at = []
-        finished_before = RolloutManager.finished_requests_total
+        finished_before = finished_requests()
 
         def kill_engine_1_mid_request():
             """SIGKILL engine 1 once 4 requests finished and it runs one (bounded: 30 s)."""
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                if RolloutManager.finished_requests_total - finished_before >= 4:
+                if finished_requests() - finished_before >= 4:
                     with urllib.request.urlopen(engines[1].url + "/v1/loads", timeout=5) as r:
                         if json.load(r)["loads"][0]["num_running_reqs"] > 0:
                             break

@@ -59,13 +59,13 @@ def test_a_problem_gets_the_revision_the_manager_was_given():
     row, and a prompt that carries its own keeps it."""
     from dapo_mega.backends.sglang.client import SampleResult
     from dapo_mega.data.problem import Problem
-    from dapo_mega.rollout.manager import _scored_sample
+    from dapo_mega.rollout.dispatch import scored_sample
 
     reply = SampleResult(prompt_index=0, sample_index=1, text=" 4", output_ids=[7], token_ids=[7],
                          finish_reason={"type": "stop"}, logprobs=[-0.5], weight_versions=[], prompt_tokens=3,
                          completion_tokens=1)
     problem = Problem(id="p1", prompt="2+2=", ground_truth="4", data_source="synthetic_arithmetic")
-    sample = _scored_sample(reply, problem, 5, "e", 0.0, 0.1, 0, dataset_revision="04f16f7a7ae9")
+    sample = scored_sample(reply, problem, 5, "e", 0.0, 0.1, 0, dataset_revision="04f16f7a7ae9")
     assert sample.dataset_revision == "04f16f7a7ae9" and sample.prompt_id == "p1" and sample.seed == 5
-    own = _scored_sample(reply, Prompt("p2", "x", "r2"), None, "e", 0.0, 0.1, 0, dataset_revision="run")
+    own = scored_sample(reply, Prompt("p2", "x", "r2"), None, "e", 0.0, 0.1, 0, dataset_revision="run")
     assert own.dataset_revision == "r2"

@@ -1,0 +1,404 @@
+"""One generation round over the live engines: chunks, workers, the liveness watchdog.
+
+`RoundDispatcher` is what `RolloutManager._generate` runs for one round (the rules are in
+rollout/manager.py's module docstring): the round's prompts are cut into chunks
+(`chunk_size`), `requests_per_engine` workers per live engine take chunks from one priority
+queue (a retry first) while their engine is among the least loaded, a watchdog per engine
+probes it while it has requests in flight, and finished chunks are handed to `on_groups`
+strictly in chunk order. Everything the round keeps between those pieces is an attribute of
+the dispatcher; the manager keeps what outlives a round (dead engines, counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import aiohttp
+
+from dapo_mega.backends.sglang.client import EngineClient, EngineError, SampleResult
+from dapo_mega.rollout.samples import Group, ScoredSample
+
+__all__ = ["IN_FLIGHT_MARGIN", "RolloutError", "RoundDispatcher", "RoundOutcome", "abort_in_flight", "chunk_size",
+           "finished_requests", "scored_sample"]
+
+IN_FLIGHT_MARGIN = 1.0
+"""A streamed round keeps requests in flight for want x this many expected kept groups."""
+
+
+class RolloutError(RuntimeError):
+    """Generation cannot complete (every engine dead, retries exhausted)."""
+
+
+_finished_requests = 0
+
+
+def finished_requests() -> int:
+    """Requests completed by every round of this process: the driver's progress counter
+    (`driver/gate.py`), which training and evaluation rounds alike move."""
+    return _finished_requests
+
+
+@dataclass
+class RoundOutcome:
+    """What one generation round produced."""
+
+    groups: Dict[int, Group] = field(default_factory=dict)
+    """prompt index -> its finished group."""
+    failures: List[str] = field(default_factory=list)
+    stopped: bool = False
+    """The batch filled and the rest of the round was cancelled."""
+    unsent_chunks: List[int] = field(default_factory=list)
+    unsent: List[Any] = field(default_factory=list)
+    """Prompts of the round never completed (never sent, or aborted in flight), in order."""
+    aborted_requests: int = 0
+    aborted_samples: int = 0
+    """Samples of the aborted requests (never completed: no ledger rows)."""
+    aborted_tokens: int = 0
+    """Tokens those samples had generated when aborted."""
+
+
+class _Retry(Exception):
+    pass
+
+
+class _Hung(Exception):
+    """The liveness watchdog gave the engine up while this request was in flight."""
+
+
+def chunk_size(num_prompts: int, num_engines: int, prompts_per_request: int) -> int:
+    """Prompts per request: `prompts_per_request`, or fewer so that every engine gets at least
+    one request when there are few prompts (30 AIME problems over 32 engines: 1 each)."""
+    if num_prompts <= 0:
+        return max(1, prompts_per_request)
+    return max(1, min(prompts_per_request, math.ceil(num_prompts / max(1, num_engines))))
+
+
+class RoundDispatcher:
+    """One round of `prompts` over the manager's live engines (module docstring).
+
+    `manager` is the RolloutManager that owns the engines: its endpoints, dead-engine book,
+    request settings and counters. With `on_groups`, each finished chunk's groups are handed
+    to it once every earlier chunk has been; once it returns True no new request is sent, the
+    requests in flight are aborted and their prompts, with those never sent, end in
+    `RoundOutcome.unsent`. With `want` (groups still needed) and a keep-rate estimate, a
+    request is sent only while the prompts in flight are expected to keep fewer than
+    want() x IN_FLIGHT_MARGIN groups.
+    """
+
+    def __init__(self, manager, prompts: Sequence[Any], gen_round: int,
+                 on_groups: Optional[Callable[[List[Group]], bool]] = None,
+                 want: Optional[Callable[[], int]] = None):
+        self.m = manager
+        self.prompts, self.gen_round = prompts, gen_round
+        self.on_groups, self.want = on_groups, want
+        self.out = RoundOutcome()
+        self.live = [e.url for e in manager.alive_engines()]
+        size = chunk_size(len(prompts), len(self.live), manager.prompts_per_request) if self.live else 1
+        self.chunks = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+        self.attempts = [0] * len(self.chunks)
+        self.remaining = len(self.chunks)
+        self.finished: Dict[int, List[Group]] = {}
+        self.settled: set = set()
+        """Chunks finished or aborted: nothing more will come for them."""
+        self.next_chunk = 0
+        """The first chunk not handed over yet."""
+        self.in_flight: Dict[str, int] = {}
+        self.open_prompts = 0
+        """Prompts sent and not handed over yet (nor aborted, nor failed)."""
+        self.errors: List[BaseException] = []
+        self.abort_tasks: List[asyncio.Task] = []
+        self.last_progress = {u: time.monotonic() for u in self.live}
+        """url -> when a probe last answered or a request last finished."""
+
+    # ---------------------------------------------------------------- events
+    def _notify(self) -> None:
+        """A request ended (or the round stopped): idle workers and watchers look again."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _wait_for_change(self, timeout_s: float = 1.0) -> None:
+        """Until a request ends (or timeout_s: a safety net, not the mechanism)."""
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    # ---------------------------------------------------------------- the round
+    async def run(self) -> RoundOutcome:
+        if not self.live:
+            raise RolloutError(f"no live engine (dead: {self.m.dead_engines()}; rejoining: {self.m.rejoining})")
+        if not self.chunks:
+            return self.out
+        self.queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first
+        for c in range(len(self.chunks)):
+            self.queue.put_nowait(c)
+        self.start = time.monotonic()
+        self.done, self.stop, self.changed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.hung = {u: asyncio.Event() for u in self.live}
+        # One HTTP session (connection pool) per engine, shared by its concurrent requests.
+        clients = {url: EngineClient(self.m.endpoints[url]) for url in self.live}
+        for client in clients.values():
+            await client.__aenter__()
+        # engine by engine within each rank of worker: the first chunks go round the engines
+        workers = [asyncio.create_task(self._worker(url, client)) for _ in range(self.m.requests_per_engine)
+                   for url, client in clients.items()]
+        watchers = [asyncio.create_task(self._watch(url)) for url in self.live]
+        try:
+            await self._until_over(workers)
+        except BaseException:
+            for w in workers + watchers:
+                w.cancel()
+            await asyncio.gather(*workers, *watchers, return_exceptions=True)
+            await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
+            raise
+        # Workers return once their request in flight (aborted after a stop) is answered.
+        self.done.set()
+        self._notify()
+        self.errors += [r for r in await asyncio.gather(*workers, return_exceptions=True)
+                        if isinstance(r, Exception)]  # a worker's own bug, not an engine's failure
+        for w in watchers:
+            w.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await asyncio.gather(*self.abort_tasks, return_exceptions=True)
+        await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients.values()), return_exceptions=True)
+        return self._conclude()
+
+    async def _until_over(self, workers: List[asyncio.Task]) -> None:
+        """Until every chunk settled, the batch filled, a chunk failed for good or every worker ended."""
+        failures = self.out.failures
+        while not self.done.is_set() and not self.stop.is_set():
+            if failures and failures[-1].startswith("FATAL"):
+                return
+            if all(w.done() for w in workers):
+                return
+            await self._wait_for_change()
+
+    def _conclude(self) -> RoundOutcome:
+        out = self.out
+        for c in sorted(self.finished):  # finished after a gap (an aborted or failed chunk before them)
+            self._hand_over(self.finished.pop(c))
+        out.stopped = self.stop.is_set()
+        if out.stopped:
+            while not self.queue.empty():
+                out.unsent_chunks.append(self.queue.get_nowait())
+            out.unsent = [self.prompts[i] for c in sorted(out.unsent_chunks) for i in self.chunks[c]
+                          if i not in out.groups]
+        if self.errors:
+            raise self.errors[0]
+        return out
+
+    # ---------------------------------------------------------------- handing over, in order
+    def _hand_over(self, c_groups: List[Group]) -> None:
+        self.open_prompts -= len(c_groups)
+        if self.on_groups is None:
+            return
+        try:
+            full = self.on_groups(c_groups)
+        except BaseException as exc:  # raised by collect_step after the round
+            self.errors.append(exc)
+            full = True
+        if full and not self.stop.is_set():
+            self.stop.set()
+            self._notify()
+            busy = [u for u, k in self.in_flight.items() if k > 0]
+            self.abort_tasks.append(asyncio.create_task(
+                abort_in_flight(self.m.endpoints, busy, self.out.failures)))
+
+    def _settle(self, c: int) -> None:
+        self.settled.add(c)
+        self.remaining -= 1
+        while self.next_chunk < len(self.chunks) and self.next_chunk in self.settled:
+            n = self.next_chunk
+            self.next_chunk += 1
+            if n in self.finished:
+                self._hand_over(self.finished.pop(n))
+        if self.remaining == 0:
+            self.done.set()
+
+    # ---------------------------------------------------------------- gates
+    def _may_send(self, c: int) -> bool:
+        """The keep-rate gate (class docstring); a chunk that finished chunks wait for (a retry) always goes."""
+        rate = self.m.keep_rate
+        return (self.want is None or rate is None or any(f > c for f in self.finished)
+                or self.open_prompts * rate < self.want() * IN_FLIGHT_MARGIN)
+
+    def _least_loaded(self, url: str) -> bool:
+        """No live engine has fewer requests in flight than `url` (manager docstring)."""
+        dead = self.m.dead
+        mine = self.in_flight.get(url, 0)
+        return all(mine <= self.in_flight.get(u, 0) for u in self.live if u not in dead)
+
+    def _requeue(self, c: int, message: str, fatal: bool) -> None:
+        self.attempts[c] += 1
+        if fatal or self.attempts[c] > self.m.max_retries:
+            self.out.failures.append(f"FATAL chunk {c} after {self.attempts[c]} attempts: {message}")
+        else:
+            self.out.failures.append(message)
+            self.queue.put_nowait(c)
+
+    # ---------------------------------------------------------------- liveness
+    async def _until_hung(self, url: str, request):
+        """The reply of `request`, or _Hung once the watchdog gives the engine up."""
+        task = asyncio.ensure_future(request)
+        gone = asyncio.ensure_future(self.hung[url].wait())
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise _Hung(self.m.dead.get(url, f"{url}: hung"))
+
+    async def _watch(self, url: str) -> None:
+        """Probe `url` while it has requests in flight; mark it hung after liveness_timeout_s
+        without an answer or a finished request."""
+        m = self.m
+        async with EngineClient(m.endpoints[url]) as probe:
+            while not self.done.is_set() and url not in m.dead:
+                if self.in_flight.get(url, 0) <= 0:
+                    self.last_progress[url] = time.monotonic()
+                    await self._wait_for_change(m.probe_interval_s)
+                    continue
+                t0 = time.monotonic()
+                if await probe.health(timeout_s=m.probe_interval_s):
+                    self.last_progress[url] = time.monotonic()
+                    await m._observe_loads(url, probe)
+                elif time.monotonic() - self.last_progress[url] > m.liveness_timeout_s:
+                    silent = time.monotonic() - self.last_progress[url]
+                    m._mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
+                                      f"{silent:.0f} s with {self.in_flight.get(url, 0)} request(s) in flight "
+                                      f"(rollout.liveness_timeout_s={m.liveness_timeout_s:g})")
+                    self.hung[url].set()
+                    self._notify()
+                    return
+                await asyncio.sleep(max(0.0, m.probe_interval_s - (time.monotonic() - t0)))
+
+    # ---------------------------------------------------------------- workers
+    async def _worker(self, url: str, client: EngineClient) -> None:
+        try:
+            await self._work(url, client)
+        except Exception as exc:  # a bug, not an engine's failure: end the round, never hang on it
+            self.errors.append(exc)
+            self.done.set()
+            raise
+        finally:
+            self._notify()
+
+    async def _work(self, url: str, client: EngineClient) -> None:
+        """Take chunks for `url` while the round goes on and the engine lives."""
+        while not self.done.is_set() and not self.stop.is_set() and url not in self.m.dead:
+            if self.queue.empty() or not self._least_loaded(url):
+                await self._wait_for_change()
+                continue
+            c = self.queue.get_nowait()  # no await from here to open_prompts += in _send
+            if not self._may_send(c):
+                self.queue.put_nowait(c)
+                await self._wait_for_change()
+                continue
+            try:
+                if url in self.m.dead or self.stop.is_set():  # no attempt spent
+                    self.queue.put_nowait(c)
+                    return
+                if not await self._send(url, client, c):
+                    return
+            finally:
+                self._notify()
+
+    async def _send(self, url: str, client: EngineClient, c: int) -> bool:
+        """One request for chunk `c` on `url`; False when this worker should stop (its engine
+        died or hung)."""
+        m, idx = self.m, self.chunks[c]
+        inputs = [m.prompt_to_input(self.prompts[i]) for i in idx]
+        params = m._params_for([self.prompts[i] for i in idx], self.gen_round)
+        t0 = time.monotonic()
+        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        self.open_prompts += len(idx)
+        failed = True
+        try:
+            samples = await self._until_hung(url, client.generate(inputs, params, return_logprob=m.return_logprob))
+            if any(s.aborted for s in samples):
+                if self.stop.is_set():  # our own abort: the prompts go back unsent
+                    self.out.aborted_requests += 1
+                    self.out.aborted_samples += len(samples)
+                    self.out.aborted_tokens += sum(len(s.token_ids) for s in samples)
+                    self.out.unsent_chunks.append(c)
+                    self._settle(c)  # failed stays True: no longer open
+                    return True
+                raise _Retry(f"{url}: request aborted by the engine")
+        except _Hung as exc:
+            self._requeue(c, str(exc), False)
+            return False
+        except (_Retry, EngineError) as exc:
+            self._requeue(c, f"{exc}", isinstance(exc, EngineError) and exc.status < 500)
+            if isinstance(exc, EngineError) and exc.status >= 500:
+                m._mark_dead(url, str(exc))
+                return False
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            m._mark_dead(url, f"{type(exc).__name__}: {exc}")
+            self._requeue(c, f"{url}: {m.dead[url]}", False)
+            return False
+        else:
+            failed = False
+        finally:
+            self.in_flight[url] -= 1
+            if failed:  # aborted, requeued or fatal: no longer open
+                self.open_prompts -= len(idx)
+        self._finish(url, c, inputs, params, samples, t0)
+        return True
+
+    def _finish(self, url: str, c: int, inputs: List[Any], params: Any, samples: List[SampleResult],
+                t0: float) -> None:
+        """A complete reply: its groups, the engine's progress and counters."""
+        global _finished_requests
+        m = self.m
+        latency = time.monotonic() - t0
+        self.last_progress[url] = time.monotonic()
+        _finished_requests += 1
+        m.requests_by_engine[url] = m.requests_by_engine.get(url, 0) + 1
+        m.samples_by_engine[url] = m.samples_by_engine.get(url, 0) + len(samples)
+        c_groups = []
+        for k, i in enumerate(self.chunks[c]):
+            seed = (params[k] if isinstance(params, list) else params).get("sampling_seed")
+            replies = samples[k * m.n_samples:(k + 1) * m.n_samples]
+            delay = t0 - self.start
+            group = Group(prompt=self.prompts[i], prompt_input=inputs[k], engine_id=url, queue_delay_s=delay,
+                          latency_s=latency, gen_round=self.gen_round,
+                          samples=[scored_sample(r, self.prompts[i], seed, url, delay, latency, self.gen_round,
+                                                 m.dataset_revision) for r in replies])
+            self.out.groups[i] = group
+            c_groups.append(group)
+        self.finished[c] = c_groups
+        self._settle(c)
+
+
+async def abort_in_flight(endpoints: Dict[str, Any], urls: Sequence[str], failures: List[str]) -> None:
+    """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised
+    (the request in flight then simply finishes)."""
+    async def one(url: str) -> None:
+        try:
+            async with EngineClient(endpoints[url]) as client:
+                await client.abort_request(abort_all=True)
+        except Exception as exc:  # noqa: BLE001 - best effort
+            failures.append(f"{url}: abort_request failed: {type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(one(u) for u in urls))
+
+
+def scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
+                  latency_s: float, gen_round: int, dataset_revision: str = "") -> ScoredSample:
+    """A ScoredSample (not scored yet) from one sample of an engine's reply."""
+    text = getattr(prompt, "prompt", None)
+    return ScoredSample(
+        prompt_id=str(getattr(prompt, "id", "")), sample_index=reply.sample_index, token_ids=list(reply.token_ids),
+        logprobs=reply.logprobs, weight_versions=list(reply.weight_versions), response_text=reply.text,
+        truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
+        generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
+        dataset_revision=str(getattr(prompt, "dataset_revision", "") or dataset_revision),
+        prompt_text=text if isinstance(text, str) else "")
