@@ -21,7 +21,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Literal, Optional, get_args
+from typing import Any, Dict, List, Literal, Optional, get_args
 
 
 class ConfigError(ValueError):
@@ -29,13 +29,14 @@ class ConfigError(ValueError):
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-Verifier = Literal["dapo", "math_verify"]
+Verifier = Literal["dapo", "math_verify"]  # the built-in names; algo.verifier also takes a plugin's module:function
 OnNonfinite = Literal["skip", "stop"]
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
 SyntheticTask = Literal["arithmetic", "chain"]
 RolloutBackend = Literal["embedded", "sglang"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
+HFExportDtype = Literal["bfloat16", "float32", "float16"]
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
 ParamsDtype = Literal["auto", "float32", "bf16", "fp16"]
@@ -147,7 +148,12 @@ class AlgoConfig:
     overlong_filter: bool = False
     """Mask the loss of truncated samples (overlong filtering, the paper's other option)."""
     verifier: str = "dapo"
-    """Answer verifier: dapo (last 300 chars, `Answer:` line, Minerva) or math_verify."""
+    """Answer verifier: dapo (last 300 chars, `Answer:` line, Minerva), math_verify, or a reward
+    plugin's import path `package.module:function` taking (response, ground_truth, metadata)
+    and returning a dapo_mega.reward.RewardResult (docs/rewards.md; its folder on PYTHONPATH,
+    e.g. PYTHONPATH=examples/rewards algo.verifier=boxed_answer:score). A plugin runs in the
+    verifier worker processes, bounded by verifier_timeout_s; `dapo-mega train` imports it and
+    calls it once on a probe before anything is built."""
     verifier_timeout_s: float = 5.0
     """A verification taking longer than this is scored as failed (verifier_error)."""
     # --- optimiser ---
@@ -211,7 +217,9 @@ class AlgoConfig:
             raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
         if a.tis_cap is not None and a.tis_cap <= 0:
             raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
-        _check_choice("algo.verifier", a.verifier, Verifier)
+        if ":" not in a.verifier:  # a plugin's path is imported and probed by preflight (reward.check_verifier)
+            _check_choice("algo.verifier", a.verifier, Verifier,
+                          "use dapo, math_verify, or a reward plugin's package.module:function (docs/rewards.md)")
         if a.lr <= 0:
             raise err("algo.lr", "must be > 0", "use 1e-6 (DAPO)")
         if a.lr_warmup_steps < 0:
@@ -560,6 +568,19 @@ class TrainerConfig:
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0 = none): checkpoints
     to compare later on the same hold-out."""
+    hf_export_interval: int = 0
+    """Write the learner's weights as a Hugging Face checkpoint every this many RL steps, and
+    after the run's last step (0 = off): `<run_dir>/hf/step_<N>/` with sharded safetensors +
+    index, config.json, generation_config.json and the model's tokenizer files, loadable by
+    `from_pretrained` and SGLang. Written into a `.tmp-` directory by the learner ranks (each
+    pipeline stage's TP-0 rank writes its own shards; no rank gathers the model) and renamed
+    when complete. Its seconds and bytes are in metrics.jsonl (`hf_export/seconds`,
+    `hf_export/bytes`, `mem/hf_export/rss_peak_gib`). A run stopped early by
+    wall_time_minutes exports only on the interval."""
+    hf_export_keep: int = 2
+    """HF exports kept; older complete ones (only those) are deleted after a new one is complete."""
+    hf_export_dtype: str = "bfloat16"
+    """dtype of the exported weights: bfloat16, float32 or float16."""
     resume_step: int = 0
     """Resume from exactly this step's checkpoint (0 = the latest). Later checkpoints, ledger
     shards and eval files move to <run_dir>/set_aside/ (nothing is lost); later starts with
@@ -625,6 +646,13 @@ class TrainerConfig:
                 raise err(f"trainer.{name}", f"must be >= 0, got {getattr(t, name)}", "use 0 (off)")
         if t.keep_last_k < 1:
             raise err("trainer.keep_last_k", "must be >= 1 (the latest checkpoint is always kept)", "use 2")
+        if t.hf_export_interval < 0:
+            raise err("trainer.hf_export_interval", f"must be >= 0, got {t.hf_export_interval}",
+                      "use 0 (off) or a number of RL steps")
+        if t.hf_export_keep < 1:
+            raise err("trainer.hf_export_keep", f"must be >= 1 (the newest export is always kept), got "
+                      f"{t.hf_export_keep}", "use 2")
+        _check_choice("trainer.hf_export_dtype", t.hf_export_dtype, HFExportDtype)
         _check_choice("trainer.wandb_mode", t.wandb_mode, WandbMode)
         if t.wandb_mode == "online" and not os.environ.get("WANDB_API_KEY"):
             raise err("trainer.wandb_mode", "online needs WANDB_API_KEY in the environment",
@@ -642,6 +670,37 @@ class TrainerConfig:
             raise err("trainer.ledger_text_max_chars", f"{t.ledger_text_max_chars} < 64 leaves too little of each "
                       "text to read (the answer is in the last characters of a response)",
                       "use 2048, or trainer.ledger_text=none to leave the texts out")
+
+
+@dataclass
+class EvalSetConfig:
+    """One named held-out set of `eval.sets`; its metrics are `eval/<name>/avg_at_k`."""
+
+    path: str = ""
+    """The set's .parquet / .jsonl file (tools/prepare_data.py writes AIME 2025 and MATH-500)."""
+    n_samples: Optional[int] = None
+    """k of this set's avg@k (null: eval.n_samples)."""
+    max_response_length: Optional[int] = None
+    """This set's length limit (null: eval.max_response_length, else the training limit)."""
+    max_problems: Optional[int] = None
+    """Evaluate only the first N problems (null: eval.max_problems; 0 = all)."""
+
+    def validate(self, name: str) -> None:
+        """The set's own rules; ConfigError names `eval.sets.<name>.<field>` and the fix."""
+        err, where = _field_error, f"eval.sets.{name}"
+        if not name.isidentifier():
+            raise err(where, f"the set name {name!r} is not a plain identifier (it becomes the metric key "
+                      f"eval/{name}/avg_at_k)", "use letters, digits and _, e.g. eval.sets.aime_2025")
+        if not self.path:
+            raise err(f"{where}.path", "empty", "point it at the set's .parquet / .jsonl file")
+        if self.n_samples is not None and self.n_samples < 1:
+            raise err(f"{where}.n_samples", f"must be >= 1, got {self.n_samples}", "use 32 (AIME protocol), "
+                      "or null for eval.n_samples")
+        if self.max_response_length is not None and self.max_response_length < 1:
+            raise err(f"{where}.max_response_length", f"must be >= 1, got {self.max_response_length}",
+                      "use null for the eval / training limit")
+        if self.max_problems is not None and self.max_problems < 0:
+            raise err(f"{where}.max_problems", f"must be >= 0, got {self.max_problems}", "use 0 for all problems")
 
 
 @dataclass
@@ -667,6 +726,10 @@ class EvalConfig:
     """`dapo-mega eval`: a second model compared on the same problems."""
     output: str = ""
     """`dapo-mega eval`: where to write per-problem pass rates (default <run_dir>/eval/)."""
+    sets: Dict[str, EvalSetConfig] = field(default_factory=dict)
+    """Named held-out sets besides data.eval_path (which stays the unnamed set, `eval/avg_at_k`):
+    name -> {path, n_samples, max_response_length, max_problems}, each evaluated every
+    trainer.eval_interval steps and by `dapo-mega eval`, reported as `eval/<name>/avg_at_k`."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
@@ -675,6 +738,8 @@ class EvalConfig:
             raise err("eval.n_samples", "must be >= 1", "use 32 (AIME protocol)")
         if not 0 < e.top_p <= 1:
             raise err("eval.top_p", f"must be in (0, 1], got {e.top_p}", "use 0.7 (AIME protocol)")
+        for name, eval_set in e.sets.items():
+            eval_set.validate(str(name))
 
 
 @dataclass

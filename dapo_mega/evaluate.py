@@ -15,6 +15,13 @@ the same twice and two checkpoints meet the same random numbers; a comparison re
 with a paired bootstrap interval over problems (`paired_difference`); the settings record
 the eval set's revision, the engine, the seed and the verifier's version; each checkpoint's
 result has its own file (`eval_<run>_<step>.json` under the run's eval/ unless eval.output).
+
+Several sets: the unnamed one (data.eval_path, or the synthetic held-out split; metrics
+`eval/avg_at_k`) and the named ones of `eval.sets` (`eval/<name>/avg_at_k`, each with its own
+k and length limit, its own result file `<stem>_<name>.json`), evaluated on the same engines
+and shown side by side, one row per set, with a paired comparison per set:
+
+    dapo-mega eval eval.checkpoint=A '+eval.sets={aime_2025:{path:data/aime_2025.parquet}}'
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class EvalResult:
     """url -> {requests, samples} the engine completed for this evaluation."""
     dead_engines: Dict[str, str] = field(default_factory=dict)
     """url -> why the evaluation found the engine dead (its prompts went to the others)."""
+    name: str = ""
+    """The eval set: "" for the unnamed one (data.eval_path), else its key in eval.sets."""
 
     def engine_line(self) -> str:
         """`requests/samples per engine: e0 4/128, e1 4/128` (engines in their order)."""
@@ -57,15 +66,22 @@ class EvalResult:
     def pass_at_k(self) -> float:
         return sum(1 for p in self.problems if p["correct"] > 0) / max(len(self.problems), 1)
 
+    @property
+    def label(self) -> str:
+        """The set's name in tables: its key in eval.sets, `eval` for the unnamed set."""
+        return self.name or "eval"
+
     def metrics(self) -> Dict[str, float]:
-        return {"eval/avg_at_k": self.avg_at_k, "eval/pass_at_k": self.pass_at_k,
-                "eval/num_problems": float(len(self.problems)), "eval/k": float(self.k)}
+        """`eval/avg_at_k`, ... for the unnamed set; `eval/<name>/avg_at_k`, ... for a named one."""
+        prefix = f"eval/{self.name}/" if self.name else "eval/"
+        return {f"{prefix}avg_at_k": self.avg_at_k, f"{prefix}pass_at_k": self.pass_at_k,
+                f"{prefix}num_problems": float(len(self.problems)), f"{prefix}k": float(self.k)}
 
     def write(self, path: Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, "k": self.k,
+        tmp.write_text(json.dumps({"name": self.name, "avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, "k": self.k,
                                    "settings": self.settings, "engines": self.engines,
                                    "dead_engines": self.dead_engines, "problems": self.problems}, indent=1))
         os.replace(tmp, path)
@@ -73,18 +89,22 @@ class EvalResult:
 
 
 def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any], cfg: DapoConfig,
-                      prompt_to_input: Callable[[Any], Any], verifier, run_id: str = "") -> EvalResult:
+                      prompt_to_input: Callable[[Any], Any], verifier, run_id: str = "",
+                      n_samples: Optional[int] = None, max_response_length: Optional[int] = None) -> EvalResult:
     """k samples per problem on the engines, scored by `verifier` with the training length limit;
-    `run_id`: the run whose model this is (in the settings), when known."""
+    `run_id`: the run whose model this is (in the settings), when known; `n_samples` /
+    `max_response_length`: an eval set's own k and limit (None: eval.n_samples, and
+    eval.max_response_length or the training limit)."""
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
     from dapo_mega.backends.sglang.client import build_sampling_params
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
     e = cfg.eval
-    max_len = e.max_response_length or cfg.algo.max_response_length
+    samples_per_problem = n_samples or e.n_samples
+    max_len = max_response_length or e.max_response_length or cfg.algo.max_response_length
     params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
-    manager = RolloutManager(engines, e.n_samples, params, max_retries=cfg.rollout.max_retries,
+    manager = RolloutManager(engines, samples_per_problem, params, max_retries=cfg.rollout.max_retries,
                              run_id=run_id or cfg.trainer.run_name, return_logprob=False,
                              prompt_to_input=prompt_to_input,
                              prompts_per_request=cfg.rollout.prompts_per_request,
@@ -99,7 +119,7 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
                                               for g, _ in samples])
     from dapo_mega.data.problem import compute_dataset_revision
 
-    result = EvalResult(k=e.n_samples, settings={"temperature": e.temperature, "top_p": e.top_p,
+    result = EvalResult(k=samples_per_problem, settings={"temperature": e.temperature, "top_p": e.top_p,
                                                  "max_response_length": max_len, "verifier": verifier.name,
                                                  "verifier_version": verifier.version, "run_id": run_id,
                                                  "seed": e.seed, "num_problems": len(problems),
@@ -121,6 +141,16 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
         result.problems.append({"id": g.prompt.id, "ground_truth": g.prompt.ground_truth, "correct": correct,
                                 "k": len(g.samples), "pass_rate": correct / max(len(g.samples), 1),
                                 "truncated": truncated, "sample_answers": answers[:4]})
+    return result
+
+
+def evaluate_set(engines: Sequence[EngineAddress], eval_set: Any, cfg: DapoConfig,
+                 prompt_to_input: Callable[[Any], Any], verifier, run_id: str = "") -> EvalResult:
+    """`evaluate_problems` on one `EvalSet` (data/build.py) with its k and length limit."""
+    result = evaluate_problems(engines, eval_set.problems, cfg, prompt_to_input, verifier, run_id=run_id,
+                               n_samples=eval_set.n_samples, max_response_length=eval_set.max_response_length)
+    result.name = eval_set.name
+    result.settings["eval_set"] = eval_set.name
     return result
 
 
@@ -177,31 +207,49 @@ def _hf_dir_of(checkpoint: str, workdir: Path) -> Path:
     return out
 
 
-def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> EvalResult:
+def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List[EvalResult]:
     """Start `rollout.num_engines` engines of `rollout.backend` serving `checkpoint` (logs in
-    `<run_dir>/logs/eval/`), evaluate, stop them."""
-    from dapo_mega.data import PromptEncoder, build_datasets
+    `<run_dir>/logs/eval/`), evaluate every eval set (the unnamed one first), stop them."""
+    from dapo_mega.data import PromptEncoder, build_run_datasets
     from dapo_mega.reward import build_verifier
     from dapo_mega.rollout.fleet import EngineFleet
     from dapo_mega.run_identity import run_id_of_path
 
     hf_dir = _hf_dir_of(checkpoint, workdir)
-    _, problems, _ = build_datasets(cfg.data)
-    if cfg.eval.max_problems:
-        problems = problems[:cfg.eval.max_problems]
-    if not problems:
-        raise ConfigError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path")
+    _, eval_sets, _ = build_run_datasets(cfg.data, cfg.eval)
+    if not any(s.problems for s in eval_sets):
+        raise ConfigError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path or eval.sets")
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
+    verifier = build_verifier(cfg.algo.verifier)
 
     from dapo_mega.clock import resolve_health_timeout_s
 
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
         endpoints = fleet.start()
-        result = evaluate_problems(endpoints, problems, cfg, encoder.encode, build_verifier(cfg.algo.verifier),
-                                   run_id=run_id_of_path(checkpoint))
-    result.settings["checkpoint"] = str(checkpoint)
-    return result
+        results = [evaluate_set(endpoints, eval_set, cfg, encoder.encode, verifier,
+                                run_id=run_id_of_path(checkpoint)) for eval_set in eval_sets]
+    for result in results:
+        result.settings["checkpoint"] = str(checkpoint)
+    return results
+
+
+def sets_table(a: Sequence[EvalResult], b: Optional[Sequence[EvalResult]] = None,
+               paired: Optional[Sequence[Dict[str, float]]] = None) -> str:
+    """One row per eval set: problems, k, A's avg@k and pass@k, and with a comparison B's and
+    B - A of avg@k with its paired bootstrap interval (`paired[i]` for set i)."""
+    head = f"{'set':16s} {'problems':>8s} {'k':>4s} {'A avg@k':>9s} {'A pass@k':>9s}"
+    if b is not None:
+        head += f" {'B avg@k':>9s} {'B pass@k':>9s} {'B - A':>8s}  paired bootstrap interval"
+    lines = [head]
+    for i, ra in enumerate(a):
+        line = f"{ra.label:16s} {len(ra.problems):8d} {ra.k:4d} {ra.avg_at_k:9.4f} {ra.pass_at_k:9.4f}"
+        if b is not None and paired is not None:
+            rb, d = b[i], paired[i]
+            line += (f" {rb.avg_at_k:9.4f} {rb.pass_at_k:9.4f} {d['difference']:+8.4f}  "
+                     f"{d['level']:.0%} [{d['low']:+.4f}, {d['high']:+.4f}]")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def compare_results(a: EvalResult, b: EvalResult, paired: Optional[Dict[str, float]] = None) -> str:
@@ -221,8 +269,13 @@ def compare_results(a: EvalResult, b: EvalResult, paired: Optional[Dict[str, flo
     return "\n".join(lines)
 
 
+def _set_path(out: Path, result: EvalResult) -> Path:
+    """The unnamed set's result file is `out`; a named set's `<stem>_<name><suffix>` beside it."""
+    return out.with_name(f"{out.stem}_{result.name}{out.suffix}") if result.name else out
+
+
 def run_eval_command(cfg: DapoConfig) -> int:
-    """`dapo-mega eval`: one checkpoint's avg@k, or two compared on the same problems."""
+    """`dapo-mega eval`: one checkpoint's avg@k on every eval set, or two compared on the same problems."""
     if not cfg.eval.checkpoint:
         print("dapo-mega eval: set eval.checkpoint=PATH (an HF directory, a Megatron checkpoint, or a run "
               "directory), and optionally eval.compare_checkpoint=PATH")
@@ -231,17 +284,26 @@ def run_eval_command(cfg: DapoConfig) -> int:
     out = named or cfg.run_dir / "eval" / f"{result_name(cfg.eval.checkpoint)}.json"
     with tempfile.TemporaryDirectory(prefix="dapo_mega_eval_") as tmp:
         a = evaluate_checkpoint(cfg, cfg.eval.checkpoint, Path(tmp))
-        a.write(out)
-        print(f"avg@{a.k} = {a.avg_at_k:.4f} (pass@{a.k} = {a.pass_at_k:.4f}) on {len(a.problems)} problems "
-              f"-> {out}\n{a.engine_line()}")
-        if cfg.eval.compare_checkpoint:
-            b = evaluate_checkpoint(cfg, cfg.eval.compare_checkpoint, Path(tmp))
-            b_name = f"{out.stem}_compare" if named else result_name(cfg.eval.compare_checkpoint)
-            b.write(out.with_name(b_name + out.suffix))
-            paired = paired_difference(a, b)
-            print(compare_results(a, b, paired))
-            comparison = out.with_name(f"{out.stem}_vs_{b_name}_paired{out.suffix}")
-            comparison.write_text(json.dumps({"a": str(cfg.eval.checkpoint), "b": str(cfg.eval.compare_checkpoint),
-                                              "avg_at_k": [a.avg_at_k, b.avg_at_k], "paired": paired,
-                                              "settings": a.settings}, indent=1))
+        for r in a:
+            path = r.write(_set_path(out, r))
+            print(f"{r.label}: avg@{r.k} = {r.avg_at_k:.4f} (pass@{r.k} = {r.pass_at_k:.4f}) on {len(r.problems)} "
+                  f"problems -> {path}\n{r.engine_line()}")
+        if not cfg.eval.compare_checkpoint:
+            print(sets_table(a))
+            return 0
+        b = evaluate_checkpoint(cfg, cfg.eval.compare_checkpoint, Path(tmp))
+        b_out = out.with_name((f"{out.stem}_compare" if named else result_name(cfg.eval.compare_checkpoint))
+                              + out.suffix)
+        paired = [paired_difference(ra, rb) for ra, rb in zip(a, b)]
+        for ra, rb, d in zip(a, b, paired):
+            rb.write(_set_path(b_out, rb))
+            print(f"\n[{ra.label}]\n{compare_results(ra, rb, d)}")
+        print("\n" + sets_table(a, b, paired))
+        comparison = out.with_name(f"{out.stem}_vs_{b_out.stem}_paired{out.suffix}")
+        comparison.write_text(json.dumps({"a": str(cfg.eval.checkpoint), "b": str(cfg.eval.compare_checkpoint),
+                                          "avg_at_k": [a[0].avg_at_k, b[0].avg_at_k], "paired": paired[0],
+                                          "settings": a[0].settings,
+                                          "sets": {ra.label: {"avg_at_k": [ra.avg_at_k, rb.avg_at_k], "paired": d,
+                                                              "settings": ra.settings}
+                                                   for ra, rb, d in zip(a, b, paired)}}, indent=1))
     return 0

@@ -8,9 +8,13 @@ CLI prints it) instead of after the base model was built, or with a traceback.
                                 choices on this machine (layer spec, dtype, FP8), the data files,
                                 and that the checkpoint a resume would load fits this layout
     check_data_paths(cfg.data)  data.train_path / data.eval_path exist
+    check_verifier(cfg.algo)    algo.verifier resolves; a reward plugin imports, has the
+                                signature and returns a valid result on one probe call
+    check_eval_set_paths(cfg.eval) the files of eval.sets exist
     check_eval_inputs(cfg)      `dapo-mega eval`: data files, a held-out set, the checkpoints
 
-Nothing here starts a process, opens a process group or writes a file.
+Nothing here opens a process group or writes a file; the one process it may start is a
+reward plugin's probe worker (killed at algo.verifier_timeout_s).
 """
 
 from __future__ import annotations
@@ -54,14 +58,34 @@ def check_data_paths(data_cfg: Any) -> None:
                               "for the synthetic task")
 
 
+def check_eval_set_paths(eval_cfg: Any) -> None:
+    """Each named eval set's file exists (`eval.sets.<name>.path`)."""
+    for name, eval_set in eval_cfg.sets.items():
+        if not Path(eval_set.path).is_file():
+            raise ConfigError(f"eval.sets.{name}.path: {eval_set.path} does not exist. Fix: point it at a .parquet "
+                              "or .jsonl file (tools/prepare_data.py writes AIME 2025 and MATH-500), or drop the set")
+
+
+def check_verifier(algo_cfg: Any) -> None:
+    """`algo.verifier` names a verifier that can run: a built-in name, or a reward plugin that
+    imports, takes (response, ground_truth, metadata) and returns a RewardResult of finite
+    numbers on a probe, in a worker like the run's (reward.check_verifier)."""
+    from dapo_mega.reward import check_verifier as check
+
+    check(algo_cfg.verifier, algo_cfg.verifier_timeout_s)
+
+
 def check_eval_inputs(cfg: DapoConfig) -> None:
     """What `dapo-mega eval` needs before it starts engines: the data files, a held-out set
     (the synthetic task has one; a training file needs data.eval_path) and the checkpoints
     (eval.checkpoint empty is answered by the command's own usage line)."""
     check_data_paths(cfg.data)
-    if cfg.data.train_path and not cfg.data.eval_path:
+    check_eval_set_paths(cfg.eval)
+    check_verifier(cfg.algo)
+    if cfg.data.train_path and not cfg.data.eval_path and not cfg.eval.sets:
         raise ConfigError("data.eval_path: empty, so there are no held-out problems to evaluate. Fix: set "
-                          "data.eval_path to the held-out .parquet / .jsonl file (AIME 2024 for the recipe)")
+                          "data.eval_path to the held-out .parquet / .jsonl file (AIME 2024 for the recipe), "
+                          "or name sets in eval.sets")
     for name in ("checkpoint", "compare_checkpoint"):
         value = getattr(cfg.eval, name)
         if value and not Path(value).exists():
@@ -80,6 +104,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
 
     world = learner_world_size(cfg) if world_size is None else world_size
     validate_config(cfg, world_size=world)
+    check_verifier(cfg.algo)
     hf_config = model_hf_config(cfg)
     layout = ParallelLayout.from_config(cfg.megatron, world, hf_config=hf_config).validate()
     check_learner_supports(layout)
@@ -87,6 +112,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
                             transformer_engine_available())
     check_data_paths(cfg.data)
+    check_eval_set_paths(cfg.eval)
     check_resume_layout(cfg, layout)
 
 

@@ -1,5 +1,8 @@
 """Per-step records of a run: metrics.jsonl, the console line, wandb, and curves.png.
 
+Each named eval set (`eval.sets`) adds `eval/<name> 0.123` to the console line after the
+unnamed set's `eval` column, and its `eval/<name>/avg_at_k` line to the accuracy panel.
+
 `RunRecorder` is used by the driver rank only (dapo_mega/driver/roles.py). On resume it
 first cuts `metrics.jsonl` back to the checkpointed step, so a step that ran after the last
 checkpoint and before a crash appears once, not twice.
@@ -39,6 +42,17 @@ PLOT_PANELS = [
     ("entropy (nats/token)", ["rollout/entropy_mc", "actor/entropy"]),
     ("truncated fraction", ["rollout/clip_rate"]),
 ]
+
+
+def named_eval_sets(rows: List[Dict[str, Any]]) -> List[str]:
+    """The named eval sets whose `eval/<name>/avg_at_k` the rows hold, in first-seen order."""
+    names: Dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval" and parts[2] == "avg_at_k":
+                names.setdefault(parts[1], None)
+    return list(names)
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -152,6 +166,8 @@ def format_console_line(row: Dict[str, Any]) -> str:
         parts.append(" ".join(times))
     eval_value = row.get("eval/avg_at_k")
     parts.append(f"eval {eval_value:.3f}" if isinstance(eval_value, (int, float)) else "eval   -  ")
+    parts += [f"eval/{name} {float(row[f'eval/{name}/avg_at_k']):.3f}" for name in named_eval_sets([row])
+              if has(f"eval/{name}/avg_at_k")]
     return " | ".join(parts)
 
 
@@ -173,8 +189,9 @@ def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
     columns = 4
     rows_of_panels = -(-len(PLOT_PANELS) // columns)
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(5 * columns, 4 * rows_of_panels))
+    per_set = [f"eval/{name}/avg_at_k" for name in named_eval_sets(rows)]  # one line per named eval set
     for ax, (title, keys) in zip(axes.flat, PLOT_PANELS):
-        for key in keys:
+        for key in keys + (per_set if title == "accuracy" else []):
             points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if points:
                 xs, ys = zip(*points)

@@ -8,7 +8,7 @@ Megatron learner with its initial weights (latest checkpoint of the run via
 and their rollout manager inside a `RolloutSource`, the ledger and the records; a
 `LearnerRankRole` elsewhere), and the rank's part in pushing weights to the engines
 (`driver.policy_sync`). The verbs that involve the learner and the engines together (warm
-start, weight sync, colocated memory hand-over, checkpoint save) are here; the loop
+start, weight sync, colocated memory hand-over, checkpoint save, HF export) are here; the loop
 (`trainer.py`) calls them and the role's.
 
 Policy versions: the learner's version is the number of optimizer steps it has synced;
@@ -139,7 +139,7 @@ class Session:
     def _start_driver(self) -> DriverRole:
         """Data, prompt encoder, verifier, engines, rollout manager and records (global rank 0)."""
         from dapo_mega.backends.sglang.client import build_sampling_params
-        from dapo_mega.data import Problem, PromptEncoder, PromptIterator, build_datasets
+        from dapo_mega.data import Problem, PromptEncoder, PromptIterator, build_run_datasets
         from dapo_mega.driver.rollouts import RolloutSource
         from dapo_mega.records import RunRecorder
         from dapo_mega.reward import build_verifier
@@ -149,13 +149,12 @@ class Session:
         print(self.run.identity.start_line(self.run_dir), flush=True)
         encoder = PromptEncoder.from_pretrained(self.model_dir, cfg.data)
         data_report: Dict[str, Any] = {}
-        train_problems, eval_problems, revision = build_datasets(cfg.data, report=data_report)
+        train_problems, eval_sets, revision = build_run_datasets(cfg.data, cfg.eval, report=data_report)
         skipped = {split: f"{r.num_skipped} {dict(r.skip_reasons)}" for split, r in data_report.items()
                    if getattr(r, "num_skipped", 0)}
-        print(f"[data] {len(train_problems)} train / {len(eval_problems)} held-out problems, revision "
+        held_out = ", ".join(f"{s.name + ' ' if s.name else ''}{len(s.problems)}" for s in eval_sets) or "0"
+        print(f"[data] {len(train_problems)} train / {held_out} held-out problems, revision "
               f"{revision}; bad rows skipped (data.on_bad_row=skip): {skipped or 'none'}", flush=True)
-        if cfg.eval.max_problems:
-            eval_problems = eval_problems[:cfg.eval.max_problems]
         prompts = PromptIterator(train_problems, seed=cfg.data.seed, shuffle=cfg.data.shuffle, revision=revision)
         self.engine_urls = self._start_engines()
         sampling = build_sampling_params(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
@@ -184,7 +183,7 @@ class Session:
                                wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot, run_id=self.run.run_id)
         state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)
-        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_problems, recorder, self.role.gate)
+        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_sets, recorder, self.role.gate)
 
     def _start_engines(self) -> List[str]:
         """Engines given by URL, announced in a registry directory, or started here (the fleet)."""
@@ -223,6 +222,14 @@ class Session:
     def save_checkpoint(self, step: int) -> None:
         """Weights, optimizer, RNG and trainer state of `step` (collective)."""
         self.run.save(self.learner, step, self.role.checkpoint_state())
+
+    def export_hf(self, step: int) -> Dict[str, float]:
+        """The learner's weights as the HF checkpoint `<run_dir>/hf/step_<N>/` (collective), with
+        the config and tokenizer files of the model directory the run started from (the ones
+        its engines and prompt encoder load); its cost as metrics on the driver."""
+        from dapo_mega.weights.convert import read_hf_config_dict
+
+        return self.run.export_hf(self.learner, step, read_hf_config_dict(self.model_dir), self.model_dir)
 
     # ================================================================== shutdown
     def close(self) -> None:

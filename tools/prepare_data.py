@@ -10,6 +10,17 @@ revision of its problems, the run revision (what a run on both files stamps into
 row: `run_dataset_revision`, as the trainer computes it), the source file's sha256 and the
 counts (rows, duplicates, skipped rows by reason). The revisions are printed at the end.
 The trainer's configs/data/dapo_math_17k.yaml reads `$DAPO_DATA_DIR` (default `data/`).
+
+Further evaluation sets (for `eval.sets`), from their published files:
+
+    python tools/prepare_data.py --aime-2025 aime2025-I.jsonl aime2025-II.jsonl --math-500 test.jsonl --out data/
+
+AIME 2025 (opencompass/AIME2025 jsonl or yentinglin/aime_2025 parquet: `question` / `problem`
+and `answer`) and MATH-500 (HuggingFaceH4/MATH-500 jsonl: `problem`, `answer`, `unique_id`, ...)
+are written as `<out>/aime_2025.parquet` and `<out>/math_500.parquet` with their revision
+records; each problem is wrapped in the DAPO prompt template, as the AIME 2024 and
+DAPO-Math-17k prompts already are (the recipe reads them with data.prompt_template=raw).
+`--dapo-math` may then be left out.
 """
 
 from __future__ import annotations
@@ -24,9 +35,13 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from dapo_mega.data import DataError, Problem, compute_dataset_revision, read_problems, run_dataset_revision
+from dapo_mega.data import (DAPO_PROMPT_TEMPLATE, DataError, Problem, ReadReport, compute_dataset_revision,
+                            read_problems, run_dataset_revision)
+from dapo_mega.data.readers import read_published_problems
 
 AIME_2024_PROBLEMS = 30
+PUBLISHED_EVAL_SETS = {"aime_2025": 30, "math_500": 500}
+"""Eval sets read from their published files: name (file stem and data_source) -> problems it has."""
 
 
 def file_sha256(path: Path) -> str:
@@ -52,16 +67,20 @@ def problems_to_table(problems: Sequence[Problem], ability: str, desc: str):
     return pa.table(rows)
 
 
-def write_dataset(problems: List[Problem], source: Path, report, out_path: Path, ability: str) -> dict:
-    """Write the parquet atomically and its revision record; returns the record."""
+def write_dataset(problems: List[Problem], source: Path | Sequence[Path], report, out_path: Path,
+                  ability: str) -> dict:
+    """Write the parquet atomically and its revision record; returns the record (`source`: the
+    file, or the files, read)."""
     import pyarrow.parquet as pq
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(".parquet.tmp")
     pq.write_table(problems_to_table(problems, ability, desc=f"writing {out_path.name}"), tmp)
     os.replace(tmp, out_path)
+    sources = [source] if isinstance(source, Path) else list(source)
     record = {"file": out_path.name, "revision": compute_dataset_revision(problems), "num_problems": len(problems),
-              "source": str(source), "source_sha256": file_sha256(source), "source_rows": report.num_rows,
+              "source": ", ".join(map(str, sources)), "source_sha256": ", ".join(map(file_sha256, sources)),
+              "source_rows": report.num_rows,
               "duplicates_dropped": report.num_duplicates,
               "conflicting_duplicates": report.num_conflicting_duplicates,
               "skipped_rows": report.num_skipped, "skip_reasons": dict(report.skip_reasons)}
@@ -102,17 +121,60 @@ def prepare(dapo_math: Path, aime: Optional[Path], out_dir: Path, on_bad_row: st
     return records
 
 
+def read_published_set(paths: Sequence[Path], name: str, on_bad_row: str = "error") -> tuple:
+    """(problems in the DAPO prompt template, the files' reports summed) of one published eval
+    set given as one or more files (opencompass/AIME2025 has one per exam)."""
+    problems: List[Problem] = []
+    total = ReadReport(path=", ".join(map(str, paths)))
+    for path in paths:
+        read, report = read_published_problems(path, name, on_bad_row=on_bad_row, dedup=True)
+        problems += read
+        for field_name in ("num_rows", "num_skipped", "num_duplicates", "num_conflicting_duplicates"):
+            setattr(total, field_name, getattr(total, field_name) + getattr(report, field_name))
+        total.skip_reasons.update(report.skip_reasons)
+    seen, distinct = set(), []
+    for p in problems:  # the same problem in two files counts once
+        if p.prompt not in seen:
+            seen.add(p.prompt)
+            distinct.append(Problem(id=p.id, prompt=DAPO_PROMPT_TEMPLATE.format(problem=p.prompt),
+                                    ground_truth=p.ground_truth, data_source=p.data_source))
+    total.num_duplicates += len(problems) - len(distinct)
+    total.num_problems = len(distinct)
+    return distinct, total
+
+
+def prepare_eval_sets(sets: Dict[str, Sequence[Path]], out_dir: Path, on_bad_row: str = "error") -> Dict[str, dict]:
+    """Read and write each published eval set of `sets` (name in PUBLISHED_EVAL_SETS -> its files)."""
+    records: Dict[str, dict] = {}
+    for name, paths in sets.items():
+        problems, report = read_published_set(paths, name, on_bad_row)
+        if len(problems) != PUBLISHED_EVAL_SETS[name]:
+            print(f"warning: {', '.join(map(str, paths))} hold {len(problems)} distinct problems, {name} has "
+                  f"{PUBLISHED_EVAL_SETS[name]}", file=sys.stderr)
+        records[name] = write_dataset(problems, paths, report, out_dir / f"{name}.parquet", "MATH")
+    return records
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dapo-math", type=Path, required=True, help="published DAPO-Math-17k parquet")
+    parser.add_argument("--dapo-math", type=Path, default=None, help="published DAPO-Math-17k parquet")
     parser.add_argument("--aime", type=Path, default=None, help="published AIME 2024 parquet (960 rows)")
     parser.add_argument("--out", type=Path, default=Path("data"), help="output directory ($DAPO_DATA_DIR)")
     parser.add_argument("--on-bad-row", choices=("error", "skip"), default="error")
     parser.add_argument("--keep-eval-overlap", action="store_true",
                         help="keep training prompts that also appear in the eval set")
+    parser.add_argument("--aime-2025", type=Path, nargs="+", default=None,
+                        help="published AIME 2025 file(s): opencompass/AIME2025 jsonl or yentinglin/aime_2025 parquet")
+    parser.add_argument("--math-500", type=Path, nargs="+", default=None,
+                        help="published MATH-500 jsonl (HuggingFaceH4/MATH-500 test.jsonl)")
     args = parser.parse_args(argv)
+    published = {name: paths for name, paths in (("aime_2025", args.aime_2025), ("math_500", args.math_500)) if paths}
+    if args.dapo_math is None and not published:
+        parser.error("give --dapo-math (and --aime), or an eval set: --aime-2025 / --math-500")
     try:
-        records = prepare(args.dapo_math, args.aime, args.out, args.on_bad_row, args.keep_eval_overlap)
+        records = prepare_eval_sets(published, args.out, args.on_bad_row)
+        if args.dapo_math is not None:
+            records.update(prepare(args.dapo_math, args.aime, args.out, args.on_bad_row, args.keep_eval_overlap))
     except DataError as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 1
@@ -120,8 +182,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{name}: {record['num_problems']} problems from {record['source_rows']} rows "
               f"({record['duplicates_dropped']} duplicates, {record['skipped_rows']} skipped) "
               f"revision {record['revision']} -> {args.out / record['file']}")
-    print(f"run revision {next(iter(records.values()))['run_revision']} (what a run on these files stamps into "
-          "every ledger row and prints at start)")
+    if args.dapo_math is not None:
+        print(f"run revision {records['dapo_math_17k']['run_revision']} (what a run on these files stamps into "
+              "every ledger row and prints at start, without eval.sets)")
     return 0
 
 

@@ -6,6 +6,8 @@ Per run (`summarize_run`), from the rows of RL steps (step >= 1):
     final_avg_at_k      eval/avg_at_k of the last evaluated step (the run's end)
     best_avg_at_k       the highest eval/avg_at_k of any RL step
     steps_to_target     first step whose eval/avg_at_k >= ablation.target (None: never)
+    final_by_set        per named eval set (eval.sets): eval/<name>/avg_at_k of the last
+                        evaluated step, a column `final avg@k (<name>)` of the table
     samples_per_trained Σ rollout/num_samples / Σ rollout/kept_samples (dynamic sampling
                         generates more than it trains on)
     response_length     mean of rollout/response_length_mean
@@ -68,6 +70,8 @@ class RunSummary:
     peak_memory_gib: Optional[float] = None
     """... and the driver's peak memory over the run's phases (CUDA reserved on a GPU, else RSS)."""
     curves: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    final_by_set: Dict[str, float] = field(default_factory=dict)
+    """Named eval set -> its eval/<name>/avg_at_k at the last step that evaluated it."""
 
 
 @dataclass
@@ -117,6 +121,10 @@ def summarize_run(rows: List[Dict[str, Any]], seed: int, run_dir: str, target: O
     s.rollouts_per_step = _mean([v for _, v in _series(rl, "rollout/num_samples")])
     s.peak_memory_gib = peak_memory_gib(rl)
     s.curves = {key: _series(rows, key) for key, _ in CURVES}
+    from dapo_mega.records import named_eval_sets
+
+    for name in named_eval_sets(rl):
+        s.final_by_set[name] = max(_series(rl, f"eval/{name}/avg_at_k"))[1]  # the highest step's value
     config = Path(run_dir) / "config.yaml"
     if config.is_file():
         from dapo_mega.config import from_yaml
@@ -161,8 +169,20 @@ def collect(plan: AblationPlan, is_done=None) -> List[RungResult]:
 def rung_statistics(name: str, runs: List[RunSummary], missing: List[int], level: float) -> RungResult:
     stats = {f: mean_interval([getattr(r, f) for r in runs if getattr(r, f) is not None], level)
              for f in SUMMARY_FIELDS}
+    for set_name in eval_set_names([RungResult(name, runs, missing)]):
+        stats[f"final_avg_at_k/{set_name}"] = mean_interval([r.final_by_set[set_name] for r in runs
+                                                             if set_name in r.final_by_set], level)
     reached = sum(1 for r in runs if r.steps_to_target is not None)
     return RungResult(name=name, runs=runs, missing_seeds=missing, stats=stats, reached_target=reached)
+
+
+def eval_set_names(results: List[RungResult]) -> List[str]:
+    """The named eval sets any run of `results` evaluated, in first-seen order."""
+    names: Dict[str, None] = {}
+    for row in results:
+        for run in row.runs:
+            names.update(dict.fromkeys(run.final_by_set))
+    return list(names)
 
 
 def compare_rungs(results: List[RungResult], mode: str, level: float) -> None:
@@ -197,7 +217,9 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
     pct = f"{100 * level:g}%"
     vs = "previous rung" if mode == "ladder" else "first rung"
     target_col = f"steps to avg@k ≥ {target:g}" if target is not None else "steps to target"
-    head = ["rung", "seeds", "final avg@k", "best avg@k", f"Δ final vs {vs} ({pct} Welch)", target_col,
+    sets = eval_set_names(results)
+    head = ["rung", "seeds", "final avg@k", "best avg@k", *(f"final avg@k ({n})" for n in sets),
+            f"Δ final vs {vs} ({pct} Welch)", target_col,
             "generated / trained", "response length", "entropy (end)", "clip low", "clip high", "truncated",
             "rollouts / step", "length limit", "peak memory (GiB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -210,6 +232,7 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
             steps = format_interval(row.stats.get("steps_to_target"), 1) + f" ({row.reached_target}/{n})"
         cells = [row.name, seeds, format_interval(row.stats.get("final_avg_at_k")),
                  format_interval(row.stats.get("best_avg_at_k")),
+                 *(format_interval(row.stats.get(f"final_avg_at_k/{n}")) for n in sets),
                  format_difference(row.final_diff) if row.compared_with else "(reference)", steps,
                  format_interval(row.stats.get("samples_per_trained"), 2),
                  format_interval(row.stats.get("response_length"), 1),
@@ -221,7 +244,8 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
                  format_interval(row.stats.get("length_limit"), 0),
                  format_interval(row.stats.get("peak_memory_gib"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
-    legend = (f"Mean ± {pct} t-interval over seeds (Student, n−1 degrees of freedom). Δ: difference of "
+    legend = (f"Mean ± {pct} t-interval over seeds (Student, n−1 degrees of freedom). Final avg@k (name): "
+              "the named eval set's (eval.sets) avg@k at the run's last evaluation. Δ: difference of "
               f"final held-out avg@k to the {vs}, Welch's {pct} interval; `*` marks an interval that excludes "
               "zero. Steps to target: mean over the seeds that reached it (reached/finished), at the "
               "resolution of trainer.eval_interval. Entropy: "

@@ -1,14 +1,15 @@
 """Prompts and reference answers: DAPO-Math-17k / AIME parquet and JSONL readers with
 validation and deduplication, the synthetic arithmetic task, and a resumable iterator.
 
-    build_datasets(data_cfg) -> (train, held_out, revision)   what the trainer calls
+    build_datasets(data_cfg) -> (train, held_out, revision)   the training and unnamed held-out split
+    build_run_datasets(data_cfg, eval_cfg) -> (train, eval sets, revision)   what the trainer calls
     PromptIterator(train, seed).next_batch(n)                  deterministic, resumable
     format_prompt(problem, template)                           "dapo" template or "raw"
     verification_prefix(problem, template)                     prepended to the response for the verifier
     PromptEncoder.from_config(tokenizer, data_cfg).encode(p)   prompt token ids (training and evaluation)
 """
 
-from dapo_mega.data.build import build_datasets
+from dapo_mega.data.build import EvalSet, build_datasets, build_run_datasets
 from dapo_mega.data.encoder import PromptEncoder, token_ids_of
 from dapo_mega.data.iterator import PromptIterator
 from dapo_mega.data.problem import (
@@ -43,7 +44,9 @@ __all__ = [
     "PromptIterator",
     "ReadReport",
     "SYNTHETIC_SOURCE",
+    "EvalSet",
     "build_datasets",
+    "build_run_datasets",
     "compute_dataset_revision",
     "run_dataset_revision",
     "evaluate_expression",

@@ -11,6 +11,14 @@ JSONL: one JSON object per line, either the same fields as the parquet schema (`
 may also be a plain string), or the simple form
     {"id": str | int, "prompt": str, "answer": str, "data_source"?: str, "answer_prefix"?: str}
 
+Published evaluation sets (`read_published_problems`, what tools/prepare_data.py reads):
+    AIME 2025  (opencompass/AIME2025 jsonl, yentinglin/aime_2025 parquet)
+               {"question" | "problem": str, "answer": str | int, "id"?: …}
+    MATH-500   (HuggingFaceH4/MATH-500 jsonl)
+               {"problem", "solution", "answer", "subject", "level", "unique_id"}
+each row mapped to the simple form (the problem text as the prompt, an integer answer as its
+decimal string, `unique_id` / `id` as the id) and validated as above.
+
 Validation: missing file, unreadable/truncated parquet, missing columns, and per row: a
 prompt that is missing, empty or not text; a ground truth that is missing, empty or not a
 string; the same id on two different prompts. With on_bad_row="error" the first bad row
@@ -145,6 +153,52 @@ def _iter_jsonl_rows(path: Path) -> Iterator[Any]:
                 yield _BadRow("json", f"line {line_number + 1} is not valid JSON: {exc}")
 
 
+def _published_row(row: Any) -> Any:
+    """A row of a published eval set (see the module docstring) in the simple form."""
+    if not isinstance(row, dict) or "prompt" in row or "reward_model" in row:
+        return row  # a bad row, or already the project's form: validated as such
+    text = row.get("problem") if row.get("problem") is not None else row.get("question")
+    if text is None:
+        return _BadRow("problem", f"missing (expected a problem or question field, found {sorted(row)})")
+    answer = row.get("answer")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)  # AIME answers are integers; some copies store them as numbers
+    simple = {"prompt": text, "answer": answer}
+    raw_id = row.get("unique_id") if row.get("unique_id") is not None else row.get("id")
+    if raw_id is not None:
+        simple["id"] = raw_id
+    return simple
+
+
+def _iter_raw_parquet_rows(path: Path) -> Iterator[Dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable parquet file (truncated or corrupt?): {exc}") from exc
+
+
+def read_published_problems(path: str | Path, data_source: str, on_bad_row: str = "error",
+                            dedup: bool = True) -> Tuple[List[Problem], ReadReport]:
+    """Read a published eval set (AIME 2025, MATH-500: .jsonl or .parquet, see the module
+    docstring) into problems of `data_source`, validated and deduplicated as `read_problems` does."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        raw: Iterator[Any] = _iter_raw_parquet_rows(path)
+    elif suffix in (".jsonl", ".json"):
+        raw = _iter_jsonl_rows(path)
+    else:
+        raise DataError(f"{path}: unknown file type {suffix!r}; use .parquet or .jsonl")
+    rows = ({**r, "data_source": data_source} if isinstance(r, dict) else r for r in map(_published_row, raw))
+    return _problems_from_rows(path, rows, on_bad_row, dedup)
+
+
 def read_problems(path: str | Path, on_bad_row: str = "error", dedup: bool = True) -> Tuple[List[Problem], ReadReport]:
     """Read, validate and (optionally) deduplicate the problems of one file.
 
@@ -170,7 +224,14 @@ def read_problems(path: str | Path, on_bad_row: str = "error", dedup: bool = Tru
         rows = _iter_jsonl_rows(path)
     else:
         raise DataError(f"{path}: unknown file type {suffix!r}; use .parquet or .jsonl")
+    return _problems_from_rows(path, rows, on_bad_row, dedup)
 
+
+def _problems_from_rows(path: Path, rows: Iterator[Any], on_bad_row: str,
+                        dedup: bool) -> Tuple[List[Problem], ReadReport]:
+    """Validate, count and deduplicate rows read from `path` (see `read_problems`)."""
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r} (data.on_bad_row)")
     report = ReadReport(path=str(path))
     problems: List[Problem] = []
     first_by_prompt: Dict[str, Problem] = {}

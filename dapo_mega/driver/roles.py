@@ -102,7 +102,7 @@ class DriverRole(LearnerRankRole):
 
     is_driver = True
 
-    def __init__(self, cfg: Any, run: RunState, rollouts: RolloutSource, sft_prompts: Any, eval_problems: List[Any],
+    def __init__(self, cfg: Any, run: RunState, rollouts: RolloutSource, sft_prompts: Any, eval_sets: List[Any],
                  recorder: Any, gate: Optional[DriverGate] = None):
         super().__init__(gate or DriverGate(is_driver=True))
         self.gate.start()
@@ -110,7 +110,8 @@ class DriverRole(LearnerRankRole):
         self.run = run
         self.rollouts = rollouts
         self.sft_prompts = sft_prompts
-        self.eval_problems = eval_problems
+        self.eval_sets = eval_sets
+        """The held-out sets (data/build.py EvalSet), the unnamed one first."""
         self.recorder = recorder
         self.producer: Optional[AsyncRollouts] = None
         self.last_batch: Optional[RolloutBatch] = None
@@ -183,19 +184,20 @@ class DriverRole(LearnerRankRole):
             self.gate.handover()  # the other ranks wait for the evaluation's end
 
     def _evaluate(self) -> Dict[str, float]:
-        if not self.eval_problems:
-            return {}
-        from dapo_mega.evaluate import evaluate_problems
+        from dapo_mega.driver.run_state import eval_result_path
+        from dapo_mega.evaluate import evaluate_set
 
-        step = self.run.state.step
+        step, metrics = self.run.state.step, {}
         manager = self.rollouts.manager
-        result = evaluate_problems(manager.alive_engines(), self.eval_problems, self.cfg,
-                                   self.rollouts.encoder.encode, self.rollouts.verifier, run_id=self.run.run_id)
-        manager.mark_dead(result.dead_engines)  # they leave the weight sync and the rollouts too
-        result.write(self.run.run_dir / "eval" / f"step_{step:06d}.json")
-        self.say(f"[eval] step {step}: avg@{result.k} = {result.avg_at_k:.4f} on {len(result.problems)} problems; "
-                 f"{result.engine_line()}")
-        return result.metrics()
+        for eval_set in self.eval_sets:
+            result = evaluate_set(manager.alive_engines(), eval_set, self.cfg, self.rollouts.encoder.encode,
+                                  self.rollouts.verifier, run_id=self.run.run_id)
+            manager.mark_dead(result.dead_engines)  # they leave the weight sync and the rollouts too
+            result.write(eval_result_path(self.run.run_dir, step, eval_set.name))
+            self.say(f"[eval] step {step}: {result.label} avg@{result.k} = {result.avg_at_k:.4f} on "
+                     f"{len(result.problems)} problems; {result.engine_line()}")
+            metrics.update(result.metrics())
+        return metrics
 
     def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
         row = {"policy_version": self.run.state.policy_version, **metrics, **timings}

@@ -55,6 +55,8 @@ class WallClock:
     start: float = field(default_factory=time.monotonic)
     longest_step_s: float = 0.0
     last_save_s: float = 0.0
+    last_export_s: float = 0.0
+    """The last HF export's seconds (`trainer.hf_export_interval`), counted as part of a save."""
 
     @classmethod
     def of(cls, trainer_cfg: Any) -> "WallClock":
@@ -66,11 +68,15 @@ class WallClock:
     def record_save(self, seconds: float) -> None:
         self.last_save_s = seconds
 
+    def record_export(self, seconds: float) -> None:
+        self.last_export_s = seconds
+
     def elapsed_s(self) -> float:
         return time.monotonic() - self.start
 
     def next_step_would_overrun(self) -> bool:
-        return would_overrun(self.elapsed_s(), self.longest_step_s, self.last_save_s, self.limit_s, self.margin_s)
+        return would_overrun(self.elapsed_s(), self.longest_step_s, self.last_save_s + self.last_export_s,
+                             self.limit_s, self.margin_s)
 
 
 class RunState:
@@ -121,6 +127,24 @@ class RunState:
         n = self.cfg.save_interval
         return (n > 0 and step % n == 0) or step == self.cfg.total_steps
 
+    def should_export_hf(self, step: int) -> bool:
+        """Every `trainer.hf_export_interval` steps and after the last one (0: never)."""
+        n = self.cfg.hf_export_interval
+        return n > 0 and (step % n == 0 or step == self.cfg.total_steps)
+
+    def export_hf(self, learner: Any, step: int, hf_config: Dict[str, Any], hf_side_dir: Path) -> Dict[str, float]:
+        """The learner's weights as `<run_dir>/hf/step_<N>/` (collective; `weights.convert.export_hf_step`),
+        keeping `trainer.hf_export_keep`; its cost as metrics on the driver, {} elsewhere."""
+        from dapo_mega.weights.convert import export_hf_step
+        from dapo_mega.weights.hf_io import dtype_from_name
+
+        record = export_hf_step(learner.model_chunks, learner.info, learner.layout, self.run_dir, step, hf_config,
+                                hf_side_dir, dtype_from_name(self.cfg.hf_export_dtype), self.cfg.hf_export_keep)
+        if record is None:
+            return {}
+        self.clock.record_export(record.seconds)
+        return record.metrics()
+
 
 def write_ledger(run_dir: Path, run_id: str, step: int, samples: Sequence[ScoredSample],
                  text: LedgerText = FULL_TEXT, run_name: str = "", encoder: str = "") -> Path:
@@ -130,8 +154,13 @@ def write_ledger(run_dir: Path, run_id: str, step: int, samples: Sequence[Scored
     return write_step(run_dir, step, [ledger_record(s, run_id, text, run_name, encoder) for s in samples])
 
 
+def eval_result_path(run_dir: Path, step: int, set_name: str = "") -> Path:
+    """`eval/step_<step>.json` for the unnamed eval set, `eval/step_<step>_<name>.json` for a named one."""
+    return Path(run_dir) / "eval" / (f"step_{step:06d}_{set_name}.json" if set_name else f"step_{step:06d}.json")
+
+
 def prune_records_after(run_dir: Path, step: int) -> None:
-    """On resume: ledger shards and evaluation files of steps after `step` go (they are redone)."""
+    """On resume: ledger shards and evaluation files (every set's) of steps after `step` go (they are redone)."""
     for path in ledger_dir(run_dir).glob("step_*.parquet"):
         if int(path.stem.split("_")[1]) > step:
             path.unlink()
