@@ -80,6 +80,9 @@ KNOWN_MODELS: Dict[str, ModelShape] = {
     "qwen2.5-7b": ModelShape(model_type="qwen2", vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944,
                              num_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                              tie_word_embeddings=False, qkv_bias=True),
+    "qwen3-8b": ModelShape(model_type="qwen3", vocab_size=151936, hidden_size=4096, ffn_hidden_size=12288,
+                           num_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                           tie_word_embeddings=False, qkv_bias=False, qk_layernorm=True),
 }
 
 
@@ -103,7 +106,8 @@ def layer_params(shape: ModelShape) -> Dict[str, int]:
     attention = h * q_out + 2 * h * kv_out + q_out * h
     bias = _qkv_bias(shape)
     mlp = 3 * h * shape.ffn_hidden_size  # SwiGLU: gate, up, down
-    return {"sharded": attention + bias + mlp, "replicated": 2 * h}  # 2 RMSNorm weights
+    qk_norms = 2 * hd if shape.qk_layernorm else 0  # Qwen3's q_norm, k_norm: one [head_dim] weight each
+    return {"sharded": attention + bias + mlp, "replicated": 2 * h + qk_norms}  # + 2 RMSNorm weights
 
 
 def total_params(shape: ModelShape) -> int:
@@ -192,6 +196,12 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
     }
     if not selective:
         saved["softmax log-sum-exp (fp32)"] = 4 * s * shape.num_attention_heads / tp
+    if shape.qk_layernorm:  # Qwen3: an RMSNorm per q and k head, between the QKV GEMM and RoPE
+        saved["q, k before their norms"] = e * s * (q + kv)
+        saved["1/rms of each q and k head"] = (e if local else 4) * s * (shape.num_attention_heads
+                                                                      + shape.num_key_value_heads) / tp
+        if local:
+            saved["q, k * 1/rms (unfused q/k norms)"] = e * s * (q + kv)
     if local:
         saved["x * 1/rms of each norm (unfused)"] = 2 * e * s_n * h
         saved["silu(gate), up + 0 (unfused SwiGLU)"] = 2 * e * s * f / tp
@@ -346,13 +356,19 @@ def checkpoint_bytes(cfg: DapoConfig, phi: int) -> Dict[str, float]:
     optimizer's: fp32 master params + Adam m and v under bf16 (12 bytes per parameter), m and v
     only when the params are fp32 (8); RNG and trainer state are negligible. The run directory
     keeps `trainer.keep_last_k` and prunes only after the next one is committed, so the disk
-    peak is keep_last_k + 1 of them."""
+    peak is keep_last_k + 1 of them. With `trainer.hf_export_interval` > 0 the run also keeps
+    `trainer.hf_export_keep` HF exports of the weights in `trainer.hf_export_dtype` (each
+    smaller than a checkpoint, and written at another time than one: the peak adds the kept
+    ones)."""
     _, e = learner_spec_and_bytes(cfg)
     model, optimizer = e * phi, (12 if e == 2 else 8) * phi
     each = model + optimizer
     keep = cfg.trainer.keep_last_k
+    t = cfg.trainer
+    export = phi * {"float32": 4}.get(t.hf_export_dtype, 2) if t.hf_export_interval > 0 else 0
     return {"model_bytes": model, "optimizer_bytes": optimizer, "bytes": each, "keep_last_k": keep,
-            "disk_peak_bytes": (keep + 1) * each}
+            "hf_export_bytes": export, "hf_export_keep": t.hf_export_keep if export else 0,
+            "disk_peak_bytes": (keep + 1) * each + (t.hf_export_keep * export)}
 
 
 CONVERSION_FIXED_BYTES = 0.4e9
@@ -688,8 +704,9 @@ def _memory_lines(plan: dict) -> List[str]:
                  f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)")
     ck, conv = plan["checkpoint"], plan["conversion_host_ram"]
     lines += [f"checkpoints: {ck['bytes'] / 1e9:,.1f} GB each (model {ck['model_bytes'] / 1e9:,.1f} + fp32 optimizer "
-              f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written: "
-              f"{ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
+              f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written"
+              + (f" + {ck['hf_export_keep']} HF exports of {ck['hf_export_bytes'] / 1e9:,.1f} GB"
+                 if ck["hf_export_bytes"] else "") + f": {ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
               "conversion host RAM (the shard once in bf16 + up to two copies of the embedding + 0.4 GB, "
               "per process): "
               f"import/export --tp {conv['import_export']['tp']} {conv['import_export']['total_bytes'] / 1e9:,.0f} GB "

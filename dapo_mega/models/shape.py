@@ -1,4 +1,4 @@
-"""The one record of a model's shape, read from a Hugging Face config (Qwen2 / Qwen2.5 / Llama).
+"""The one record of a model's shape, read from a Hugging Face config (Qwen2 / Qwen2.5 / Qwen3 / Llama).
 
     shape = ModelShape.from_hf_config("/models/Qwen2.5-32B")   # or a config object or dict
 
@@ -22,17 +22,17 @@ from typing import Any, Dict, Optional
 
 from dapo_mega.config import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 """HF `config.architectures[0]` of each supported `model_type`."""
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers of a decoder-only transformer (Qwen2 / Llama family)."""
+    """The architecture numbers of a decoder-only transformer (Qwen2 / Qwen3 / Llama family)."""
 
     model_type: str
-    """HF `model_type`: "qwen2" or "llama"."""
+    """HF `model_type`: "qwen2", "qwen3" or "llama"."""
     vocab_size: int
     """HF vocabulary size: rows of embed_tokens / lm_head."""
     hidden_size: int
@@ -44,15 +44,27 @@ class ModelShape:
     num_key_value_heads: int
     """KV heads (GQA); megatron-core calls them `num_query_groups`."""
     head_dim: int
+    """Channels of one attention head: HF `head_dim` when the config has it (Qwen3-8B: 128
+    with hidden 4096 / 32 heads; tiny Qwen3s differ), else hidden_size / num_attention_heads."""
     tie_word_embeddings: bool
     """HF stores only embed_tokens; lm_head is the same tensor."""
     qkv_bias: bool
-    """Qwen2 always has a bias on q/k/v; Llama follows `attention_bias`."""
+    """Qwen2 always has a bias on q/k/v; Llama follows `attention_bias`; Qwen3 has none."""
+    qk_layernorm: bool = False
+    """RMSNorm over head_dim on every query and key head before RoPE (Qwen3's `q_norm` /
+    `k_norm`; megatron-core's `qk_layernorm`)."""
     mlp_bias: bool = False
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling_factor: Optional[float] = None
     """Llama-3.1 style RoPE scaling factor (rope_type "llama3"); None = plain RoPE."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama-3 scaling: wavelengths above original_max / low_freq_factor are divided by the factor."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Llama-3 scaling: wavelengths below original_max / high_freq_factor are kept; between the
+    two bounds the frequency is interpolated."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """Llama-3 scaling: the context length the model was pre-trained at."""
     max_position_embeddings: int = 4096
     padded_vocab_size: int = 0
     """Megatron's vocabulary: `vocab_size` rounded up for the tensor-parallel split (rows
@@ -79,15 +91,18 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelShape":
-        """Parse a Qwen2/Qwen2.5/Llama config; raises ConfigError for other model types."""
+        """Parse a Qwen2/Qwen2.5/Qwen3/Llama config; raises ConfigError for other model types
+        and for variants the learner would compute differently from transformers."""
         cfg = hf_config_to_dict(hf_config)
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model.hf_path: model_type {model_type!r} is not supported; "
                               f"use one of {SUPPORTED_MODEL_TYPES}")
+        if model_type == "qwen3":
+            _check_qwen3(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        theta, factor = _rope(cfg)
+        rope = _rope(cfg)
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -98,14 +113,25 @@ class ModelShape:
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has QKV bias (there is no config switch); Llama follows attention_bias.
+            # Qwen2 always has QKV bias (there is no config switch); Llama follows attention_bias;
+            # Qwen3 with attention_bias is refused above (it would bias o_proj too).
             qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
+            qk_layernorm=model_type == "qwen3",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling_factor=factor,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            **rope,
         )
+
+
+def _check_qwen3(cfg: Dict[str, Any]) -> None:
+    """Qwen3 options the Megatron learner does not compute: a bias on q/k/v/o, sliding windows."""
+    if cfg.get("attention_bias"):
+        raise ConfigError("model.hf_path: Qwen3 with attention_bias=true (a bias on q/k/v and o_proj) is not "
+                          "supported by the Megatron learner. Fix: use a checkpoint with attention_bias=false")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError("model.hf_path: Qwen3 with use_sliding_window=true is not supported (the learner's "
+                          "attention is full causal). Fix: set use_sliding_window=false in config.json")
 
 
 def hf_config_to_dict(hf_config: Any) -> Dict[str, Any]:
@@ -122,21 +148,27 @@ def hf_config_to_dict(hf_config: Any) -> Dict[str, Any]:
     raise TypeError(f"cannot read a Hugging Face config from {type(hf_config).__name__}")
 
 
-def _rope(cfg: Dict[str, Any]) -> tuple[float, Optional[float]]:
-    """RoPE θ and Llama-3 scaling factor.
+def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """RoPE θ and the Llama-3 scaling fields, as ModelShape keyword arguments.
 
     transformers 5 stores RoPE as `rope_parameters = {"rope_theta": θ, "rope_type": ...,
     (scaling fields)}`; transformers 4 config.json files have top-level `rope_theta` and an
-    optional `rope_scaling` dict with `rope_type` (or the older key `type`).
+    optional `rope_scaling` dict with `rope_type` (or the older key `type`). Llama-3 scaling
+    defaults (factor 8, low 1, high 4, original context 8192) are Llama-3.1's.
     """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "default":
-        return float(theta), None
+        return {"rope_theta": float(theta), "rope_scaling_factor": None}
     if rope_type == "llama3":
-        factor = params.get("factor", scaling.get("factor", 8.0))
-        return float(theta), float(factor)
+        def field(name: str, default: float) -> float:
+            return params.get(name, scaling.get(name, default))
+
+        return {"rope_theta": float(theta), "rope_scaling_factor": float(field("factor", 8.0)),
+                "rope_scaling_low_freq_factor": float(field("low_freq_factor", 1.0)),
+                "rope_scaling_high_freq_factor": float(field("high_freq_factor", 4.0)),
+                "rope_scaling_original_max_position_embeddings": int(field("original_max_position_embeddings", 8192))}
     raise ConfigError(f"model.hf_path: rope_type {rope_type!r} is not supported by the Megatron learner; "
                       "supported: default, llama3")

@@ -1,4 +1,5 @@
-"""The tiny synthetic Qwen2 model of the embedded CPU default, built from config.
+"""The tiny synthetic Qwen2 model of the embedded CPU default, built from config (or a tiny
+Qwen3 / Llama of the same sizes, for the tests of each model family).
 
 `build_tiny_model_dir` writes a complete Hugging Face checkpoint directory (config.json,
 generation_config.json, a character-level fast tokenizer, randomly initialised
@@ -63,8 +64,20 @@ def build_char_tokenizer():
     )
 
 
-def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: str = "qwen2"):
-    """The transformers config of the tiny model (Qwen2 by default, or Llama)."""
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+QWEN3_HEAD_DIM_FACTOR = 2
+"""A tiny Qwen3's head_dim is this many times hidden / heads, so that the code paths that
+must read `head_dim` rather than divide the hidden size are exercised (Qwen3-8B: 128 = 4096/32,
+Qwen3-0.6B: 128 != 1024/16)."""
+
+
+def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: str = "qwen2",
+                   rope_scaling: Optional[Dict[str, float]] = None):
+    """The transformers config of the tiny model (Qwen2 by default, Qwen3 or Llama).
+
+    `rope_scaling` (Llama only): the Llama-3 scaling fields `factor`, `low_freq_factor`,
+    `high_freq_factor`, `original_max_position_embeddings` (rope_type "llama3").
+    """
     vocab = build_char_vocab()
     common = dict(
         vocab_size=vocab_size or len(vocab),
@@ -86,15 +99,24 @@ def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, arc
         from transformers import Qwen2Config
 
         return Qwen2Config(**common)
+    if architecture == "qwen3":
+        from transformers import Qwen3Config
+
+        head_dim = QWEN3_HEAD_DIM_FACTOR * model_cfg.tiny_hidden_size // model_cfg.tiny_num_attention_heads
+        return Qwen3Config(head_dim=head_dim, attention_bias=False, **common)
     if architecture == "llama":
         from transformers import LlamaConfig
 
+        if rope_scaling:
+            common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": common.pop("rope_theta"),
+                                         **rope_scaling}
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-    raise ValueError(f"tiny model architecture {architecture!r}: use qwen2 or llama")
+    raise ValueError(f"tiny model architecture {architecture!r}: use one of {TINY_ARCHITECTURES}")
 
 
 def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] = None, seed: int = 0,
-                         architecture: str = "qwen2", with_weights: bool = True) -> Path:
+                         architecture: str = "qwen2", with_weights: bool = True,
+                         rope_scaling: Optional[Dict[str, float]] = None) -> Path:
     """Write a tiny HF checkpoint (config, tokenizer, random weights) to `out_dir`.
 
     Deterministic in `seed`. Returns `out_dir`. Existing files are overwritten.
@@ -105,7 +127,7 @@ def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_cfg = model_cfg or ModelConfig()
-    hf_config = tiny_hf_config(model_cfg, architecture=architecture)
+    hf_config = tiny_hf_config(model_cfg, architecture=architecture, rope_scaling=rope_scaling)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(out)
     if with_weights:

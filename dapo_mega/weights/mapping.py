@@ -1,4 +1,4 @@
-"""The one Megatron ⇄ Hugging Face name/shape mapping (Qwen2 / Qwen2.5 and Llama).
+"""The one Megatron ⇄ Hugging Face name/shape mapping (Qwen2 / Qwen2.5, Qwen3 and Llama).
 
 Pure functions over tensors and the model's `ModelShape` (`dapo_mega/models/shape.py`,
 with Megatron's padded vocabulary): no process groups here (the distributed streaming that uses
@@ -38,7 +38,9 @@ Tensor parallelism (tp ranks, rank r holds slice r):
     vocab parallel (word_embeddings, output_layer): dim 0 split after padding the vocabulary
         to `padded_vocab_size` (divisible by tp·make_vocab_size_divisible_by); the padding
         rows are removed on export and added (as zeros) on import.
-    replicated (norms): every rank holds the whole tensor.
+    replicated (norms): every rank holds the whole tensor. Qwen3's per-head q/k norms
+        (`self_attention.q_layernorm.weight` ⇄ `self_attn.q_norm.weight`, k likewise,
+        [head_dim]) are replicated too: every head on every rank shares one weight.
 
 Tied embeddings (`tie_word_embeddings`): HF stores only `model.embed_tokens.weight`; the
 Megatron output layer is skipped on export and, where a pipeline stage holds a separate
@@ -84,7 +86,8 @@ def check_architecture(hf_config) -> str:
             f"dapo-mega converts only {', '.join(SUPPORTED_ARCHITECTURES)}")
     cfg = hf_config if not isinstance(hf_config, (str, dict)) else None
     if cfg is not None and (getattr(cfg, "mlp_bias", False) or
-                            (names[0] == "LlamaForCausalLM" and getattr(cfg, "attention_bias", False))):
+                            (names[0] in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+                             and getattr(cfg, "attention_bias", False))):
         raise UnsupportedArchitectureError(
             f"{names[0]} with attention_bias/mlp_bias is not supported (Megatron would need "
             "add_bias_linear on every linear layer)")
@@ -119,6 +122,8 @@ _LAYER_TABLE: Dict[str, ParamSpec] = {
     "self_attention.linear_qkv.bias": ParamSpec(
         tuple(f"model.layers.{{layer}}.self_attn.{p}_proj.bias" for p in "qkv"), COLUMN, QKV),
     "self_attention.linear_proj.weight": ParamSpec(("model.layers.{layer}.self_attn.o_proj.weight",), ROW),
+    "self_attention.q_layernorm.weight": ParamSpec(("model.layers.{layer}.self_attn.q_norm.weight",), REPLICATED),
+    "self_attention.k_layernorm.weight": ParamSpec(("model.layers.{layer}.self_attn.k_norm.weight",), REPLICATED),
     "pre_mlp_layernorm.weight": ParamSpec(("model.layers.{layer}.post_attention_layernorm.weight",), REPLICATED),
     "mlp.linear_fc1.weight": ParamSpec(
         ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"), COLUMN, GATE_UP),
@@ -332,6 +337,7 @@ def expected_hf_shape(hf_name: str, shape: ModelShape) -> Optional[Tuple[int, ..
         "k_proj.weight": (shape.num_key_value_heads * d, h), "k_proj.bias": (shape.num_key_value_heads * d,),
         "v_proj.weight": (shape.num_key_value_heads * d, h), "v_proj.bias": (shape.num_key_value_heads * d,),
         "o_proj.weight": (h, shape.num_attention_heads * d),
+        "q_norm.weight": (d,), "k_norm.weight": (d,),
         "gate_proj.weight": (shape.ffn_hidden_size, h), "up_proj.weight": (shape.ffn_hidden_size, h),
         "down_proj.weight": (h, shape.ffn_hidden_size),
     }

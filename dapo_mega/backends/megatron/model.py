@@ -1,4 +1,4 @@
-"""Model provider: a megatron-core GPTModel for Qwen2 / Qwen2.5 / Llama from a HF config.
+"""Model provider: a megatron-core GPTModel for Qwen2 / Qwen2.5 / Qwen3 / Llama from a HF config.
 
     build_model(hf_config, mcfg, layout) -> ([GPTModel chunk per virtual stage], ModelInfo)
 
@@ -10,10 +10,15 @@ Architecture mapping (HF -> megatron TransformerConfig / GPTModel):
 
     num_key_value_heads   -> num_query_groups (GQA)
     Qwen2: always QKV bias; Llama: attention_bias -> add_qkv_bias; no other linear bias
+    head_dim              -> kv_channels (Qwen3's is not hidden / heads)
+    Qwen3 q_norm / k_norm -> qk_layernorm=True (RMSNorm over head_dim per head, before RoPE;
+                             the layer spec's q_layernorm / k_layernorm)
     rms_norm_eps          -> normalization="RMSNorm", layernorm_epsilon
     SwiGLU MLP            -> gated_linear_unit=True, activation_func=silu
-    rope θ                -> position_embedding_type="rope", rotary_base (llama3 scaling ->
-                             rope_scaling=True, rope_scaling_factor)
+    rope θ                -> position_embedding_type="rope", rotary_base; llama3 scaling ->
+                             the rotary embedding's inv_freq rescaled by megatron's own
+                             `_apply_scaling` with all four HF fields (`apply_rope_scaling`:
+                             GPTModel's `rope_scaling=True` hard-codes low 1, high 4, 8192)
     tie_word_embeddings   -> share_embeddings_and_output_weights
     vocab_size            -> padded to a multiple of 128·TP (the shape keeps both, so
                              conversion can strip the padding rows)
@@ -158,6 +163,7 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         gated_linear_unit=True,
         add_bias_linear=arch.mlp_bias,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=INIT_STD,
@@ -215,7 +221,7 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
     return TransformerPlan(config_kwargs=kwargs, layer_spec=spec, params_dtype=params_dtype, notes=notes)
 
 
-def _layer_spec(spec: str):
+def _layer_spec(spec: str, qk_layernorm: bool):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -224,8 +230,8 @@ def _layer_spec(spec: str):
     from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
 
     if spec == TE_SPEC:
-        return get_gpt_layer_with_transformer_engine_spec()
-    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     local.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
     return local
 
@@ -271,7 +277,7 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
 
     # Seeds the megatron RNG tracker (dropout forks; CPU-substituted on CPU machines).
     model_parallel_cuda_manual_seed(mcfg.seed)
-    layer_spec = _layer_spec(plan.layer_spec)
+    layer_spec = _layer_spec(plan.layer_spec, arch.qk_layernorm)
     num_chunks = layout.vpp or 1
     chunks: List[torch.nn.Module] = []
     for vp_stage in range(num_chunks):
@@ -282,9 +288,8 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
             config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
             max_sequence_length=arch.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=arch.rope_theta,
-            rope_scaling=arch.rope_scaling_factor is not None,
-            rope_scaling_factor=arch.rope_scaling_factor or 8.0, vp_stage=vp)
+            position_embedding_type="rope", rotary_base=arch.rope_theta, vp_stage=vp)
+        apply_rope_scaling(model, arch)
         if has_gpu:
             model = model.to(device or torch.device("cuda", torch.cuda.current_device()))
         elif device is not None:
@@ -295,6 +300,23 @@ def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
     info = ModelInfo(shape=arch.with_padded_vocab(padded_vocab), layer_spec=plan.layer_spec,
                      params_dtype=_dtype_str(kwargs["params_dtype"]), fp8=kwargs.get("fp8"))
     return chunks, info
+
+
+def apply_rope_scaling(model: torch.nn.Module, arch: ModelShape) -> None:
+    """Llama-3 RoPE scaling of a freshly built GPTModel (before its first forward: the
+    rotary embedding caches its output per sequence length).
+
+    megatron-core's `RotaryEmbedding._apply_scaling` is transformers' `_compute_llama3_parameters`
+    with the factor, low/high frequency factors and original context as arguments; GPTModel's
+    own `rope_scaling=True` passes only the factor.
+    """
+    if arch.rope_scaling_factor is None:
+        return
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=arch.rope_scaling_factor, low_freq_factor=arch.rope_scaling_low_freq_factor,
+        high_freq_factor=arch.rope_scaling_high_freq_factor,
+        original_max_position_embeddings=arch.rope_scaling_original_max_position_embeddings)
 
 
 def _dtype_str(dtype: torch.dtype) -> str:
