@@ -101,7 +101,8 @@ def load_plugin(path: str) -> Callable[..., Any]:
 def check_signature(path: str, fn: Any) -> None:
     """`fn` is a plain callable that accepts (response, ground_truth, metadata)."""
     if not callable(fn) or inspect.isclass(fn):
-        raise _error(path, f"is a {type(fn).__name__}, not a function", f"point at a function {SIGNATURE}")
+        raise _error(path, f"is an object of type {type(fn).__name__}, not a function",
+                     f"point at a function {SIGNATURE}")
     if inspect.iscoroutinefunction(fn):
         raise _error(path, "is async", f"make it a plain function {SIGNATURE}")
     try:
