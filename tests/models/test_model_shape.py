@@ -2,7 +2,7 @@
 
 `ModelShape` is read by the Megatron model provider, the weight mapping and `plan`; here
 its numbers are checked against what transformers builds from the same config (tensor
-shapes and parameter counts), for Qwen2 and Llama, tied and untied, GQA and MHA.
+shapes and parameter counts), for Qwen2, Qwen3 and Llama, tied and untied, GQA and MHA.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ CASES = [
     ("qwen2", dict(tiny_num_key_value_heads=2, tiny_tie_word_embeddings=False)),
     ("qwen2", dict(tiny_num_key_value_heads=4, tiny_tie_word_embeddings=True)),
     ("llama", dict(tiny_num_key_value_heads=1, tiny_tie_word_embeddings=False)),
+    ("qwen3", dict(tiny_num_key_value_heads=2, tiny_tie_word_embeddings=False)),
+    ("qwen3", dict(tiny_num_key_value_heads=4, tiny_tie_word_embeddings=True)),
 ]
 
 
@@ -53,6 +55,8 @@ def test_shape_matches_transformers_model(architecture, overrides):
     assert shape.hf_architecture == type(model).__name__
     assert shape.num_key_value_heads == hf.num_key_value_heads
     assert shape.qkv_bias == ("model.layers.0.self_attn.q_proj.bias" in state)
+    assert shape.qk_layernorm == ("model.layers.0.self_attn.q_norm.weight" in state)
+    assert shape.head_dim == model.model.layers[0].self_attn.head_dim
 
 
 def test_same_shape_from_config_object_dict_and_directory(tmp_path):
