@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 from typing import Callable, Optional
 
 from dapo_mega import distributed as D

@@ -60,6 +60,8 @@ class RolloutSource:
         self.verifier = verifier
         self.manager = manager
         self.prompts_too_long = 0
+        self._stats: List[VerifyStats] = []
+        """The verifier's stats of each scoring round of the step being collected."""
         """Prompts skipped so far because they exceed algo.max_prompt_length."""
 
     def collect(self, step: int, learner_version: int, num_groups: Optional[int] = None) -> RolloutBatch:
@@ -67,13 +69,13 @@ class RolloutSource:
         (algo.train_batch_size of them, or `num_groups` to refill a batch)."""
         a = self.cfg.algo
         t = time.perf_counter()
-        stats: List[VerifyStats] = []  # this step's scoring rounds
+        self._stats: List[VerifyStats] = []  # this step's scoring rounds
         # Groups carried from an older version obey the age limit (cluster.max_sample_age): older
         # ones are dropped as `stale`. The synchronous modes (no queue) stream: rounds sized from
         # the keep rate, the batch filled in prompt order, prompts after the last one needed put
         # back (rollout/batch_fill.py), so nothing is carried and the batch does not depend on timing.
         groups, samples = self.manager.collect_step(
-            step, learner_version, self._next_prompts, lambda gs: self._score(gs, stats), num_groups or a.train_batch_size,
+            step, learner_version, self, num_groups or a.train_batch_size,
             a.gen_batch_size, dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
             max_staleness=self.cfg.cluster.age_limit, stream=self.cfg.cluster.max_staleness == 0)
         seconds = time.perf_counter() - t
@@ -82,8 +84,8 @@ class RolloutSource:
         metrics.update(compute_age_metrics(samples, len({s.prompt_id for s in samples if s.reject_reason == "stale"})))
         metrics.update(self.manager.metrics)
         metrics["data/prompts_too_long"] = float(self.prompts_too_long)
-        if stats:
-            metrics.update(_sum_verify_stats(stats).as_metrics())
+        if self._stats:
+            metrics.update(_sum_verify_stats(self._stats).as_metrics())
         return RolloutBatch(step=step, groups=groups, samples=samples, metrics=metrics,
                             data_cursor=self.prompts.state_dict(), rollout_carry=self.manager.state_dict(),
                             seconds=seconds)
@@ -99,7 +101,8 @@ class RolloutSource:
         if rollout_carry:
             self.manager.load_state_dict(rollout_carry, problem_factory)
 
-    def _next_prompts(self, n: int) -> List[Any]:
+    # ---------------------------------------------------------------- StepInputs (rollout/dynamic_sampling.py)
+    def draw(self, n: int) -> List[Any]:
         """n problems whose prompts fit max_prompt_length (longer ones are skipped, counted)."""
         out: List[Any] = []
         for _ in range(100):
@@ -113,8 +116,8 @@ class RolloutSource:
         raise RuntimeError(f"could not find {n} prompts within algo.max_prompt_length="
                            f"{self.cfg.algo.max_prompt_length} tokens. Fix: raise algo.max_prompt_length")
 
-    def _score(self, groups: List[Group], stats: List[VerifyStats]) -> List[List[SampleReward]]:
-        """Verifier + overlong penalty of every sample of every group (the manager's reward_fn)."""
+    def score(self, groups: List[Group]) -> List[List[SampleReward]]:
+        """Verifier + overlong penalty of every sample of every group (its stats kept for the step's metrics)."""
         from dapo_mega.data import verification_prefix
         from dapo_mega.reward import compute_rewards
 
@@ -125,7 +128,7 @@ class RolloutSource:
                                 [g.prompt.ground_truth for g, _ in pairs], [s.response_length for _, s in pairs],
                                 self.cfg.algo, answer_prefixes=[verification_prefix(g.prompt, self.cfg.data.prompt_template)
                                                                 for g, _ in pairs])
-        stats.append(batch.stats)
+        self._stats.append(batch.stats)
         rewards = batch.items()
         out, k = [], 0
         for g in groups:

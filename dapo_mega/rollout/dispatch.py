@@ -84,17 +84,18 @@ class RoundDispatcher:
     request settings and counters. With `on_groups`, each finished chunk's groups are handed
     to it once every earlier chunk has been; once it returns True no new request is sent, the
     requests in flight are aborted and their prompts, with those never sent, end in
-    `RoundOutcome.unsent`. With `want` (groups still needed) and a keep-rate estimate, a
+    `RoundOutcome.unsent`. With `want` (groups still needed) and a `keep_rate` estimate, a
     request is sent only while the prompts in flight are expected to keep fewer than
     want() x IN_FLIGHT_MARGIN groups.
     """
 
     def __init__(self, manager, prompts: Sequence[Any], gen_round: int,
                  on_groups: Optional[Callable[[List[Group]], bool]] = None,
-                 want: Optional[Callable[[], int]] = None):
+                 want: Optional[Callable[[], int]] = None,
+                 keep_rate: Optional[Callable[[], Optional[float]]] = None):
         self.m = manager
         self.prompts, self.gen_round = prompts, gen_round
-        self.on_groups, self.want = on_groups, want
+        self.on_groups, self.want, self.keep_rate = on_groups, want, keep_rate
         self.out = RoundOutcome()
         self.live = [e.url for e in manager.alive_engines()]
         size = chunk_size(len(prompts), len(self.live), manager.prompts_per_request) if self.live else 1
@@ -222,7 +223,7 @@ class RoundDispatcher:
     # ---------------------------------------------------------------- gates
     def _may_send(self, c: int) -> bool:
         """The keep-rate gate (class docstring); a chunk that finished chunks wait for (a retry) always goes."""
-        rate = self.m.keep_rate
+        rate = self.keep_rate() if self.keep_rate is not None else None
         return (self.want is None or rate is None or any(f > c for f in self.finished)
                 or self.open_prompts * rate < self.want() * IN_FLIGHT_MARGIN)
 

@@ -19,35 +19,9 @@
 * A dead engine is not dead forever: `probe_dead` (the policy sync calls it before each
   weight sync) finds those that answer again, which then rejoin the weight sync and, once
   they hold the new weights (`serve_again`), the rollouts.
-* Dynamic sampling (DAPO §3.2): rounds of prompts from `prompt_source`, scored by
-  `reward_fn`, filtered by `dapo_mega.algo.select_informative_groups` (Eq. 11), until
-  `train_batch_size` groups are kept (`BatchFill`, rollout/batch_fill.py, decides them in
-  prompt order); the surplus is carried to the next step
-  (`state_dict`). `max_num_gen_batches` bounds the rounds (0 = no limit).
-* Synchronous modes (`max_staleness == 0`, where a carried surplus is dropped as stale next
-  step) stream instead: a round asks for gen_batch_size prompts until a keep rate has been
-  measured, then for (groups still needed) / keep_rate with a margin (`round_size`; the
-  estimate is a ratio of exponentially decayed counts, updated one decided group at a time,
-  carried in `state_dict`, so a resume keeps it). Groups are decided (scored, filtered, kept or made ledger rows) as their
-  requests finish, but strictly in prompt order: a group is decided only once every group
-  before it in the round has been, so the batch is the first train_batch_size groups in
-  prompt order that pass the filter, whichever engine was faster. Once it is full no request
-  is sent any more and those in flight are aborted (`POST /abort_request` with `abort_all` on
-  each engine that has one, SGLang's and the embedded engine's).
-* What a streamed step trains on, and what its ledger holds, does not depend on timing: every
-  prompt of the round after the last one decided goes back to `pending` (in `state_dict`,
-  drawn first next round or step), whether its request was never sent, aborted, or had
-  finished. A finished one is not scored and its samples are discarded: keeping them (as
-  ledger rows, as a carried surplus, or in the keep-rate estimate) would make the ledger,
-  the carry and the next round's size depend on which requests happened to finish before the
-  abort. Its prompt is not lost (unlike a carried surplus, which the next step drops as stale,
-  prompt and all), and is generated again, with the policy of the step that draws it. The
-  cost is generation: the discarded and the aborted samples are counted in the metrics
-  (`rollout/discarded_groups`, `_samples`, `_tokens`; `rollout/aborted_requests`, `_samples`,
-  `_tokens`), never ledger rows, and a streamed step carries nothing
-  (`rollout/carried_groups` = 0). With `seed`, the same prompts then give the same tokens
-  (below), so two runs with one seed write the same ledger. Asynchronous modes generate
-  whole rounds of gen_batch_size, decide every group and carry the surplus.
+* Dynamic sampling (DAPO §3.2), its rounds, keep-rate estimate, carry-over and streamed
+  steps are rollout/dynamic_sampling.py's (`DynamicSampler`, the manager's `sampling`);
+  `collect_step` runs it on these engines.
 * With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
   `sampling_seed` made from (seed, step, round, prompt id): on the embedded engine a step
   redone after a resume, or a chunk retried on another engine, samples the same tokens;
@@ -63,7 +37,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -71,25 +44,13 @@ import aiohttp
 
 from dapo_mega.backends.sglang.client import EngineClient, EngineError
 from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
-from dapo_mega.reward.types import SampleReward
-from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, BatchFill
+from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS
 from dapo_mega.rollout.dispatch import RolloutError, RoundDispatcher, RoundOutcome, chunk_size
+from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, parse_version
 
-__all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample",
+__all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample", "StepInputs",
            "chunk_size", "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
-
-
-ROUND_MARGIN = 1.2
-"""A streamed round asks for need / keep_rate x this many prompts (see `round_size`)."""
-MAX_ROUND_FACTOR = 4
-"""A streamed round is at most this many x gen_batch_size prompts."""
-KEEP_RATE_EMA = 0.03
-"""Weight of each finished group in the keep-rate estimate (half-life ~23 groups)."""
-
-
-class DynamicSamplingExhausted(RuntimeError):
-    """max_num_gen_batches rounds did not fill the batch."""
 
 
 class RolloutManager:
@@ -135,24 +96,17 @@ class RolloutManager:
         self.engine_loads: Dict[str, Dict[str, float]] = {}
         """url -> peaks of the engine's /v1/loads seen by the watchdog since the last step
         (KV tokens used and held at most, requests running): `engine_load_metrics`."""
-        self.carry: List[Group] = []
-        self.pending: List[Any] = []
-        """Prompts drawn but never completed (a streamed round stopped first): drawn again first."""
-        self._keep_counts = [0.0, 0.0]
-        """Exponentially decayed counts of kept and finished groups (`keep_rate`)."""
+        self.sampling = DynamicSampler(self.prompt_to_input)
+        """Dynamic sampling's state across steps: carry, pending prompts, keep rate."""
         self.metrics: Dict[str, float] = {}
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> Dict[str, Any]:
-        """Carried groups, pending prompts (plain data) and the keep-rate estimate for checkpoints."""
-        return {"carry": [g.to_dict() for g in self.carry], "pending": [_plain(p) for p in self.pending],
-                "keep_counts": list(self._keep_counts)}
+        """What a checkpoint keeps of the rollouts: dynamic sampling's state (`DynamicSampler`)."""
+        return self.sampling.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> None:
-        """What `state_dict` wrote (checkpoints from before streaming have only `carry`)."""
-        self.carry = [Group.from_dict(d, prompt_factory, self.prompt_to_input) for d in state["carry"]]
-        self.pending = [prompt_factory(d) for d in state.get("pending", [])]
-        self._keep_counts = [float(x) for x in state.get("keep_counts", (0.0, 0.0))]
+        self.sampling.load_state_dict(state, prompt_factory)
 
     def dead_engines(self) -> Dict[str, str]:
         """A copy of `dead` (safe to read while another thread generates)."""
@@ -219,9 +173,46 @@ class RolloutManager:
 
     async def _generate(self, prompts: Sequence[Any], gen_round: int,
                         on_groups: Optional[Callable[[List[Group]], bool]] = None,
-                        want: Optional[Callable[[], int]] = None) -> RoundOutcome:
+                        want: Optional[Callable[[], int]] = None,
+                        keep_rate: Optional[Callable[[], Optional[float]]] = None) -> RoundOutcome:
         """Generate `prompts` in chunks over the live engines (rollout/dispatch.py)."""
-        return await RoundDispatcher(self, prompts, gen_round, on_groups, want).run()
+        return await RoundDispatcher(self, prompts, gen_round, on_groups, want, keep_rate).run()
+
+    # ---------------------------------------------------------------- dynamic sampling
+    def collect_step(self, step: int, learner_version: int, inputs: StepInputs, train_batch_size: int,
+                     gen_batch_size: int, dynamic_sampling: bool = True, max_num_gen_batches: int = 0,
+                     max_staleness: Optional[int] = None, stream: Optional[bool] = None
+                     ) -> Tuple[List[Group], List[ScoredSample]]:
+        """Groups to train on at `step` (exactly train_batch_size of them) and every sample
+        the step generated or dropped (kept or not, each with its reject reason), stamped with
+        `step` and `learner_version`: the step's ledger rows.
+
+        `inputs` draws the prompts and scores the groups (`StepInputs`). `stream` (default:
+        `max_staleness == 0`, where a surplus could only be dropped as stale) sizes each round
+        from the keep rate, decides groups in prompt order as their requests finish, aborts the
+        requests in flight once the batch is full and returns the round's undecided prompts to
+        `pending` (rollout/dynamic_sampling.py).
+        """
+        self._step = step
+        try:
+            kept, samples = self.sampling.collect_step(
+                self._generate, run_coroutine, step, learner_version, inputs, train_batch_size, gen_batch_size,
+                dynamic_sampling, max_num_gen_batches, max_staleness,
+                max_staleness == 0 if stream is None else stream)
+        except RolloutError as exc:
+            raise RolloutError(f"{exc}; dead engines: {self.dead_engines()}") from None
+        counts, sampling = self.sampling.counts, self.sampling
+        # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
+        # samples by rollout/metrics.py, so that they exist with dynamic sampling off.
+        self.metrics = {"rollout/gen_batches": counts["rounds"], "rollout/groups_generated": counts["seen"],
+                        "rollout/carried_groups": len(sampling.carry), "rollout/dead_engines": len(self.dead),
+                        "rollout/prompts_requested": counts["requested"],
+                        "rollout/pending_prompts": len(sampling.pending),
+                        **{f"rollout/{k}": counts[k] for k in SET_ASIDE_COUNTS}}
+        if sampling.keep_rate is not None:
+            self.metrics["rollout/keep_rate_estimate"] = sampling.keep_rate
+        self.metrics.update(self.engine_load_metrics())
+        return kept, samples
 
     def _params_for(self, prompts: Sequence[Any], gen_round: int) -> Any:
         """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
@@ -232,88 +223,6 @@ class RolloutManager:
             return self.sampling_params
         return [{**self.sampling_params, "sampling_seed": request_seed(self.seed, self._step, gen_round,
                                                                        str(getattr(p, "id", "")))} for p in prompts]
-
-    # ---------------------------------------------------------------- dynamic sampling
-    def collect_step(self, step: int, learner_version: int, prompt_source: Callable[[int], List[Any]],
-                     reward_fn: Callable[[List[Group]], List[List[SampleReward]]], train_batch_size: int,
-                     gen_batch_size: int, dynamic_sampling: bool = True, max_num_gen_batches: int = 0,
-                     max_staleness: Optional[int] = None, stream: Optional[bool] = None
-                     ) -> Tuple[List[Group], List[ScoredSample]]:
-        """Groups to train on at `step` (exactly train_batch_size of them) and every sample
-        the step generated or dropped (kept or not, each with its reject reason), stamped with
-        `step` and `learner_version`: the step's ledger rows.
-
-        `reward_fn(groups)` returns, per group, per sample, its `SampleReward`.
-        `stream` (default: `max_staleness == 0`, where a surplus could only be dropped as
-        stale) sizes each round from the keep rate, decides groups in prompt order as their
-        requests finish, aborts the requests in flight once the batch is full and returns the
-        round's undecided prompts to `pending` (module docstring).
-        """
-        if stream is None:
-            stream = max_staleness == 0
-        self._step = step
-        carried, self.carry = self.carry, []
-        stale: List[Group] = []
-        if max_staleness is not None:
-            carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
-        fill = BatchFill(step, learner_version, reward_fn, train_batch_size, dynamic_sampling, stream, carried,
-                         observe_keep_rate=self._observe_keep_rate)
-        for g in stale:
-            fill.samples += g.stamp(step, learner_version)
-        counts = fill.counts
-        while not fill.full():
-            rounds = counts["rounds"]
-            if max_num_gen_batches and rounds >= max_num_gen_batches:
-                raise DynamicSamplingExhausted(
-                    f"step {step}: dynamic sampling kept {len(fill.kept)} of algo.train_batch_size={train_batch_size} "
-                    f"groups after {rounds} rounds (algo.max_num_gen_batches={max_num_gen_batches}): "
-                    f"{counts['seen']} groups generated, {counts['all_correct']} all-correct and "
-                    f"{counts['all_wrong']} all-wrong (uniform rewards carry no "
-                    "gradient). Fix: use easier data (all wrong) or harder data (all correct), raise "
-                    "algo.n_samples_per_prompt, raise algo.max_num_gen_batches or set it to 0 (no limit), or set "
-                    "algo.dynamic_sampling=false.")
-            size = self.round_size(fill.need(), gen_batch_size) if stream else gen_batch_size
-            prompts = self._draw(prompt_source, size)
-            counts["requested"] += len(prompts)
-            counts["rounds"] += 1
-            fill.start_round(prompts)
-            if stream:
-                out = run_coroutine(self._generate(prompts, rounds, fill.take, want=fill.need))
-                if not out.stopped and len(out.groups) != len(prompts):
-                    raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
-                                       f"dead engines: {self.dead}; failures: {out.failures[-5:]}")
-                self._set_aside_undecided(prompts, fill, out)
-            else:
-                fill.take(run_coroutine(self.generate_groups(prompts, gen_round=rounds)))
-        self.carry = fill.kept[train_batch_size:]
-        kept = fill.kept[:train_batch_size]
-        samples = fill.samples
-        for g in kept:
-            samples += g.stamp(step, learner_version)
-        # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
-        # samples by rollout/metrics.py, so that they exist with dynamic sampling off.
-        self.metrics = {"rollout/gen_batches": counts["rounds"], "rollout/groups_generated": counts["seen"],
-                        "rollout/carried_groups": len(self.carry), "rollout/dead_engines": len(self.dead),
-                        "rollout/prompts_requested": counts["requested"],
-                        "rollout/pending_prompts": len(self.pending),
-                        **{f"rollout/{k}": counts[k] for k in SET_ASIDE_COUNTS}}
-        if self.keep_rate is not None:
-            self.metrics["rollout/keep_rate_estimate"] = self.keep_rate
-        self.metrics.update(self.engine_load_metrics())
-        return kept, samples
-
-    def _set_aside_undecided(self, prompts: Sequence[Any], fill: BatchFill, out: RoundOutcome) -> None:
-        """After a streamed round: its prompts after the last one decided go back to `pending`
-        (in prompt order, before the older pending ones), whether their request was never sent,
-        aborted, or finished; the samples of those that finished are discarded (counted)."""
-        self.pending = list(prompts[fill.decided:]) + self.pending
-        discarded = [g for i, g in out.groups.items() if i >= fill.decided]
-        counts = fill.counts
-        counts["discarded_groups"] += len(discarded)
-        counts["discarded_samples"] += sum(len(g.samples) for g in discarded)
-        counts["discarded_tokens"] += sum(len(s.token_ids) for g in discarded for s in g.samples)
-        for key in ("aborted_requests", "aborted_samples", "aborted_tokens"):
-            counts[key] += getattr(out, key)
 
     async def _observe_loads(self, url: str, probe: EngineClient) -> None:
         """Keep the peaks of one /v1/loads answer (an engine without it is not held to it)."""
@@ -343,36 +252,6 @@ class RolloutManager:
             out.update({"engine/kv_capacity_tokens": min(capacity), "engine/kv_usage_peak": max(usage)})
         return out
 
-    def round_size(self, need: int, gen_batch_size: int) -> int:
-        """Prompts to request for `need` more kept groups: gen_batch_size until a keep rate has
-        been measured, then need / keep_rate with a margin (ROUND_MARGIN), at most
-        MAX_ROUND_FACTOR x gen_batch_size. Prompts not sent when the batch fills are not lost
-        (`pending`), so a margin costs little and saves a round."""
-        rate = self.keep_rate
-        if rate is None:
-            return gen_batch_size
-        cap = MAX_ROUND_FACTOR * gen_batch_size
-        return cap if rate * cap <= need * ROUND_MARGIN else max(1, math.ceil(need * ROUND_MARGIN / rate))
-
-    def _observe_keep_rate(self, kept: int, seen: int) -> None:
-        """Update the exponentially weighted (KEEP_RATE_EMA per finished group) counts of kept
-        and finished groups whose ratio is `keep_rate`."""
-        if seen <= 0:
-            return
-        decay = (1.0 - KEEP_RATE_EMA) ** seen
-        self._keep_counts = [self._keep_counts[0] * decay + kept, self._keep_counts[1] * decay + seen]
-
-    @property
-    def keep_rate(self) -> Optional[float]:
-        """Estimated fraction of generated groups dynamic sampling keeps (None: nothing seen yet)."""
-        kept, seen = self._keep_counts
-        return kept / seen if seen > 0 else None
-
-    def _draw(self, prompt_source: Callable[[int], List[Any]], n: int) -> List[Any]:
-        """n prompts: those returned unsent by an earlier round first, then fresh ones."""
-        taken, self.pending = self.pending[:n], self.pending[n:]
-        return taken + (list(prompt_source(n - len(taken))) if n > len(taken) else [])
-
 
 def run_coroutine(coro):
     """Run `coro` to completion on a fresh event loop (what `asyncio.run` does, minus its
@@ -386,13 +265,6 @@ def run_coroutine(coro):
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
-
-
-def _plain(prompt: Any) -> Any:
-    """A prompt item as plain data (as Group.to_dict stores it)."""
-    from dataclasses import asdict
-
-    return asdict(prompt) if hasattr(prompt, "__dataclass_fields__") else prompt
 
 
 def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:

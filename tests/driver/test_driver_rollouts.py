@@ -28,9 +28,8 @@ class EchoManager:
         self.metrics = {"rollout/gen_batches": 1}
         self.prompts_seen = []
 
-    def collect_step(self, step, learner_version, prompt_source, reward_fn, train_batch_size, gen_batch_size,
-                     **kwargs):
-        prompts = prompt_source(gen_batch_size)
+    def collect_step(self, step, learner_version, inputs, train_batch_size, gen_batch_size, **kwargs):
+        prompts = inputs.draw(gen_batch_size)
         self.prompts_seen += [p.id for p in prompts]
         groups = []
         for p in prompts:
@@ -39,7 +38,7 @@ class EchoManager:
                 s.response_text = text
             groups.append(Group(prompt=p, prompt_input=[1], samples=samples, engine_id="e", queue_delay_s=0.0,
                                 latency_s=0.0))
-        for g, rewards in zip(groups, reward_fn(groups)):
+        for g, rewards in zip(groups, inputs.score(groups)):
             for s, r in zip(g.samples, rewards):
                 s.score = r
         return groups, [s for g in groups for s in g.stamp(step, learner_version)]

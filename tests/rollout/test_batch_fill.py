@@ -34,7 +34,7 @@ def fill_of(stream, scored):
                  else SampleReward(-1.0, False) for s in g.samples] for g in groups]
     mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
     fill = BatchFill(1, 0, reward_fn, train_batch_size=2, dynamic_sampling=True, stream=stream, carried=[],
-                     observe_keep_rate=mgr._observe_keep_rate)
+                     observe_keep_rate=mgr.sampling.observe_keep_rate)
     return fill, mgr
 
 
@@ -72,5 +72,5 @@ def test_keep_rate_does_not_depend_on_how_groups_were_cut_into_requests():
         groups = [group(p) for p in prompts]
         for i in range(0, len(groups), size):
             fill.take(groups[i:i + size])
-        rates.append((mgr.keep_rate, mgr._keep_counts))
+        rates.append((mgr.sampling.keep_rate, mgr.sampling.keep_counts))
     assert rates[0] == rates[1] == rates[2]

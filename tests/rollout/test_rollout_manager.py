@@ -5,6 +5,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 
@@ -38,6 +39,14 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_mgr")
     build_tiny_model_dir(d, seed=7)
     return d
+
+
+@dataclass
+class Feed:
+    """A step's StepInputs (rollout/dynamic_sampling.py): prompts from `draw`, rewards from `score`."""
+
+    draw: Callable[[int], list]
+    score: Callable[[list], list]
 
 
 def prompt_stream():
@@ -77,8 +86,7 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_nothing(model_dir, tmp_p
         killer = threading.Thread(target=kill_engine_1_mid_request, daemon=True)
         t0 = time.monotonic()
         killer.start()
-        kept, records = mgr.collect_step(step=1, learner_version=3, prompt_source=prompt_stream(),
-                                         reward_fn=lambda gs: [[SampleReward(1.0, True)] * G for _ in gs],
+        kept, records = mgr.collect_step(step=1, learner_version=3, inputs=Feed(prompt_stream(), lambda gs: [[SampleReward(1.0, True)] * G for _ in gs]),
                                          train_batch_size=16, gen_batch_size=16, dynamic_sampling=False)
         killer.join(timeout=60)
         assert killed_at and time.monotonic() > killed_at[0], "rollout finished before the kill"
@@ -125,8 +133,7 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
                     out.append([SampleReward(1.0 if ok else -1.0, ok)] * len(g.samples))
             return out
 
-        kept, records = mgr.collect_step(step=2, learner_version=0, prompt_source=prompt_stream(),
-                                         reward_fn=reward_fn, train_batch_size=3, gen_batch_size=4)
+        kept, records = mgr.collect_step(step=2, learner_version=0, inputs=Feed(prompt_stream(), reward_fn), train_batch_size=3, gen_batch_size=4)
         assert [g.prompt_id for g in kept] == ["p0", "p4", "p8"]
         assert mgr.metrics["rollout/gen_batches"] == 3 and mgr.metrics["rollout/groups_generated"] == 12
         reasons = {}
@@ -139,7 +146,7 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
         mgr2 = RolloutManager([engines[0].url], n_samples=G, run_id="t",
                               sampling_params={"max_new_tokens": 3, "ignore_eos": True})
         with pytest.raises(DynamicSamplingExhausted) as err:
-            mgr2.collect_step(step=3, learner_version=0, prompt_source=prompt_stream(), reward_fn=reward_fn,
+            mgr2.collect_step(step=3, learner_version=0, inputs=Feed(prompt_stream(), reward_fn),
                               train_batch_size=3, gen_batch_size=4, max_num_gen_batches=2)
         msg = str(err.value)
         for part in ("after 2 rounds", "8 groups generated", "2 all-correct", "4 all-wrong",
@@ -148,20 +155,19 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
 
         # Surplus kept groups carry over to the next step.
         mgr3 = RolloutManager([engines[0].url], n_samples=G, sampling_params={"max_new_tokens": 2})
-        kept, _ = mgr3.collect_step(step=1, learner_version=0, prompt_source=prompt_stream(),
-                                    reward_fn=lambda gs: [[SampleReward(float(s.sample_index % 2),
-                                                                        bool(s.sample_index % 2)) for s in g.samples]
-                                                          for g in gs],
+        kept, _ = mgr3.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), lambda gs: [[SampleReward(float(s.sample_index % 2),
+                                                                                   bool(s.sample_index % 2))
+                                                                      for s in g.samples] for g in gs]),
                                     train_batch_size=3, gen_batch_size=5)
-        assert len(kept) == 3 and len(mgr3.carry) == 2
-        assert [g.prompt_id for g in mgr3.carry] == ["p3", "p4"]
+        assert len(kept) == 3 and len(mgr3.sampling.carry) == 2
+        assert [g.prompt_id for g in mgr3.sampling.carry] == ["p3", "p4"]
         # The carry survives a checkpoint as plain data, scores and reasons included.
         restored = RolloutManager([engines[0].url], n_samples=G, sampling_params={})
         restored.load_state_dict(mgr3.state_dict(), lambda d: Prompt(**d))
-        assert [g.prompt_id for g in restored.carry] == ["p3", "p4"]
-        assert [s.score for g in restored.carry for s in g.samples] == [s.score for g in mgr3.carry for s in g.samples]
-        assert [g.samples[1].token_ids for g in restored.carry] == [g.samples[1].token_ids for g in mgr3.carry]
-        fresh, stale = drop_stale_groups(mgr3.carry, learner_version=2, max_staleness=1)
+        assert [g.prompt_id for g in restored.sampling.carry] == ["p3", "p4"]
+        assert [s.score for g in restored.sampling.carry for s in g.samples] == [s.score for g in mgr3.sampling.carry for s in g.samples]
+        assert [g.samples[1].token_ids for g in restored.sampling.carry] == [g.samples[1].token_ids for g in mgr3.sampling.carry]
+        fresh, stale = drop_stale_groups(mgr3.sampling.carry, learner_version=2, max_staleness=1)
         assert fresh == [] and len(stale) == 2 and stale[0].reasons == ["stale"] * G
     finally:
         engines[0].kill()
@@ -181,34 +187,33 @@ def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_d
                                       prompts_per_request=1, requests_per_engine=1)
         mgr = make()
         source = prompt_stream()
-        kept, records = mgr.collect_step(step=1, learner_version=0, prompt_source=source, reward_fn=every_other_kept,
+        kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(source, every_other_kept),
                                          train_batch_size=3, gen_batch_size=4, max_staleness=0)
         # round 0: gen_batch_size=4 prompts (no keep rate yet) keeps p0, p2; the measured keep
         # rate is ~1/2, so round 1 asks for ceil(1 x 1.2 / rate) = 3 prompts and stops at p4.
         assert [g.prompt_id for g in kept] == ["p0", "p2", "p4"]
-        assert abs(mgr.keep_rate - 3 / 5) < 0.02                        # 3 of the 5 groups seen were kept
+        assert abs(mgr.sampling.keep_rate - 3 / 5) < 0.02                        # 3 of the 5 groups seen were kept
         m = mgr.metrics
         assert (m["rollout/gen_batches"], m["rollout/groups_generated"], m["rollout/prompts_requested"]) == (2, 5, 7)
         assert m["rollout/aborted_requests"] == 0 and m["rollout/carried_groups"] == 0
         # p5, p6 were drawn but never sent: pending, not ledger rows, drawn first next time
-        assert [p.id for p in mgr.pending] == ["p5", "p6"] and m["rollout/pending_prompts"] == 2
+        assert [p.id for p in mgr.sampling.pending] == ["p5", "p6"] and m["rollout/pending_prompts"] == 2
         assert sorted({s.prompt_id for s in records}) == ["p0", "p1", "p2", "p3", "p4"]
         assert all(s.reject_reason == ("kept" if int(s.prompt_id[1:]) % 2 == 0 else "all_wrong_group")
                    for s in records)
         # A checkpoint keeps the estimate and the pending prompts.
         restored = make()
         restored.load_state_dict(mgr.state_dict(), lambda d: Prompt(**d))
-        assert restored.keep_rate == mgr.keep_rate and [p.id for p in restored.pending] == ["p5", "p6"]
-        assert restored.round_size(3, 4) == mgr.round_size(3, 4) == 6   # ceil(3 x 1.2 / ~0.6); not gen_batch_size
-        kept, records = restored.collect_step(step=2, learner_version=1, prompt_source=source,
-                                              reward_fn=every_other_kept, train_batch_size=3, gen_batch_size=4,
+        assert restored.sampling.keep_rate == mgr.sampling.keep_rate and [p.id for p in restored.sampling.pending] == ["p5", "p6"]
+        assert restored.sampling.round_size(3, 4) == mgr.sampling.round_size(3, 4) == 6   # ceil(3 x 1.2 / ~0.6); not gen_batch_size
+        kept, records = restored.collect_step(step=2, learner_version=1, inputs=Feed(source, every_other_kept), train_batch_size=3, gen_batch_size=4,
                                               max_staleness=0)
         assert [g.prompt_id for g in kept] == ["p6", "p8", "p10"]    # pending first, then the cursor (p7 on)
         assert restored.metrics["rollout/gen_batches"] == 1
         # A checkpoint written before streaming (carry only) still loads.
         old = make()
         old.load_state_dict({"carry": []}, lambda d: Prompt(**d))
-        assert old.keep_rate is None and old.pending == [] and old.round_size(3, 4) == 4
+        assert old.sampling.keep_rate is None and old.sampling.pending == [] and old.sampling.round_size(3, 4) == 4
     finally:
         engines[0].kill()
 
@@ -226,8 +231,7 @@ def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_pa
         G = 2
         mgr = ShortFirst([EngineEndpoint(engines[0].url, timeout_s=120)], n_samples=G,
                          sampling_params={"ignore_eos": True}, prompts_per_request=1, requests_per_engine=3)
-        kept, records = mgr.collect_step(step=1, learner_version=0, prompt_source=prompt_stream(),
-                                         reward_fn=every_other_kept, train_batch_size=1, gen_batch_size=6,
+        kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), every_other_kept), train_batch_size=1, gen_batch_size=6,
                                          max_staleness=0)
         assert [g.prompt_id for g in kept] == ["p0"]
         m = mgr.metrics
@@ -236,7 +240,7 @@ def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_pa
         assert 0 <= m["rollout/aborted_tokens"] < 2 * G * 250
         assert m["rollout/groups_generated"] == 1 and m["rollout/carried_groups"] == 0
         assert {s.prompt_id for s in records} == {"p0"} and len(records) == G
-        assert [p.id for p in mgr.pending] == ["p1", "p2", "p3", "p4", "p5"]
+        assert [p.id for p in mgr.sampling.pending] == ["p1", "p2", "p3", "p4", "p5"]
         # the engine is not marked dead, and generates normally afterwards
         assert mgr.dead == {}
         ledger.write_step(tmp_path, 1, [ledger.ledger_record(s, "t") for s in records])

@@ -19,7 +19,7 @@ from dapo_mega.config import RolloutConfig
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import RolloutManager
-from test_rollout_manager import prompt_stream  # prompts p0, p1, ... drawn in order
+from test_rollout_manager import Feed, prompt_stream  # prompts p0, p1, ... drawn in order
 
 DELAY_MS = 150
 TOKENS = 10
@@ -59,14 +59,13 @@ def two_steps(engines):
     source = prompt_stream()
     steps = []
     for step in (1, 2):
-        kept, records = mgr.collect_step(step=step, learner_version=step - 1, prompt_source=source,
-                                         reward_fn=every_other_kept, train_batch_size=2, gen_batch_size=8,
+        kept, records = mgr.collect_step(step=step, learner_version=step - 1, inputs=Feed(source, every_other_kept), train_batch_size=2, gen_batch_size=8,
                                          max_staleness=0)
         steps.append({
             "kept": [(g.prompt_id, [s.token_ids for s in g.samples]) for g in kept],
             "rows": [(s.step, s.prompt_id, s.sample_index, tuple(s.token_ids), s.response_text, s.reward,
                       s.reject_reason, s.gen_round, s.seed) for s in records],
-            "state": (mgr.keep_rate, [p.id for p in mgr.pending], len(mgr.carry)),
+            "state": (mgr.sampling.keep_rate, [p.id for p in mgr.sampling.pending], len(mgr.sampling.carry)),
             "metrics": dict(mgr.metrics), "engines": {g.engine_id for g in kept}})
     return steps
 
