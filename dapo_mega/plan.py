@@ -82,7 +82,8 @@ KNOWN_MODELS: Dict[str, ModelShape] = {
                              tie_word_embeddings=False, qkv_bias=True),
     "qwen3-8b": ModelShape(model_type="qwen3", vocab_size=151936, hidden_size=4096, ffn_hidden_size=12288,
                            num_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           tie_word_embeddings=False, qkv_bias=False, qk_layernorm=True),
+                           tie_word_embeddings=False, qkv_bias=False, qk_layernorm=True, rope_theta=1e6,
+                           max_position_embeddings=40960),
 }
 
 
