@@ -184,20 +184,11 @@ def compute_policy_loss(
             loss/ratio_mean      mean r
             loss/num_tokens      response tokens in this call
     """
-    if log_probs.dim() != 2:
-        raise ValueError(f"log_probs must be [B, T], got {tuple(log_probs.shape)}")
-    if old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
-        raise ValueError(f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} and "
-                         f"response_mask {tuple(response_mask.shape)} must have the same [B, T] shape")
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {LOSS_AGG_MODES}")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    _check_loss_inputs(log_probs, old_log_probs, response_mask, loss_agg_mode, clip_ratio_c)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.to(log_probs.dtype).expand_as(log_probs)
     mask = response_mask.bool()
-    fmask = mask.to(log_probs.dtype)
 
     # where() rather than multiply: padding may hold ±inf/NaN log-probs, and the unselected
     # branch of where() receives no gradient.
@@ -209,48 +200,64 @@ def compute_policy_loss(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     token_loss = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic bound, Eq. 8/10
-    negative = adv < 0
     if clip_ratio_c is not None:
         dual_bound = -adv * clip_ratio_c
-        token_loss = torch.where(negative, torch.minimum(token_loss, dual_bound), token_loss)
+        token_loss = torch.where(adv < 0, torch.minimum(token_loss, dual_bound), token_loss)
     if tis_weights is not None:
         if tis_weights.shape != log_probs.shape:
             raise ValueError(f"tis_weights must be [B, T] like log_probs, got {tuple(tis_weights.shape)}")
         token_loss = token_loss * tis_weights.detach().to(token_loss.dtype)
     token_loss = torch.where(mask, token_loss, torch.zeros_like(token_loss))
+    loss = _aggregate(token_loss, mask.to(log_probs.dtype), loss_agg_mode, global_num_tokens, global_num_seqs)
+    return loss, _clip_metrics(ratio, log_ratio, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
-    local_tokens = fmask.sum()
+
+def _check_loss_inputs(log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                       loss_agg_mode: str, clip_ratio_c: Optional[float]) -> None:
+    if log_probs.dim() != 2:
+        raise ValueError(f"log_probs must be [B, T], got {tuple(log_probs.shape)}")
+    if old_log_probs.shape != log_probs.shape or response_mask.shape != log_probs.shape:
+        raise ValueError(f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} and "
+                         f"response_mask {tuple(response_mask.shape)} must have the same [B, T] shape")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {LOSS_AGG_MODES}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+
+
+def _aggregate(token_loss: torch.Tensor, fmask: torch.Tensor, loss_agg_mode: str,
+               global_num_tokens: Optional[Number], global_num_seqs: Optional[Number]) -> torch.Tensor:
+    """The masked per-token losses summed and divided as `loss_agg_mode` says (Eq. 12 for token-mean)."""
     if loss_agg_mode == "token-mean":
-        denom = _as_denominator(global_num_tokens, local_tokens, "global_num_tokens")
-        loss = token_loss.sum() / denom
-    else:
-        seq_tokens = fmask.sum(dim=-1)
-        seq_loss = token_loss.sum(dim=-1)
-        if loss_agg_mode == "seq-mean-token-mean":
-            seq_loss = seq_loss / seq_tokens.clamp(min=1.0)
-        local_seqs = (seq_tokens > 0).to(log_probs.dtype).sum()
-        denom = _as_denominator(global_num_seqs, local_seqs, "global_num_seqs")
-        loss = seq_loss.sum() / denom
+        return token_loss.sum() / _as_denominator(global_num_tokens, fmask.sum(), "global_num_tokens")
+    seq_tokens = fmask.sum(dim=-1)
+    seq_loss = token_loss.sum(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_loss = seq_loss / seq_tokens.clamp(min=1.0)
+    local_seqs = (seq_tokens > 0).to(fmask.dtype).sum()
+    return seq_loss.sum() / _as_denominator(global_num_seqs, local_seqs, "global_num_seqs")
 
-    with torch.no_grad():
-        positive = adv > 0
-        count = local_tokens.clamp(min=1.0)
 
-        def token_mean(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask, values.to(log_probs.dtype), torch.zeros_like(log_probs)).sum() / count
+@torch.no_grad()
+def _clip_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  clip_ratio_low: float, clip_ratio_high: float,
+                  clip_ratio_c: Optional[float]) -> Dict[str, torch.Tensor]:
+    """compute_policy_loss's metrics: token means over this call's response tokens."""
+    local_tokens = mask.to(ratio.dtype).sum()
+    count = local_tokens.clamp(min=1.0)
 
-        clipped_high = positive & (ratio > 1.0 + clip_ratio_high)
-        clipped_low = negative & (ratio < 1.0 - clip_ratio_low)
-        if clip_ratio_c is not None:
-            dual_clipped = negative & (ratio > clip_ratio_c)
-        else:
-            dual_clipped = torch.zeros_like(mask)
-        metrics = {
-            "loss/clip_frac_low": token_mean(clipped_low),
-            "loss/clip_frac_high": token_mean(clipped_high),
-            "loss/dual_clip_frac": token_mean(dual_clipped),
-            "loss/approx_kl": token_mean(ratio - 1.0 - log_ratio),
-            "loss/ratio_mean": token_mean(ratio),
-            "loss/num_tokens": local_tokens.detach().clone(),
-        }
-    return loss, metrics
+    def token_mean(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, values.to(ratio.dtype), torch.zeros_like(ratio)).sum() / count
+
+    negative = adv < 0
+    clipped_high = (adv > 0) & (ratio > 1.0 + clip_ratio_high)
+    clipped_low = negative & (ratio < 1.0 - clip_ratio_low)
+    dual_clipped = negative & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(mask)
+    return {
+        "loss/clip_frac_low": token_mean(clipped_low),
+        "loss/clip_frac_high": token_mean(clipped_high),
+        "loss/dual_clip_frac": token_mean(dual_clipped),
+        "loss/approx_kl": token_mean(ratio - 1.0 - log_ratio),
+        "loss/ratio_mean": token_mean(ratio),
+        "loss/num_tokens": local_tokens.detach().clone(),
+    }
