@@ -25,6 +25,14 @@ Atomicity (a crash at any point leaves the previous checkpoint usable):
 An error before the rename leaves only a tmp directory, which is never read and is
 removed by the next prune. `find_latest_checkpoint` trusts `latest` only if it names a
 complete checkpoint, else takes the highest complete `step_<N>`.
+
+Hugging Face exports of the running learner (`trainer.hf_export_interval`) follow the same
+protocol in their own folder, with their own keep-K (`trainer.hf_export_keep`):
+
+    <run_dir>/hf/
+        step_000040/                  complete: shards + model.safetensors.index.json,
+                                      config.json, generation_config.json, tokenizer files
+        step_000045.tmp-1234/         an export in progress or interrupted: never complete
 """
 
 from __future__ import annotations
@@ -48,7 +56,10 @@ BRANCHED_FILE = "restarted_from"
 """Under checkpoints/: the step a `trainer.resume_step` restart went back to (a later start
 with the same setting goes on from the latest checkpoint instead of going back again)."""
 FORMAT_VERSION = 1
+HF_EXPORTS_DIR = "hf"
+HF_INDEX_FILE = "model.safetensors.index.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_STEP_DIR = re.compile(r"^step_\d+\.(tmp|old)-\d+$")
 
 
 class CheckpointSaveError(RuntimeError):
@@ -57,6 +68,10 @@ class CheckpointSaveError(RuntimeError):
 
 class CheckpointNotFoundError(FileNotFoundError):
     """No complete checkpoint where one was expected."""
+
+
+class HFExportError(RuntimeError):
+    """An HF export could not be written; the earlier exports and the checkpoints are intact."""
 
 
 # --------------------------------------------------------------------------- finding
@@ -126,11 +141,12 @@ def resume_checkpoint(run_dir: Path | str, resume: bool = True, step: int = 0) -
 
 def set_aside_after(run_dir: Path | str, step: int, label: str) -> Optional[Path]:
     """A restart from an earlier step (`trainer.resume_step`) keeps what the later steps wrote:
-    their checkpoints, ledger shards and eval files, and metrics.jsonl as it was, move to
+    their checkpoints, HF exports, ledger shards and eval files, and metrics.jsonl as it was, move to
     `<run_dir>/set_aside/<label>/` (the same relative paths), so that the new steps cannot
     overwrite them. Returns that directory, or None when there was nothing after `step`."""
     run_dir = Path(run_dir)
     later = [p for p in list_complete_checkpoints(run_dir) if int(_STEP_DIR.match(p.name).group(1)) > step]
+    later += [p for p in list_complete_hf_exports(run_dir) if hf_export_step(p) > step]
     for sub in ("ledger", "eval"):
         later += [p for p in sorted((run_dir / sub).glob("step_*")) if int(p.name.split("_")[1].split(".")[0]) > step]
     if not later:
@@ -207,7 +223,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def begin_step_dir(run_dir: Path | str, step: int, subdirs: Sequence[str] = (MODEL_OPTIM_DIR, RNG_DIR)) -> Path:
     """Create (afresh) `checkpoints/step_<N>.tmp-<pid>/` with `subdirs`; one rank calls it."""
-    root = checkpoints_root(run_dir)
+    return _fresh_tmp_dir(checkpoints_root(run_dir), step, subdirs)
+
+
+def _fresh_tmp_dir(root: Path, step: int, subdirs: Sequence[str] = ()) -> Path:
+    """`root/step_<N>.tmp-<pid>/` (with `subdirs`), emptied when it exists."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{step_dir_name(step)}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -226,10 +246,18 @@ def commit_step_dir(tmp: Path | str, files: Dict[str, str]) -> Path:
     with one rename each; the older copy is deleted afterwards.
     """
     tmp = Path(tmp)
-    root = tmp.parent
-    final = root / tmp.name.split(".tmp-")[0]
     for name, text in files.items():
         (tmp / name).write_text(text)
+    final = _rename_into_place(tmp)
+    write_text_atomic(final.parent / LATEST_FILE, final.name + "\n")
+    return final
+
+
+def _rename_into_place(tmp: Path) -> Path:
+    """fsync `step_<N>.tmp-<pid>/` and rename it to `step_<N>/` (an existing one is swapped
+    out with one rename and deleted afterwards). Returns the final directory."""
+    root = tmp.parent
+    final = root / tmp.name.split(".tmp-")[0]
     fsync_tree(tmp)
     if final.exists():
         old = root / f"{final.name}.old-{os.getpid()}"
@@ -239,7 +267,6 @@ def commit_step_dir(tmp: Path | str, files: Dict[str, str]) -> Path:
     else:
         os.rename(tmp, final)
     fsync_path(root)
-    write_text_atomic(root / LATEST_FILE, final.name + "\n")
     return final
 
 
@@ -261,6 +288,65 @@ def prune_checkpoints(run_dir: Path | str, keep_last_k: int, keep_every: int = 0
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+# --------------------------------------------------------------------------- HF exports
+
+
+def hf_exports_root(run_dir: Path | str) -> Path:
+    """`<run_dir>/hf`, where the running learner's HF exports go."""
+    return Path(run_dir) / HF_EXPORTS_DIR
+
+
+def is_complete_hf_export(path: Path | str) -> bool:
+    """A `step_<N>` directory with its index and config.json (only a finished export is
+    renamed to that name; `.tmp-` directories never are)."""
+    path = Path(path)
+    return (bool(_STEP_DIR.match(path.name)) and path.is_dir() and (path / HF_INDEX_FILE).is_file()
+            and (path / "config.json").is_file())
+
+
+def hf_export_step(path: Path | str) -> int:
+    """The step of a `step_<N>` directory."""
+    return int(_STEP_DIR.match(Path(path).name).group(1))
+
+
+def list_complete_hf_exports(run_dir: Path | str) -> List[Path]:
+    """Complete HF exports of a run, oldest step first."""
+    root = hf_exports_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if is_complete_hf_export(p)), key=hf_export_step)
+
+
+def begin_hf_export_dir(run_dir: Path | str, step: int) -> Path:
+    """Create (afresh) `hf/step_<N>.tmp-<pid>/`; one rank calls it."""
+    return _fresh_tmp_dir(hf_exports_root(run_dir), step)
+
+
+def commit_hf_export_dir(tmp: Path | str) -> Path:
+    """Make a finished export durable and rename it to `hf/step_<N>/`; one rank calls it."""
+    return _rename_into_place(Path(tmp))
+
+
+def prune_hf_exports(run_dir: Path | str, keep: int) -> List[Path]:
+    """Delete all but the newest `keep` complete HF exports, and interrupted `.tmp-` /
+    `.old-` directories of `step_<N>` exports; nothing else under `hf/` is touched. Returns
+    what was deleted."""
+    root = hf_exports_root(run_dir)
+    if not root.is_dir():
+        return []
+    complete = list_complete_hf_exports(run_dir)
+    doomed = complete[: max(len(complete) - keep, 0)]
+    doomed += [p for p in root.iterdir() if p.is_dir() and _PARTIAL_STEP_DIR.match(p.name)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def directory_bytes(path: Path | str) -> int:
+    """Bytes of the files under `path`."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def describe_save_error(error: BaseException, free_bytes: int) -> str:

@@ -1,7 +1,7 @@
 """The DAPO driver loop: `dapo-mega train`.
 
     generate -> reward -> dynamic sampling -> advantages -> train (mini-batches)
-             -> sync weights (policy_version += 1) -> evaluate -> save
+             -> sync weights (policy_version += 1) -> evaluate -> save -> HF export
              -> stop early, saved, when another step would not fit trainer.wall_time_minutes
 
 Every learner rank runs `train`. Global rank 0 is also the driver: it owns the rollout
@@ -80,7 +80,12 @@ def train(cfg: DapoConfig) -> int:
                 with meter.phase("save"):
                     s.save_checkpoint(step)
                 run.clock.record_save(meter.metrics["time/save_s"])
-            role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}, meter.metrics)
+            export_metrics: Dict[str, float] = {}
+            if run.should_export_hf(step):      # <run_dir>/hf/step_<N>/ (trainer.hf_export_interval)
+                with meter.phase("hf_export"):
+                    export_metrics = s.export_hf(step)
+            role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics, **export_metrics},
+                          meter.metrics)
             if out_of_time:
                 role.say(f"[trainer] stopped after step {step} of {cfg.trainer.total_steps} to end within "
                          f"trainer.wall_time_minutes={cfg.trainer.wall_time_minutes:g} (running "

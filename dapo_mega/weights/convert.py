@@ -4,7 +4,9 @@
     export_megatron_checkpoint(megatron_path, hf_path, ...)          Megatron → HF safetensors
     verify_conversion(hf_path, megatron_path, ...)                   logits of both, compared
     export_learner_to_hf(model_chunks, info, layout, out_dir, ...)   live learner → HF dir
-                                                                     (the trainer at start-up)
+    export_hf_step(model_chunks, info, layout, run_dir, step, ...)   live learner → the run's
+                                                                     hf/step_<N>/, atomically
+                                                                     (trainer.hf_export_interval)
 
 A converted Megatron checkpoint directory:
 
@@ -346,7 +348,10 @@ def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
     `iter_megatron_to_hf`; the TP-0/DP-0/CP-0 rank of each stage writes them). Rank 0
     then renames the shards and writes the index; with `hf_config` (dict) it also writes
     config.json / generation_config.json, and copies tokenizer files from `hf_side_dir`.
-    The trainer calls this at start-up so engines load the initial weights from an HF dir.
+    A rank whose writes fail (disk full) keeps draining the stream, so its stage's other
+    ranks are not left inside a TP gather; the ranks then agree, and every rank raises
+    HFExportError (the failing one from its error), with `out_dir` left as it is.
+    Used by `convert_checkpoint.py export` and the trainer's exports (`export_hf_step`).
     Returns the summary on rank 0, None elsewhere.
     """
     from megatron.core import parallel_state as ps
@@ -362,31 +367,117 @@ def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
     writes = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
               and ps.get_context_parallel_rank() == 0)
     writer = ShardedSafetensorsWriter(out, max_shard_bytes, prefix=f"stage{pp_rank:03d}") if writes else None
+    error: Optional[BaseException] = None
     stream = iter_megatron_to_hf(model_chunks, info, layout)
     for name, tensor in _progress(stream, None, f"export stage {pp_rank}", progress and writes and pp_rank == 0):
-        if writer is not None:
-            writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
-    part = (pp_rank, writer.finalize()) if writer is not None else None
+        if writer is not None and error is None:
+            try:
+                writer.add(name, tensor.to(dtype) if dtype is not None else tensor)
+            except Exception as exc:  # noqa: BLE001 - drained on, raised after the ranks agree
+                error = exc
+    part = None
+    if writer is not None and error is None:
+        try:
+            part = (pp_rank, writer.finalize())
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    _agree_on_export(error, out)
     parts = [part]
     if torch.distributed.is_initialized():
         parts = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(parts, part)
     summary = None
     if _is_rank0():
-        ordered = [p for _, p in sorted((p for p in parts if p is not None), key=lambda x: x[0])]
-        weight_map = write_index(out, ordered)
-        if hf_config is not None:
-            _write_hf_config(out, hf_config, _dtype_str(dtype or torch.float32))
-            if hf_side_dir:
-                copy_hf_side_files(hf_side_dir, out, include_config=False)
-            if not (out / "generation_config.json").is_file():
-                _write_generation_config(out, hf_config)
-        summary = ConversionSummary(action="export", source="megatron", destination=str(out),
-                                    num_tensors=len(weight_map), total_bytes=sum(b for _, _, b in ordered),
-                                    dtype=_dtype_str(dtype or torch.float32))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        try:
+            summary = _write_export_index(out, parts, dtype, hf_config, hf_side_dir)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    _agree_on_export(error, out)
     return summary
+
+
+def _agree_on_export(error: Optional[BaseException], out: Path) -> None:
+    """Collective: raise HFExportError on every rank when any rank has an error."""
+    from dapo_mega import distributed as D
+    from dapo_mega.run_dir import HFExportError
+
+    if not D.any_rank_true(error is not None):
+        return
+    if error is None:
+        raise HFExportError(f"HF export to {out} failed on another learner rank")
+    raise HFExportError(f"HF export to {out} failed on rank {D.rank()}: {error!r}") from error
+
+
+def _write_export_index(out: Path, parts: List[Any], dtype: Optional[torch.dtype], hf_config: Optional[Dict[str, Any]],
+                        hf_side_dir: Optional[Path | str]) -> ConversionSummary:
+    """Rank 0: the shards renamed in stage order, the index, and the side files."""
+    ordered = [p for _, p in sorted((p for p in parts if p is not None), key=lambda x: x[0])]
+    weight_map = write_index(out, ordered)
+    if hf_config is not None:
+        _write_hf_config(out, hf_config, _dtype_str(dtype or torch.float32))
+        if hf_side_dir:
+            copy_hf_side_files(hf_side_dir, out, include_config=False)
+        if not (out / "generation_config.json").is_file():
+            _write_generation_config(out, hf_config)
+    return ConversionSummary(action="export", source="megatron", destination=str(out), num_tensors=len(weight_map),
+                             total_bytes=sum(b for _, _, b in ordered), dtype=_dtype_str(dtype or torch.float32))
+
+
+@dataclass
+class HFExportRecord:
+    """One HF export of the running learner (`export_hf_step`), as rank 0 saw it."""
+
+    step: int
+    path: Path
+    """The complete `<run_dir>/hf/step_<N>/`."""
+    seconds: float
+    """Wall time of the whole export on rank 0: stream, writes, index, fsync, rename, prune."""
+    bytes: int
+    """Bytes of every file in the directory (shards, index, config, tokenizer files)."""
+    pruned: List[Path] = field(default_factory=list)
+    """Older exports deleted by keep-K."""
+
+    def metrics(self) -> Dict[str, float]:
+        return {"hf_export/seconds": self.seconds, "hf_export/bytes": float(self.bytes)}
+
+
+def export_hf_step(model_chunks, info, layout, run_dir: Path | str, step: int, hf_config: Dict[str, Any],
+                   hf_side_dir: Optional[Path | str], dtype: torch.dtype, keep: int) -> Optional[HFExportRecord]:
+    """The running learner's weights as `<run_dir>/hf/step_<N>/`, atomically (collective).
+
+    Rank 0 creates `hf/step_<N>.tmp-<pid>/`; every rank streams its part into it
+    (`export_learner_to_hf`: no rank gathers more than one tensor); rank 0 fsyncs it, renames
+    it to `step_<N>/` and deletes all but the newest `keep` complete exports. A failure on any
+    rank removes the tmp directory and raises HFExportError on every rank; an export killed
+    mid-way leaves only a `.tmp-` directory, which is never complete and the next prune removes.
+    Returns the record on rank 0, None elsewhere.
+    """
+    from dapo_mega import distributed as D
+    from dapo_mega.run_dir import (HFExportError, begin_hf_export_dir, commit_hf_export_dir, directory_bytes,
+                                   prune_hf_exports)
+
+    start = time.perf_counter()
+    rank0 = D.rank() == 0
+    tmp = Path(D.broadcast_object(str(begin_hf_export_dir(run_dir, step)) if rank0 else None, src=0))
+    error: Optional[BaseException] = None
+    try:
+        export_learner_to_hf(model_chunks, info, layout, tmp, dtype=dtype, hf_side_dir=hf_side_dir,
+                             hf_config=hf_config)
+        final = commit_hf_export_dir(tmp) if rank0 else None
+    except BaseException as exc:  # noqa: BLE001 - rank 0 cleans up; every rank raises below
+        error = exc
+    failed = D.any_rank_true(error is not None)
+    if failed:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = str(error) if isinstance(error, HFExportError) else repr(error) if error else "on another learner rank"
+        raise HFExportError(f"HF export of step {step} failed ({why}); {tmp} was removed, the earlier exports "
+                            f"in {tmp.parent} and the checkpoints are intact") from error
+    if not rank0:
+        return None
+    pruned = prune_hf_exports(run_dir, keep)
+    return HFExportRecord(step=step, path=final, seconds=time.perf_counter() - start, bytes=directory_bytes(final),
+                          pruned=pruned)
 
 
 # --------------------------------------------------------------------------- verify
