@@ -157,7 +157,8 @@ def test_dapo_mega_train_refuses_a_bad_plugin_before_building_anything(plugins, 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={out}",
-                           f"algo.verifier={name}:score"], capture_output=True, text=True, env=env, cwd=REPO,
+                           f"algo.verifier={name}:score", "trainer.total_steps=1", "trainer.sft_warmup_steps=0"],
+                          capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dapo-mega:")]
