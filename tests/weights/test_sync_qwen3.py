@@ -1,0 +1,93 @@
+"""A tiny Qwen3 on the embedded engine, before and after a live sync from Megatron learners.
+
+Two embedded engines serve a tiny random Qwen3 (head_dim twice hidden / heads, random
+q_norm / k_norm weights: `tests/qwen3_dirs.py`); their greedy tokens and log-probs equal
+transformers' Qwen3ForCausalLM on the same checkpoint. Then learners at TP 2 and at PP 2,
+after one DAPO update, sync into them over gloo (`sync_learner_weights`, the live path of
+the HF <-> Megatron mapping): the engines hold exactly the HF export of the learner
+(`export_learner_to_hf`, the conversion path) and their greedy output equals transformers'
+on that export.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from qwen3_dirs import build_qwen3_dir
+from test_sync_learner_engines import _learner_sync, assert_engines_serve_export
+
+from dist_helpers import run_distributed
+
+from dapo_mega.backends.sglang.client import EngineClient
+from dapo_mega.config import RolloutConfig
+from dapo_mega.rollout.fleet import EngineFleet, free_port
+
+PROMPTS = ([20, 21, 22, 23, 24], [30, 31, 32], [5, 40, 41, 42, 7, 60])
+GREEDY_STEPS = 6
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return build_qwen3_dir(tmp_path_factory.mktemp("qwen3_sync"), seed=3)
+
+
+def engine_greedy(url: str) -> list:
+    """[(token ids, log-probs) per prompt] of one engine at temperature 0."""
+    async def main():
+        async with EngineClient(url) as client:
+            res = await client.generate(list(PROMPTS), {"temperature": 0.0, "max_new_tokens": GREEDY_STEPS,
+                                                        "ignore_eos": True}, return_logprob=True)
+            return [(r.token_ids, r.logprobs) for r in res]
+    return asyncio.run(main())
+
+
+def hf_greedy(model_dir, state=None) -> list:
+    """transformers' argmax decoding (fp32) of `model_dir`, or of its model with `state` loaded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids, logprobs = list(prompt), []
+            for _ in range(GREEDY_STEPS):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
+                ids.append(int(logp.argmax()))
+                logprobs.append(float(logp[ids[-1]]))
+            out.append((ids[len(prompt):], logprobs))
+    return out
+
+
+def assert_same_greedy(got: list, want: list, what: str) -> None:
+    for prompt, (g, w) in zip(PROMPTS, zip(got, want)):
+        assert g[0] == w[0], f"{what}: greedy tokens of prompt {prompt}: {g[0]} != transformers' {w[0]}"
+        assert max(abs(a - b) for a, b in zip(g[1], w[1])) < LOGPROB_ATOL, f"{what}: log-probs {g[1]} vs {w[1]}"
+
+
+@pytest.mark.slow  # ~57 s each on 2 cores
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_qwen3_engines_greedy_equals_transformers_before_and_after_learner_sync(qwen3_dir, tmp_path, tp, pp):
+    from safetensors.torch import load_file
+
+    with EngineFleet(RolloutConfig(), str(qwen3_dir), tmp_path / "logs", num_threads=1) as fleet:
+        urls = [e.url for e in fleet.start(2)]
+        at_start = hf_greedy(qwen3_dir)
+        for url in urls:
+            assert_same_greedy(engine_greedy(url), at_start, f"engine {url} at start")
+        export_dir = tmp_path / "export"
+        run_distributed(_learner_sync, 2, args=(tp, pp, str(qwen3_dir), urls, [free_port(), free_port()],
+                                                str(export_dir)), timeout_s=400)
+        exported = {}
+        for shard in export_dir.glob("*.safetensors"):
+            exported.update(load_file(str(shard)))
+        assert any("q_norm" in name for name in exported)
+        assert_engines_serve_export(urls, qwen3_dir, exported, "7")
+        after = hf_greedy(qwen3_dir, exported)
+        for url in urls:
+            assert_same_greedy(engine_greedy(url), after, f"engine {url} after the sync")
