@@ -22,7 +22,6 @@ from dapo_mega.reward import (
     DapoVerifier,
     MathVerifyVerifier,
     PluginVerifier,
-    RewardResult,
     VerifierPool,
     build_verifier,
     check_verifier,
@@ -104,13 +103,13 @@ def test_undeclared_version_is_the_hash_of_the_source_and_the_function_declarati
 
 
 BAD_PATHS = [
-    ("no_such_module_anywhere:score", None, r"cannot be imported \(No module named 'no_such_module_anywhere'\)\. "
-                                            r"Fix: put the folder holding it on PYTHONPATH"),
+    ("no_such_module_anywhere:score", None, (r"cannot be imported \(No module named 'no_such_module_anywhere'\)\. "
+                                             r"Fix: put the folder holding it on PYTHONPATH")),
     ("{m}:missing", "def score(response, ground_truth, metadata): pass\n",
      r"not found: module \w+ has no attribute 'missing'\. Fix: name a function"),
     ("{m}:score", "def score(response, ground_truth): pass\n",
-     r"has the signature \(response, ground_truth\), which cannot be called with \(response, ground_truth, "
-     r"metadata\)\. Fix: define it as \(response: str"),
+     (r"has the signature \(response, ground_truth\), which cannot be called with \(response, ground_truth, "
+      r"metadata\)\. Fix: define it as \(response: str")),
     ("{m}:score", "def score(response, ground_truth, metadata, extra): pass\n", r"has the signature"),
     ("{m}:score", "score = 3\n", r"is an object of type int, not a function"),
     ("{m}:score", "async def score(response, ground_truth, metadata): pass\n", r"is async"),
