@@ -78,7 +78,7 @@ def _samples(num: int, max_len: int, vocab: int, group: int, seed: int = 0):
     prompt + response <= max_len; the first sample is at the cap. Lengths correlate within
     a group (a hard prompt's responses are all long), which is what leaves contiguous DP
     blocks unbalanced."""
-    from dapo_mega.backends.megatron.batch import TrainSample
+    from dapo_mega.algo.train_sample import TrainSample
 
     rng = random.Random(seed)
     out = []

@@ -149,7 +149,7 @@ def part_learner(args, precision: str) -> Dict[str, Any]:
     sys.path.insert(0, str(BENCH_DIR))
     from bench_learner import _bench_megatron
 
-    from dapo_mega.backends.megatron.batch import TrainSample
+    from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.model import transformer_engine_available
     from dapo_mega.config import DapoConfig
     from dapo_mega.models.tiny import tiny_hf_config

@@ -43,7 +43,7 @@ def make_samples(seed: int = 0, num: int = 8, vocab: int = 90):
     """Variable-length prompts/responses with +/- advantages (2 groups of 4)."""
     import random
 
-    from dapo_mega.backends.megatron.batch import TrainSample
+    from dapo_mega.algo.train_sample import TrainSample
 
     rng = random.Random(seed)
     samples = []

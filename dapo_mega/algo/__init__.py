@@ -6,6 +6,7 @@
     summarize_tis_weights              its ratio statistics (weight, truncation, mismatch KL)
     compute_overlong_penalty   Eq. 13  soft overlong punishment
     select_informative_groups  Eq. 11  dynamic sampling's group filter
+    TrainSample                        what the driver hands the learner: tokens, advantage, masks
 """
 
 from dapo_mega.algo.advantages import compute_group_advantages
@@ -24,6 +25,7 @@ from dapo_mega.algo.policy_loss import (
     compute_tis_weights,
     summarize_tis_weights,
 )
+from dapo_mega.algo.train_sample import TrainSample
 
 __all__ = [
     "ALL_CORRECT_GROUP",
@@ -31,6 +33,7 @@ __all__ = [
     "KEPT",
     "LOSS_AGG_MODES",
     "TIS_METRICS",
+    "TrainSample",
     "GroupSelection",
     "compute_group_advantages",
     "compute_overlong_penalty",

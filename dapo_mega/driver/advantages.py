@@ -15,7 +15,7 @@ from typing import Any, List, Sequence
 import torch
 
 from dapo_mega.algo import compute_group_advantages
-from dapo_mega.backends.megatron.batch import TrainSample
+from dapo_mega.algo.train_sample import TrainSample
 from dapo_mega.rollout.samples import Group
 
 

@@ -122,7 +122,7 @@ class DriverRole(LearnerRankRole):
         print(message, file=sys.stderr if error else sys.stdout, flush=True)
 
     def sft_samples(self, batch_size: int) -> list:
-        from dapo_mega.backends.megatron.batch import TrainSample
+        from dapo_mega.algo.train_sample import TrainSample
         from dapo_mega.data import reference_response
 
         encoder = self.rollouts.encoder

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_learner  # noqa: E402
 import timing  # noqa: E402
 
+from dapo_mega.algo import TrainSample  # noqa: E402
 from dapo_mega.backends.megatron.batch import (  # noqa: E402
     ATTENTION_MASK,
-    TrainSample,
     collate_micro_batch,
     collate_packed_micro_batch,
 )

@@ -25,7 +25,7 @@ def trained_learner(world, tp, pp, model_dir):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from dapo_mega.backends.megatron.batch import TrainSample
+    from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.train_step import MegatronLearner
     from dapo_mega.weights.hf_io import HFCheckpointReader

@@ -45,6 +45,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from dapo_mega.algo.train_sample import TrainSample
 from dapo_mega.backends.megatron.packing import (
     padded_micro_batches,
     partition_balanced,
@@ -59,29 +60,7 @@ ATTENTION_THD = "thd"
 
 
 @dataclass
-class TrainSample:
-    """One sampled response to a prompt, as the trainer hands it to the learner."""
-
-    prompt_ids: List[int]
-    response_ids: List[int]
-    advantage: float = 0.0
-    old_log_probs: Optional[List[float]] = None
-    """Learner log-probs of the response tokens under the old policy (filled by train_step)."""
-    engine_log_probs: Optional[List[float]] = None
-    """Log-probs the rollout engine reported while sampling (for TIS / use_engine_logprobs)."""
-    loss_mask: Optional[List[int]] = None
-    """Per response token, 1 = carries loss (default all 1; overlong filtering zeroes it)."""
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-    def response_loss_mask(self) -> List[int]:
-        return list(self.loss_mask) if self.loss_mask is not None else [1] * len(self.response_ids)
-
-
-@dataclass
-class Placement:
+class SampleSlot:
     """Where one sample sits in a micro-batch."""
 
     sample_index: int
@@ -118,7 +97,7 @@ class MicroBatch:
     policy being trained (the first update of a step: the loss detaches its own log-probs)."""
     engine_log_probs: Optional[torch.Tensor]
     """[B, S] float or None."""
-    placements: List[Placement]
+    placements: List[SampleSlot]
     """Every sample of the micro-batch, by row then column."""
     attention: str = ATTENTION_CAUSAL
     """causal (one sample per row, no mask needed), mask or thd (packed; module docstring)."""
@@ -254,7 +233,7 @@ def collate_packed_micro_batch(samples: Sequence[TrainSample], rows: Sequence[Se
     # cost more than the model's forward on a small batch.
     has_engine = any(samples[i].engine_log_probs is not None for row in rows for i in row)
     fields = {name: [] for name in ("tokens", "labels", "positions", "segments", "mask", "adv", "old", "engine")}
-    placements: List[Placement] = []
+    placements: List[SampleSlot] = []
     for r, row in enumerate(rows):
         tokens, labels, positions, segments = [0] * seq, [0] * seq, [0] * seq, [0] * seq
         mask, adv, old, engine = [0.0] * seq, [0.0] * seq, [0.0] * seq, [0.0] * seq
@@ -270,7 +249,7 @@ def collate_packed_micro_batch(samples: Sequence[TrainSample], rows: Sequence[Se
             labels[col:end - 1] = ids[1:]
             positions[col:end] = range(p + n)
             segments[col:end] = [k] * (p + n)
-            place = Placement(sample_index=index, row=r, start=col, prompt_length=p, response_length=n)
+            place = SampleSlot(sample_index=index, row=r, start=col, prompt_length=p, response_length=n)
             cols = place.response_columns
             _put(mask, cols, s.response_loss_mask(), "loss_mask", index)
             adv[cols] = [float(s.advantage)] * n

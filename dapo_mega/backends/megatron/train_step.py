@@ -41,12 +41,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from dapo_mega import distributed as D
-from dapo_mega.algo import TIS_METRICS, compute_policy_loss, compute_tis_weights, summarize_tis_weights
+from dapo_mega.algo import (TIS_METRICS, TrainSample, compute_policy_loss, compute_tis_weights,
+                            summarize_tis_weights)
 from dapo_mega.backends.megatron.batch import (
     ATTENTION_MASK,
     ATTENTION_THD,
     MicroBatch,
-    TrainSample,
     build_padding_micro_batch,
     collate_micro_batch,
     collate_packed_micro_batch,

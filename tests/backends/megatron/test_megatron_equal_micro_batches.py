@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
+from dapo_mega.algo import TrainSample
 from dapo_mega.backends.megatron.batch import (
-    TrainSample,
     build_padding_micro_batch,
     collate_packed_micro_batch,
     gather_responses,

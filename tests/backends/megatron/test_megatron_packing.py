@@ -16,8 +16,8 @@ from functools import partial
 import pytest
 import torch
 
+from dapo_mega.algo import TrainSample
 from dapo_mega.backends.megatron.batch import (
-    TrainSample,
     collate_micro_batch,
     collate_packed_micro_batch,
     gather_responses,

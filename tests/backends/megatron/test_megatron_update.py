@@ -12,7 +12,7 @@ def _direction_run(rank, world):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from dapo_mega.backends.megatron.batch import TrainSample
+    from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.train_step import MegatronLearner, NonFiniteError
     from dapo_mega.models.tiny import tiny_hf_config
