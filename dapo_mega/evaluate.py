@@ -97,6 +97,7 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     eval.max_response_length or the training limit)."""
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
+    from dapo_mega.reward.plugin import problem_metadata
     from dapo_mega.backends.sglang.client import build_sampling_params
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
@@ -116,7 +117,8 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     scored = compute_rewards(verifier, [s.response_text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
                              [len(s.token_ids) for _, s in samples], cfg.algo,
                              answer_prefixes=[verification_prefix(g.prompt, cfg.data.prompt_template)
-                                              for g, _ in samples])
+                                              for g, _ in samples],
+                             metadata=[problem_metadata(g.prompt) for g, _ in samples])
     from dapo_mega.data.problem import compute_dataset_revision
 
     result = EvalResult(k=samples_per_problem, settings={"temperature": e.temperature, "top_p": e.top_p,

@@ -136,6 +136,7 @@ def score_records(cfg: DapoConfig, groups: Sequence[Any], encoder: Any) -> List[
     """Both verifiers on every response, the training reward components, the patterns."""
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import build_verifier, compute_rewards, score_responses
+    from dapo_mega.reward.plugin import problem_metadata
 
     samples = [(g.prompt, g.samples[0]) for g in groups]
     texts = [s.response_text for _, s in samples]
@@ -143,7 +144,7 @@ def score_records(cfg: DapoConfig, groups: Sequence[Any], encoder: Any) -> List[
     prefixes = [verification_prefix(p, cfg.data.prompt_template) for p, _ in samples]
     verifier = build_verifier(cfg.algo.verifier)
     rewards = compute_rewards(verifier, texts, truths, [len(s.token_ids) for _, s in samples], cfg.algo,
-                              answer_prefixes=prefixes).items()
+                              answer_prefixes=prefixes, metadata=[problem_metadata(p) for p, _ in samples]).items()
     other_name = other_verifier_name(cfg.algo.verifier)
     others: List[Optional[VerifierView]] = [None] * len(samples)
     if other_name:

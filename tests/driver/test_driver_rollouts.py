@@ -160,3 +160,23 @@ def test_the_queue_and_the_age_limit_are_two_settings():
         assert all(s.age == 0 for s in batch.samples if s.reject_reason == "kept")
     finally:
         rollouts.stop()
+
+
+def test_a_reward_plugin_is_given_each_samples_problem(tmp_path, monkeypatch):
+    """The step's scoring hands the plugin the problem of each sample (reward.problem_metadata)."""
+    (tmp_path / "meta_plugin.py").write_text(
+        "from dapo_mega.reward.plugin import RewardResult\n\n"
+        "def score(response, ground_truth, metadata):\n"
+        "    return RewardResult(score=1.0, correct=True, extracted=metadata['id'] + '|' + metadata['prompt'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    cfg = DapoConfig()
+    cfg.algo.max_prompt_length, cfg.algo.gen_batch_size, cfg.algo.train_batch_size = 8, 4, 4
+    cfg.algo.dynamic_sampling = False
+    cfg.data.prompt_template = "raw"
+    manager = EchoManager(answers=["Answer: 46"] * 2, lengths=[3, 3])
+    source = RolloutSource(cfg, PromptIterator(problems(), seed=0, shuffle=False), CharEncoder(),
+                           build_verifier("meta_plugin:score"), manager)
+    batch = source.collect(step=1, learner_version=0)
+    by_id = {p.id: p.prompt for p in problems()}
+    assert batch.samples and all(s.score.extracted == f"{s.prompt_id}|{by_id[s.prompt_id]}" for s in batch.samples)
