@@ -208,13 +208,6 @@ class Session:
                               f"({time.perf_counter() - start:.0f} s)")
         self.run.state.warm_started = True
 
-    def engines_release_memory(self) -> None:
-        """Colocated: engines free their memory for the learner's step."""
-        self.policy_sync.release_engine_memory()
-
-    def engines_resume_memory(self) -> None:
-        self.policy_sync.resume_engine_memory()
-
     def sync_weights(self) -> Dict[str, float]:
         """Push the learner's weights into every engine as version `state.policy_version`."""
         return self.policy_sync.push(self.learner, self.run.state.policy_version)

@@ -61,9 +61,8 @@ def train(cfg: DapoConfig) -> int:
                 batch = role.next_rollout_batch(step, run.state.policy_version)  # generate, reward, filter
                 samples = role.train_samples(batch)  # advantages; every learner rank gets the list
             with meter.phase("train"):
-                s.engines_release_memory()      # colocated: engines free memory
-                train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
-                s.engines_resume_memory()
+                with s.policy_sync.engines_released():  # colocated: engines free memory meanwhile
+                    train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
             with meter.phase("sync"):
                 run.state.policy_version += 1
                 sync_metrics = s.sync_weights()  # engines now serve version policy_version

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import Any, Dict, List, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -153,24 +154,26 @@ class PolicySync:
         self.role.say(f"[trainer] weight-update group of stage {syncer.stage} formed again with "
                       f"{len(syncer.clients)} engine(s): {syncer.group_name}", error=True)
 
-    def release_engine_memory(self) -> None:
-        """Colocated: engines free their memory for the learner's step (driver's request)."""
+    @contextmanager
+    def engines_released(self) -> Iterator[None]:
+        """Around the learner's step. Colocated: the engines free their memory for it (the
+        driver asks them) and take it back after. On GPUs every rank first returns its cached
+        blocks (the training peak stays reserved by torch's allocator otherwise, and the
+        engines' resume would not fit), and all have done so before the driver asks."""
         self.drop_dead_engines()
         self.role.release_engine_memory(self.syncer)
+        try:
+            yield
+        finally:
+            if self.cfg.cluster.mode == "colocated" and torch.cuda.is_available():
+                import gc
 
-    def resume_engine_memory(self) -> None:
-        """Colocated: the engines take their memory back. On GPUs every rank first returns its
-        cached blocks (the training peak stays reserved by torch's allocator otherwise, and the
-        engines' resume would not fit), and all have done so before the driver asks."""
-        if self.cfg.cluster.mode == "colocated" and torch.cuda.is_available():
-            import gc
+                from dapo_mega import distributed as D
 
-            from dapo_mega import distributed as D
-
-            gc.collect()
-            torch.cuda.empty_cache()
-            D.barrier()
-        self.role.resume_engine_memory(self.syncer)
+                gc.collect()
+                torch.cuda.empty_cache()
+                D.barrier()
+            self.role.resume_engine_memory(self.syncer)
 
     def push(self, learner: Any, version: int) -> Dict[str, float]:
         """Push the learner's weights into every engine as `version` (collective)."""
