@@ -178,6 +178,9 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
     v repeated to every query head and the mask as fp32 [s, s]; unfused SwiGLU also keeps
     silu(gate) and `up + glu_linear_offset`. Selective recompute (megatron's default
     recompute_modules=["core_attn"]) keeps the attention's inputs instead of its internals.
+    Qwen3's q/k norms (`qk_layernorm`) add their inputs (the query as a copy, the key as a
+    view that keeps the whole QKV output alive), 1/rms per head and, unfused, x·(1/rms)
+    (measured: tests/trainer/test_plan_activations_qwen3.py).
     """
     h, d, f, s, e = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size, float(tokens), element_bytes
     s_n = s / tp if sequence_parallel else s
@@ -198,7 +201,9 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
     if not selective:
         saved["softmax log-sum-exp (fp32)"] = 4 * s * shape.num_attention_heads / tp
     if shape.qk_layernorm:  # Qwen3: an RMSNorm per q and k head, between the QKV GEMM and RoPE
-        saved["q, k before their norms"] = e * s * (q + kv)
+        # megatron reshapes the query into a copy; the key stays a view of the whole QKV output
+        saved["q before its norm (a copy)"] = e * s * q
+        saved["QKV output (k's norm input is a view of it)"] = e * s * (q + 2 * kv)
         saved["1/rms of each q and k head"] = (e if local else 4) * s * (shape.num_attention_heads
                                                                       + shape.num_key_value_heads) / tp
         if local:
