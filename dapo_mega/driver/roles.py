@@ -200,10 +200,7 @@ class DriverRole(LearnerRankRole):
         return metrics
 
     def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
-        row = {"policy_version": self.run.state.policy_version, **metrics, **timings}
-        if "time/train_s" in timings and "perf/train_tokens" in metrics:
-            row["perf/train_tokens_per_s"] = metrics["perf/train_tokens"] / max(timings["time/train_s"], 1e-9)
-        self.recorder.log_step(step, row)
+        self.recorder.log_step(step, {"policy_version": self.run.state.policy_version, **metrics, **timings})
 
     def out_of_time(self, clock: Any) -> bool:
         return bool(self.broadcast(clock.next_step_would_overrun()))

@@ -62,7 +62,7 @@ class RoundOutcome:
 
 
 class _Retry(Exception):
-    pass
+    """The engine aborted the request itself (not our stop): the chunk is sent again."""
 
 
 class _Hung(Exception):
@@ -103,17 +103,13 @@ class RoundDispatcher:
         self.attempts = [0] * len(self.chunks)
         self.remaining = len(self.chunks)
         self.finished: Dict[int, List[Group]] = {}
-        self.settled: set = set()
-        """Chunks finished or aborted: nothing more will come for them."""
-        self.next_chunk = 0
-        """The first chunk not handed over yet."""
+        self.settled: set = set()  # chunks finished or aborted: nothing more will come for them
+        self.next_chunk = 0  # the first chunk not handed over yet
         self.in_flight: Dict[str, int] = {}
-        self.open_prompts = 0
-        """Prompts sent and not handed over yet (nor aborted, nor failed)."""
+        self.open_prompts = 0  # prompts sent and not handed over yet (nor aborted, nor failed)
         self.errors: List[BaseException] = []
         self.abort_tasks: List[asyncio.Task] = []
-        self.last_progress = {u: time.monotonic() for u in self.live}
-        """url -> when a probe last answered or a request last finished."""
+        self.last_progress = {u: time.monotonic() for u in self.live}  # a probe answered or a request finished
 
     # ---------------------------------------------------------------- events
     def _notify(self) -> None:

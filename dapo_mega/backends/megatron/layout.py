@@ -157,10 +157,6 @@ class ParallelLayout:
         return parallel_state.get_data_parallel_rank()
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
