@@ -168,9 +168,7 @@ class RoundDispatcher:
         """Until every chunk settled, the batch filled, a chunk failed for good or every worker ended."""
         failures = self.out.failures
         while not self.done.is_set() and not self.stop.is_set():
-            if failures and failures[-1].startswith("FATAL"):
-                return
-            if all(w.done() for w in workers):
+            if (failures and failures[-1].startswith("FATAL")) or all(w.done() for w in workers):
                 return
             await self._wait_for_change()
 
@@ -376,8 +374,7 @@ class RoundDispatcher:
 
 
 async def abort_in_flight(endpoints: Dict[str, Any], urls: Sequence[str], failures: List[str]) -> None:
-    """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised
-    (the request in flight then simply finishes)."""
+    """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised."""
     async def one(url: str) -> None:
         try:
             async with EngineClient(endpoints[url]) as client:
