@@ -124,14 +124,36 @@ def _export_with_failures(rank, world, model_dir, run_dir):
     with mock.patch("dapo_mega.run_dir.commit_hf_export_dir", side_effect=OSError(errno.EIO, "I/O error")):
         seen.append(export(3))
     seen.append(export(4))
-    return seen, sorted(p.name for p in hf_exports_root(run_dir).iterdir())
+    # what a process killed now would leave: mid-stream, and with every file written just before the rename
+    from dapo_mega import run_dir as R
+
+    snapshots, real_commit = [], R.commit_hf_export_dir
+
+    def snapshot(tmp=None):
+        snapshots.append((sorted(p.name for p in hf_exports_root(run_dir).iterdir()),
+                          [p.name for p in list_complete_hf_exports(run_dir)],
+                          tmp is not None and (tmp / HF_INDEX_FILE).is_file() and (tmp / "config.json").is_file()))
+
+    def add_and_look(self, name, tensor):
+        if len(snapshots) == 0:
+            snapshot()
+        return real_add(self, name, tensor)
+
+    def look_and_commit(tmp):
+        snapshot(tmp)
+        return real_commit(tmp)
+
+    with mock.patch.object(hf_io.ShardedSafetensorsWriter, "add", add_and_look), \
+            mock.patch("dapo_mega.run_dir.commit_hf_export_dir", look_and_commit):
+        seen.append(export(5))
+    return seen, sorted(p.name for p in hf_exports_root(run_dir).iterdir()), snapshots
 
 
 @pytest.mark.slow
 def test_an_export_that_fails_on_any_rank_leaves_no_complete_directory(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     results = run_distributed(_export_with_failures, 2, (str(tiny_model_dir), str(run_dir)), timeout_s=240)
-    (seen0, listing), (seen1, _) = results
+    (seen0, listing, snapshots), (seen1, _, _) = results
     assert seen0[0].startswith("ok step_000001") and seen1[0] == "ok"
     for seen in (seen0, seen1):  # step 2: stage 1 ran out of disk; every rank stops, none hangs
         assert seen[1].startswith("HFExportError: HF export of step 2 failed"), seen[1]
@@ -140,8 +162,15 @@ def test_an_export_that_fails_on_any_rank_leaves_no_complete_directory(tmp_path,
     assert "I/O error" in seen0[2] and "another learner rank" in seen1[2]
     assert "was removed" in seen0[1] and "earlier exports" in seen0[1]
     assert seen0[3].startswith("ok step_000004") and seen1[3] == "ok"
-    assert listing == ["step_000001", "step_000004"]  # no step 2 or 3, no tmp directory left
+    # step 5 looked at while its shards stream in, and once every file is there but before the
+    # rename: only a .tmp- directory, never complete, whatever a kill at either moment left
+    (mid, mid_complete, _), (written, written_complete, all_files_there) = snapshots
+    assert mid[:2] == written[:2] == ["step_000001", "step_000004"] and mid_complete == written_complete == mid[:2]
+    assert len(mid) == len(written) == 3 and mid[2] == written[2] and mid[2].startswith("step_000005.tmp-")
+    assert all_files_there
+    assert listing == ["step_000001", "step_000004", "step_000005"]  # no step 2 or 3, no tmp directory left
     exported = list_complete_hf_exports(run_dir)[-1]
+    assert exported.name == "step_000005" and seen0[4].startswith("ok step_000005")
     index = json.loads((exported / HF_INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"]  # one per stage
@@ -291,21 +320,21 @@ def test_real_sglang_serves_an_export(export_run, tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_parallel_learners_export_their_stages(tmp_path):
-    """Two learner processes at PP 2: each stage's rank writes its own shard of hf/step_2, and
-    transformers on it equals Megatron (TP 1, PP 1) on the step-2 checkpoint."""
+    """Two learner processes at PP 2: each stage's rank writes its own shard of hf/step_1, and
+    transformers on it equals Megatron (TP 1, PP 1) on the step-1 checkpoint."""
     from dapo_mega.weights.convert import read_hf_config_dict
 
     run_train(tmp_path, "cluster.num_learner_processes=2", "megatron.pipeline_model_parallel_size=2",
-              "trainer.total_steps=2", "trainer.sft_warmup_steps=10", "trainer.hf_export_interval=2",
+              "trainer.total_steps=1", "trainer.sft_warmup_steps=0", "trainer.hf_export_interval=1",
               timeout_s=400)
     run_dir = tmp_path / RUN_NAME
-    export = run_dir / "hf" / step_dir_name(2)
+    export = run_dir / "hf" / step_dir_name(1)
     index = json.loads((export / HF_INDEX_FILE).read_text())
     assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"]
     hf_cfg = read_hf_config_dict(run_dir / "base_model")
-    [want] = run_distributed(_checkpoint_logits, 1, ([str(run_dir / "checkpoints" / step_dir_name(2))], hf_cfg,
+    [want] = run_distributed(_checkpoint_logits, 1, ([str(run_dir / "checkpoints" / step_dir_name(1))], hf_cfg,
                                                      TOKEN_IDS))[0]
     got = _hf_logits(export, TOKEN_IDS)
     assert (got - want).abs().max().item() <= LOGIT_RTOL * max(1.0, want.abs().max().item())
-    assert [r["hf_export/bytes"] for r in read_rows(run_dir) if r["step"] == 2] == [directory_bytes(export)]
+    assert [r["hf_export/bytes"] for r in read_rows(run_dir) if r["step"] == 1] == [directory_bytes(export)]
