@@ -1,0 +1,241 @@
+"""launch/pipeline.py: the whole reproduction as dependent Slurm jobs, and on one machine.
+
+Fast (no Slurm): the dry run's sbatch lines and dependencies for a colocated and a
+disaggregated experiment; the plan's refusals (a learner that does not fit, a training job
+whose --time cannot hold one step, a model whose heads do not split over the recipe's TP),
+each before anything is submitted; a missing input named by its flag; `--local` stopping
+at a failing stage with its reason.
+
+Slow (the local two-node Slurm cluster of tests/slurm_cluster.py): the whole pipeline of
+the tiny CPU experiment from a published-format parquet and an HF directory to the final
+eval result, every stage COMPLETED; and a data stage fed a bad row, which fails and cancels
+every later stage before it starts. Nothing is stubbed: prepare_data, the conversion tool,
+the trainer, the embedded engines and `dapo-mega eval` run as a user would run them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PIPELINE = REPO / "launch" / "pipeline.py"
+# the tiny model's HF directory stands for the published checkpoint, so it starts from
+# random weights: no warm start (its rewards are mostly 0; 3 steps still train and save)
+TINY = ["--experiment", "tiny_cpu_slurm"]
+TINY_OVERRIDES = ["--", "trainer.sft_warmup_steps=0"]
+BAD_ROW = "bad.parquet: row 1: field reward_model.ground_truth: empty"  # prepare_data's own message
+
+
+def _write_published(path: Path, problems, bad_row: bool = False) -> None:
+    """Problems in the published DAPO-Math / AIME parquet schema (tools/prepare_data.py's input)."""
+    rows = {"data_source": [], "prompt": [], "ability": [], "reward_model": [], "extra_info": []}
+    for i, p in enumerate(problems):
+        rows["data_source"].append(p.data_source)
+        rows["prompt"].append([{"role": "user", "content": p.prompt}])
+        rows["ability"].append("MATH")
+        rows["reward_model"].append({"ground_truth": "" if bad_row and i == 1 else p.ground_truth,
+                                     "style": "rule-lean"})
+        rows["extra_info"].append({"index": p.id})
+    pq.write_table(pa.table(rows), path)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """An HF directory (the tiny model) and the two published-format data files."""
+    from dapo_mega.data.synthetic import generate_synthetic_problems
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("inputs")
+    build_tiny_model_dir(root / "hf")
+    train, held_out = generate_synthetic_problems(64, 8)
+    _write_published(root / "dapo.parquet", train)
+    _write_published(root / "aime.parquet", held_out)
+    _write_published(root / "bad.parquet", train[:4], bad_row=True)
+    return root
+
+
+def _pipeline(args, timeout_s: float = 120, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PIPELINE), *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout_s, env=env)
+
+
+def _files(inputs: Path, dapo: str = "dapo.parquet") -> list:
+    return ["--hf-model", str(inputs / "hf"), "--dapo-math", str(inputs / dapo), "--aime", str(inputs / "aime.parquet")]
+
+
+def _sbatch_lines(stdout: str) -> dict:
+    """job name suffix -> the sbatch line's arguments, from a dry run's output."""
+    lines = [shlex.split(line) for line in stdout.splitlines() if line.startswith("sbatch ")]
+    return {re.search(r"--job-name=\S+?-(\w+(?:-\d+)?)$", next(a for a in ln if a.startswith("--job-name"))).group(1): ln
+            for ln in lines}
+
+
+def test_dry_run_prints_every_stage_with_its_dependency(inputs, tmp_path):
+    out = _pipeline([*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--chain", "3", "--time", "30",
+                     "--partition", "cpu", "--sbatch-opt=--mem=4000", "--dry-run", *TINY_OVERRIDES])
+    assert out.returncode == 0, out.stderr
+    lines = _sbatch_lines(out.stdout)
+    assert list(lines) == ["data", "import", "verify", "train-1", "train-2", "train-3", "export", "eval"]
+    dep = {name: next((a.split("=", 1)[1] for a in ln if a.startswith("--dependency=")), None)
+           for name, ln in lines.items()}
+    assert dep == {"data": None, "import": "afterok:<data>", "verify": "afterok:<import>",
+                   "train-1": "afterok:<verify>", "train-2": "afterany:<train-1>,afterok:<verify>",
+                   "train-3": "afterany:<train-2>,afterok:<verify>", "export": "afterok:<train-3>",
+                   "eval": "afterok:<export>"}
+    run_dir = tmp_path / "tiny_cpu_slurm"
+    for name, ln in lines.items():
+        assert ("--kill-on-invalid-dep=yes" in ln) == (name != "data")
+        assert f"--output={run_dir}/logs/pipeline/{name}-%j.log" in ln and "--partition=cpu" in ln
+        script = next(i for i, a in enumerate(ln) if a.endswith(".sbatch"))
+        assert all(a.startswith("--") for a in ln[2:script])  # every option before the script, none after
+    train = lines["train-2"]
+    assert train[train.index("slurm/colocated.sbatch") - 3:train.index("slurm/colocated.sbatch")] == \
+        ["--nodes=2", "--partition=cpu", "--mem=4000"] and "--time=30" in train
+    overrides = train[train.index("slurm/colocated.sbatch") + 1:]
+    assert overrides[0] == "+experiment=tiny_cpu_slurm" and "trainer.sft_warmup_steps=0" in overrides
+    assert f"model.hf_path={inputs / 'hf'}" in overrides and "cluster.num_nodes=2" in overrides
+    assert f"data.train_path={run_dir / 'data' / 'dapo_math_17k.parquet'}" in overrides
+    assert lines["import"][-6:] == ["--megatron-path", str(run_dir / "base_megatron"), "--tp", "1", "--pp", "1"]
+    assert lines["export"][-7:-4] == [str(run_dir), "3", str(run_dir / "hf_final")]  # 3: trainer.total_steps
+    assert f"eval.output={run_dir / 'eval' / 'final.json'}" in lines["eval"]
+    assert "--time=30" not in lines["data"]  # --time is the training jobs'; --stage-time the others'
+    assert not run_dir.exists()  # a dry run writes nothing
+
+
+def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
+    # the recipe's TP 8 does not split the tiny model's heads: the plan refuses before any line
+    out = _pipeline(["--experiment", "dapo_qwen2.5_32b_disagg", *_files(inputs), "--output-dir", str(tmp_path),
+                     "--dry-run"])
+    assert out.returncode == 1 and not _sbatch_lines(out.stdout)
+    assert "refused, the plan says: 4 heads / 2 KV heads do not split over TP 8" in out.stderr
+    # the tiny experiment, disaggregated: learner nodes : engine nodes, job-wide options before ':'
+    out = _pipeline([*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--from", "train", "--chain", "2",
+                     "--nodes", "1", "--engine-nodes", "1", "--sbatch-opt=--mem=4000", "--dry-run", *TINY_OVERRIDES,
+                     "cluster.mode=disaggregated"])
+    assert out.returncode == 0, out.stderr
+    lines = _sbatch_lines(out.stdout)
+    assert list(lines) == ["train-1", "train-2", "export", "eval"]  # --from train: data and conversion done
+    link = lines["train-2"]
+    script = link.index("slurm/disaggregated.sbatch")
+    assert link[2:6] == ["--job-name=" + link[2].split("=", 1)[1], link[3], "--dependency=afterany:<train-1>",
+                         "--kill-on-invalid-dep=yes"]
+    assert link[6:script] == ["--nodes=1", "--mem=4000", ":", "--nodes=1", "--mem=4000"]
+    assert "cluster.num_nodes=2" in link and "cluster.engine_nodes=1" in link
+    assert not any(a.startswith("--dependency") for a in lines["train-1"])
+
+
+def test_plan_refusals_stop_before_submitting(inputs, tmp_path):
+    env_path = tmp_path / "bin"  # an sbatch that records being called: the launcher must not reach it
+    env_path.mkdir()
+    (env_path / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/sbatch-called\necho 1\n")
+    (env_path / "sbatch").chmod(0o755)
+    import os
+
+    env = {**os.environ, "PATH": f"{env_path}:{os.environ['PATH']}"}
+    common = [*TINY, *_files(inputs), "--output-dir", str(tmp_path / "runs")]
+    too_small = _pipeline([*common, *TINY_OVERRIDES, "cluster.gpu_memory_gib=0.0001"], env=env)
+    assert too_small.returncode == 1
+    assert "pipeline: refused, the plan says: learner does not fit: stage 0 needs" in too_small.stderr
+    short = _pipeline([*common, "--time", "1", *TINY_OVERRIDES], env=env)  # 1 minute < engine start + a step
+    assert short.returncode == 1
+    assert "refused, the plan says: clock: trainer.wall_time_minutes=1 leaves no room for one step" in short.stderr
+    assert not (tmp_path / "sbatch-called").exists() and not (tmp_path / "runs").exists()
+    missing = _pipeline([*TINY, "--hf-model", str(tmp_path / "nowhere"), "--dapo-math", "x", "--aime", "y",
+                         "--dry-run"], env=env)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (f"pipeline: error: --hf-model {tmp_path / 'nowhere'}: no config.json there. "
+                                      "Fix: point it at the HF checkpoint directory (config.json, tokenizer, "
+                                      "*.safetensors)")
+
+
+def test_local_stops_at_the_failing_stage_with_its_reason(inputs, tmp_path):
+    out = _pipeline([*TINY, *_files(inputs, "bad.parquet"), "--output-dir", str(tmp_path), "--local",
+                     *TINY_OVERRIDES])
+    logs = tmp_path / "tiny_cpu_slurm" / "logs" / "pipeline"
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "pipeline: stage 'data' failed with exit 1; the later stages did not run" in out.stderr
+    assert BAD_ROW in out.stderr and BAD_ROW in (logs / "data.log").read_text()
+    assert sorted(p.name for p in logs.iterdir()) == ["data.log"]
+    assert "[import]" not in out.stdout
+
+
+# --------------------------------------------------------------------------------------
+# on the local two-node Slurm cluster
+# --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from slurm_cluster import start_or_skip
+
+    c = start_or_skip(tmp_path_factory.mktemp("slurm"))
+    yield c
+    c.stop()
+
+
+def _slurm_pipeline(cluster, args, timeout_s: float) -> subprocess.CompletedProcess:
+    from dapo_mega.distributed import free_port
+
+    env = {**cluster.env(), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    return _pipeline([*args, "--python", sys.executable, "--sbatch-opt=--mem=4000", "--wait"], timeout_s, env)
+
+
+def _job_ids(stdout: str) -> dict:
+    """stage -> job id, from the launcher's summary table (its first printing)."""
+    ids = {}
+    for m in re.finditer(r"^(data|import|verify|train-\d+|export|eval)\s+(\d+)\s", stdout, re.M):
+        ids.setdefault(m.group(1), m.group(2))
+    return ids
+
+
+@pytest.mark.slow  # seven jobs of the tiny model: ~2 min on 2 cores
+@pytest.mark.slurm
+def test_whole_pipeline_on_slurm_every_stage_completed(cluster, inputs, tmp_path):
+    out = _slurm_pipeline(cluster, [*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--chain", "2",
+                                    "--time", "30", *TINY_OVERRIDES], timeout_s=300)
+    run_dir = tmp_path / "tiny_cpu_slurm"
+    logs = run_dir / "logs" / "pipeline"
+    ids = _job_ids(out.stdout)
+    everything = out.stdout + out.stderr + "".join(f"\n===== {p.name}\n{p.read_text()[-2000:]}"
+                                                   for p in sorted(logs.glob("*.log")))
+    assert out.returncode == 0, everything
+    assert list(ids) == ["data", "import", "verify", "train-1", "train-2", "export", "eval"], everything
+    for stage, job in ids.items():
+        assert cluster.job_info(int(job))["JobState"] == "COMPLETED", everything
+        assert (logs / f"{stage}-{job}.log").exists()
+    assert re.search(r"logits max \|diff\| = \S+ .*-> PASS", (logs / f"verify-{ids['verify']}.log").read_text())
+    # the first link trained the run to its end; the second found it complete and started nothing
+    assert "already complete (checkpoint at step 3 of 3)" in (logs / f"train-2-{ids['train-2']}.log").read_text()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert (run_dir / "hf_final" / "config.json").exists()
+    result = json.loads((run_dir / "eval" / "final.json").read_text())
+    assert result["k"] == 4 and len(result["problems"]) == 8  # the held-out file's 8 problems x eval.n_samples
+    assert result["settings"]["checkpoint"] == str(run_dir / "hf_final")
+    assert "pipeline: every stage completed; final eval result" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_failing_stage_on_slurm_cancels_every_later_stage(cluster, inputs, tmp_path):
+    out = _slurm_pipeline(cluster, [*TINY, *_files(inputs, "bad.parquet"), "--output-dir", str(tmp_path),
+                                    "--chain", "2", *TINY_OVERRIDES], timeout_s=180)
+    logs = tmp_path / "tiny_cpu_slurm" / "logs" / "pipeline"
+    ids = _job_ids(out.stdout)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert cluster.job_info(int(ids["data"]))["JobState"] == "FAILED"
+    data_log = (logs / f"data-{ids['data']}.log").read_text()
+    assert "prepare_data: error:" in data_log and BAD_ROW in data_log
+    assert "stage 'data' failed with status 1" in data_log
+    for stage in ("import", "verify", "train-1", "train-2", "export", "eval"):
+        assert cluster.job_info(int(ids[stage]))["JobState"] == "CANCELLED", stage
+        assert not (logs / f"{stage}-{ids[stage]}.log").exists(), stage  # never started
+    # the launcher's report names the failed stage and quotes its log
+    assert "pipeline: stage 'data' ended FAILED; the end of its log:" in out.stdout
+    assert BAD_ROW in out.stdout
