@@ -1,7 +1,9 @@
 """The embedded engine's generation core: batched sampling with a KV cache on a HF model.
 
 `GenerationEngine` owns a transformers `AutoModelForCausalLM`, a queue of sequences and one
-generation thread. The thread collects queued sequences while they keep arriving (at most
+generation thread. The forward is transformers' own, so every family it loads (Qwen2, Qwen3
+with its q/k norms and head_dim, Llama with llama3 RoPE scaling) is computed as transformers
+computes it; this module only batches, caches and samples. The thread collects queued sequences while they keep arriving (at most
 `batch_wait_s`), left-pads them into one batch, prefills, then decodes token by token with
 the model's KV cache, dropping finished rows from the cache as it goes. Batching is continuous, as SGLang's: between two
 decode steps, sequences queued meanwhile join the running batch (up to
@@ -316,7 +318,7 @@ class GenerationEngine:
                            weight_version: Optional[str] = None) -> None:
         """Copy tensors into the model by HF name (cast to the model dtype), then set the version.
 
-        `lm_head.weight` of a tied model is skipped, as SGLang's Qwen2/Llama `load_weights`
+        `lm_head.weight` of a tied model is skipped, as SGLang's Qwen2/Qwen3/Llama `load_weights`
         does: the tied matrix is loaded through `model.embed_tokens.weight`.
         """
         with self.model_lock:
