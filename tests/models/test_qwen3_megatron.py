@@ -115,6 +115,26 @@ def test_qwen3_tied_import_pp2_export_pp2_exact(tmp_path):
     _assert_same_tensors(src, out)
 
 
+def test_qwen3_plan_sets_kv_channels_and_qk_layernorm_on_both_specs():
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.model import LOCAL_SPEC, _layer_spec, plan_transformer_config
+    from dapo_mega.config import MegatronConfig
+
+    shape = ModelShape.from_hf_config(tiny_hf_config(ModelConfig(), architecture="qwen3"))
+    plan = plan_transformer_config(shape, MegatronConfig(), ParallelLayout(world_size=1), has_gpu=False,
+                                   te_available=False)
+    kw = plan.config_kwargs
+    assert (kw["kv_channels"], kw["qk_layernorm"], kw["add_qkv_bias"]) == (32, True, False)
+    assert TransformerConfig(activation_func=F.silu, **kw).kv_channels == 32
+    attention = _layer_spec(LOCAL_SPEC, qk_layernorm=True).submodules.self_attention.submodules
+    assert attention.q_layernorm is not IdentityOp and attention.k_layernorm is not IdentityOp
+    assert _layer_spec(LOCAL_SPEC).submodules.self_attention.submodules.q_layernorm is IdentityOp
+
+
 def test_qwen3_options_the_learner_does_not_compute_are_named():
     base = tiny_hf_config(ModelConfig(), architecture="qwen3").to_dict()
     with pytest.raises(ConfigError, match="model.hf_path: Qwen3 with attention_bias"):

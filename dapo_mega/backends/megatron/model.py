@@ -221,7 +221,7 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
     return TransformerPlan(config_kwargs=kwargs, layer_spec=spec, params_dtype=params_dtype, notes=notes)
 
 
-def _layer_spec(spec: str, qk_layernorm: bool):
+def _layer_spec(spec: str, qk_layernorm: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
