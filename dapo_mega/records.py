@@ -18,6 +18,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from dapo_mega import log
+
+logger = log.get(__name__)
+
 CONSOLE_COLUMNS = (
     # (metric key, column format); a column whose metric the row lacks is left out
     ("rollout/reward_mean", "reward {:+.3f}"),
@@ -100,8 +104,8 @@ class RunRecorder:
         """The run's unique id (`run_identity`), in every metrics row when set."""
         dropped = truncate_metrics(self.run_dir, resume_step)
         if dropped:
-            print(f"[records] resuming at step {resume_step}: dropped {dropped} metric rows of "
-                  "steps that ran after the last checkpoint", flush=True)
+            logger.info(f"[records] resuming at step {resume_step}: dropped {dropped} metric rows of "
+                        "steps that ran after the last checkpoint")
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self._wandb = None
         self.wandb_run_id = wandb_run_id
@@ -112,7 +116,7 @@ class RunRecorder:
         try:
             import wandb
         except ImportError:  # wandb is a core dependency, but a run must not die for a logger
-            print("[records] wandb is not installed: metrics go to metrics.jsonl only", flush=True)
+            logger.info("[records] wandb is not installed: metrics go to metrics.jsonl only")
             return None
         os.environ.setdefault("WANDB_SILENT", "true")
         run_id = run_id or uuid.uuid4().hex[:8]
@@ -129,7 +133,7 @@ class RunRecorder:
                 if "in use" not in str(exc):
                     break
                 time.sleep(min(2.0 * (attempt + 1), 8.0))
-        print(f"[records] wandb could not start ({last_error}); metrics go to metrics.jsonl only", flush=True)
+        logger.info(f"[records] wandb could not start ({last_error}); metrics go to metrics.jsonl only")
         return None
 
     def log_step(self, step: int, metrics: Dict[str, Any]) -> None:

@@ -24,15 +24,18 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from dapo_mega import log
 from dapo_mega.config import DapoConfig, validate_config
 from dapo_mega.driver.console import route_known_warnings
+from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
-from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
-from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
 from dapo_mega.run_dir import set_aside_after
+from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
+
+logger = log.get(__name__)
 
 
 class Session:
@@ -146,15 +149,15 @@ class Session:
         from dapo_mega.rollout.manager import RolloutManager
 
         cfg, state = self.cfg, self.run.state
-        print(self.run.identity.start_line(self.run_dir), flush=True)
+        logger.info(self.run.identity.start_line(self.run_dir))
         encoder = PromptEncoder.from_pretrained(self.model_dir, cfg.data)
         data_report: Dict[str, Any] = {}
         train_problems, eval_sets, revision = build_run_datasets(cfg.data, cfg.eval, report=data_report)
         skipped = {split: f"{r.num_skipped} {dict(r.skip_reasons)}" for split, r in data_report.items()
                    if getattr(r, "num_skipped", 0)}
         held_out = ", ".join(f"{s.name + ' ' if s.name else ''}{len(s.problems)}" for s in eval_sets) or "0"
-        print(f"[data] {len(train_problems)} train / {held_out} held-out problems, revision "
-              f"{revision}; bad rows skipped (data.on_bad_row=skip): {skipped or 'none'}", flush=True)
+        logger.info(f"[data] {len(train_problems)} train / {held_out} held-out problems, revision "
+                    f"{revision}; bad rows skipped (data.on_bad_row=skip): {skipped or 'none'}")
         prompts = PromptIterator(train_problems, seed=cfg.data.seed, shuffle=cfg.data.shuffle, revision=revision)
         self.engine_urls = self._start_engines()
         sampling = build_sampling_params(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
@@ -168,15 +171,15 @@ class Session:
                                  probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision)
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
-            print(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
-                  f"{state.policy_version}", flush=True)
+            logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
+                        f"{state.policy_version}")
             rollouts.load_state_dict(state.data_cursor, state.rollout_carry, lambda d: Problem(**_problem_fields(d)))
             if cfg.trainer.resume_step:  # a restart from an earlier step: later steps' files are kept aside
                 label = f"after_step_{state.step}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
                 kept = set_aside_after(self.run_dir, state.step, label)
                 if kept is not None:
-                    print(f"[trainer] trainer.resume_step={state.step}: the later checkpoints, ledger shards and "
-                          f"eval files moved to {kept}", flush=True)
+                    logger.info(f"[trainer] trainer.resume_step={state.step}: the later checkpoints, ledger shards "
+                                f"and eval files moved to {kept}")
             prune_records_after(self.run_dir, state.step)
         recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, {**config_dict(cfg), "run_id": self.run.run_id},
                                state.step, wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,

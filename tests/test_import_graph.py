@@ -37,6 +37,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.heap": 0,
     "dapo_mega.resources": 0,
     "dapo_mega.tether": 0,
+    "dapo_mega.log": 0,
     # 1: backends: Megatron (model, layout, train step, sharded state) and SGLang (launch, client).
     "dapo_mega.backends": 1,
     # 2: weights: the HF <-> Megatron mapping, conversion and live sync, built on the backends.

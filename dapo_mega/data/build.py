@@ -82,7 +82,7 @@ def build_datasets(data_cfg: Any, report: Optional[Dict[str, Any]] = None,
     revision = run_dataset_revision(info["train_revision"], eval_revision)
     info["revision"] = revision
     info["num_train"], info["num_eval"] = len(train), len(held_out)
-    logger.info("data: %d train / %d held-out problems, revision %s", len(train), len(held_out), revision)
+    logger.debug("data: %d train / %d held-out problems, revision %s", len(train), len(held_out), revision)
     if report is not None:
         report.update(info)
     return train, held_out, revision

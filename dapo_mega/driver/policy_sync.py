@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from dapo_mega import log
 from dapo_mega.config import DapoConfig
 from dapo_mega.distributed import free_port
 from dapo_mega.driver.roles import LearnerRankRole
+
+logger = log.get(__name__)
 
 
 class PolicySync:
@@ -203,4 +205,4 @@ class PolicySync:
             try:
                 syncer.close()
             except Exception as exc:  # an engine already gone must not hide the real error
-                print(f"[trainer] closing the weight syncer: {exc}", file=sys.stderr)
+                logger.warning(f"[trainer] closing the weight syncer: {exc}", extra=log.EVERY_RANK)

@@ -10,15 +10,17 @@ calls them without testing the rank.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega import distributed as D
+from dapo_mega import log
 from dapo_mega.driver import advantages
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, write_ledger
 from dapo_mega.rollout.ledger import LedgerText, prepare_writer
+
+logger = log.get(__name__)
 
 DRIVER_RANK = 0
 
@@ -119,7 +121,7 @@ class DriverRole(LearnerRankRole):
         prepare_writer()
 
     def say(self, message: str, error: bool = False) -> None:
-        print(message, file=sys.stderr if error else sys.stdout, flush=True)
+        (logger.warning if error else logger.info)(message)
 
     def sft_samples(self, batch_size: int) -> list:
         from dapo_mega.algo.train_sample import TrainSample

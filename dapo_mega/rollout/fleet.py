@@ -31,13 +31,24 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
+from dapo_mega import log
 from dapo_mega.backends.sglang.api import SERVER_FLAGS
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.backends.sglang.launch import build_engine_command
 from dapo_mega.config import DapoConfig, RolloutConfig
-from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port,
-                                              is_healthy, lost_port_race, resume_process, stop_process)
+from dapo_mega.rollout.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    announce_engine,
+    free_port,
+    is_healthy,
+    lost_port_race,
+    resume_process,
+    stop_process,
+)
 from dapo_mega.tether import popen_tethered
+
+logger = log.get(__name__)
 
 __all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError", "announce_engine", "endpoint_of",
            "free_port", "is_healthy", "open_fleet", "stop_process", "announce_learners_ready", "wait_for_learners"]
@@ -111,7 +122,8 @@ def wait_for_learners(registry: Path, timeout_s: float) -> None:
     started together, SGLang would size its KV pool from whatever the learners had allocated
     by then, and its TP ranks' memory-balance check can fail. Bounded by `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    print(f"[fleet] waiting for the learners to initialise ({registry / LEARNERS_READY_FILE})", flush=True)
+    logger.info(f"[fleet] waiting for the learners to initialise ({registry / LEARNERS_READY_FILE})",
+                extra=log.EVERY_RANK)
     while not (registry / LEARNERS_READY_FILE).exists():
         if time.monotonic() > deadline:
             raise EngineStartError(f"the learners did not initialise within {timeout_s:.0f} s "
@@ -295,8 +307,8 @@ class EngineFleet:
                 if rc is not None and not self.rollout.base_port and engine.port_retries < MAX_PORT_RETRIES \
                         and lost_port_race(engine.log_tail(15)):
                     retries = engine.port_retries + 1
-                    print(f"[fleet] engine {index}: port {engine.port} was taken before it bound it; starting it "
-                          f"again on another port ({retries}/{MAX_PORT_RETRIES})", flush=True)
+                    logger.info(f"[fleet] engine {index}: port {engine.port} was taken before it bound it; starting "
+                                f"it again on another port ({retries}/{MAX_PORT_RETRIES})", extra=log.EVERY_RANK)
                     self.spawn(index, engine.gpu_ids, engine.base_gpu_id).port_retries = retries
                     continue
                 if rc is not None:

@@ -54,10 +54,13 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
+from dapo_mega import log
 from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
 from dapo_mega.backends.sglang.client import EngineClient, EngineError
 from dapo_mega.backends.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
 from dapo_mega.weights import transport
+
+logger = log.get(__name__)
 
 SHM_LOAD_FORMAT = "shared_memory_json"
 T = TypeVar("T")
@@ -182,7 +185,7 @@ class WeightSyncer:
             try:
                 self.destroy_group(timeout_s=10)
             except Exception as exc:  # an engine already gone must not hide the real error
-                print(f"[weight sync] leaving group {name}: {exc}", flush=True)
+                logger.info(f"[weight sync] leaving group {name}: {exc}", extra=log.EVERY_RANK)
         async def _close():
             for c in self.clients:
                 await c.close()
