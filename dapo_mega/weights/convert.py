@@ -453,8 +453,13 @@ def export_hf_step(model_chunks, info, layout, run_dir: Path | str, step: int, h
     Returns the record on rank 0, None elsewhere.
     """
     from dapo_mega import distributed as D
-    from dapo_mega.run_dir import (HFExportError, begin_hf_export_dir, commit_hf_export_dir, directory_bytes,
-                                   prune_hf_exports)
+    from dapo_mega.run_dir import (
+        HFExportError,
+        begin_hf_export_dir,
+        commit_hf_export_dir,
+        directory_bytes,
+        prune_hf_exports,
+    )
 
     start = time.perf_counter()
     rank0 = D.rank() == 0

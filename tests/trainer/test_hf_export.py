@@ -17,8 +17,16 @@ from dist_helpers import make_config, run_distributed
 from test_trainer_modes import RUN_NAME, read_rows, run_train
 
 from dapo_mega.config import ConfigError, load_config
-from dapo_mega.run_dir import (HF_INDEX_FILE, begin_hf_export_dir, directory_bytes, hf_exports_root,
-                               is_complete_hf_export, list_complete_hf_exports, prune_hf_exports, step_dir_name)
+from dapo_mega.run_dir import (
+    HF_INDEX_FILE,
+    begin_hf_export_dir,
+    directory_bytes,
+    hf_exports_root,
+    is_complete_hf_export,
+    list_complete_hf_exports,
+    prune_hf_exports,
+    step_dir_name,
+)
 
 TOKEN_IDS = torch.tensor([[20, 21, 22, 23, 24, 25, 26, 27], [5, 40, 41, 42, 7, 60, 61, 62]])
 LOGIT_RTOL = 1e-4
@@ -92,7 +100,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
     from unittest import mock
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.run_dir import HFExportError
     from dapo_mega.weights import hf_io
     from dapo_mega.weights.convert import export_hf_step, read_hf_config_dict
