@@ -234,7 +234,7 @@ def _loss_denominators(samples) -> tuple:
 def _bench_dp1(work: Workload, impl: str, fp8: bool) -> Dict[str, Any]:
     """Megatron packed / padded and HF packed / padded, timed in alternation in this process."""
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.distributed import free_port
 
     cfg, samples = work.cfg, work.samples
@@ -283,7 +283,7 @@ def _bench_dp1(work: Workload, impl: str, fp8: bool) -> Dict[str, Any]:
 def _bench_fp8(work: Workload) -> Dict[str, Any]:
     """Megatron packed with FP8 (Transformer Engine), timed alone (best of repeats)."""
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.distributed import free_port
 
     cfg = work.cfg
@@ -314,7 +314,7 @@ def _dp2_rank(rank: int, world_size: int, quick: bool, repeats: int) -> Dict[str
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
 
     work = build_workload(quick, gpu=torch.cuda.is_available())
     cfg, samples = work.cfg, work.samples

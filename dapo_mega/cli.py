@@ -44,7 +44,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("Config fields (override with key=value):")
         print("\n".join("  " + line for line in describe_fields()))
         if command == "ablate":
-            from dapo_mega.ablation.plan import AblationConfig
+            from dapo_mega.ablation.rungs import AblationConfig
 
             print("Ablation fields (ablation.key=value; pick one with +ablation=dapo_ladder or one_factor):")
             print("\n".join("  " + line for line in describe_fields(AblationConfig, prefix="ablation.")))

@@ -13,7 +13,7 @@ per node, containers); they call this module once per role with the user's Hydra
     python -m dapo_mega.launch engines  --engine-nodes N -- [overrides]
         one task per engine node: starts this node's engines through the engine fleet
         (`dapo_mega.rollout.fleet`: embedded on CPU, SGLang on GPU, command lines from
-        `dapo_mega.backends.sglang.launch.build_engine_command`, GPUs from the placement),
+        `dapo_mega.backends.sglang.commands.build_engine_command`, GPUs from the placement),
         waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
         (atomically), then watches them; any engine exiting ends the task non-zero. With
         `rollout.use_router` on SGLang, the first engine node also starts sglang-router
@@ -475,7 +475,7 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     failure status, or None when the router runs. Its flags are the pinned ones of
     `build_router_command`; `api_key` (the engines' key) goes to sglang-router's
     `--api-key`, which it sends to its workers. The trainer never depends on the router."""
-    from dapo_mega.backends.sglang.launch import build_router_command
+    from dapo_mega.backends.sglang.commands import build_router_command
 
     from dapo_mega.clock import resolve_health_timeout_s
 

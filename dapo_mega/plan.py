@@ -554,7 +554,7 @@ def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     if cp != 1:  # what the learner refuses, in its own words (imported only then: it brings torch)
         from dapo_mega.backends.megatron.layout import ParallelLayout
-        from dapo_mega.backends.megatron.train_step import check_learner_supports
+        from dapo_mega.backends.megatron.learner import check_learner_supports
 
         check_learner_supports(ParallelLayout.from_config(m, world))
     model_parallel = tp * pp * cp

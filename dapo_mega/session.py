@@ -83,7 +83,7 @@ class Session:
 
     def _start(self) -> None:
         from dapo_mega.backends.megatron.layout import ParallelLayout
-        from dapo_mega.backends.megatron.train_step import MegatronLearner
+        from dapo_mega.backends.megatron.learner import MegatronLearner
 
         cfg = self.cfg
         world_size = init_world_env()

@@ -8,7 +8,7 @@ sweep of train overrides) with several seeds per rung and honest error bars.
     dapo-mega ablate +ablation=dapo_ladder --report                   rebuild the table only
 
 Train overrides are those of `dapo-mega train`; `ablation.*` keys are those of
-`AblationConfig` (`plan.py`). Each rung x seed is an ordinary training run in its own run
+`AblationConfig` (`rungs.py`). Each rung x seed is an ordinary training run in its own run
 directory (`runner.py`: locally one after another, or a Slurm job array; finished runs are
 skipped, killed ones resume). The result is `ablation.md` / `.json` / `.png` in the
 ablation's directory (`report.py`, statistics in `stats.py`).
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from dapo_mega.ablation.plan import (
+from dapo_mega.ablation.rungs import (
     AblationConfig,
     AblationPlan,
     PlannedRun,

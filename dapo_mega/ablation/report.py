@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from dapo_mega.ablation.plan import AblationPlan, PlannedRun
+from dapo_mega.ablation.rungs import AblationPlan, PlannedRun
 from dapo_mega.ablation.stats import Difference, Interval, mean_interval, welch_interval
 
 EVAL_KEY = "eval/avg_at_k"

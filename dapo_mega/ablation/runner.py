@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-from dapo_mega.ablation.plan import AblationPlan, PlannedRun, slug
+from dapo_mega.ablation.rungs import AblationPlan, PlannedRun, slug
 
 
 @dataclass

@@ -7,7 +7,7 @@ killed and restarted.
     fleet.restart(1); fleet.close()
 
 An engine is `python -m dapo_mega.rollout.server` (the embedded CPU engine) or
-`python -m sglang.launch_server`, with the argv of `backends.sglang.launch.build_engine_command`,
+`python -m sglang.launch_server`, with the argv of `backends.sglang.commands.build_engine_command`,
 run by `rollout.engine_python` (default: this interpreter). The fleet adds what each kind
 needs to run: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses devices
 itself; the placement function does), `--base-gpu-id` when given, and on a machine without a
@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from dapo_mega import log
 from dapo_mega.backends.sglang.api import SERVER_FLAGS
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
-from dapo_mega.backends.sglang.launch import build_engine_command
+from dapo_mega.backends.sglang.commands import build_engine_command
 from dapo_mega.config import DapoConfig, RolloutConfig
 from dapo_mega.rollout.engine_process import (
     EngineProcess,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.ablation.plan import (
+from dapo_mega.ablation.rungs import (
     AblationPlan,
     PlannedRun,
     build_plan,

@@ -18,7 +18,7 @@ from dist_helpers import make_config
 
 def _learner(world, **model_overrides):
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config()

@@ -206,7 +206,7 @@ def _install_kill(phase: str, step: int) -> None:
             return out
         EngineClient.generate = generate
     elif phase == "train":
-        from dapo_mega.backends.megatron.train_step import MegatronLearner
+        from dapo_mega.backends.megatron.learner import MegatronLearner
 
         original = MegatronLearner._update
 

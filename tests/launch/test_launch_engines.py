@@ -1,6 +1,6 @@
 """The launcher's engine side (commands, threads, router) and its prepare step, without Slurm.
 
-Engine command lines must be exactly those of `dapo_mega.backends.sglang.launch` (one
+Engine command lines must be exactly those of `dapo_mega.backends.sglang.commands` (one
 source of SGLang flags); the router start-up is exercised against a small HTTP server
 posing as `python -m sglang_router.launch_router` (sglang-router is a GPU-image package),
 which records the argv it was started with.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import dapo_mega.launch as launch
-from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
+from dapo_mega.backends.sglang.commands import build_engine_command, build_router_command
 from dapo_mega.config import load_config
 from dapo_mega.launch import (LearnerRank, SlurmTask, engine_fleet, engine_rollout_config, engine_threads,
                               learner_env, router_wanted, run_prepare)

@@ -33,7 +33,7 @@ from dapo_mega.weights import transport
 API_KEY = "sec-key"
 PACKAGE = Path(dapo_mega.__file__).resolve().parent
 NETWORK_MODULES = ["rollout/server.py", "rollout/engine.py", "backends/sglang/client.py", "rollout/manager.py",
-                   "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/launch.py",
+                   "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/commands.py",
                    "backends/sglang/endpoint.py", "rollout/fleet.py", "rollout/engine_process.py"]
 # Reviewed exceptions: local pipes/queues between this package's own processes, no network.
 LOCAL_UNPICKLING = {
@@ -75,7 +75,7 @@ def test_no_unpickling_on_the_network_path_and_torch_load_is_weights_only():
 
 
 def test_engines_bind_loopback_by_default_and_refuse_other_hosts_without_key(tmp_path):
-    from dapo_mega.backends.sglang.launch import build_engine_command
+    from dapo_mega.backends.sglang.commands import build_engine_command
     from dapo_mega.config import RolloutConfig
     from dapo_mega.rollout.server import build_arg_parser, main
 

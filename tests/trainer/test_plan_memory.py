@@ -77,7 +77,7 @@ def test_qwen32b_colocated_plan_matches_the_hand_computation_in_docs():
 
 def test_fp8_adds_weight_caches_and_context_parallel_is_refused_as_the_learner_does():
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import check_learner_supports
+    from dapo_mega.backends.megatron.learner import check_learner_supports
     from dapo_mega.config import ConfigError
 
     fp8 = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_fp8"]))

@@ -27,7 +27,7 @@ def trained_learner(world, tp, pp, model_dir):
     warnings.filterwarnings("ignore")
     from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.weights.hf_io import HFCheckpointReader
     from dapo_mega.weights.stream import load_hf_into_megatron
 

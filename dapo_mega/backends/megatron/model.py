@@ -178,7 +178,7 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         bf16=params_dtype == "bfloat16",
         fp16=False,
         use_cpu_initialization=not has_gpu,
-        # The learner's loss is already divided by the global token count; see train_step.py.
+        # The learner's loss is already divided by the global token count; see learner.py.
         calculate_per_token_loss=True,
         # Fused kernels need apex/TE; the local spec on CPU runs the unfused paths.
         bias_activation_fusion=spec == TE_SPEC,

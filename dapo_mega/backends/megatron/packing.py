@@ -1,7 +1,7 @@
 """Where each training token goes: mini-batch order, data-parallel ranks, packed rows, FP8 shapes.
 
 Pure functions of sample lengths (no torch), shared by the learner (`batch.py`,
-`train_step.py`), `dapo-mega plan` and the learner benchmark:
+`learner.py`), `dapo-mega plan` and the learner benchmark:
 
     shuffle_groups(num_samples, group_size, seed)          mini-batch order (recipe item 4)
     partition_balanced(weights, k)                         Karmarkar–Karp k-way partition
@@ -22,7 +22,7 @@ Why each exists, at the 32B shape (responses from a few hundred to 20,480 tokens
   each mini-batch by token count with the largest-differencing method of Karmarkar and
   Karp (as verl's `get_seqlen_balanced_partitions`, without its equal-count constraint:
   Megatron's DDP does not need equal sample counts per rank). The loss denominator stays
-  the token count of the whole mini-batch (train_step.py), so the split changes no result.
+  the token count of the whole mini-batch (learner.py), so the split changes no result.
 * Padding every sample of a micro-batch to the longest wastes most tokens when one
   response is 20k long and the others 1k. Packing puts several samples into one row:
   first-fit decreasing into rows of `row_tokens` (on the Transformer Engine spec one THD

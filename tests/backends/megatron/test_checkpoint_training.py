@@ -113,7 +113,7 @@ def _learner(world, tp=1, pp=1, optimizer_sharding="dp_reshardable"):
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config(tp=tp, pp=pp, train_batch_size=2, mini_batch_size=1, n=4, lr=1e-2)

@@ -155,7 +155,7 @@ def _dp2_run(rank, world, pad):
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config(micro_batch_tokens=MICRO_BATCH_TOKENS, train_batch_size=2, mini_batch_size=1, n=4, lr=1e-2)
@@ -202,7 +202,7 @@ def _vpp_run(rank, world):
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config(pp=2, micro_batch_tokens=MICRO_BATCH_TOKENS, train_batch_size=1, mini_batch_size=1, n=4)

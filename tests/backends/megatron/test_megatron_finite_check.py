@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dapo_mega.backends.megatron.train_step import MegatronLearner, all_finite
+from dapo_mega.backends.megatron.learner import MegatronLearner, all_finite
 
 HOST_READS = {"__bool__", "item", "__float__", "__int__", "__index__", "tolist", "numpy"}
 

@@ -18,7 +18,7 @@ def _modes_run(rank, world):
     from dapo_mega.algo import compute_policy_loss
     from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     out = {}

@@ -207,7 +207,7 @@ def _packed_vs_padded(rank, world, tp, pp, loss_agg_mode):
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.batch import count_loss_tokens
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.config import DapoConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
@@ -283,7 +283,7 @@ def _train_step_tis(rank, world):
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.config import DapoConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
@@ -349,7 +349,7 @@ def _shuffle_run(rank, world):
 
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.config import DapoConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
@@ -387,7 +387,7 @@ def test_mini_batches_see_the_groups_in_seeded_shuffled_order():
 
 
 def test_thd_micro_batch_becomes_megatron_packed_seq_params():
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
 
     a = TrainSample([1, 2], [3, 4, 5])
     b = TrainSample([6], [7, 8])

@@ -23,7 +23,7 @@ def _learner_run(rank, world, tp, pp):
     import torch
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config(tp, pp)

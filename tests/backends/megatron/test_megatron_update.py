@@ -14,7 +14,7 @@ def _direction_run(rank, world):
     warnings.filterwarnings("ignore")
     from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner, NonFiniteError
+    from dapo_mega.backends.megatron.learner import MegatronLearner, NonFiniteError
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config(train_batch_size=1, mini_batch_size=1, n=1, lr=1e-3)
@@ -77,7 +77,7 @@ def _first_update_run(rank, world):
     from dist_helpers import make_samples
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.train_step import MegatronLearner
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = make_config(train_batch_size=2, mini_batch_size=1, n=4, lr=1e-2, micro_batch_tokens=64)

@@ -15,7 +15,7 @@ import pytest
 from ci_lane import lane_unavailable
 from sglang_venv import sglang_python_or_skip
 
-from dapo_mega.backends.sglang.launch import build_engine_command, build_router_command
+from dapo_mega.backends.sglang.commands import build_engine_command, build_router_command
 from dapo_mega.config import RolloutConfig
 
 REPO = Path(__file__).resolve().parents[3]
