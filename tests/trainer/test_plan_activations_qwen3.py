@@ -4,9 +4,8 @@ CPU (the measurement of test_plan_activations.py, on the Qwen3 shape)."""
 
 from __future__ import annotations
 
-from test_plan_activations import SHAPE, TOKENS, _config, _inputs, _saved_bytes_by_layer
-
 from dist_helpers import run_distributed
+from test_plan_activations import SHAPE, TOKENS, _config, _inputs, _saved_bytes_by_layer
 
 
 def _measure_qwen3(rank, world):

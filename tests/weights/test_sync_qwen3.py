@@ -15,10 +15,9 @@ import asyncio
 
 import pytest
 import torch
+from dist_helpers import run_distributed
 from qwen3_dirs import build_qwen3_dir
 from test_sync_learner_engines import _learner_sync, assert_engines_serve_export
-
-from dist_helpers import run_distributed
 
 from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import RolloutConfig
