@@ -37,9 +37,22 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny HF checkpoint (config, char tokenizer, random weights, seed 7), built once per
-    session for the tests that only need some model to serve or train."""
+def tiny_models(tmp_path_factory):
+    """tiny_models(seed): a tiny HF checkpoint (config, char tokenizer, random weights) of
+    that seed, built once per session, for the tests that only read it (serve it, train
+    from it, convert it elsewhere)."""
     from dapo_mega.models.tiny import build_tiny_model_dir
 
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"), seed=7)
+    built = {}
+
+    def get(seed: int = 7):
+        if seed not in built:
+            built[seed] = build_tiny_model_dir(tmp_path_factory.mktemp(f"tiny_model_seed{seed}"), seed=seed)
+        return built[seed]
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_models):
+    """The tiny checkpoint of seed 7, for the tests that only need some model."""
+    return tiny_models(7)

@@ -14,12 +14,8 @@ API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    d = tmp_path_factory.mktemp("tiny")
-    build_tiny_model_dir(d, seed=3)
-    return d
+def model_dir(tiny_models):
+    return tiny_models(3)
 
 
 @pytest.fixture(scope="module")

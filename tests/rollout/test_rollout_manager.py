@@ -33,12 +33,8 @@ class Prompt:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    d = tmp_path_factory.mktemp("tiny_mgr")
-    build_tiny_model_dir(d, seed=7)
-    return d
+def model_dir(tiny_models):
+    return tiny_models(7)
 
 
 @dataclass

@@ -12,12 +12,8 @@ from dapo_mega.weights.sync import WeightSyncer, iter_buckets
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    d = tmp_path_factory.mktemp("tiny_sync")
-    build_tiny_model_dir(d, seed=5)
-    return d
+def model_dir(tiny_models):
+    return tiny_models(5)
 
 
 @pytest.fixture(scope="module")

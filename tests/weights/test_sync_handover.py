@@ -57,10 +57,8 @@ def _learner_handover(rank, world, tp, pp, model_dir, engine_urls, ipc_ranks, ex
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_handover"), seed=5)
+def model_dir(tiny_models):
+    return tiny_models(5)
 
 
 def test_pp2_handover_into_two_engines_bit_identical_to_export(model_dir, tmp_path):

@@ -58,10 +58,8 @@ def _learner_sync(rank, world, tp, pp, model_dir, engine_urls, ports, export_dir
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_learner_sync"), seed=3)
+def model_dir(tiny_models):
+    return tiny_models(3)
 
 
 async def _engine_view(url, names):
