@@ -384,9 +384,9 @@ def summarize_dp(ranks: Sequence[Dict[str, Any]], useful_tokens: int) -> Dict[st
 
 
 def _bench_dp2(quick: bool, repeats: int, useful_tokens: int) -> Dict[str, Any]:
-    from dapo_mega.weights.spawn import spawn_gloo
-
     import bench_learner  # the spawned ranks import the worker by this name, also under __main__
+
+    from dapo_mega.weights.spawn import spawn_gloo
 
     start = time.perf_counter()
     ranks = spawn_gloo(bench_learner._dp2_rank, 2, args=(quick, repeats), timeout_s=3600)

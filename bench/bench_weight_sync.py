@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from dapo_mega.config import ModelConfig, RolloutConfig
 from dapo_mega.backends.sglang.client import EngineClient
+from dapo_mega.config import ModelConfig, RolloutConfig
 from dapo_mega.rollout.fleet import EngineFleet, free_port
 from dapo_mega.weights.sync import WeightSyncer
 

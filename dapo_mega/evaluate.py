@@ -95,10 +95,10 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     `run_id`: the run whose model this is (in the settings), when known; `n_samples` /
     `max_response_length`: an eval set's own k and limit (None: eval.n_samples, and
     eval.max_response_length or the training limit)."""
+    from dapo_mega.backends.sglang.client import build_sampling_params
     from dapo_mega.data import verification_prefix
     from dapo_mega.reward import compute_rewards
     from dapo_mega.reward.plugin import problem_metadata
-    from dapo_mega.backends.sglang.client import build_sampling_params
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
     e = cfg.eval

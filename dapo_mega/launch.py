@@ -60,8 +60,15 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import DapoConfig, RolloutConfig, load_config, validate_config
-from dapo_mega.rollout.engine_process import (EngineProcess, EngineStartError, announce_engine, free_port, is_healthy,
-                                              log_tail, stop_process)
+from dapo_mega.rollout.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    announce_engine,
+    free_port,
+    is_healthy,
+    log_tail,
+    stop_process,
+)
 from dapo_mega.rollout.fleet import EngineFleet, wait_for_learners
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
@@ -476,7 +483,6 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     `build_router_command`; `api_key` (the engines' key) goes to sglang-router's
     `--api-key`, which it sends to its workers. The trainer never depends on the router."""
     from dapo_mega.backends.sglang.commands import build_router_command
-
     from dapo_mega.clock import resolve_health_timeout_s
 
     limit = resolve_health_timeout_s(cfg)

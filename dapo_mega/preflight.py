@@ -98,8 +98,8 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     import torch
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.model import plan_transformer_config, transformer_engine_available
     from dapo_mega.backends.megatron.learner import check_learner_supports
+    from dapo_mega.backends.megatron.model import plan_transformer_config, transformer_engine_available
     from dapo_mega.models.shape import ModelShape
 
     world = learner_world_size(cfg) if world_size is None else world_size

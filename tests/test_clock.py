@@ -10,9 +10,19 @@ from types import SimpleNamespace
 import pytest
 
 from dapo_mega.cli import main as cli_main
-from dapo_mega.clock import (ClockAssumptions, EngineRates, clock_warnings, engine_rates, engine_slots,
-                             engine_start_timeout_s, estimate_clock, estimate_generation, learner_passes,
-                             resolve_health_timeout_s, train_flops_per_step)
+from dapo_mega.clock import (
+    ClockAssumptions,
+    EngineRates,
+    clock_warnings,
+    engine_rates,
+    engine_slots,
+    engine_start_timeout_s,
+    estimate_clock,
+    estimate_generation,
+    learner_passes,
+    resolve_health_timeout_s,
+    train_flops_per_step,
+)
 from dapo_mega.config import ConfigError, check_warm_start, load_config
 from dapo_mega.plan import KNOWN_MODELS, LengthAssumption, compute_plan, total_params
 

@@ -3,7 +3,7 @@
 import pytest
 
 from dapo_mega.cli import main as cli_main
-from dapo_mega.config import ConfigError, load_config, validate_config, from_yaml, to_yaml, save_config
+from dapo_mega.config import ConfigError, from_yaml, load_config, save_config, to_yaml, validate_config
 
 # (overrides, field named in the error)
 BAD = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_helpers import run_distributed
 
 from dapo_mega import distributed as D
-from dist_helpers import run_distributed
 
 
 @pytest.mark.parametrize("backend, device", [

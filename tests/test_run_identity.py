@@ -11,9 +11,18 @@ import pytest
 from dapo_mega.config import AlgoConfig, ConfigError, DapoConfig, TrainerConfig
 from dapo_mega.ledger_report import config_changes_line
 from dapo_mega.records import plot_curves
-from dapo_mega.run_identity import (ABSENT, ConfigChange, ConfigChangeRefused, compare_configs, config_dict,
-                                    history_of_current_run, read_config_history, read_run_id, run_id_of_path,
-                                    settle_run_dir)
+from dapo_mega.run_identity import (
+    ABSENT,
+    ConfigChange,
+    ConfigChangeRefused,
+    compare_configs,
+    config_dict,
+    history_of_current_run,
+    read_config_history,
+    read_run_id,
+    run_id_of_path,
+    settle_run_dir,
+)
 
 OLD = {"algo": {"verifier": "dapo", "lr": 1e-6}, "data": {"prompt_template": "raw"},
        "trainer": {"total_steps": 10, "allow_changes": []}}

@@ -35,8 +35,15 @@ from typing import Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from dapo_mega.data import (DAPO_PROMPT_TEMPLATE, DataError, Problem, ReadReport, compute_dataset_revision,
-                            read_problems, run_dataset_revision)
+from dapo_mega.data import (
+    DAPO_PROMPT_TEMPLATE,
+    DataError,
+    Problem,
+    ReadReport,
+    compute_dataset_revision,
+    read_problems,
+    run_dataset_revision,
+)
 from dapo_mega.data.readers import read_published_problems
 
 AIME_2024_PROBLEMS = 30

@@ -18,8 +18,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\n".join(task_arguments(argv[1], int(argv[2]))))
         return 0
     if len(argv) == 2 and argv[0] == "report":
-        from dapo_mega.ablation.rungs import AblationPlan
         from dapo_mega.ablation.report import write_report
+        from dapo_mega.ablation.rungs import AblationPlan
 
         md, _ = write_report(AblationPlan.load(argv[1]))
         print(md.read_text())

@@ -20,8 +20,8 @@ Writes `audit.md`, `audit.html` (self-contained) and `audit.json` in `<run_dir>/
 """
 
 from dapo_mega.audit.patterns import PATTERNS, STRATA, VERDICTS, AuditRecord, VerifierView
-from dapo_mega.audit.sheet import AuditSheet
 from dapo_mega.audit.run import USAGE, AuditOptions, run_audit, run_audit_command
+from dapo_mega.audit.sheet import AuditSheet
 
 __all__ = ["PATTERNS", "STRATA", "USAGE", "VERDICTS", "AuditOptions", "AuditRecord", "AuditSheet", "VerifierView",
            "run_audit", "run_audit_command"]

@@ -20,8 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
-from dapo_mega.audit.patterns import (AuditRecord, VerifierView, choose_indices, count_records, find_patterns,
-                                      pick_strata)
+from dapo_mega.audit.patterns import (
+    AuditRecord,
+    VerifierView,
+    choose_indices,
+    count_records,
+    find_patterns,
+    pick_strata,
+)
 from dapo_mega.audit.sheet import AuditSheet
 from dapo_mega.config import ConfigError, DapoConfig
 

@@ -351,7 +351,6 @@ def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
     tp, cp, pp = m.tensor_model_parallel_size, m.context_parallel_size, m.pipeline_model_parallel_size
     world = shape.learner_ranks
     one_node = shape.num_nodes == 1
-    gpus = shape.gpus_per_node
 
     # learners: one task per GPU, nodes filled in order
     per_node = world if one_node else max(1, math.ceil(world / max(1, shape.learner_nodes)))

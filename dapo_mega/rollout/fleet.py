@@ -33,8 +33,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from dapo_mega import log
 from dapo_mega.backends.sglang.api import SERVER_FLAGS
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.backends.sglang.commands import build_engine_command
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import DapoConfig, RolloutConfig
 from dapo_mega.rollout.engine_process import (
     EngineProcess,

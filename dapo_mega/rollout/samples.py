@@ -14,7 +14,7 @@ engine was given (the learner trains on the same ids).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.reward.types import UNSCORED, SampleReward

@@ -63,8 +63,17 @@ import torch
 from aiohttp import web
 
 from dapo_mega.backends.sglang.api import (
-    FLATTENED_BUCKET, GENERATE_FIELDS, GENERATE_FIELDS_OTHER, PAUSE_MODES, REQUEST_DEFAULTS,
-    REQUEST_FIELDS, REQUEST_REQUIRED, SAMPLING_DEFAULTS, SAMPLING_FIELDS, SAMPLING_NEUTRAL)
+    FLATTENED_BUCKET,
+    GENERATE_FIELDS,
+    GENERATE_FIELDS_OTHER,
+    PAUSE_MODES,
+    REQUEST_DEFAULTS,
+    REQUEST_FIELDS,
+    REQUEST_REQUIRED,
+    SAMPLING_DEFAULTS,
+    SAMPLING_FIELDS,
+    SAMPLING_NEUTRAL,
+)
 from dapo_mega.heap import freeze_startup_objects
 from dapo_mega.rollout.engine import GenerationEngine, SamplingSpec, Sequence_
 from dapo_mega.weights import transport

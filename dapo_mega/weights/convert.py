@@ -203,7 +203,7 @@ def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int
                          dtype: Optional[str] = None, progress: bool = True) -> ConversionSummary:
     """HF safetensors directory → Megatron distributed checkpoint (see the module docstring)."""
     start = time.time()
-    hf_cfg = read_hf_config_dict(hf_path)
+    read_hf_config_dict(hf_path)  # fail fast on a missing or unreadable config.json
     HFCheckpointReader(hf_path)  # fail fast, in this process, on a missing shard
     out = Path(megatron_path)
     (out / CONVERTED_MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from dapo_mega.weights import transport
-from dapo_mega.weights.sync import SHM_LOAD_FORMAT, SyncStats, WeightSyncError, WeightSyncer, iter_buckets
+from dapo_mega.weights.sync import SHM_LOAD_FORMAT, SyncStats, WeightSyncer, WeightSyncError, iter_buckets
 
 #: (payload text, cleanup) for one engine TP rank, made from named views of the bucket buffer.
 PayloadMaker = Callable[[List[Tuple[str, torch.Tensor]]], Tuple[str, Callable[[], None]]]

@@ -75,7 +75,12 @@ def init_custom_process_group(
 
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
-        Backend, PrefixStore, _new_process_group_helper, _world, default_pg_timeout)
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+    )
 
     timeout = timeout or default_pg_timeout
     url = urlparse(init_method)

@@ -11,6 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from dapo_mega.ablation.report import (
+    collect,
+    format_difference,
+    format_interval,
+    render_table,
+    summarize_run,
+    write_report,
+)
 from dapo_mega.ablation.rungs import (
     AblationPlan,
     PlannedRun,
@@ -19,14 +27,6 @@ from dapo_mega.ablation.rungs import (
     merge_overrides,
     rung_overrides,
     split_arguments,
-)
-from dapo_mega.ablation.report import (
-    collect,
-    format_difference,
-    format_interval,
-    render_table,
-    summarize_run,
-    write_report,
 )
 from dapo_mega.ablation.runner import (
     array_script,

@@ -13,8 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.backends.placement import (CUDA_IPC, DISTRIBUTED, SHARED_MEMORY, ClusterShape, Device, GroupMember,
-                                          ProcessGroupPlan, learner_coordinates, place, visible_devices)
+from dapo_mega.backends.placement import (
+    CUDA_IPC,
+    DISTRIBUTED,
+    SHARED_MEMORY,
+    ClusterShape,
+    Device,
+    GroupMember,
+    ProcessGroupPlan,
+    learner_coordinates,
+    place,
+    visible_devices,
+)
 from dapo_mega.config import ConfigError, load_config
 from dapo_mega.launch import compute_engine_slots, engine_addresses, job_shape
 

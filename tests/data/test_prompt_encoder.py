@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from chat_tokenizer import build_chat_tokenizer
+
 from dapo_mega.config import ConfigError, load_config
 from dapo_mega.data import DAPO_PROMPT_TEMPLATE, Problem, PromptEncoder, token_ids_of
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dapo_mega.weights.spawn import spawn_gloo
 from dist_helpers import make_config
+
+from dapo_mega.weights.spawn import spawn_gloo
 
 
 def _learner(world, **model_overrides):
@@ -39,11 +40,11 @@ def _run(rank, world, root):
 
     warnings.filterwarnings("ignore")
     import torch
+    from dist_helpers import make_samples
 
     from dapo_mega.backends.megatron import checkpoint as C
-    from dapo_mega.run_dir import MODEL_OPTIM_DIR
     from dapo_mega.backends.megatron.layout import ParallelLayout  # noqa: F401
-    from dist_helpers import make_samples
+    from dapo_mega.run_dir import MODEL_OPTIM_DIR
 
     root = Path(root)
     source = _learner(world)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_faults_common import read_metric_rows, run_trainer
 
 from dapo_mega.rollout.ledger import read_records
-from test_faults_common import read_metric_rows, run_trainer
 
 DIST_TIMEOUT_S = 3
 OLD_REQUEST_TIMEOUT_S = DIST_TIMEOUT_S / 3  # 600 s of 1800 s, the old defaults' ratio

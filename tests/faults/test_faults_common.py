@@ -169,8 +169,9 @@ def _install(fault: str) -> None:
         _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step), in_flight=in_flight)
     elif kind == "verifier":
         raise_on, hang_on = rest.split(":")
-        import dapo_mega.reward as R
         from test_faults_common import FaultyVerifier  # by module name: the pool's workers unpickle it
+
+        import dapo_mega.reward as R
 
         R.VERIFIERS["dapo"] = lambda: FaultyVerifier(raise_on.split(","), hang_on.split(","))
     else:

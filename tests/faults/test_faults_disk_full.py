@@ -14,7 +14,6 @@ import shutil
 import subprocess
 
 import torch
-
 from test_faults_common import load_checkpoint_tensors, read_metric_rows, run_trainer
 
 RUN = ["trainer.total_steps=2", "trainer.save_interval=1", "trainer.keep_last_k=1"]
@@ -31,9 +30,10 @@ def _mount_small_tmpfs(path, size_bytes) -> bool:
 
 
 def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
+    from test_faults_common import TINY_OVERRIDES
+
     from dapo_mega.config import load_config
     from dapo_mega.models.tiny import build_tiny_model_dir
-    from test_faults_common import TINY_OVERRIDES
 
     # A checkpoint holds fp32 weights + two Adam moments: about 3x the model's safetensors.
     model_dir = tmp_path / "probe_model"

@@ -13,9 +13,9 @@ tested in test_rollout_manager.py.)
 from __future__ import annotations
 
 import pytest
+from test_faults_common import read_metric_rows, run_trainer
 
 from dapo_mega.rollout.ledger import read_records
-from test_faults_common import read_metric_rows, run_trainer
 
 LIVENESS_TIMEOUT_S = 15.0
 PROBE_S = 2.0

@@ -15,9 +15,9 @@ import signal
 
 import pytest
 import torch
+from test_faults_common import load_checkpoint_tensors, read_metric_rows, run_trainer
 
 from dapo_mega.rollout.ledger import read_records
-from test_faults_common import load_checkpoint_tensors, read_metric_rows, run_trainer
 
 RUN = ["trainer.total_steps=4", "trainer.save_interval=1", "trainer.keep_last_k=5"]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 
 import torch
+from test_faults_common import TINY_OVERRIDES, load_checkpoint_tensors, read_metric_rows, run_trainer
 
 from dapo_mega.config import load_config
 from dapo_mega.data import PromptIterator, build_datasets
 from dapo_mega.rollout.ledger import read_records
-from test_faults_common import TINY_OVERRIDES, load_checkpoint_tensors, read_metric_rows, run_trainer
 
 RUN = ["trainer.total_steps=3", "trainer.save_interval=1", "trainer.keep_last_k=5"]
 

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.backends.sglang.client import EngineClient, EngineError, expand_seeded_samples
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
 from dapo_mega.rollout.fleet import EngineFleet, free_port
-from sglang_venv import sglang_python_or_skip
 from dapo_mega.weights import transport
 from dapo_mega.weights.sync import SHM_LOAD_FORMAT, WeightSyncer
 

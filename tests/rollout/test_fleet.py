@@ -21,8 +21,16 @@ import pytest
 
 from dapo_mega.backends.sglang.commands import build_engine_command
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import (MAX_PORT_RETRIES, EngineEndpoint, EngineFleet, EngineStartError, announce_engine,
-                                     endpoint_of, free_port, is_healthy)
+from dapo_mega.rollout.fleet import (
+    MAX_PORT_RETRIES,
+    EngineEndpoint,
+    EngineFleet,
+    EngineStartError,
+    announce_engine,
+    endpoint_of,
+    free_port,
+    is_healthy,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "fleet-key"

@@ -11,9 +11,17 @@ import pytest
 
 from dapo_mega.config import ConfigError, TrainerConfig, load_config
 from dapo_mega.rollout import ledger
-from dapo_mega.rollout.ledger import (LedgerRecord, LedgerText, elision_marker, ledger_bytes_per_step,
-                                      ledger_bytes_per_step_of, ledger_responses_per_step, read_records, shard_path,
-                                      write_step)
+from dapo_mega.rollout.ledger import (
+    LedgerRecord,
+    LedgerText,
+    elision_marker,
+    ledger_bytes_per_step,
+    ledger_bytes_per_step_of,
+    ledger_responses_per_step,
+    read_records,
+    shard_path,
+    write_step,
+)
 
 _WORDS = ("we", "so", "the", "sum", "of", "is", "then", "let", "since", "therefore", "which", "gives", "equals",
           "and", "factor", "divide", "both", "sides", "by", "square", "root", "term", "each", "value", "check",

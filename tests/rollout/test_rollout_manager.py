@@ -14,8 +14,8 @@ from dapo_mega.config import RolloutConfig
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout import ledger
 from dapo_mega.rollout.dispatch import finished_requests
-from dapo_mega.rollout.manager import DynamicSamplingExhausted, RolloutManager, drop_stale_groups, request_seed
 from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.rollout.manager import DynamicSamplingExhausted, RolloutManager, drop_stale_groups, request_seed
 
 
 def start_engines(model_dir, count, weight_version):

@@ -58,9 +58,9 @@ def test_rollout_entropy_estimate_is_minus_mean_logprob_over_tokens():
 
 
 def test_rollout_entropy_estimate_converges_to_the_sampling_entropy():
-    import numpy as np
-
     from types import SimpleNamespace
+
+    import numpy as np
 
     from dapo_mega.rollout.metrics import rollout_entropy_estimate
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import base64
 import json
-import os
 import pickle
 import urllib.error
 import urllib.request

@@ -7,8 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.ledger_report import (build_report, compute_age_buckets, compute_step_diagnostics, flag_suspicious,
-                                     is_near_empty, render_markdown, repeats_prompt, sample_high_reward, write_report)
+from dapo_mega.ledger_report import (
+    build_report,
+    compute_age_buckets,
+    compute_step_diagnostics,
+    flag_suspicious,
+    is_near_empty,
+    render_markdown,
+    repeats_prompt,
+    sample_high_reward,
+    write_report,
+)
 from dapo_mega.rollout.ledger import LedgerRecord, write_step
 
 REPO = Path(__file__).resolve().parents[2]

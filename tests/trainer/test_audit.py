@@ -9,9 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.audit.patterns import (STRATA, AuditRecord, VerifierView, choose_indices, copied_from_prompt,
-                                      count_answer_lines, count_records, find_patterns, has_no_working,
-                                      pick_strata, verdict_of)
+from dapo_mega.audit.patterns import (
+    STRATA,
+    AuditRecord,
+    VerifierView,
+    choose_indices,
+    copied_from_prompt,
+    count_answer_lines,
+    count_records,
+    find_patterns,
+    has_no_working,
+    pick_strata,
+    verdict_of,
+)
 from dapo_mega.audit.run import choose_prompts, parse_audit_args
 from dapo_mega.audit.sheet import AuditSheet, render_html, render_markdown
 from dapo_mega.config import ConfigError

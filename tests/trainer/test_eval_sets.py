@@ -9,7 +9,6 @@ import pytest
 
 from dapo_mega.config import load_config
 from dapo_mega.data import generate_synthetic_problems
-
 from tests.trainer.test_trainer_modes import RUN_NAME, read_rows, run_train
 
 

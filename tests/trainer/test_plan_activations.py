@@ -119,9 +119,9 @@ def _measure(rank, world):
     from dist_helpers import make_samples
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.backends.megatron.logprobs import chunked_log_probs_and_entropy
     from dapo_mega.backends.megatron.model import build_model
-    from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.models.tiny import tiny_hf_config
 
     cfg = _config(recompute=False)

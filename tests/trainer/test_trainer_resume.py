@@ -8,12 +8,20 @@ import subprocess
 import time
 
 import pytest
+from test_trainer_modes import (
+    REPO,
+    RUN_NAME,
+    check_records_of_run,
+    kill_group,
+    read_rows,
+    run_train,
+    start_train,
+    train_command,
+)
 
 from dapo_mega.ledger_report import build_report, render_markdown
 from dapo_mega.rollout.ledger import read_records
 from dapo_mega.run_identity import read_config_history, read_run_id
-from test_trainer_modes import (REPO, RUN_NAME, check_records_of_run, kill_group, read_rows, run_train, start_train,
-                                train_command)
 
 TOTAL_STEPS = 4
 RESUME = ["trainer.total_steps=4", "trainer.save_interval=2", "trainer.keep_last_k=3"]

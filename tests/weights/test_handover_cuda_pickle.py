@@ -28,7 +28,6 @@ from typing import Dict, List
 
 import pytest
 import torch
-
 from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.backends.placement import ClusterShape, place
@@ -36,7 +35,7 @@ from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import load_config
 from dapo_mega.weights import transport
 from dapo_mega.weights.handover import HandoverPlan, cuda_ipc_payload
-from dapo_mega.weights.sync import WeightSyncError, WeightSyncer
+from dapo_mega.weights.sync import WeightSyncer, WeightSyncError
 
 TORCH_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 NODE_UUIDS = [f"GPU-node3-{i}" for i in range(8)]  # the learners see the node's 8 GPUs

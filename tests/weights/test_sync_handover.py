@@ -15,7 +15,6 @@ import asyncio
 
 import pytest
 import torch
-
 from dist_helpers import run_distributed
 from test_sync_learner_engines import _engine_view, assert_engines_serve_export, trained_learner
 

@@ -11,7 +11,6 @@ import asyncio
 
 import pytest
 import torch
-
 from dist_helpers import make_config, run_distributed
 
 from dapo_mega.backends.sglang.client import EngineClient

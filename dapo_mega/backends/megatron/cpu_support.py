@@ -158,9 +158,8 @@ def enable_cpu_support(force: bool = False) -> bool:
         mp_random._get_cuda_rng_state = _cpu_get_rng_state
         mp_random._set_cuda_rng_state = _cpu_set_rng_state
         import megatron.core.fusions.fused_softmax as fused_softmax
-        import megatron.core.transformer.utils as transformer_utils
-
         import megatron.core.pipeline_parallel.schedules as schedules
+        import megatron.core.transformer.utils as transformer_utils
 
         transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
         fused_softmax.get_default_causal_mask = _cpu_default_causal_mask

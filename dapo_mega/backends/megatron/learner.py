@@ -41,8 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from dapo_mega import distributed as D
-from dapo_mega.algo import (TIS_METRICS, TrainSample, compute_policy_loss, compute_tis_weights,
-                            summarize_tis_weights)
+from dapo_mega.algo import TIS_METRICS, TrainSample, compute_policy_loss, compute_tis_weights, summarize_tis_weights
 from dapo_mega.backends.megatron.batch import (
     ATTENTION_MASK,
     ATTENTION_THD,
@@ -61,8 +60,8 @@ from dapo_mega.backends.megatron.batch import (
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
 from dapo_mega.backends.megatron.model import TE_SPEC, build_model
-from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
+from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
 from dapo_mega.config import ConfigError, DapoConfig
 
 _POLICY_METRICS = ("loss/clip_frac_low", "loss/clip_frac_high", "loss/dual_clip_frac", "loss/approx_kl",

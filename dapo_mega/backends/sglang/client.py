@@ -28,7 +28,6 @@ import aiohttp
 from dapo_mega.backends.sglang.api import DEFAULT_GROUP_NAME, PAUSE_MODES
 from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 
-
 NO_LIMIT_S = 10.0 * 365 * 24 * 3600
 """What "no time limit" is passed to aiohttp as (a total of None would fall back to a default)."""
 

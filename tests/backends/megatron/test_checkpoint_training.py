@@ -16,11 +16,11 @@ import json
 from pathlib import Path
 
 import pytest
+from dist_helpers import make_config, make_samples
 
 from dapo_mega import run_dir as R
 from dapo_mega.backends.megatron import checkpoint as C
 from dapo_mega.weights.spawn import spawn_gloo
-from dist_helpers import make_config, make_samples
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
@@ -176,7 +176,6 @@ def _straight_run(rank, world, run_dir):
 
 
 def _resumed_run(rank, world, run_dir):
-    import torch
 
     learner = _learner(world)
     state = C.load_checkpoint(learner, run_dir)

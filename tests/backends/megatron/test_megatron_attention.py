@@ -34,16 +34,14 @@ def _compare(rank, world):
     import warnings
 
     warnings.filterwarnings("ignore")
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.config import MegatronConfig
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from dapo_mega.config import ModelConfig
+    from dapo_mega.config import MegatronConfig, ModelConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
     ParallelLayout.from_config(MegatronConfig(), world, tiny_hf_config(ModelConfig())).initialize()

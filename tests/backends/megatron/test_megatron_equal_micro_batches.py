@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from dist_helpers import make_config, run_distributed
 
 from dapo_mega.algo import TrainSample
 from dapo_mega.backends.megatron.batch import (
@@ -23,8 +24,7 @@ from dapo_mega.backends.megatron.batch import (
     plan_packed,
     shard_balanced,
 )
-from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, measure_layout, token_multiple
-from dist_helpers import make_config, run_distributed
+from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, measure_layout
 
 
 # ---------------------------------------------------------------------- the count rule

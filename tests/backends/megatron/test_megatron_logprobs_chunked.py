@@ -5,7 +5,6 @@ padded vocabulary rows masked and chunks that do not divide the tokens."""
 from __future__ import annotations
 
 import torch
-
 from dist_helpers import run_distributed
 
 B, S, VOCAB, PADDED = 3, 7, 45, 48   # 21 positions, chunks of 4 (the last one short)
@@ -42,8 +41,9 @@ def _slice_result(rank, world, group):
 
 
 def test_tp1_equals_torch_and_megatron():
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     from unittest import mock
+
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits, labels, grad_out = _inputs()
     logp, entropy, grad = _slice_result(0, 1, None)

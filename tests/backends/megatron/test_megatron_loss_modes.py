@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dist_helpers import run_distributed
-from dist_helpers import make_config
+from dist_helpers import make_config, run_distributed
 
 
 def _modes_run(rank, world):

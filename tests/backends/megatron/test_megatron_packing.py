@@ -15,6 +15,7 @@ from functools import partial
 
 import pytest
 import torch
+from dist_helpers import run_distributed
 
 from dapo_mega.algo import TrainSample
 from dapo_mega.backends.megatron.batch import (
@@ -35,7 +36,6 @@ from dapo_mega.backends.megatron.packing import (
     shuffle_groups,
     token_multiple,
 )
-from dist_helpers import run_distributed
 
 
 def long_tailed_lengths(n: int, seed: int = 0, cap: int = 20480):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from dist_helpers import make_config, make_samples, run_distributed
 
 
@@ -20,7 +19,6 @@ def _learner_run(rank, world, tp, pp):
     import warnings
 
     warnings.filterwarnings("ignore")
-    import torch
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import MegatronLearner

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dist_helpers import run_distributed
-from dist_helpers import make_config
+from dist_helpers import make_config, run_distributed
 
 
 def _direction_run(rank, world):
