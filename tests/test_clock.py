@@ -225,7 +225,7 @@ def test_a_short_timeout_warns(override, field):
 
 def test_request_timeout_of_600_s_is_shorter_than_the_slowest_32b_request(cfg32):
     e = estimate_clock(cfg32)
-    assert e.rollout_round.slowest_request_s > 600  # the issue: 630-900 s
+    assert e.rollout_round.slowest_request_s > 600  # estimated at 630-900 s for the 32B run
     assert 600 < e.rollout_round.slowest_request_s < 900
 
 

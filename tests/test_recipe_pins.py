@@ -169,7 +169,7 @@ def test_7b_differs_from_32b_only_where_its_file_says(configs):
 
 
 def test_cfg_job_shows_the_recipe(capsys):
-    """`dapo-mega train --cfg job +experiment=dapo_qwen2.5_32b` (the issue's check)."""
+    """`dapo-mega train --cfg job +experiment=dapo_qwen2.5_32b`."""
     assert cli_main(["train", "--cfg", "job", "+experiment=dapo_qwen2.5_32b"]) == 0
     out = capsys.readouterr().out
     assert "apply_chat_template: true" in out

@@ -1,4 +1,4 @@
-"""The placement a running trainer uses (issue 12, defects 4 and 8), checked on a CPU.
+"""The placement a running trainer uses, checked on a CPU.
 
 Engines the trainer starts itself get their own GPUs (before: none, so `num_engines > 1`
 all landed on GPUs 0..tp-1), and the weight transport follows the placement, not whether

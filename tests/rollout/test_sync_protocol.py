@@ -1,4 +1,4 @@
-"""The weight syncer's side of SGLang's update protocol, without a GPU (issue 12, defect 2).
+"""The weight syncer's side of SGLang's update protocol, without a GPU.
 
 NCCL broadcasts GPU tensors only, and SGLang receives into a buffer on its own device, so the
 flat bucket the learner broadcasts must live on the parameters' device. Parameters on the

@@ -1,5 +1,4 @@
-"""Two runs of the default task with one seed train on the same samples (issue 21, "Runs that
-repeat"): `dapo-mega train` twice with the same settings writes the same ledger, row for row,
+"""Two runs of the default task with one seed train on the same samples: `dapo-mega train` twice with the same settings writes the same ledger, row for row,
 apart from what is timing (latencies, queue delays), placement (engine ids) and identity (run
 ids).
 

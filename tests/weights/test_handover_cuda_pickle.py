@@ -1,4 +1,4 @@
-"""The colocated GPU hand-over's bytes, made and read on a CPU (issue 20, item 1).
+"""The colocated GPU hand-over's bytes, made and read on a CPU.
 
 A learner rank makes engine TP rank r's payload from views of its bucket buffer
 (`handover.cuda_ipc_payload`): the views pickled with torch's reductions, patched to name the

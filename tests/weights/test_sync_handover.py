@@ -1,4 +1,4 @@
-"""Colocated weight hand-over (issue 12, defects 4 and 7): no NCCL group with the engines.
+"""Colocated weight hand-over: no NCCL group with the engines.
 
 The learner rank on each engine TP rank's GPU makes that rank's payload from a bucket the
 stage's source broadcast over the learners' own group; each engine's poster sends one

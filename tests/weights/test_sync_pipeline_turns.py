@@ -1,4 +1,4 @@
-"""Pipeline stages sync their weights in turn (issue 12, defect 5).
+"""Pipeline stages sync their weights in turn.
 
 Each engine serves weight-update requests in arrival order, and each pipeline stage's source
 broadcasts on its own group. The simulation below is that protocol with threads: an engine

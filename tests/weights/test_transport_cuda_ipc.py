@@ -1,4 +1,4 @@
-"""CUDA IPC payloads for `/update_weights_from_tensor` (issue 12, defect 7), checked on a CPU.
+"""CUDA IPC payloads for `/update_weights_from_tensor`, checked on a CPU.
 
 SGLang 0.5.23's TP rank r unpickles only `serialized_named_tensors[r]` (tp_worker
 `deserialize_own_rank`), so the request carries one payload per engine TP rank, each built

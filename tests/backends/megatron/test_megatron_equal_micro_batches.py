@@ -1,4 +1,4 @@
-"""Every data-parallel rank runs the same number of micro-batches (issue 20, item 2).
+"""Every data-parallel rank runs the same number of micro-batches.
 
 FP8 delayed scaling all-reduces amaxes over every TP x DP rank of a stage at each
 grad-enabled forward and in backward, so DP ranks packed separately must still run equal

@@ -1,6 +1,6 @@
 """The non-finite gradient check reads the host once per update, not once per parameter
-(issue 20, item 9): `MegatronLearner._grads_finite` used `bool(isfinite(grad).all())` per
-parameter, a device-to-host sync each, hundreds per update at 32B. Host reads are counted
+(`bool(isfinite(grad).all())` per parameter would be a device-to-host sync each, hundreds
+per update at 32B). Host reads are counted
 with a TorchFunctionMode (on a GPU each is a sync); the answer must not change.
 """
 
