@@ -32,48 +32,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-STAGES = ("data", "import", "verify", "train", "export", "eval")
-REFUSING_WARNINGS = (r"^learner does not fit", r"^learner and engine do not fit", r"^engines have no KV-cache room",
-                     r"engines x \d+ GPUs need", r"^placement: ", r"^clock: ", r"not divisible by tp\*pp\*cp",
-                     r"do not split over TP", r"layers do not split evenly")
-"""Plan warnings that would stop (or silently break) the run: the launcher refuses on these;
-the others (idle GPUs, TP across nodes, ...) are printed and let through."""
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE")
-
-
-@dataclass
-class Stage:
-    """One Slurm job of the pipeline (a training chain has one per link)."""
-
-    name: str
-    """data, import, verify, train-<i>, export or eval."""
-    command: List[str]
-    """What runs: the stage script's arguments, or a training link's Hydra overrides."""
-    script: str
-    """launch/stage.sbatch, slurm/colocated.sbatch or slurm/disaggregated.sbatch."""
-    sbatch: List[str] = field(default_factory=list)
-    """Options of this job besides the dependency (nodes, time, output, name)."""
-    after_ok: List[str] = field(default_factory=list)
-    """Stages this one starts after, each COMPLETED."""
-    after_any: List[str] = field(default_factory=list)
-    """Stages this one starts after, in whatever state they ended (chain links)."""
-
-    @property
-    def log(self) -> str:
-        return next(o.split("=", 1)[1] for o in self.sbatch if o.startswith("--output="))
+from pipeline_stages import REPO, STAGES, TERMINAL, Pipeline, Stage, sbatch_line  # beside this file
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -107,201 +75,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, help="--local: learner processes on this machine (default gpus_per_node)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides after --: paths, site fixes (not the recipe)")
     return p.parse_args(argv)
-
-
-def _hydra(value: Path | str) -> str:
-    from dapo_mega.launch import hydra_value
-
-    return hydra_value(str(value))
-
-
-class Pipeline:
-    """The stages of one experiment's reproduction, from the launcher's arguments and the
-    composed config (read only for the run directory, the mode, the layout and the step count)."""
-
-    def __init__(self, args: argparse.Namespace):
-        from dapo_mega.config import compose_config, register_configs
-
-        register_configs()
-        self.args = args
-        base = [f"+experiment={args.experiment}"] + ([f"trainer.run_name={_hydra(args.run_name)}"]
-                                                     if args.run_name else [])
-        if args.output_dir:
-            base.append(f"trainer.output_dir={_hydra(args.output_dir.resolve())}")
-        # read, not validated: the launcher's topology completes it; `dapo-mega plan` validates the result
-        cfg = compose_config("config", base + list(args.overrides))
-        if not args.output_dir:  # absolute, so the jobs (run from the repository root) mean this directory
-            base.append(f"trainer.output_dir={_hydra(REPO / cfg.trainer.output_dir)}")
-            cfg = compose_config("config", base + list(args.overrides))
-        self.run_dir = cfg.run_dir.resolve()
-        self.mode = cfg.cluster.mode
-        self.tp, self.pp = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size
-        self.total_steps = cfg.trainer.total_steps
-        self.cpu = cfg.cluster.device == "cpu"
-        self.learners_per_node = args.learners_per_node or cfg.cluster.gpus_per_node
-        engine_nodes = args.engine_nodes or cfg.cluster.engine_nodes
-        self.nodes = args.nodes or (cfg.cluster.num_nodes - engine_nodes if self.mode == "disaggregated"
-                                    else cfg.cluster.num_nodes)
-        self.engine_nodes = engine_nodes if self.mode == "disaggregated" else 0
-        gpus_per_engine = cfg.rollout.engine_tp_size * cfg.rollout.engine_dp_size
-        self.eval_engines = None if self.cpu else max(1, cfg.cluster.gpus_per_node // gpus_per_engine)
-        self.logs = self.run_dir / "logs" / "pipeline"
-        self.megatron = (args.megatron_model or self.run_dir / "base_megatron").resolve()
-        self.data_dir = (args.data_dir or self.run_dir / "data").resolve()
-        self.hf_out = self.run_dir / "hf_final"
-        self.eval_out = self.run_dir / "eval" / "final.json"
-        if args.local:  # one machine: its GPUs are the learner processes (dapo-mega train starts them)
-            gpus = args.gpus or self.learners_per_node
-            topology = ["cluster.num_nodes=1", f"cluster.gpus_per_node={gpus}", f"cluster.num_learner_processes={gpus}"]
-        else:
-            topology = [f"cluster.num_nodes={self.nodes + self.engine_nodes}"]
-            topology += [f"cluster.engine_nodes={self.engine_nodes}"] if self.mode == "disaggregated" else []
-        self.overrides = base + [f"model.hf_path={_hydra(args.hf_model.resolve())}",
-                                 f"model.megatron_path={_hydra(self.megatron)}",
-                                 f"data.train_path={_hydra(self.data_dir / 'dapo_math_17k.parquet')}",
-                                 f"data.eval_path={_hydra(self.data_dir / 'aime_2024.parquet')}",
-                                 *topology, *args.overrides]
-
-    # --- inputs and plan ----------------------------------------------------------------
-    def check_inputs(self) -> Optional[str]:
-        """The first missing input, as a one-line error naming the flag and the fix."""
-        a = self.args
-        if STAGES.index(a.start) <= STAGES.index("verify") and not (a.hf_model / "config.json").is_file():
-            return (f"--hf-model {a.hf_model}: no config.json there. Fix: point it at the HF checkpoint directory "
-                    "(config.json, tokenizer, *.safetensors)")
-        if a.start == "data":
-            for flag, path in (("--dapo-math", a.dapo_math), ("--aime", a.aime)):
-                if path is None or not path.is_file():
-                    return (f"{flag} {path or '(not given)'}: no such file. Fix: give the published parquet, or "
-                            f"--from import with --data-dir holding the prepared files")
-        if a.chain < 1:
-            return f"--chain {a.chain}: must be >= 1. Fix: give the number of chained training jobs"
-        return None
-
-    def plan(self) -> tuple:
-        """(refusal reason or None, other warnings, the plan's JSON) of `dapo-mega plan` on this
-        run's overrides, with the training jobs' --time as trainer.wall_time_minutes."""
-        extra = [f"trainer.wall_time_minutes={slurm_minutes(self.args.time):g}"] if self.args.time else []
-        cmd = [sys.executable, "-m", "dapo_mega.cli", "plan", *self.overrides, *extra, "--json"]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
-        try:
-            plan = json.loads(out.stdout)
-        except json.JSONDecodeError:
-            tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-            return f"dapo-mega plan failed (exit {out.returncode}): {tail}", [], {}
-        warnings = plan.get("warnings", [])
-        patterns = [p for p in REFUSING_WARNINGS if not (self.cpu and "GPUs need" in p)]  # CPU engines take no GPU
-        refusing = [w for w in warnings if any(re.search(p, w) for p in patterns)]
-        if refusing or out.returncode != 0:
-            return "; ".join(refusing) or f"dapo-mega plan exited {out.returncode}", [], plan
-        others = [w for w in warnings if w not in refusing]
-        others += self._chain_warning(plan.get("clock", {}))
-        return None, others, plan
-
-    def _chain_warning(self, clock: dict) -> List[str]:
-        """The plan's estimate of the training time against the chain's total time limit."""
-        if not self.args.time or not clock.get("step_s"):
-            return []
-        need_h = self.total_steps * clock["step_s"] / 3600 + self.args.chain * clock.get("engine_start_s", 0) / 3600
-        have_h = self.args.chain * slurm_minutes(self.args.time) / 60
-        if need_h <= have_h:
-            return []
-        return [f"chain: the plan estimates ~{need_h:,.0f} h of training ({self.total_steps} steps of "
-                f"~{clock['step_s'] / 60:,.0f} min plus engine starts), the chain gives {self.args.chain} x "
-                f"{self.args.time} = {have_h:,.0f} h; raise --chain to {math.ceil(self.args.chain * need_h / have_h)}"]
-
-    # --- stages -------------------------------------------------------------------------
-    def stages(self) -> List[Stage]:
-        """The jobs from `--from` on, each with its dependencies on the ones before."""
-        a, py = self.args, self.args.python
-        meg, hf = str(self.megatron), str(a.hf_model.resolve())
-        steps: List[Stage] = []
-        if a.start == "data":
-            steps.append(self._stage("data", [py, "tools/prepare_data.py", "--dapo-math", str(a.dapo_math.resolve()),
-                                              "--aime", str(a.aime.resolve()), "--out", str(self.data_dir)]))
-        if STAGES.index(a.start) <= STAGES.index("import"):
-            steps.append(self._stage("import", [py, "tools/convert_checkpoint.py", "import", "--hf-path", hf,
-                                                "--megatron-path", meg, "--tp", str(self.tp), "--pp", str(self.pp)]))
-        if STAGES.index(a.start) <= STAGES.index("verify"):
-            steps.append(self._stage("verify", [py, "tools/convert_checkpoint.py", "verify", "--hf-path", hf,
-                                                "--megatron-path", meg]))
-        before_train = steps[-1].name if steps else None
-        if STAGES.index(a.start) <= STAGES.index("train"):
-            for i in range(1, a.chain + 1):
-                link = self._train_link(i)
-                if i == 1:
-                    link.after_ok = [before_train] if before_train else []
-                else:  # resume after the previous link however it ended, never after a failed stage before training
-                    link.after_any = [steps[-1].name]
-                    link.after_ok = [before_train] if before_train else []
-                steps.append(link)
-        steps.append(self._stage("export", ["bash", "launch/export_final.sh", str(self.run_dir), str(self.total_steps),
-                                            str(self.hf_out), "--tp", str(self.tp), "--pp", str(self.pp)]))
-        engines = [f"rollout.num_engines={self.eval_engines}"] if self.eval_engines else []
-        steps.append(self._stage("eval", [py, "-m", "dapo_mega.cli", "eval", *self.overrides, *engines,
-                                          f"eval.checkpoint={_hydra(self.hf_out)}",
-                                          f"eval.output={_hydra(self.eval_out)}"]))
-        for before, stage in zip(steps, steps[1:]):
-            if not stage.after_ok and not stage.after_any:
-                stage.after_ok = [before.name]
-        return steps
-
-    def _common(self, name: str, time_limit: Optional[str]) -> List[str]:
-        """Job-wide options: name and log first (sbatch_line keeps them before any ':'), then --time."""
-        opts = [f"--job-name={self._job_name(name)}", f"--output={self.logs}/{name}-%j.log"]
-        opts += [f"--time={time_limit}"] if time_limit else []
-        return opts
-
-    def _job_name(self, name: str) -> str:
-        return f"{self.run_dir.name}-{name}"
-
-    def _site(self) -> List[str]:
-        """Options every job component takes: partition, account, the extra --sbatch-opt."""
-        a = self.args
-        return ([f"--partition={a.partition}"] if a.partition else []) + (
-            [f"--account={a.account}"] if a.account else []) + list(a.sbatch_opt)
-
-    def _stage(self, name: str, command: List[str]) -> Stage:
-        return Stage(name, [name, *command], "launch/stage.sbatch",
-                     self._common(name, self.args.stage_time) + self._site())
-
-    def _train_link(self, i: int) -> Stage:
-        opts = self._common(f"train-{i}", self.args.time)
-        if self.mode == "disaggregated":  # heterogeneous: learner nodes : engine nodes
-            opts += [f"--nodes={self.nodes}", *self._site(), ":", f"--nodes={self.engine_nodes}", *self._site()]
-        else:
-            opts += [f"--nodes={self.nodes}", *self._site()]
-        return Stage(f"train-{i}", list(self.overrides), f"slurm/{self.mode}.sbatch", opts)
-
-    def job_env(self) -> dict:
-        """The environment the jobs run with (sbatch exports the submitting one)."""
-        env = {"DAPO_MEGA_REPO": str(REPO), "PYTHON": self.args.python,
-               "LEARNERS_PER_NODE": str(self.learners_per_node)}
-        env.update({k: v for k, v in (("CONTAINER", self.args.container), ("MOUNTS", self.args.mounts)) if v})
-        return env
-
-
-def slurm_minutes(text: str) -> float:
-    """Minutes of a Slurm --time value (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])."""
-    from dapo_mega.launch import parse_slurm_duration
-
-    seconds = parse_slurm_duration(text)
-    if seconds is None:
-        raise SystemExit(f"pipeline: --time {text}: not a Slurm duration. Fix: e.g. 24:00:00 or 1-00:00:00")
-    return seconds / 60
-
-
-def dependency(stage: Stage, job_ids: dict) -> List[str]:
-    """`--dependency=afterany:<prev>,afterok:<verify>` (all must hold) and `--kill-on-invalid-dep=yes`."""
-    parts = [f"afterany:{job_ids[n]}" for n in stage.after_any] + [f"afterok:{job_ids[n]}" for n in stage.after_ok]
-    return [f"--dependency={','.join(parts)}", "--kill-on-invalid-dep=yes"] if parts else []
-
-
-def sbatch_line(stage: Stage, job_ids: dict) -> List[str]:
-    """The whole sbatch command; job-wide options (name, output, dependency) come first, as
-    after a ':' they would apply to the last component of a heterogeneous job only."""
-    return ["sbatch", "--parsable", *stage.sbatch[:2], *dependency(stage, job_ids), *stage.sbatch[2:], stage.script,
-            *stage.command]
 
 
 # --- the runners -------------------------------------------------------------------------
@@ -425,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     for w in warnings:
         print(f"plan warning: {w}")
-    print("plan: fits" + (f" ({len(warnings)} warnings above)" if warnings else ""))
+    print("plan: fits" + (f" ({len(warnings)} warning{'s' if len(warnings) > 1 else ''} above)" if warnings else ""))
     stages = pipeline.stages()
     if args.local:
         return run_local(pipeline, stages)

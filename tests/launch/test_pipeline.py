@@ -63,9 +63,10 @@ def inputs(tmp_path_factory):
     return root
 
 
-def _pipeline(args, timeout_s: float = 120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PIPELINE), *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout_s, env=env)
+def _pipeline(args, timeout_s: float = 120, env=None, entry=None) -> subprocess.CompletedProcess:
+    """launch/pipeline.py, or an experiment's entry point (`entry`: launch/<experiment>.sh)."""
+    command = ["bash", str(entry), *args] if entry else [sys.executable, str(PIPELINE), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout_s, env=env)
 
 
 def _files(inputs: Path, dapo: str = "dapo.parquet") -> list:
@@ -168,6 +169,20 @@ def test_local_stops_at_the_failing_stage_with_its_reason(inputs, tmp_path):
     assert "[import]" not in out.stdout
 
 
+def test_export_stage_refuses_a_run_the_chain_left_short(tmp_path):
+    # the chain ended at step 2 of 3 (a link failed, or the chain was too short): exporting
+    # would make the final eval score an intermediate checkpoint
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_000002\n")
+    out = subprocess.run(["bash", str(REPO / "launch" / "export_final.sh"), str(run_dir), "3", str(tmp_path / "hf")],
+                         capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert out.returncode == 1
+    assert (f"run {run_dir} is not complete: its latest checkpoint is 'step_000002', the last step's is "
+            "step_000003") in out.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 # --------------------------------------------------------------------------------------
 # on the local two-node Slurm cluster
 # --------------------------------------------------------------------------------------
@@ -180,11 +195,11 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _slurm_pipeline(cluster, args, timeout_s: float) -> subprocess.CompletedProcess:
+def _slurm_pipeline(cluster, args, timeout_s: float, entry=None) -> subprocess.CompletedProcess:
     from dapo_mega.distributed import free_port
 
-    env = {**cluster.env(), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    return _pipeline([*args, "--python", sys.executable, "--sbatch-opt=--mem=4000", "--wait"], timeout_s, env)
+    env = {**cluster.env(), "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    return _pipeline(["--sbatch-opt=--mem=4000", "--wait", *args], timeout_s, env, entry)
 
 
 def _job_ids(stdout: str) -> dict:
@@ -198,8 +213,9 @@ def _job_ids(stdout: str) -> dict:
 @pytest.mark.slow  # seven jobs of the tiny model: ~2 min on 2 cores
 @pytest.mark.slurm
 def test_whole_pipeline_on_slurm_every_stage_completed(cluster, inputs, tmp_path):
-    out = _slurm_pipeline(cluster, [*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--chain", "2",
-                                    "--time", "30", *TINY_OVERRIDES], timeout_s=300)
+    # the experiment's entry point: 2 nodes, a chain of 2 jobs of 30 minutes
+    out = _slurm_pipeline(cluster, [*_files(inputs), "--output-dir", str(tmp_path), *TINY_OVERRIDES], timeout_s=300,
+                          entry=REPO / "launch" / "tiny_cpu_slurm.sh")
     run_dir = tmp_path / "tiny_cpu_slurm"
     logs = run_dir / "logs" / "pipeline"
     ids = _job_ids(out.stdout)

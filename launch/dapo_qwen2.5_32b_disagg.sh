@@ -1,0 +1,9 @@
+#!/bin/bash
+# Qwen2.5-32B DAPO, disaggregated: 8 learner nodes : 8 engine nodes (a heterogeneous job); the
+# plan estimates ~37 min a step, ~623 h for 1000 steps: 32 jobs of 24 h.
+# Topology of this reproduction only; the recipe is configs/experiment/dapo_qwen2.5_32b_disagg.yaml.
+#   launch/dapo_qwen2.5_32b_disagg.sh --hf-model DIR --dapo-math FILE --aime FILE --output-dir DIR \
+#       [--partition P --account A --container IMAGE --mounts SRC:DST] [--dry-run | --wait] [-- overrides]
+# Options given here are defaults: later ones win (--nodes, --chain, --time, ...). launch/README.md
+# lists every option and the stages.
+exec "${PYTHON:-python}" "$(dirname "$0")/pipeline.py" --experiment dapo_qwen2.5_32b_disagg --nodes 8 --engine-nodes 8 --chain 32 --time 24:00:00 "$@"
