@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, get_args
 
+from dapo_mega.run_dir import write_text_atomic
+
 
 class ConfigError(ValueError):
     """A configuration that cannot work. The message names the field and the fix."""
@@ -342,7 +344,7 @@ class RolloutConfig:
     `engine-<i>.json` with `url` each); the trainer waits for `num_engines` of them."""
     engine_python: str = ""
     """Python interpreter that runs the engine servers (`-m sglang.launch_server` or the
-    embedded `-m dapo_mega.rollout.server`), e.g. the bin/python of a separate SGLang venv;
+    embedded `-m dapo_mega.rollout.embedded.server`), e.g. the bin/python of a separate SGLang venv;
     empty: the trainer's own interpreter."""
 
     def validate(self) -> None:
@@ -845,11 +847,7 @@ def from_yaml(text: str) -> DapoConfig:
 def save_config(cfg: DapoConfig, run_dir: Path) -> Path:
     """Write the resolved config into the run directory (atomically)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(to_yaml(cfg))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
 
 
 def describe_fields(cls: type = DapoConfig, prefix: str = "") -> List[str]:

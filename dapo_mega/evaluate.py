@@ -27,7 +27,6 @@ and shown side by side, one row per set, with a paired comparison per set:
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.run_dir import write_text_atomic
 
 
 @dataclass
@@ -80,12 +80,10 @@ class EvalResult:
     def write(self, path: Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"name": self.name, "avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, "k": self.k,
-                                   "settings": self.settings, "engines": self.engines,
-                                   "dead_engines": self.dead_engines, "problems": self.problems}, indent=1))
-        os.replace(tmp, path)
-        return path
+        return write_text_atomic(path, json.dumps({
+            "name": self.name, "avg_at_k": self.avg_at_k, "pass_at_k": self.pass_at_k, "k": self.k,
+            "settings": self.settings, "engines": self.engines, "dead_engines": self.dead_engines,
+            "problems": self.problems}, indent=1))
 
 
 def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any], cfg: DapoConfig,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from dapo_mega import log
+from dapo_mega.run_dir import atomic_path, write_text_atomic
 
 logger = log.get(__name__)
 
@@ -85,9 +86,7 @@ def truncate_metrics(run_dir: Path, last_step: int) -> int:
     kept = [r for r in rows if int(r.get("step", 0)) <= last_step]
     path = Path(run_dir) / "metrics.jsonl"
     if path.exists():
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return len(rows) - len(kept)
 
 
@@ -207,10 +206,9 @@ def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
     mark_config_changes(list(axes.flat), changes)
     fig.tight_layout()
     out = Path(run_dir) / out_name
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=80)
+    with atomic_path(out, durable=False) as tmp:  # a figure, redrawn every step
+        fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
     return out
 
 

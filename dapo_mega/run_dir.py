@@ -42,9 +42,11 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -210,15 +212,37 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(dirpath))
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via `<path>.tmp-<pid>`, fsync, os.replace: readers see old or new, never half."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+@contextmanager
+def atomic_path(path: Path | str, durable: bool = True) -> Iterator[Path]:
+    """Yield `<path>.tmp-<pid>-<thread>` for a writer that needs a path (pyarrow, savefig, ...);
+    on a clean exit os.replace it onto `path`: readers see the old file or the new one, never
+    half. `durable` fsyncs the file before the rename and the directory after it (skip it only
+    where a crash loses nothing, e.g. tmpfs). On an error the temp file is removed and the old
+    `path` is left as it was. The one temp-then-rename of a file in the package."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        yield tmp
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_path(path.parent)
+
+
+def write_bytes_atomic(path: Path | str, data: bytes, durable: bool = True) -> Path:
+    """Replace `path` with `data` whole (`atomic_path`). Returns `path`."""
+    with atomic_path(path, durable) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_text_atomic(path: Path | str, text: str, durable: bool = True) -> Path:
+    """Replace `path` with `text` (UTF-8) whole (`atomic_path`). Returns `path`."""
+    return write_bytes_atomic(path, text.encode("utf-8"), durable)
 
 
 def begin_step_dir(run_dir: Path | str, step: int, subdirs: Sequence[str] = (MODEL_OPTIM_DIR, RNG_DIR)) -> Path:

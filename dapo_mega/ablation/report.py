@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.ablation.rungs import AblationPlan, PlannedRun
 from dapo_mega.ablation.stats import Difference, Interval, mean_interval, welch_interval
+from dapo_mega.run_dir import atomic_path, write_text_atomic
 
 EVAL_KEY = "eval/avg_at_k"
 ENTROPY_KEY = "rollout/entropy_mc"
@@ -337,10 +337,9 @@ def plot_ablation(results: List[RungResult], out: Path, level: float = 0.95) -> 
         if ax.lines:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=80)
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
     return out
 
 
@@ -349,16 +348,10 @@ def write_report(plan: AblationPlan, elapsed_s: Optional[float] = None, is_done=
     results = collect(plan, is_done)
     directory = Path(plan.directory)
     md = directory / "ablation.md"
-    _write_atomic(md, render_markdown(plan, results, elapsed_s))
-    _write_atomic(directory / "ablation.json", json.dumps(to_json(plan, results, elapsed_s), indent=1))
+    write_text_atomic(md, render_markdown(plan, results, elapsed_s))
+    write_text_atomic(directory / "ablation.json", json.dumps(to_json(plan, results, elapsed_s), indent=1))
     plot_ablation(results, directory / "ablation.png", float(plan.config.get("level", 0.95)))
     return md, results
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 __all__ = ["RunSummary", "RungResult", "PlannedRun", "collect", "format_difference", "format_interval",

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from dapo_mega.run_dir import write_text_atomic
+
 ABLATION_GROUP = "ablation"
 DEFAULT_ABLATION = "dapo_ladder"
 PLAN_FILE = "plan.json"
@@ -150,10 +152,7 @@ class AblationPlan:
     def save(self) -> Path:
         path = Path(self.directory) / PLAN_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
-        return path
+        return write_text_atomic(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, directory: Path | str) -> "AblationPlan":

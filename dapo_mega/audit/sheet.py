@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 from dapo_mega.audit.patterns import PATTERNS, STRATA, STRATUM_TITLES, VERDICTS, AuditRecord
+from dapo_mega.run_dir import write_text_atomic
 
 COUNT_TITLES = {
     "correct": "correct", "wrong": "wrong (an answer, not the ground truth)",
@@ -52,11 +52,7 @@ class AuditSheet:
                  "audit.json": json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n"}
         paths = {}
         for name, text in texts.items():
-            path = out_dir / name
-            tmp = path.with_suffix(path.suffix + ".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, path)
-            paths[name] = path
+            paths[name] = write_text_atomic(out_dir / name, text)
         return paths
 
 

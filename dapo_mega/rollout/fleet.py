@@ -6,7 +6,7 @@ killed and restarted.
     ...                                             # or EngineFleet.from_registry(dir, cfg.rollout)
     fleet.restart(1); fleet.close()
 
-An engine is `python -m dapo_mega.rollout.server` (the embedded CPU engine) or
+An engine is `python -m dapo_mega.rollout.embedded.server` (the embedded CPU engine) or
 `python -m sglang.launch_server`, with the argv of `backends.sglang.commands.build_engine_command`,
 run by `rollout.engine_python` (default: this interpreter). The fleet adds what each kind
 needs to run: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses devices
@@ -46,6 +46,7 @@ from dapo_mega.rollout.engine_process import (
     resume_process,
     stop_process,
 )
+from dapo_mega.run_dir import write_text_atomic
 from dapo_mega.tether import popen_tethered
 
 logger = log.get(__name__)
@@ -112,9 +113,7 @@ def announce_learners_ready(registry: Path) -> None:
     """The learners are initialised: colocated engines may now start and size their KV pool
     from the memory the learners left free (SGLang measures free memory when it starts)."""
     registry.mkdir(parents=True, exist_ok=True)
-    tmp = registry / (LEARNERS_READY_FILE + ".tmp")
-    tmp.write_text(json.dumps({"time": time.time()}))
-    os.replace(tmp, registry / LEARNERS_READY_FILE)
+    write_text_atomic(registry / LEARNERS_READY_FILE, json.dumps({"time": time.time()}))
 
 
 def wait_for_learners(registry: Path, timeout_s: float) -> None:

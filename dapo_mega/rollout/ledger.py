@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from dapo_mega.config import LedgerTextMode
 from dapo_mega.rollout.samples import ScoredSample
+from dapo_mega.run_dir import atomic_path
 
 REJECT_REASONS = ("kept", "all_correct_group", "all_wrong_group", "stale", "verifier_error",
                   "surplus_carried", "aborted")
@@ -217,19 +218,17 @@ def write_step(run_dir: os.PathLike, step: int, records: Sequence[LedgerRecord])
             raise ValueError(f"record of step {r.step} written into step {step}")
         if r.reject_reason not in REJECT_REASONS:
             raise ValueError(f"unknown reject reason {r.reject_reason!r}")
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     # Unique texts gain nothing from a dictionary (it overflows and falls back anyway), and
     # min/max statistics of texts would copy whole texts into the footer.
     dictionary = [name for name in SCHEMA.names if name != "response_text"]
     statistics = [name for name in SCHEMA.names if name not in TEXT_COLUMNS]
-    with pq.ParquetWriter(tmp, SCHEMA, compression=COMPRESSION, use_dictionary=dictionary,
-                          write_statistics=statistics) as writer:
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, SCHEMA, compression=COMPRESSION, use_dictionary=dictionary,
+                                                    write_statistics=statistics) as writer:
         for start in range(0, len(records), ROW_GROUP_ROWS):
             chunk = records[start:start + ROW_GROUP_ROWS]
             # Column by column: `asdict` deep-copies every field of every row (most of a step's driver time).
             writer.write_table(pa.Table.from_pydict({name: [getattr(r, name) for r in chunk] for name in SCHEMA.names},
                                                     schema=SCHEMA), row_group_size=ROW_GROUP_ROWS)
-    os.replace(tmp, path)
     return path
 
 

@@ -30,6 +30,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dapo_mega.run_dir import write_bytes_atomic
+
 DTYPES: Dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
@@ -155,11 +157,8 @@ def write_shm_bucket(named_tensors: Sequence[Tuple[str, torch.Tensor]],
     tensors = [t for _, t in named_tensors]
     metas, nbytes = bucket_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
     path = Path(shm_dir) / f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex}.bin"
-    tmp = path.with_suffix(".tmp")
-    flat = flatten_bucket(tensors)
-    with open(tmp, "wb") as fh:
-        fh.write(flat.numpy().tobytes())
-    os.replace(tmp, path)
+    # tmpfs and read at once by the engines: a crash loses nothing an fsync would have kept
+    write_bytes_atomic(path, flatten_bucket(tensors).numpy().tobytes(), durable=False)
     return {"path": str(path), "nbytes": nbytes,
             "tensors": [{"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape),
                          "start": m.start, "end": m.end} for m in metas]}
