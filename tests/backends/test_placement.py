@@ -219,7 +219,7 @@ def test_colocated_engines_start_with_the_memory_saver_on_their_own_gpus():
     tiny = load_config(["+experiment=tiny_cpu_slurm"])
     argv, env = engine_command_and_env(tiny, engine_rollout_config(tiny, ""), EngineSlot(0), "/m", 1, "127.0.0.1", {})
     assert "--enable-memory-saver" in argv and "--base-gpu-id" not in argv and "CUDA_VISIBLE_DEVICES" not in env
-    from dapo_mega.rollout.server import build_arg_parser
+    from dapo_mega.rollout.embedded.server import build_arg_parser
 
     build_arg_parser().parse_args(argv[3:])  # the embedded engine accepts the same command line
 

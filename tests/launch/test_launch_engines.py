@@ -44,7 +44,7 @@ def test_engine_commands_come_from_the_sglang_launch_module_through_the_fleet():
 
     tiny = load_config(["+experiment=tiny_cpu_slurm"])
     argv = engine_fleet(tiny, engine_rollout_config(tiny, "k"), "/m", "127.0.0.1", num_threads=3).command(5)
-    assert argv[1:3] == ["-m", "dapo_mega.rollout.server"] and argv[-2:] == ["--num-threads", "3"]
+    assert argv[1:3] == ["-m", "dapo_mega.rollout.embedded.server"] and argv[-2:] == ["--num-threads", "3"]
     user = load_config(["+experiment=tiny_cpu_slurm", "rollout.extra_server_args=[--num-threads,1]"])
     argv = engine_fleet(user, engine_rollout_config(user, "k"), "/m", "127.0.0.1", num_threads=3).command(5)
     assert argv.count("--num-threads") == 1 and argv[-1] == "1"  # the user's choice wins

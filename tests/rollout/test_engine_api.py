@@ -273,7 +273,7 @@ def test_uniforms_drawn_in_blocks_are_the_single_draws():
     gives one by one (what makes a seeded sample the same whatever batch it decodes in)."""
     import torch
 
-    from dapo_mega.rollout.engine import UNIFORM_BLOCK, SamplingSpec, Sequence_
+    from dapo_mega.rollout.embedded.sampling import UNIFORM_BLOCK, SamplingSpec, Sequence_
 
     for dtype in (torch.float32, torch.bfloat16):
         seq = Sequence_(prompt_ids=[1], spec=SamplingSpec(), on_done=lambda s: None,

@@ -131,7 +131,7 @@ def test_a_failing_engine_names_its_log(tmp_path):
     message = str(err.value)
     assert str(tmp_path / "logs" / "engine-0.log") in message and "exited with code 3" in message
     assert "stand-in engine: recorded argv" in message  # the log's tail is quoted
-    assert json.loads(recorded.read_text().splitlines()[0])["argv"][:2] == ["-m", "dapo_mega.rollout.server"]
+    assert json.loads(recorded.read_text().splitlines()[0])["argv"][:2] == ["-m", "dapo_mega.rollout.embedded.server"]
 
 
 def test_an_engine_that_lost_its_port_is_started_again(tmp_path, model_dir):

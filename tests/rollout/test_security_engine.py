@@ -31,7 +31,9 @@ from dapo_mega.weights import transport
 
 API_KEY = "sec-key"
 PACKAGE = Path(dapo_mega.__file__).resolve().parent
-NETWORK_MODULES = ["rollout/server.py", "rollout/engine.py", "backends/sglang/client.py", "rollout/manager.py",
+EMBEDDED_ENGINE_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "rollout/embedded").glob("*.py"))
+"""Every module of the embedded engine (`rollout/embedded/`): it serves HTTP."""
+NETWORK_MODULES = [*EMBEDDED_ENGINE_MODULES, "backends/sglang/client.py", "rollout/manager.py",
                    "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/commands.py",
                    "backends/sglang/endpoint.py", "rollout/fleet.py", "rollout/engine_process.py"]
 # Reviewed exceptions: local pipes/queues between this package's own processes, no network.
@@ -57,6 +59,7 @@ def _unpickling_calls(path: Path):
 
 
 def test_no_unpickling_on_the_network_path_and_torch_load_is_weights_only():
+    assert "rollout/embedded/server.py" in EMBEDDED_ENGINE_MODULES, EMBEDDED_ENGINE_MODULES
     for rel in NETWORK_MODULES:
         text = (PACKAGE / rel).read_text()
         assert "import pickle" not in text and "pickle.load" not in text, rel
@@ -76,7 +79,7 @@ def test_no_unpickling_on_the_network_path_and_torch_load_is_weights_only():
 def test_engines_bind_loopback_by_default_and_refuse_other_hosts_without_key(tmp_path):
     from dapo_mega.backends.sglang.commands import build_engine_command
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.server import build_arg_parser, main
+    from dapo_mega.rollout.embedded.server import build_arg_parser, main
 
     assert RolloutConfig().host == "127.0.0.1"
     assert build_arg_parser().parse_args(["--model-path", "m"]).host == "127.0.0.1"

@@ -6,7 +6,7 @@ replies), `srt/sampling/sampling_params.py` (sampling fields), `srt/arg_groups/f
 (server flags: a field `tp_size` becomes `--tp-size`, `arg_utils._field_to_cli_name`),
 `srt/utils/weight_versions.py` (the `weight_versions` spans) and sglang-router 0.3.2
 `router_args.py`. The client (`dapo_mega.backends.sglang.client`), the embedded engine
-(`dapo_mega.rollout.server`) and the launcher all validate against these tables, and the
+(`dapo_mega.rollout.embedded.server`) and the launcher all validate against these tables, and the
 tests check every body they build against them, so a rename in a future SGLang is one
 edit here.
 

@@ -1,7 +1,7 @@
 """Command lines of rollout engines and of sglang-router, built from `RolloutConfig`.
 
 Both engines start the same way: `python -m sglang.launch_server ...` on GPU clusters and
-`python -m dapo_mega.rollout.server ...` (the embedded CPU engine, which accepts the same
+`python -m dapo_mega.rollout.embedded.server ...` (the embedded CPU engine, which accepts the same
 flags) everywhere else. Flag names come from `api.SERVER_FLAGS`, pinned from sglang 0.5.23
 (`srt/arg_groups/fields/*.py`); router flags from sglang-router 0.3.2.
 """
@@ -15,7 +15,7 @@ from dapo_mega.backends.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_
 from dapo_mega.config import RolloutConfig
 
 SGLANG_MODULE = "sglang.launch_server"
-EMBEDDED_MODULE = "dapo_mega.rollout.server"
+EMBEDDED_MODULE = "dapo_mega.rollout.embedded.server"
 ROUTER_MODULE = "sglang_router.launch_router"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 

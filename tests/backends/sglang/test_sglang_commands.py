@@ -62,11 +62,11 @@ def test_sglang_parses_the_server_command_as_meant():
 
 
 def test_embedded_command_is_parsed_by_the_embedded_server():
-    from dapo_mega.rollout.server import build_arg_parser
+    from dapo_mega.rollout.embedded.server import build_arg_parser
 
     cfg = RolloutConfig(backend="embedded")
     argv = build_engine_command(cfg, "/m", port=1234, weight_version="0", python=sys.executable)
-    assert argv[2] == "dapo_mega.rollout.server"
+    assert argv[2] == "dapo_mega.rollout.embedded.server"
     args = build_arg_parser().parse_args(argv[3:])
     assert (args.model_path, args.port, args.tp_size, args.dtype, args.weight_version) == ("/m", 1234, 1, "float32", "0")
 
