@@ -18,6 +18,7 @@ are the `Literal` aliases below, which `validate()` checks (`_check_choice`).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +284,24 @@ class DataConfig:
             _check_choice("data.synthetic_task", d.synthetic_task, SyntheticTask)
 
 
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address (127.0.0.0/8, ::1): reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a hostname: it may resolve to any interface
+        return False
+
+
+def require_api_key(host: str, api_key: str, field: str, fix: str = "") -> None:
+    """The rule for engines and routers: anything but loopback requires an API key (without
+    one, anyone who reaches the port could replace the weights). ConfigError names `field`."""
+    if not api_key and not is_loopback(host):
+        raise _field_error(field, f"engines bind to {host} without an API key, so anyone who reaches them "
+                                  "could replace the weights", fix or f"set {field} (or bind 127.0.0.1)")
+
+
 @dataclass
 class RolloutConfig:
     backend: str = "embedded"
@@ -353,9 +372,7 @@ class RolloutConfig:
         _check_choice("rollout.backend", r.backend, RolloutBackend, "use embedded (CPU) or sglang (GPU)")
         if r.num_engines < 1:
             raise err("rollout.num_engines", "must be >= 1", "use 1 or more")
-        if r.host not in ("127.0.0.1", "localhost", "::1") and not r.api_key:
-            raise err("rollout.api_key", f"engines bind to {r.host} without an API key",
-                      "set rollout.api_key (or bind rollout.host=127.0.0.1)")
+        require_api_key(r.host, r.api_key, "rollout.api_key", "set rollout.api_key (or bind rollout.host=127.0.0.1)")
         for name in ("liveness_timeout_s", "liveness_probe_interval_s"):
             if getattr(r, name) <= 0:
                 raise err(f"rollout.{name}", f"must be > 0, got {getattr(r, name)}", "use 300 and 10 (seconds)")

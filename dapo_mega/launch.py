@@ -59,7 +59,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
-from dapo_mega.config import DapoConfig, RolloutConfig, load_config, validate_config
+from dapo_mega.config import DapoConfig, RolloutConfig, load_config, require_api_key, validate_config
 from dapo_mega.rollout.engine_process import (
     EngineProcess,
     EngineStartError,
@@ -77,7 +77,6 @@ BIND_HOST_ENV = "DAPO_MEGA_ENGINE_BIND_HOST"
 SYNC_ADDR_ENV = "DAPO_MEGA_SYNC_ADDR"
 """Address the engines reach a learner's weight-sync rendezvous at (session.py reads it)."""
 ROUTER_FILE = "router.json"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 # --------------------------------------------------------------------------------------
@@ -415,9 +414,8 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
     slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu, env)
     bind_host, advertise = engine_addresses(cfg, engine_nodes, use_gpu, env, task.node_name)
     api_key = cfg.rollout.api_key or env.get(API_KEY_ENV, "")
-    if bind_host not in LOOPBACK and not api_key:
-        raise RuntimeError(f"engines bind to {bind_host} without an API key: set rollout.api_key or "
-                           f"{API_KEY_ENV} (slurm/lib.sh generates one per job)")
+    require_api_key(bind_host, api_key, "rollout.api_key",
+                    f"set rollout.api_key or {API_KEY_ENV} (slurm/lib.sh generates one per job)")
     registry = registry_dir(cfg)
     log_dir = Path(env.get("DAPO_MEGA_LOG_DIR") or cfg.run_dir.resolve() / "logs" / f"job-{task.job_id}")
     fleet = engine_fleet(cfg, engine_rollout_config(cfg, api_key), str(engine_model_path(cfg)), bind_host, advertise,

@@ -45,8 +45,6 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega.config import DapoConfig
 
-LOOPBACK = "127.0.0.1"
-
 #: How weights reach an engine.
 CUDA_IPC = "cuda_ipc"
 """Colocated on GPUs: the learner rank on each engine TP rank's GPU hands over CUDA IPC handles."""

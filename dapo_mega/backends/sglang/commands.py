@@ -12,12 +12,11 @@ import sys
 from typing import List, Optional, Sequence
 
 from dapo_mega.backends.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
-from dapo_mega.config import RolloutConfig
+from dapo_mega.config import RolloutConfig, require_api_key
 
 SGLANG_MODULE = "sglang.launch_server"
 EMBEDDED_MODULE = "dapo_mega.rollout.embedded.server"
 ROUTER_MODULE = "sglang_router.launch_router"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def resolve_engine_dtype(dtype: str, backend: str) -> str:
@@ -51,9 +50,7 @@ def build_engine_command(
         SGLang only: the embedded CPU engine has no GPUs.
     """
     host = host or cfg.host
-    if host not in LOOPBACK_HOSTS and not cfg.api_key:
-        raise ValueError(f"rollout.host={host} without rollout.api_key: an engine reachable from the "
-                         "network would accept weight updates from anyone. Set rollout.api_key.")
+    require_api_key(host, cfg.api_key, "rollout.api_key")
     module = SGLANG_MODULE if cfg.backend == "sglang" else EMBEDDED_MODULE
     f = SERVER_FLAGS
     argv = [python, "-m", module,
