@@ -56,7 +56,6 @@ class Stage:
         return next(o.split("=", 1)[1] for o in self.sbatch if o.startswith("--output="))
 
 
-
 def _hydra(value: Path | str) -> str:
     from dapo_mega.launch import hydra_value
 
@@ -174,18 +173,17 @@ class Pipeline:
         if STAGES.index(a.start) <= STAGES.index("verify"):
             steps.append(self._stage("verify", [py, "tools/convert_checkpoint.py", "verify", "--hf-path", hf,
                                                 "--megatron-path", meg]))
-        before_train = steps[-1].name if steps else None
+        before_train = [steps[-1].name] if steps else []
         if STAGES.index(a.start) <= STAGES.index("train"):
             for i in range(1, a.chain + 1):
                 link = self._train_link(i)
-                if i == 1:
-                    link.after_ok = [before_train] if before_train else []
-                else:  # resume after the previous link however it ended, never after a failed stage before training
-                    link.after_any = [steps[-1].name]
-                    link.after_ok = [before_train] if before_train else []
+                link.after_ok = list(before_train)  # never after a failed stage before training
+                link.after_any = [steps[-1].name] if i > 1 else []  # after the previous link however it ended
                 steps.append(link)
-        steps.append(self._stage("export", ["bash", "launch/export_final.sh", str(self.run_dir), str(self.total_steps),
-                                            str(self.hf_out), "--tp", str(self.tp), "--pp", str(self.pp)]))
+        if STAGES.index(a.start) <= STAGES.index("export"):
+            steps.append(self._stage("export", ["bash", "launch/export_final.sh", str(self.run_dir),
+                                                str(self.total_steps), str(self.hf_out), "--tp", str(self.tp),
+                                                "--pp", str(self.pp)]))
         engines = [f"rollout.num_engines={self.eval_engines}"] if self.eval_engines else []
         steps.append(self._stage("eval", [py, "-m", "dapo_mega.cli", "eval", *self.overrides, *engines,
                                           f"eval.checkpoint={_hydra(self.hf_out)}",
@@ -195,31 +193,27 @@ class Pipeline:
                 stage.after_ok = [before.name]
         return steps
 
-    def _common(self, name: str, time_limit: Optional[str]) -> List[str]:
-        """Job-wide options: name and log first (sbatch_line keeps them before any ':'), then --time."""
-        opts = [f"--job-name={self._job_name(name)}", f"--output={self.logs}/{name}-%j.log"]
-        opts += [f"--time={time_limit}"] if time_limit else []
-        return opts
+    def _job_wide(self, name: str) -> List[str]:
+        """Name and log: sbatch_line keeps these two (and the dependency) before any ':'."""
+        return [f"--job-name={self.run_dir.name}-{name}", f"--output={self.logs}/{name}-%j.log"]
 
-    def _job_name(self, name: str) -> str:
-        return f"{self.run_dir.name}-{name}"
-
-    def _site(self) -> List[str]:
-        """Options every job component takes: partition, account, the extra --sbatch-opt."""
+    def _site(self, time_limit: Optional[str]) -> List[str]:
+        """Options every job component takes: time limit, partition, account, the extra --sbatch-opt."""
         a = self.args
-        return ([f"--partition={a.partition}"] if a.partition else []) + (
+        return ([f"--time={time_limit}"] if time_limit else []) + (
+            [f"--partition={a.partition}"] if a.partition else []) + (
             [f"--account={a.account}"] if a.account else []) + list(a.sbatch_opt)
 
     def _stage(self, name: str, command: List[str]) -> Stage:
         return Stage(name, [name, *command], "launch/stage.sbatch",
-                     self._common(name, self.args.stage_time) + self._site())
+                     self._job_wide(name) + self._site(self.args.stage_time))
 
     def _train_link(self, i: int) -> Stage:
-        opts = self._common(f"train-{i}", self.args.time)
+        opts, site = self._job_wide(f"train-{i}"), self._site(self.args.time)
         if self.mode == "disaggregated":  # heterogeneous: learner nodes : engine nodes
-            opts += [f"--nodes={self.nodes}", *self._site(), ":", f"--nodes={self.engine_nodes}", *self._site()]
+            opts += [f"--nodes={self.nodes}", *site, ":", f"--nodes={self.engine_nodes}", *site]
         else:
-            opts += [f"--nodes={self.nodes}", *self._site()]
+            opts += [f"--nodes={self.nodes}", *site]
         return Stage(f"train-{i}", list(self.overrides), f"slurm/{self.mode}.sbatch", opts)
 
     def job_env(self) -> dict:

@@ -99,8 +99,8 @@ def test_dry_run_prints_every_stage_with_its_dependency(inputs, tmp_path):
         script = next(i for i, a in enumerate(ln) if a.endswith(".sbatch"))
         assert all(a.startswith("--") for a in ln[2:script])  # every option before the script, none after
     train = lines["train-2"]
-    assert train[train.index("slurm/colocated.sbatch") - 3:train.index("slurm/colocated.sbatch")] == \
-        ["--nodes=2", "--partition=cpu", "--mem=4000"] and "--time=30" in train
+    assert train[train.index("--nodes=2"):train.index("slurm/colocated.sbatch")] == \
+        ["--nodes=2", "--time=30", "--partition=cpu", "--mem=4000"]
     overrides = train[train.index("slurm/colocated.sbatch") + 1:]
     assert overrides[0] == "+experiment=tiny_cpu_slurm" and "trainer.sft_warmup_steps=0" in overrides
     assert f"model.hf_path={inputs / 'hf'}" in overrides and "cluster.num_nodes=2" in overrides
@@ -120,7 +120,8 @@ def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
     assert "refused, the plan says: 4 heads / 2 KV heads do not split over TP 8" in out.stderr
     # the tiny experiment, disaggregated: learner nodes : engine nodes, job-wide options before ':'
     out = _pipeline([*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--from", "train", "--chain", "2",
-                     "--nodes", "1", "--engine-nodes", "1", "--sbatch-opt=--mem=4000", "--dry-run", *TINY_OVERRIDES,
+                     "--nodes", "1", "--engine-nodes", "1", "--time", "20", "--sbatch-opt=--mem=4000", "--dry-run",
+                     *TINY_OVERRIDES,
                      "cluster.mode=disaggregated"])
     assert out.returncode == 0, out.stderr
     lines = _sbatch_lines(out.stdout)
@@ -129,7 +130,8 @@ def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
     script = link.index("slurm/disaggregated.sbatch")
     assert link[2:6] == ["--job-name=" + link[2].split("=", 1)[1], link[3], "--dependency=afterany:<train-1>",
                          "--kill-on-invalid-dep=yes"]
-    assert link[6:script] == ["--nodes=1", "--mem=4000", ":", "--nodes=1", "--mem=4000"]
+    # each component its own time limit and site options (a component without --time gets the partition's)
+    assert link[6:script] == ["--nodes=1", "--time=20", "--mem=4000", ":", "--nodes=1", "--time=20", "--mem=4000"]
     assert "cluster.num_nodes=2" in link and "cluster.engine_nodes=1" in link
     assert not any(a.startswith("--dependency") for a in lines["train-1"])
 
