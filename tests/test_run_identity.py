@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+from helpers.checkpoints import fake_checkpoint
 
 from dapo_mega.config import AlgoConfig, ConfigError, DapoConfig, TrainerConfig
 from dapo_mega.ledger_report import config_changes_line
@@ -80,13 +81,6 @@ def _cfg(tmp_path, run_name="run", **algo):
     return DapoConfig(algo=AlgoConfig(**algo), trainer=TrainerConfig(output_dir=str(tmp_path), run_name=run_name))
 
 
-def _fake_checkpoint(run_dir, step):
-    step_dir = run_dir / "checkpoints" / f"step_{step:06d}"
-    (step_dir / "model_optim").mkdir(parents=True)
-    (step_dir / "model_optim" / "metadata.json").write_text("{}")
-    (step_dir / "trainer_state.json").write_text(json.dumps({"step": step}))
-
-
 def test_fresh_runs_get_different_ids_and_a_resume_keeps_its_id(tmp_path):
     first = settle_run_dir(_cfg(tmp_path / "a", run_name="seed1"))
     second = settle_run_dir(_cfg(tmp_path / "b", run_name="seed1"))
@@ -94,7 +88,7 @@ def test_fresh_runs_get_different_ids_and_a_resume_keeps_its_id(tmp_path):
     assert first.run_id.startswith("seed1-") and not first.resumed
     run_dir = tmp_path / "a" / "seed1"
     assert read_run_id(run_dir) == first.run_id
-    _fake_checkpoint(run_dir, 3)
+    fake_checkpoint(run_dir / "checkpoints", 3)
     resumed = settle_run_dir(_cfg(tmp_path / "a", run_name="seed1"))
     assert (resumed.run_id, resumed.resumed, resumed.resume_step, resumed.changes) == (first.run_id, True, 3, [])
     assert run_id_of_path(run_dir / "checkpoints" / "step_000003") == first.run_id
@@ -106,7 +100,7 @@ def test_fresh_runs_get_different_ids_and_a_resume_keeps_its_id(tmp_path):
 def test_a_rerun_from_scratch_is_another_run_and_keeps_the_old_config(tmp_path):
     cfg = _cfg(tmp_path)
     old = settle_run_dir(cfg)
-    _fake_checkpoint(cfg.run_dir, 2)
+    fake_checkpoint(cfg.run_dir / "checkpoints", 2)
     again = settle_run_dir(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=False)))
     assert again.run_id != old.run_id and not again.resumed
     assert (cfg.run_dir / f"config.{old.run_id}.yaml").is_file()   # nothing already written is lost
@@ -116,7 +110,7 @@ def test_a_rerun_from_scratch_is_another_run_and_keeps_the_old_config(tmp_path):
 def test_a_refused_resume_writes_nothing(tmp_path):
     cfg = _cfg(tmp_path)
     identity = settle_run_dir(cfg)
-    _fake_checkpoint(cfg.run_dir, 1)
+    fake_checkpoint(cfg.run_dir / "checkpoints", 1)
     before = {p.name: p.read_bytes() for p in cfg.run_dir.iterdir() if p.is_file()}
     with pytest.raises(ConfigChangeRefused, match='algo.verifier "dapo" -> "math_verify"'):
         settle_run_dir(_cfg(tmp_path, verifier="math_verify"))
@@ -127,7 +121,7 @@ def test_a_refused_resume_writes_nothing(tmp_path):
 def test_an_allowed_resume_keeps_the_change_and_rewrites_the_config(tmp_path):
     cfg = _cfg(tmp_path)
     identity = settle_run_dir(cfg)
-    _fake_checkpoint(cfg.run_dir, 4)
+    fake_checkpoint(cfg.run_dir / "checkpoints", 4)
     new = _cfg(tmp_path, verifier="math_verify")
     new.trainer.allow_changes = ["algo.verifier"]
     resumed = settle_run_dir(new)
@@ -167,7 +161,7 @@ def test_a_refused_resume_stops_before_learner_ranks_are_spawned(tmp_path, monke
     base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=run", "cluster.num_learner_processes=2"]
     cfg = load_config(base)
     identity = settle_run_dir(cfg)
-    _fake_checkpoint(cfg.run_dir, 1)
+    fake_checkpoint(cfg.run_dir / "checkpoints", 1)
     with pytest.raises(ConfigChangeRefused, match="algo.verifier"):
         learner_ranks.maybe_spawn_learners(load_config([*base, "algo.verifier=math_verify"]))
     seen = {}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.checkpoints import fake_checkpoint
 
 from dapo_mega.ablation.report import (
     collect,
@@ -172,14 +173,6 @@ def test_plan_runs_seeds_dirs_quick_and_warm_start(tmp_path):
 
 
 # --------------------------------------------------------------------------- resume
-def _fake_checkpoint(run_dir: Path, step: int) -> None:
-    d = run_dir / "checkpoints" / f"step_{step:06d}"
-    (d / "model_optim").mkdir(parents=True)
-    (d / "model_optim" / "metadata.json").write_text("{}")
-    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
-    (run_dir / "checkpoints" / "latest").write_text(d.name)
-
-
 FAKE_TRAIN = r"""
 import json, sys
 from pathlib import Path
@@ -199,8 +192,8 @@ def test_run_locally_skips_finished_runs_and_restarts_unfinished(tmp_path):
     cfg = load_ablation_config(["ablation.seeds=[1,2]", "ablation.quick_rungs=[]"])
     plan = build_plan(cfg, ["trainer.total_steps=3"], tmp_path, sft_warmup_steps=0)
     plan.runs = plan.runs[:3]
-    _fake_checkpoint(Path(plan.runs[0].run_dir), 3)  # finished
-    _fake_checkpoint(Path(plan.runs[1].run_dir), 2)  # killed after step 2: resumes
+    fake_checkpoint(Path(plan.runs[0].run_dir) / "checkpoints", 3, latest=True)  # finished
+    fake_checkpoint(Path(plan.runs[1].run_dir) / "checkpoints", 2, latest=True)  # killed after step 2: resumes
     assert is_finished(plan.runs[0].run_dir, 3) and not is_finished(plan.runs[1].run_dir, 3)
     messages = []
     outcomes = run_locally(plan, say=messages.append,
@@ -344,7 +337,7 @@ def test_slurm_prepare_runs_a_zero_step_warm_start_once(tmp_path):
         return dict(shlex.split(line)[0].split("=", 1) for line in out.getvalue().splitlines())
 
     assert prepare()["RUN_COMPLETE"] == "0"
-    _fake_checkpoint(tmp_path / "w", 0)
+    fake_checkpoint(tmp_path / "w" / "checkpoints", 0, latest=True)
     assert prepare()["RUN_COMPLETE"] == "1"
 
 
@@ -366,7 +359,7 @@ def test_submit_slurm_chains_warm_start_array_and_report(tmp_path):
     fake.chmod(0o755)
     cfg = load_ablation_config(["ablation.quick=true"])
     plan = build_plan(cfg, ["trainer.total_steps=2"], tmp_path / "out", sft_warmup_steps=10)
-    _fake_checkpoint(Path(plan.runs[0].run_dir), 2)  # finished: not in the array
+    fake_checkpoint(Path(plan.runs[0].run_dir) / "checkpoints", 2, latest=True)  # finished: not in the array
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
     sub = submit_slurm(plan, "colocated.sbatch", ["--nodes=1", "--mem=4000"], max_parallel=2, repo=REPO, env=env,
                        say=lambda m: None)

@@ -235,7 +235,7 @@ def test_the_plugin_version_and_components_in_ledger_rows(examples_on_path, tmp_
 def test_training_two_steps_graded_by_the_example_plugin(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "tests" / "trainer"))
     try:
-        from test_trainer_modes import RUN_NAME, run_train
+        from helpers.training import RUN_NAME, run_train
     finally:
         sys.path.remove(str(REPO / "tests" / "trainer"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")])))

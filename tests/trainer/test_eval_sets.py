@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.training import RUN_NAME, read_rows, run_train
 
 from dapo_mega.config import load_config
 from dapo_mega.data import generate_synthetic_problems
-from tests.trainer.test_trainer_modes import RUN_NAME, read_rows, run_train
 
 
 def write_set(path: Path, seed: int, count: int) -> Path:

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from dist_helpers import make_config, run_distributed
-from test_trainer_modes import RUN_NAME, read_rows, run_train
+from helpers.training import RUN_NAME, read_rows, run_train
 
 from dapo_mega.config import ConfigError, load_config
 from dapo_mega.run_dir import (

@@ -12,7 +12,7 @@ so the two ledgers differed.
 """
 
 import pytest
-from test_trainer_modes import RUN_NAME, read_rows, run_train
+from helpers.training import RUN_NAME, read_rows, run_train
 
 from dapo_mega.rollout.ledger import read_records
 

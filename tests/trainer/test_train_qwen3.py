@@ -18,9 +18,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers.training import RUN_NAME, check_records_of_run, run_train
 from qwen3_dirs import build_qwen3_dir
 from sglang_venv import sglang_python_or_skip
-from test_trainer_modes import RUN_NAME, check_records_of_run, run_train
 
 PROMPTS = ([20, 21, 22, 23, 24], [30, 31, 32], [5, 40, 41, 42, 7, 60])
 GREEDY_STEPS = 8

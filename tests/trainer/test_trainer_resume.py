@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from test_trainer_modes import (
+from helpers.training import (
     REPO,
     RUN_NAME,
     check_records_of_run,

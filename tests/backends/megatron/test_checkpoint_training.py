@@ -17,28 +17,20 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import make_config, make_samples
+from helpers.checkpoints import fake_checkpoint
 
 from dapo_mega import run_dir as R
 from dapo_mega.backends.megatron import checkpoint as C
 from dapo_mega.weights.spawn import spawn_gloo
 
 
-def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
-    d = root / R.step_dir_name(step)
-    (d / R.MODEL_OPTIM_DIR).mkdir(parents=True)
-    if complete:
-        (d / R.MODEL_OPTIM_DIR / "metadata.json").write_text("{}")
-        (d / R.TRAINER_STATE_FILE).write_text(json.dumps({"step": step}))
-    return d
-
-
 def test_latest_pointer_tmp_dirs_and_dangling_latest(tmp_path):
     root = tmp_path / "checkpoints"
     assert R.find_latest_checkpoint(tmp_path) is None
-    _fake_checkpoint(root, 3)
-    _fake_checkpoint(root, 7)
+    fake_checkpoint(root, 3)
+    fake_checkpoint(root, 7)
     (root / "step_000009.tmp-4242" / R.MODEL_OPTIM_DIR).mkdir(parents=True)  # interrupted save
-    _fake_checkpoint(root, 8, complete=False)  # renamed but missing trainer state: not trusted
+    fake_checkpoint(root, 8, complete=False)  # renamed but missing trainer state: not trusted
     assert R.find_latest_checkpoint(tmp_path).name == "step_000007"
     (root / R.LATEST_FILE).write_text("step_000003\n")
     assert R.find_latest_checkpoint(tmp_path).name == "step_000003", "latest is followed when valid"
@@ -52,7 +44,7 @@ def test_latest_pointer_tmp_dirs_and_dangling_latest(tmp_path):
 def test_prune_keeps_last_k_and_never_the_latest(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
-        _fake_checkpoint(root, step)
+        fake_checkpoint(root, step)
     (root / "step_000005.tmp-1").mkdir()
     R.write_text_atomic(root / R.LATEST_FILE, "step_000004\n")
     R.prune_checkpoints(tmp_path, keep_last_k=2)
@@ -66,7 +58,7 @@ def test_prune_keeps_last_k_and_never_the_latest(tmp_path):
 def test_keep_every_keeps_the_multiples_beside_the_last_k(tmp_path):
     root = tmp_path / "checkpoints"
     for step in range(1, 9):
-        _fake_checkpoint(root, step)
+        fake_checkpoint(root, step)
     R.write_text_atomic(root / R.LATEST_FILE, "step_000008\n")
     R.prune_checkpoints(tmp_path, keep_last_k=2, keep_every=3)
     assert [p.name for p in R.list_complete_checkpoints(tmp_path)] == \
@@ -79,7 +71,7 @@ def test_a_restart_from_a_named_step_sets_the_later_steps_aside_once(tmp_path):
     set_aside/ (nothing lost); a later start with the same setting goes on from the latest."""
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
-        _fake_checkpoint(root, step)
+        fake_checkpoint(root, step)
     R.write_text_atomic(root / R.LATEST_FILE, "step_000006\n")
     for sub, name in (("ledger", "step_000003.parquet"), ("ledger", "step_000005.parquet"),
                       ("eval", "step_000006.json")):
@@ -100,7 +92,7 @@ def test_a_restart_from_a_named_step_sets_the_later_steps_aside_once(tmp_path):
     assert [p.name for p in R.list_complete_checkpoints(kept)] == ["step_000004", "step_000006"]
     assert [p.name for p in R.list_complete_checkpoints(tmp_path)] == ["step_000002"]
     assert not list((tmp_path / "ledger").iterdir()) and R.find_latest_checkpoint(tmp_path).name == "step_000002"
-    _fake_checkpoint(root, 3)  # the restarted run saves step 3; its next start goes on from there
+    fake_checkpoint(root, 3)  # the restarted run saves step 3; its next start goes on from there
     R.write_text_atomic(root / R.LATEST_FILE, "step_000003\n")
     assert R.resume_checkpoint(tmp_path, True, 2).name == "step_000003"
 

@@ -1,0 +1,1 @@
+"""Helpers the tests share: running the trainer (training.py), fake checkpoints (checkpoints.py)."""
