@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, get_args
@@ -843,6 +844,28 @@ def load_config(overrides: Optional[List[str]] = None, config_name: str = "confi
     assert isinstance(obj, DapoConfig)
     validate_config(obj)
     return obj
+
+
+_UNQUOTED_STRING = re.compile(r"[A-Za-z0-9_./:@+-]+")
+"""Characters Hydra's override lexer (OverrideLexer.g4, VALUE_MODE) reads as a plain string."""
+_NOT_A_STRING = re.compile(r"[+-]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)([eE][+-]?\d[\d_]*)?|[+-]?(inf|nan)|true|false|null",
+                           re.IGNORECASE)
+"""Values the lexer turns into a number, bool or null when unquoted (a superset: quoting is never wrong)."""
+
+
+def hydra_value(value: str) -> str:
+    """`value` as the right-hand side of a Hydra override (`key=<this>`) that reads back as
+    exactly `value`: bare when that is unambiguous (`/lustre/run-1`), else single-quoted.
+
+    Inside quotes Hydra unescapes only backslashes that precede a quote (or the closing one),
+    so only those are doubled; `${` is escaped for OmegaConf, which would otherwise
+    interpolate it once the override is applied."""
+    if _UNQUOTED_STRING.fullmatch(value) and not _NOT_A_STRING.fullmatch(value):
+        return value
+    body = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", body)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return "'" + body + "'"
 
 
 def to_yaml(cfg: DapoConfig) -> str:

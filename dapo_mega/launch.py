@@ -59,7 +59,14 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
-from dapo_mega.config import DapoConfig, RolloutConfig, load_config, require_api_key, validate_config
+from dapo_mega.config import (
+    DapoConfig,
+    RolloutConfig,
+    hydra_value,
+    load_config,
+    require_api_key,
+    validate_config,
+)
 from dapo_mega.rollout.engine_process import (
     EngineProcess,
     EngineStartError,
@@ -228,13 +235,6 @@ def parse_node_addrs(text: str) -> Dict[str, str]:
     """'n1=10.0.0.1,n2=10.0.0.2' (exported by slurm/lib.sh) → {'n1': '10.0.0.1', ...}."""
     pairs = [item.split("=", 1) for item in text.split(",") if "=" in item]
     return {name.strip(): addr.strip() for name, addr in pairs}
-
-
-def hydra_value(value: str) -> str:
-    """Quote a string for a Hydra override when it holds characters the grammar reserves."""
-    if re.fullmatch(r"[A-Za-z0-9_./:@+-]*", value) and value:
-        return value
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 # --------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from dapo_mega.config import hydra_value
 from dapo_mega.run_dir import write_text_atomic
 
 ABLATION_GROUP = "ablation"
@@ -219,11 +220,6 @@ def rung_overrides(cfg: AblationConfig, index: int) -> List[str]:
 def slug(name: str) -> str:
     """A directory-safe form of a rung name: "+clip_higher" -> "clip_higher"."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "rung"
-
-
-def hydra_value(text: str) -> str:
-    """A path as a Hydra override value (quoted when it has characters Hydra parses)."""
-    return text if re.fullmatch(r"[A-Za-z0-9_./-]+", text) else "'" + text.replace("'", "\\'") + "'"
 
 
 def build_plan(cfg: AblationConfig, train_overrides: List[str], output_dir: Path | str,
