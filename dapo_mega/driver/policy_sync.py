@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
 
 import torch
 
@@ -29,19 +29,27 @@ from dapo_mega.config import DapoConfig
 from dapo_mega.distributed import free_port
 from dapo_mega.driver.roles import LearnerRankRole
 
+if TYPE_CHECKING:
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.backends.placement import Placement
+    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.weights.handover import HandoverPlan
+    from dapo_mega.weights.sync import WeightSyncer
+
 logger = log.get(__name__)
 
 
 class PolicySync:
     """This rank's part in pushing weights to the engines (see the module docstring)."""
 
-    def __init__(self, cfg: DapoConfig, layout: Any, role: LearnerRankRole):
+    def __init__(self, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole):
         self.cfg, self.layout, self.role = cfg, layout, role
-        self.syncer: Any = None
+        self.syncer: Optional["WeightSyncer"] = None
         """WeightSyncer of this rank: the driver's (pause/resume, memory) or a stage source's."""
-        self.handover: Any = None
+        self.handover: Optional["HandoverPlan"] = None
         """Colocated on GPUs: this rank's part in the hand-over (weights.handover.HandoverPlan)."""
-        self.posters: Dict[int, Any] = {}
+        self.posters: Dict[int, "WeightSyncer"] = {}
         """Colocated on GPUs: engine index -> WeightSyncer on the rank that posts its payloads."""
         self.grouped = False
         """Weights travel over weight-update groups (one per stage) that an engine's death re-forms."""
@@ -51,7 +59,7 @@ class PolicySync:
         """Engines back in the weight sync since the last push: they serve once it is done."""
 
     @classmethod
-    def start(cls, cfg: DapoConfig, layout: Any, role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
+    def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
         """Collective: the driver's engine URLs reach every rank, each takes its part."""
         from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
         from dapo_mega.rollout.fleet import endpoint_of
@@ -80,7 +88,7 @@ class PolicySync:
             sync._start_syncer(endpoints, local, colocated)
         return sync
 
-    def _start_syncer(self, endpoints: List[Any], local: bool, colocated: bool) -> None:
+    def _start_syncer(self, endpoints: List["EngineEndpoint"], local: bool, colocated: bool) -> None:
         """The syncer of a stage's weight source (which joins its group with the engines), or
         of the driver (pause, resume, memory); nothing on other ranks."""
         from dapo_mega.weights.sync import WeightSyncer
@@ -103,7 +111,7 @@ class PolicySync:
         if not colocated and layout.is_weight_source:
             self.syncer.init_group(free_port(), stage=layout.pp_rank)
 
-    def _start_handover(self, endpoints: List[Any], placement: Any) -> None:
+    def _start_handover(self, endpoints: List["EngineEndpoint"], placement: "Placement") -> None:
         from dapo_mega.weights.handover import HandoverPlan
         from dapo_mega.weights.sync import WeightSyncer
 
@@ -177,7 +185,7 @@ class PolicySync:
                 D.barrier()
             self.role.resume_engine_memory(self.syncer)
 
-    def push(self, learner: Any, version: int) -> Dict[str, float]:
+    def push(self, learner: "MegatronLearner", version: int) -> Dict[str, float]:
         """Push the learner's weights into every engine as `version` (collective)."""
         from dapo_mega.weights.sync import sync_learner_weights
 

@@ -10,15 +10,22 @@ calls them without testing the rank.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega import distributed as D
 from dapo_mega import log
 from dapo_mega.driver import advantages
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
-from dapo_mega.driver.run_state import RunState, write_ledger
+from dapo_mega.driver.run_state import RunState, WallClock, write_ledger
 from dapo_mega.rollout.ledger import LedgerText, prepare_writer
+
+if TYPE_CHECKING:
+    from dapo_mega.config import DapoConfig
+    from dapo_mega.data import PromptIterator
+    from dapo_mega.data.build import EvalSet
+    from dapo_mega.records import RunRecorder
+    from dapo_mega.weights.sync import WeightSyncer
 
 logger = log.get(__name__)
 
@@ -67,10 +74,10 @@ class LearnerRankRole:
     def engines_serve(self, version: int, rejoined: Sequence[str] = ()) -> None:
         """The engines (`rejoined` among them, after their first sync back) now serve `version`."""
 
-    def release_engine_memory(self, syncer: Any) -> None:
+    def release_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         """Colocated: the engines free their memory for the learner's step (the driver asks)."""
 
-    def resume_engine_memory(self, syncer: Any) -> None:
+    def resume_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         """Colocated: the engines take their memory back after the learner's step."""
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
@@ -89,7 +96,7 @@ class LearnerRankRole:
         """What only the driver adds to a checkpoint's trainer state."""
         return {}
 
-    def out_of_time(self, clock: Any) -> bool:
+    def out_of_time(self, clock: WallClock) -> bool:
         """Whether the run stops now to fit its wall-time limit: the driver's clock and limit
         decide for every rank (under Slurm each rank's limit is its own squeue answer, which
         can differ or be missing). Collective, limited or not."""
@@ -104,8 +111,8 @@ class DriverRole(LearnerRankRole):
 
     is_driver = True
 
-    def __init__(self, cfg: Any, run: RunState, rollouts: RolloutSource, sft_prompts: Any, eval_sets: List[Any],
-                 recorder: Any, gate: Optional[DriverGate] = None):
+    def __init__(self, cfg: "DapoConfig", run: RunState, rollouts: RolloutSource, sft_prompts: "PromptIterator",
+                 eval_sets: List["EvalSet"], recorder: "RunRecorder", gate: Optional[DriverGate] = None):
         super().__init__(gate or DriverGate(is_driver=True))
         self.gate.start()
         self.cfg = cfg
@@ -166,11 +173,11 @@ class DriverRole(LearnerRankRole):
         if self.producer is not None:
             self.producer.engines_serve(version)
 
-    def release_engine_memory(self, syncer: Any) -> None:
+    def release_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         if self.cfg.cluster.mode == "colocated" and syncer is not None:
             syncer.release_engine_memory()
 
-    def resume_engine_memory(self, syncer: Any) -> None:
+    def resume_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         if self.cfg.cluster.mode == "colocated" and syncer is not None:
             syncer.resume_engine_memory()
 
@@ -204,7 +211,7 @@ class DriverRole(LearnerRankRole):
     def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
         self.recorder.log_step(step, {"policy_version": self.run.state.policy_version, **metrics, **timings})
 
-    def out_of_time(self, clock: Any) -> bool:
+    def out_of_time(self, clock: WallClock) -> bool:
         return bool(self.broadcast(clock.next_step_would_overrun()))
 
     def checkpoint_state(self) -> Dict[str, Any]:

@@ -15,11 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
+from dapo_mega.config import TrainerConfig
 from dapo_mega.rollout.ledger import FULL_TEXT, LedgerText, ledger_dir, ledger_record, write_step
 from dapo_mega.rollout.samples import ScoredSample
 from dapo_mega.run_identity import RunIdentity
+
+if TYPE_CHECKING:
+    from dapo_mega.backends.megatron.learner import MegatronLearner
 
 
 @dataclass
@@ -59,7 +63,7 @@ class WallClock:
     """The last HF export's seconds (`trainer.hf_export_interval`), counted as part of a save."""
 
     @classmethod
-    def of(cls, trainer_cfg: Any) -> "WallClock":
+    def of(cls, trainer_cfg: TrainerConfig) -> "WallClock":
         return cls(limit_s=60.0 * trainer_cfg.wall_time_minutes, margin_s=60.0 * trainer_cfg.stop_margin_minutes)
 
     def record_step(self, seconds: float) -> None:
@@ -82,7 +86,7 @@ class WallClock:
 class RunState:
     """The trainer state of one run on one learner rank, and when to evaluate and save."""
 
-    def __init__(self, run_dir: Path, trainer_cfg: Any):
+    def __init__(self, run_dir: Path, trainer_cfg: TrainerConfig):
         self.run_dir = Path(run_dir)
         self.cfg = trainer_cfg
         self.state = TrainerState()
@@ -97,7 +101,7 @@ class RunState:
     def run_id(self) -> str:
         return self.identity.run_id
 
-    def resume(self, learner: Any) -> bool:
+    def resume(self, learner: "MegatronLearner") -> bool:
         """Load the latest complete checkpoint (weights, optimizer, RNG, trainer state) when
         `trainer.resume` is on and there is one. Collective. Returns whether it did."""
         from dapo_mega.backends.megatron.checkpoint import load_checkpoint
@@ -111,7 +115,7 @@ class RunState:
         self.resumed, self.checkpoint = True, latest
         return True
 
-    def save(self, learner: Any, step: int, driver_state: Dict[str, Any]) -> None:
+    def save(self, learner: "MegatronLearner", step: int, driver_state: Dict[str, Any]) -> None:
         """Checkpoint `step` with the trainer state (collective); `driver_state` holds what only
         the driver knows (data cursor, rollout carry-over), {} on the other ranks."""
         from dapo_mega.backends.megatron.checkpoint import save_checkpoint
@@ -132,7 +136,7 @@ class RunState:
         n = self.cfg.hf_export_interval
         return n > 0 and (step % n == 0 or step == self.cfg.total_steps)
 
-    def export_hf(self, learner: Any, step: int, hf_config: Dict[str, Any], hf_side_dir: Path) -> Dict[str, float]:
+    def export_hf(self, learner: "MegatronLearner", step: int, hf_config: Dict[str, Any], hf_side_dir: Path) -> Dict[str, float]:
         """The learner's weights as `<run_dir>/hf/step_<N>/` (collective; `weights.convert.export_hf_step`),
         keeping `trainer.hf_export_keep`; its cost as metrics on the driver, {} elsewhere."""
         from dapo_mega.weights.convert import export_hf_step
