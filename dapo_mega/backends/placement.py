@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.config import DapoConfig
 
 #: How weights reach an engine.
@@ -320,12 +321,6 @@ def learner_cuda_index(learner: LearnerPlacement, env: Mapping[str, str]) -> int
     return visible.index(str(learner.device.gpu))
 
 
-def learner_coordinates(rank: int, tp: int, cp: int, pp: int, world: int) -> Tuple[int, int, int, int]:
-    """(tp_rank, cp_rank, dp_rank, pp_rank) of `rank` in megatron-core's order tp-cp-ep-dp-pp."""
-    dp = max(1, world // (tp * cp * pp))
-    return rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
-
-
 def engines_per_node(num_engines: int, engine_nodes: int) -> int:
     """Engines are spread evenly: node k hosts indices [k·per, (k+1)·per) ∩ [0, num_engines)."""
     if engine_nodes < 1:
@@ -346,16 +341,16 @@ def _engine_hosts(shape: ClusterShape, node: int, host: str) -> Tuple[str, str]:
 def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
     """Devices of every learner rank and engine, and the weight-sync groups (pure)."""
     m, r = cfg.megatron, cfg.rollout
-    tp, cp, pp = m.tensor_model_parallel_size, m.context_parallel_size, m.pipeline_model_parallel_size
     world = shape.learner_ranks
     one_node = shape.num_nodes == 1
 
     # learners: one task per GPU, nodes filled in order
     per_node = world if one_node else max(1, math.ceil(world / max(1, shape.learner_nodes)))
     learners = []
+    layout = ParallelLayout.from_config(m, world)
     for rank in range(world):
         node, local = divmod(rank, per_node)
-        t, c, d, p = learner_coordinates(rank, tp, cp, pp, world)
+        t, c, d, p = layout.coordinates_of(rank)
         learners.append(LearnerPlacement(rank, Device(node, local if shape.use_gpu else None), local, t, c, d, p))
     by_device = {lp.device: lp.rank for lp in learners}
 

@@ -90,11 +90,6 @@ def shared_memory_payload(views: List[Tuple[str, torch.Tensor]]) -> Tuple[str, C
     return base64.b64encode(json.dumps(handle).encode()).decode(), lambda: transport.remove_shm_bucket(handle)
 
 
-def stage_source_rank(stage: int, tp: int, cp: int, dp: int) -> int:
-    """Global rank of stage `stage`'s weight source (tp0, cp0, dp0; megatron order tp-cp-ep-dp-pp)."""
-    return stage * tp * cp * dp
-
-
 def drop_dead_posters(posters: Dict[int, WeightSyncer], dead_urls: Sequence[str]) -> List[str]:
     """Engines found dead leave the hand-over: their posters are removed from `posters` (so
     `handover_learner_weights` posts to the others only). Returns the URLs dropped."""
@@ -123,10 +118,9 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
     from dapo_mega.weights.stream import iter_megatron_to_hf
 
     dist = torch.distributed
-    tp, cp, dp, pp = layout.tp, layout.cp, layout.dp, layout.pp
     stats = None
-    for stage in range(pp):
-        source = stage_source_rank(stage, tp, cp, dp)
+    for stage in range(layout.pp):
+        source = layout.stage_source_rank(stage)
         drains = layout.pp_rank == stage and layout.dp_rank == 0 and layout.cp_rank == 0
         buckets = iter_buckets(iter_megatron_to_hf(model_chunks, info, layout), bucket_bytes) if drains else None
         start, total, count, num = time.perf_counter(), 0, 0, 0
@@ -152,7 +146,7 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
             mine, cleanups = plan.make_payloads(views, make_payload)
             gathered: List[Optional[dict]] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mine)
-            version = weight_version if (is_last and stage == pp - 1) else None
+            version = weight_version if (is_last and stage == layout.pp - 1) else None
             error = None
             try:
                 for engine in [e for e in plan.posts if e in posters]:  # not those dropped as dead

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.placement import (
     CUDA_IPC,
     DISTRIBUTED,
@@ -21,7 +22,6 @@ from dapo_mega.backends.placement import (
     Device,
     GroupMember,
     ProcessGroupPlan,
-    learner_coordinates,
     place,
     visible_devices,
 )
@@ -127,10 +127,10 @@ def test_learner_coordinates_follow_megatron_rank_order():
 
     tp, cp, dp, pp = 2, 2, 3, 2
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
-    world = tp * cp * dp * pp
+    layout = ParallelLayout(world_size=tp * cp * dp * pp, tp=tp, cp=cp, dp=dp, pp=pp)
     for axis, index in (("tp", 0), ("cp", 1), ("dp", 2), ("pp", 3)):
         for ranks in gen.get_ranks(axis):
-            coords = [learner_coordinates(rank, tp, cp, pp, world) for rank in ranks]
+            coords = [layout.coordinates_of(rank) for rank in ranks]
             # along one axis only that coordinate changes, through 0..size-1 in rank order
             assert [c[index] for c in coords] == list(range(len(ranks)))
             others = {tuple(v for i, v in enumerate(c) if i != index) for c in coords}

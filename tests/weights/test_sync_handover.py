@@ -18,10 +18,11 @@ import torch
 from dist_helpers import run_distributed
 from test_sync_learner_engines import _engine_view, assert_engines_serve_export, trained_learner
 
+from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import RolloutConfig, load_config
 from dapo_mega.rollout.fleet import EngineFleet
-from dapo_mega.weights.handover import HandoverPlan, stage_source_rank
+from dapo_mega.weights.handover import HandoverPlan
 
 
 def test_plan_of_each_rank_follows_the_placement():
@@ -32,7 +33,8 @@ def test_plan_of_each_rank_follows_the_placement():
     assert HandoverPlan.for_rank(27, ipc).holds == [(6, 3)] and HandoverPlan.for_rank(27, ipc).posts == []
     every = [h for rank in range(128) for h in HandoverPlan.for_rank(rank, ipc).holds]
     assert sorted(every) == [(e, t) for e in range(32) for t in range(4)]  # each engine TP rank once
-    assert [stage_source_rank(s, 8, 1, 8) for s in (0, 1)] == [lp.rank for lp in placement.weight_sources()]
+    layout = ParallelLayout.from_config(cfg.megatron, world_size=128)
+    assert [layout.stage_source_rank(s) for s in (0, 1)] == [lp.rank for lp in placement.weight_sources()]
     with pytest.raises(ValueError, match="engine 3 has no learner rank"):
         HandoverPlan.for_rank(0, {3: ()})
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -164,6 +164,18 @@ class ParallelLayout:
     def is_weight_source(self) -> bool:
         """True on the rank of each pipeline stage that sends its weights (tp0, dp0, cp0)."""
         return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+    # ------------------------------------------------------------------ rank order (no process groups)
+    def coordinates_of(self, rank: int) -> Tuple[int, int, int, int]:
+        """(tp_rank, cp_rank, dp_rank, pp_rank) of global `rank` in megatron-core's default
+        order `tp-cp-ep-dp-pp` (TP fastest, PP slowest; EP = 1 for the dense layers), the
+        order `parallel_state.initialize_model_parallel` builds its groups in."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+
+    def stage_source_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage`'s weight source (tp0, cp0, dp0)."""
+        return stage * self.tp * self.cp * self.dp
 
     def destroy(self) -> None:
         """Tear down megatron's groups (torch.distributed stays up; the caller owns it)."""
