@@ -94,9 +94,7 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     `max_response_length`: an eval set's own k and limit (None: eval.n_samples, and
     eval.max_response_length or the training limit)."""
     from dapo_mega.backends.sglang.client import build_sampling_params
-    from dapo_mega.data import verification_prefix
-    from dapo_mega.reward import compute_rewards
-    from dapo_mega.reward.plugin import problem_metadata
+    from dapo_mega.reward import score_groups
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
     e = cfg.eval
@@ -111,12 +109,7 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
                              liveness_timeout_s=cfg.rollout.liveness_timeout_s,
                              probe_interval_s=cfg.rollout.liveness_probe_interval_s, seed=e.seed)
     groups = run_coroutine(manager.generate_groups(list(problems)))
-    samples = [(g, s) for g in groups for s in g.samples]
-    scored = compute_rewards(verifier, [s.response_text for _, s in samples], [g.prompt.ground_truth for g, _ in samples],
-                             [len(s.token_ids) for _, s in samples], cfg.algo,
-                             answer_prefixes=[verification_prefix(g.prompt, cfg.data.prompt_template)
-                                              for g, _ in samples],
-                             metadata=[problem_metadata(g.prompt) for g, _ in samples])
+    scored = score_groups(verifier, groups, cfg.algo, cfg.data.prompt_template)
     from dapo_mega.data.problem import compute_dataset_revision
 
     result = EvalResult(k=samples_per_problem, settings={"temperature": e.temperature, "top_p": e.top_p,

@@ -118,18 +118,11 @@ class RolloutSource:
 
     def score(self, groups: List[Group]) -> List[List[SampleReward]]:
         """Verifier + overlong penalty of every sample of every group (its stats kept for the step's metrics)."""
-        from dapo_mega.data import verification_prefix
-        from dapo_mega.reward import compute_rewards
-        from dapo_mega.reward.plugin import problem_metadata
+        from dapo_mega.reward import score_groups
 
-        pairs = [(g, s) for g in groups for s in g.samples]
-        if not pairs:
+        if not any(g.samples for g in groups):
             return [[] for _ in groups]
-        batch = compute_rewards(self.verifier, [s.response_text for _, s in pairs],
-                                [g.prompt.ground_truth for g, _ in pairs], [s.response_length for _, s in pairs],
-                                self.cfg.algo, answer_prefixes=[verification_prefix(g.prompt, self.cfg.data.prompt_template)
-                                                                for g, _ in pairs],
-                                metadata=[problem_metadata(g.prompt) for g, _ in pairs])
+        batch = score_groups(self.verifier, groups, self.cfg.algo, self.cfg.data.prompt_template)
         self._stats.append(batch.stats)
         rewards = batch.items()
         out, k = [], 0

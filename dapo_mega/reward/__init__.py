@@ -5,6 +5,7 @@
     check_verifier(spec, ...)   the same, and a plugin probed once in a worker (preflight)
     score_responses(...)        batch scoring with a hard time bound per response
     compute_rewards(...)        correctness ±1 + soft overlong penalty, per-sample components
+    score_groups(...)           compute_rewards of every sample of rollout groups (training, eval)
 """
 
 from dapo_mega.reward.dapo_verifier import DapoVerifier, extract_answer, normalize_final_answer
@@ -24,7 +25,7 @@ from dapo_mega.reward.types import UNSCORED, SampleReward, Verifier, VerifyResul
 def __getattr__(name: str):
     # compose needs torch; loaded on first use so that verifier worker processes, which
     # import this package to unpickle their verifier, start without importing torch.
-    if name in ("RewardBatch", "compute_rewards"):
+    if name in ("RewardBatch", "compute_rewards", "score_groups"):
         from dapo_mega.reward import compose
 
         return getattr(compose, name)
@@ -50,6 +51,7 @@ __all__ = [
     "close_verifier_pools",
     "coerce_text",
     "compute_rewards",
+    "score_groups",
     "extract_answer",
     "get_verifier_pool",
     "is_plugin_path",

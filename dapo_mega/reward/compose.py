@@ -56,6 +56,21 @@ class RewardBatch:
                 for reward, correct, correctness, penalty, error, extracted, components in columns]
 
 
+def score_groups(verifier: Verifier, groups: Sequence[Any], algo_cfg: Any, prompt_template: str,
+                 pool: Optional[VerifierPool] = None) -> RewardBatch:
+    """`compute_rewards` of every sample of every group (a `Group`: `.prompt`, `.samples`),
+    flat, group after group; each sample's answer prefix comes from its prompt and
+    `prompt_template` (`verification_prefix`), its plugin metadata from `problem_metadata`."""
+    from dapo_mega.data import verification_prefix
+    from dapo_mega.reward.plugin import problem_metadata
+
+    pairs = [(g.prompt, s) for g in groups for s in g.samples]
+    return compute_rewards(verifier, [s.response_text for _, s in pairs], [p.ground_truth for p, _ in pairs],
+                           [len(s.token_ids) for _, s in pairs], algo_cfg,
+                           answer_prefixes=[verification_prefix(p, prompt_template) for p, _ in pairs], pool=pool,
+                           metadata=[problem_metadata(p) for p, _ in pairs])
+
+
 def compute_rewards(
     verifier: Verifier,
     responses: Sequence[Text],
