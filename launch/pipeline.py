@@ -137,15 +137,29 @@ def wait_for(pipeline: Pipeline, stages: List[Stage], job_ids: dict, poll_s: flo
             break
         time.sleep(poll_s)
     print_summary(pipeline, stages, job_ids, states)
-    failed = next((s for s in stages if states[s.name] not in ("COMPLETED", "CANCELLED")
-                   and not s.name.startswith("train-")), None)
-    failed = failed or next((s for s in stages if states[s.name] != "COMPLETED"), None)
+    failed = stopping_stage(stages, states)
     if failed is None:
-        print(f"pipeline: every stage completed; final eval result {pipeline.eval_out}")
+        for s in stages:
+            if states[s.name] != "COMPLETED":  # a training link that failed; the next one resumed the run
+                print(f"pipeline: {s.name} ended {states[s.name]}, a later link resumed the run "
+                      f"(log {s.log.replace('%j', job_ids[s.name])})")
+        print(f"pipeline: the final eval completed; result {pipeline.eval_out}")
         return 0
     print(f"pipeline: stage '{failed.name}' ended {states[failed.name]}; the end of its log:")
     print(log_tail(Path(failed.log.replace("%j", job_ids[failed.name]))))
     return 1
+
+
+def stopping_stage(stages: List[Stage], states: dict) -> Optional[Stage]:
+    """The stage that stopped the pipeline, None when its last stage completed. The stages are a
+    line: it is the one before the first CANCELLED (unless that one completed: then the cancelled
+    one was cancelled by hand), else the last that did not complete."""
+    if states[stages[-1].name] == "COMPLETED":
+        return None
+    first = next((i for i, s in enumerate(stages) if states[s.name] == "CANCELLED"), None)
+    if first is None:
+        return [s for s in stages if states[s.name] != "COMPLETED"][-1]
+    return stages[first - 1] if first and states[stages[first - 1].name] != "COMPLETED" else stages[first]
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

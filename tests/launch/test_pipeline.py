@@ -134,6 +134,10 @@ def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
     assert link[6:script] == ["--nodes=1", "--time=20", "--mem=4000", ":", "--nodes=1", "--time=20", "--mem=4000"]
     assert "cluster.num_nodes=2" in link and "cluster.engine_nodes=1" in link
     assert not any(a.startswith("--dependency") for a in lines["train-1"])
+    # --from eval: only the evaluation of the export already made
+    out = _pipeline([*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--from", "eval", "--dry-run",
+                     *TINY_OVERRIDES])
+    assert list(_sbatch_lines(out.stdout)) == ["eval"], out.stdout + out.stderr
 
 
 def test_plan_refusals_stop_before_submitting(inputs, tmp_path):
@@ -183,6 +187,29 @@ def test_export_stage_refuses_a_run_the_chain_left_short(tmp_path):
     assert (f"run {run_dir} is not complete: its latest checkpoint is 'step_000002', the last step's is "
             "step_000003") in out.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_wait_names_the_stage_that_stopped_the_pipeline():
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from pipeline import stopping_stage
+        from pipeline_stages import Stage
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    names = ["data", "import", "verify", "train-1", "train-2", "train-3", "export", "eval"]
+    stages = [Stage(n, [], "") for n in names]
+
+    def stopped(**states):
+        return getattr(stopping_stage(stages, {n: states.get(n.replace("-", "_"), "COMPLETED") for n in names}),
+                       "name", None)
+
+    assert stopped() is None
+    assert stopped(train_1="FAILED") is None  # link 2 resumed the run; export and eval completed
+    assert stopped(data="FAILED", **{n.replace("-", "_"): "CANCELLED" for n in names[1:]}) == "data"
+    # the last link failed: export and eval cancelled by the dependency
+    assert stopped(train_1="TIMEOUT", train_3="NODE_FAIL", export="CANCELLED", eval="CANCELLED") == "train-3"
+    assert stopped(eval="FAILED") == "eval"
+    assert stopped(export="CANCELLED", eval="CANCELLED") == "export"  # cancelled by hand
 
 
 # --------------------------------------------------------------------------------------
@@ -236,7 +263,7 @@ def test_whole_pipeline_on_slurm_every_stage_completed(cluster, inputs, tmp_path
     result = json.loads((run_dir / "eval" / "final.json").read_text())
     assert result["k"] == 4 and len(result["problems"]) == 8  # the held-out file's 8 problems x eval.n_samples
     assert result["settings"]["checkpoint"] == str(run_dir / "hf_final")
-    assert "pipeline: every stage completed; final eval result" in out.stdout
+    assert f"pipeline: the final eval completed; result {run_dir / 'eval' / 'final.json'}" in out.stdout
 
 
 @pytest.mark.slow
