@@ -190,7 +190,8 @@ class EngineControl:
             await asyncio.to_thread(self.runner.load_named_tensors, named, b["weight_version"])
         except Exception as exc:
             return fail(f"Failed to update parameter online: {exc}. The weights may be partially updated.")
-        return web.json_response({"success": True, "message": _updated("Succeeded to update parameter online.", b["weight_version"])})
+        message = _updated("Succeeded to update parameter online.", b["weight_version"])
+        return web.json_response({"success": True, "message": message})
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         b = parse_control_body("/update_weights_from_tensor", await read_json(request))
