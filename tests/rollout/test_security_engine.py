@@ -83,7 +83,7 @@ def test_engines_bind_loopback_by_default_and_refuse_other_hosts_without_key(tmp
 
     assert RolloutConfig().host == "127.0.0.1"
     assert build_arg_parser().parse_args(["--model-path", "m"]).host == "127.0.0.1"
-    with pytest.raises(SystemExit, match="refusing to bind 0.0.0.0 without --api-key"):
+    with pytest.raises(SystemExit, match="bind to 0.0.0.0 without an API key"):
         main(["--model-path", str(tmp_path / "no_model"), "--host", "0.0.0.0"])  # before any model load
     with pytest.raises(ValueError, match="rollout.api_key"):
         build_engine_command(RolloutConfig(backend="sglang", host="0.0.0.0"), "m", 30000)

@@ -46,6 +46,7 @@ from typing import List, Optional
 import torch
 from aiohttp import web
 
+from dapo_mega.config import ConfigError, require_api_key
 from dapo_mega.heap import freeze_startup_objects
 from dapo_mega.rollout.embedded.control import EngineControl
 from dapo_mega.rollout.embedded.engine import GenerationEngine
@@ -63,7 +64,6 @@ from dapo_mega.rollout.embedded.validation import (
 
 logger = logging.getLogger("dapo_mega.rollout.embedded.server")
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HEALTH_STALL_S = 20.0
 """/health answers 503 when sequences wait and no forward step ended this long ago (SGLang's
 HEALTH_CHECK_TIMEOUT is 20 s too)."""
@@ -260,9 +260,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.tp_size != 1 or args.dp_size != 1:
         raise SystemExit(f"the embedded engine supports --tp-size 1 and --dp-size 1 only (got "
                          f"{args.tp_size}/{args.dp_size}); start more engines instead")
-    if args.host not in LOOPBACK and not args.api_key:
-        raise SystemExit(f"refusing to bind {args.host} without --api-key: anyone on the network could "
-                         "replace the weights. Pass --api-key or bind 127.0.0.1.")
+    try:
+        require_api_key(args.host, args.api_key, "--api-key", "pass --api-key or bind --host 127.0.0.1")
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
