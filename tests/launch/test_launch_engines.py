@@ -16,13 +16,19 @@ import textwrap
 from contextlib import redirect_stdout
 from pathlib import Path
 
-import pytest
-
 import dapo_mega.launch as launch
 from dapo_mega.backends.sglang.commands import build_engine_command, build_router_command
 from dapo_mega.config import load_config
-from dapo_mega.launch import (LearnerRank, SlurmTask, engine_fleet, engine_rollout_config, engine_threads,
-                              learner_env, router_wanted, run_prepare)
+from dapo_mega.launch import (
+    LearnerRank,
+    SlurmTask,
+    engine_fleet,
+    engine_rollout_config,
+    engine_threads,
+    learner_env,
+    router_wanted,
+    run_prepare,
+)
 
 
 def _task(node: str = "n2", node_id: int = 1) -> SlurmTask:

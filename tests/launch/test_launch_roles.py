@@ -7,8 +7,14 @@ import json
 import pytest
 
 from dapo_mega.config import load_config, validate_config
-from dapo_mega.launch import (announce_engine, compute_engine_slots, compute_learner_rank, hydra_value,
-                              parse_node_addrs, read_slurm_task)
+from dapo_mega.launch import (
+    announce_engine,
+    compute_engine_slots,
+    compute_learner_rank,
+    hydra_value,
+    parse_node_addrs,
+    read_slurm_task,
+)
 
 EXPERIMENTS = ["dapo_qwen2.5_32b", "dapo_qwen2.5_32b_disagg", "dapo_qwen2.5_32b_fp8",
                "dapo_qwen2.5_32b_disagg_fp8", "dapo_qwen2.5_7b", "tiny_cpu_slurm"]

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from sglang_venv import sglang_python_or_skip
 from slurm_cluster import start_or_skip
 
