@@ -33,7 +33,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from dapo_mega.data.problem import DataError, Problem
 
@@ -186,15 +186,7 @@ def read_published_problems(path: str | Path, data_source: str, on_bad_row: str 
     """Read a published eval set (AIME 2025, MATH-500: .jsonl or .parquet, see the module
     docstring) into problems of `data_source`, validated and deduplicated as `read_problems` does."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        raw: Iterator[Any] = _iter_raw_parquet_rows(path)
-    elif suffix in (".jsonl", ".json"):
-        raw = _iter_jsonl_rows(path)
-    else:
-        raise DataError(f"{path}: unknown file type {suffix!r}; use .parquet or .jsonl")
+    raw = _iter_file_rows(path, _iter_raw_parquet_rows, "")
     rows = ({**r, "data_source": data_source} if isinstance(r, dict) else r for r in map(_published_row, raw))
     return _problems_from_rows(path, rows, on_bad_row, dedup)
 
@@ -215,16 +207,21 @@ def read_problems(path: str | Path, on_bad_row: str = "error", dedup: bool = Tru
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r} (data.on_bad_row)")
     path = Path(path)
+    rows = _iter_file_rows(path, _iter_parquet_rows, " (check data.train_path / data.eval_path)")
+    return _problems_from_rows(path, rows, on_bad_row, dedup)
+
+
+def _iter_file_rows(path: Path, parquet_rows: Callable[[Path], Iterator[Any]], where: str) -> Iterator[Any]:
+    """The rows of a .parquet (through `parquet_rows`) or .jsonl file; DataError for a missing
+    file (`where` says which setting names it) or another file type."""
     if not path.is_file():
-        raise DataError(f"{path}: no such file (check data.train_path / data.eval_path)")
+        raise DataError(f"{path}: no such file{where}")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        rows: Iterator[Any] = _iter_parquet_rows(path)
-    elif suffix in (".jsonl", ".json"):
-        rows = _iter_jsonl_rows(path)
-    else:
-        raise DataError(f"{path}: unknown file type {suffix!r}; use .parquet or .jsonl")
-    return _problems_from_rows(path, rows, on_bad_row, dedup)
+        return parquet_rows(path)
+    if suffix in (".jsonl", ".json"):
+        return _iter_jsonl_rows(path)
+    raise DataError(f"{path}: unknown file type {suffix!r}; use .parquet or .jsonl")
 
 
 def _problems_from_rows(path: Path, rows: Iterator[Any], on_bad_row: str,

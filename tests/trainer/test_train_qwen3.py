@@ -19,7 +19,7 @@ import sys
 
 import pytest
 from helpers.training import RUN_NAME, check_records_of_run, run_train
-from qwen3_dirs import build_qwen3_dir
+from qwen3_dirs import build_qwen3_dir, hf_greedy
 from sglang_venv import sglang_python_or_skip
 
 PROMPTS = ([20, 21, 22, 23, 24], [30, 31, 32], [5, 40, 41, 42, 7, 60])
@@ -51,21 +51,7 @@ def _engine_greedy(url: str) -> tuple:
 
 
 def _hf_greedy(model_dir) -> list:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3ForCausalLM"
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids, logprobs = list(prompt), []
-            for _ in range(GREEDY_STEPS):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
-                ids.append(int(logp.argmax()))
-                logprobs.append(float(logp[ids[-1]]))
-            out.append((ids[len(prompt):], logprobs))
-    return out
+    return hf_greedy(model_dir, PROMPTS, GREEDY_STEPS)
 
 
 def _same_greedy(got: list, want: list) -> bool:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from dist_helpers import run_distributed
-from qwen3_dirs import build_qwen3_dir
+from qwen3_dirs import build_qwen3_dir, hf_greedy
 from test_sync_learner_engines import _learner_sync, assert_engines_serve_export
 
 from dapo_mega.backends.sglang.client import EngineClient
@@ -43,26 +42,6 @@ def engine_greedy(url: str) -> list:
     return asyncio.run(main())
 
 
-def hf_greedy(model_dir, state=None) -> list:
-    """transformers' argmax decoding (fp32) of `model_dir`, or of its model with `state` loaded."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3ForCausalLM"
-    if state is not None:
-        model.load_state_dict(state, strict=True)
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids, logprobs = list(prompt), []
-            for _ in range(GREEDY_STEPS):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
-                ids.append(int(logp.argmax()))
-                logprobs.append(float(logp[ids[-1]]))
-            out.append((ids[len(prompt):], logprobs))
-    return out
-
-
 def assert_same_greedy(got: list, want: list, what: str) -> None:
     for prompt, (g, w) in zip(PROMPTS, zip(got, want)):
         assert g[0] == w[0], f"{what}: greedy tokens of prompt {prompt}: {g[0]} != transformers' {w[0]}"
@@ -76,7 +55,7 @@ def test_qwen3_engines_greedy_equals_transformers_before_and_after_learner_sync(
 
     with EngineFleet(RolloutConfig(), str(qwen3_dir), tmp_path / "logs", num_threads=1) as fleet:
         urls = [e.url for e in fleet.start(2)]
-        at_start = hf_greedy(qwen3_dir)
+        at_start = hf_greedy(qwen3_dir, PROMPTS, GREEDY_STEPS)
         for url in urls:
             assert_same_greedy(engine_greedy(url), at_start, f"engine {url} at start")
         export_dir = tmp_path / "export"
@@ -87,6 +66,6 @@ def test_qwen3_engines_greedy_equals_transformers_before_and_after_learner_sync(
             exported.update(load_file(str(shard)))
         assert any("q_norm" in name for name in exported)
         assert_engines_serve_export(urls, qwen3_dir, exported, "7")
-        after = hf_greedy(qwen3_dir, exported)
+        after = hf_greedy(qwen3_dir, PROMPTS, GREEDY_STEPS, exported)
         for url in urls:
             assert_same_greedy(engine_greedy(url), after, f"engine {url} after the sync")
