@@ -145,7 +145,7 @@ FULL = {"steps": 20}
 def run(quick: bool = False, keep_work: bool = False) -> Dict[str, Any]:
     from bench_e2e_trl import COMMON_OVERRIDES, ensure_warm_start, sizes_for
 
-    from dapo_mega.rollout.ledger import read_ledger
+    from dapo_mega.records.ledger import read_ledger
 
     steps = (QUICK if quick else FULL)["steps"]
     overrides = COMMON_OVERRIDES + sizes_for(quick)["overrides"]

@@ -161,7 +161,7 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
 
     from dapo_mega.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
     from dapo_mega.plan import compute_plan, format_plan
-    from dapo_mega.rollout.ledger import ledger_bytes_per_step_of
+    from dapo_mega.records.ledger import ledger_bytes_per_step_of
 
     assumptions = assumptions_from_overrides(clock_overrides)
     plan = compute_plan(cfg, assumptions.lengths)

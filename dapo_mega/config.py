@@ -644,7 +644,7 @@ class TrainerConfig:
     stop_margin_minutes: float = 2.0
     """Slack kept before wall_time_minutes for the final save and shutdown."""
     ledger_text: str = "head_tail"
-    """What the ledger keeps of each prompt and response text (`rollout.ledger.LedgerText`):
+    """What the ledger keeps of each prompt and response text (`records.ledger.LedgerText`):
     full (all of it), head_tail (a text over ledger_text_max_chars keeps its first and last
     halves of that many characters around a marker naming how many were left out) or none.
     Each row records the text's length in characters and whether it was elided. The tiny

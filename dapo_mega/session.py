@@ -144,7 +144,7 @@ class Session:
         from dapo_mega.backends.sglang.client import build_sampling_params
         from dapo_mega.data import Problem, PromptEncoder, PromptIterator, build_run_datasets
         from dapo_mega.driver.rollouts import RolloutSource
-        from dapo_mega.records import RunRecorder
+        from dapo_mega.records.recorder import RunRecorder
         from dapo_mega.reward import build_verifier
         from dapo_mega.rollout.manager import RolloutManager
 

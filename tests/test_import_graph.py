@@ -42,15 +42,14 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.backends": 1,
     # 2: weights: the HF <-> Megatron mapping, conversion and live sync, built on the backends.
     "dapo_mega.weights": 2,
-    # 3: rollout: engines, the fleet, the rollout manager, the ledger.
+    # 3: rollout: engines, the fleet, the rollout manager.
     "dapo_mega.rollout": 3,
     # 4: components of a run and the commands' bodies.
     "dapo_mega.driver": 4,
     "dapo_mega.session": 4,
     "dapo_mega.preflight": 4,
     "dapo_mega.evaluate": 4,
-    "dapo_mega.records": 4,
-    "dapo_mega.ledger_report": 4,
+    "dapo_mega.records": 4,  # what a run writes: metrics, console line, curves, ledger, ledger report
     "dapo_mega.plan": 4,
     "dapo_mega.launch": 4,
     # 5: the driver loop and the command line.

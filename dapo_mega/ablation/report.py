@@ -121,7 +121,7 @@ def summarize_run(rows: List[Dict[str, Any]], seed: int, run_dir: str, target: O
     s.rollouts_per_step = _mean([v for _, v in _series(rl, "rollout/num_samples")])
     s.peak_memory_gib = peak_memory_gib(rl)
     s.curves = {key: _series(rows, key) for key, _ in CURVES}
-    from dapo_mega.records import named_eval_sets
+    from dapo_mega.records.metrics import named_eval_sets
 
     for name in named_eval_sets(rl):
         s.final_by_set[name] = max(_series(rl, f"eval/{name}/avg_at_k"))[1]  # the highest step's value
@@ -147,7 +147,7 @@ def collect(plan: AblationPlan, is_done=None) -> List[RungResult]:
     """Every rung's finished runs, statistics and comparison (is_done(run) -> bool decides
     which runs count; default: latest checkpoint at the run's total_steps)."""
     from dapo_mega.ablation.runner import is_finished, total_steps_of
-    from dapo_mega.records import read_metrics
+    from dapo_mega.records.metrics import read_metrics
 
     cfg = plan.config
     target, level = cfg.get("target"), float(cfg.get("level", 0.95))

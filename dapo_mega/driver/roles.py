@@ -18,13 +18,13 @@ from dapo_mega.driver import advantages
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, WallClock, write_ledger
-from dapo_mega.rollout.ledger import LedgerText, prepare_writer
+from dapo_mega.records.ledger import LedgerText, prepare_writer
 
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
     from dapo_mega.data import PromptIterator
     from dapo_mega.data.build import EvalSet
-    from dapo_mega.records import RunRecorder
+    from dapo_mega.records.recorder import RunRecorder
     from dapo_mega.weights.sync import WeightSyncer
 
 logger = log.get(__name__)

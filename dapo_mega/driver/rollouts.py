@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.manager import RolloutManager
-from dapo_mega.rollout.metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups
 
 

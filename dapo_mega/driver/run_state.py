@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 from dapo_mega.config import TrainerConfig
-from dapo_mega.rollout.ledger import FULL_TEXT, LedgerText, ledger_dir, ledger_record, write_step
+from dapo_mega.records.ledger import FULL_TEXT, LedgerText, ledger_dir, ledger_record, write_step
 from dapo_mega.rollout.samples import ScoredSample
 from dapo_mega.run_identity import RunIdentity
 

@@ -203,7 +203,7 @@ class RolloutManager:
             raise RolloutError(f"{exc}; dead engines: {self.dead_engines()}") from None
         counts, sampling = self.sampling.counts, self.sampling
         # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
-        # samples by rollout/metrics.py, so that they exist with dynamic sampling off.
+        # samples by records/rollout_metrics.py, so that they exist with dynamic sampling off.
         self.metrics = {"rollout/gen_batches": counts["rounds"], "rollout/groups_generated": counts["seen"],
                         "rollout/carried_groups": len(sampling.carry), "rollout/dead_engines": len(self.dead),
                         "rollout/prompts_requested": counts["requested"],

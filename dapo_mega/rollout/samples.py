@@ -5,7 +5,7 @@ names of the reply (`token_ids`, `logprobs`, `weight_versions`) and of the ledge
 (`seed`, `engine_id`, `queue_delay_s`, `generation_latency_s`, `truncated`,
 `response_text`, `reward`, `correct`, `reject_reason`, ...). Scoring adds its typed
 `SampleReward`; dynamic sampling sets `reject_reason`; the consumer stamps `step` and
-`learner_version`. The ledger row (`rollout.ledger.ledger_record`) and the learner's
+`learner_version`. The ledger row (`records.ledger.ledger_record`) and the learner's
 `TrainSample` (`driver.advantages`) are read off it field by field.
 
 A `Group` is the G samples of one prompt, with the prompt item and the input ids the
@@ -60,7 +60,7 @@ class ScoredSample:
     prompt_text: str = ""
     score: SampleReward = UNSCORED
     reject_reason: str = "kept"
-    """kept, or why the learner does not train on it (rollout.ledger.REJECT_REASONS)."""
+    """kept, or why the learner does not train on it (records.ledger.REJECT_REASONS)."""
     step: int = 0
     """Step that consumed or rejected it."""
     learner_version: int = 0

@@ -98,7 +98,7 @@ def test_named_sets_defaults_and_their_revisions_join_the_run_revision(tmp_path)
 
 def test_console_line_and_ablation_table_show_each_named_set(tmp_path):
     from dapo_mega.ablation.report import render_table, rung_statistics, summarize_run
-    from dapo_mega.records import format_console_line
+    from dapo_mega.records.console import format_console_line
 
     row = {"step": 2, "policy_version": 2, "eval/avg_at_k": 0.25, "eval/aime/avg_at_k": 0.125,
            "eval/aime/pass_at_k": 0.5, "eval/math/avg_at_k": 0.5}

@@ -58,7 +58,7 @@ def test_driver_writes_the_ledger_with_the_configured_text_setting(tmp_path):
     """trainer.ledger_text reaches the shard the driver writes (none: no prompt or response text)."""
     from dataclasses import replace
 
-    from dapo_mega.rollout.ledger import read_records
+    from dapo_mega.records.ledger import read_records
 
     cfg = DapoConfig()
     cfg.trainer.ledger_text = "none"

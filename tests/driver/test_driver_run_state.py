@@ -7,7 +7,7 @@ from helpers_driver import group
 
 from dapo_mega.config import TrainerConfig
 from dapo_mega.driver.run_state import RunState, TrainerState, prune_records_after, write_ledger
-from dapo_mega.rollout.ledger import LedgerRecord, LedgerText, read_records
+from dapo_mega.records.ledger import LedgerRecord, LedgerText, read_records
 
 
 def test_schedule():

@@ -22,7 +22,7 @@ import json
 import pytest
 from test_faults_common import read_metric_rows, run_trainer
 
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 
 DIST_TIMEOUT_S = 3
 OLD_REQUEST_TIMEOUT_S = DIST_TIMEOUT_S / 3  # 600 s of 1800 s, the old defaults' ratio

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from test_faults_common import read_metric_rows, run_trainer
 
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 
 LIVENESS_TIMEOUT_S = 15.0
 PROBE_S = 2.0

@@ -27,7 +27,7 @@ import pytest
 from sglang_venv import sglang_python_or_skip
 from test_faults_common import read_metric_rows, run_trainer
 
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 
 N_SAMPLES = 2
 PROMPTS_PER_STEP = 36

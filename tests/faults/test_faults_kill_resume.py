@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_faults_common import load_checkpoint_tensors, read_metric_rows, run_trainer
 
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 
 RUN = ["trainer.total_steps=4", "trainer.save_interval=1", "trainer.keep_last_k=5"]
 

@@ -19,7 +19,7 @@ from test_faults_common import TINY_OVERRIDES, load_checkpoint_tensors, read_met
 
 from dapo_mega.config import load_config
 from dapo_mega.data import PromptIterator, build_datasets
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 
 RUN = ["trainer.total_steps=3", "trainer.save_interval=1", "trainer.keep_last_k=5"]
 

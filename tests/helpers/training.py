@@ -18,7 +18,7 @@ from typing import Optional
 import pytest
 
 from dapo_mega.config import from_yaml
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 from dapo_mega.run_identity import read_run_id
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dapo_mega.config import AlgoConfig, ConfigError
+from dapo_mega.records.ledger import ledger_record, read_records, write_step
 from dapo_mega.reward import (
     DapoVerifier,
     MathVerifyVerifier,
@@ -29,7 +30,6 @@ from dapo_mega.reward import (
     problem_metadata,
     score_responses,
 )
-from dapo_mega.rollout.ledger import ledger_record, read_records, write_step
 from dapo_mega.rollout.samples import ScoredSample
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo_mega.config import ConfigError, TrainerConfig, load_config
-from dapo_mega.rollout import ledger
-from dapo_mega.rollout.ledger import (
+from dapo_mega.records import ledger
+from dapo_mega.records.ledger import (
     LedgerRecord,
     LedgerText,
     elision_marker,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.ledger_report import (
+from dapo_mega.records.ledger import LedgerRecord, write_step
+from dapo_mega.records.ledger_report import (
     build_report,
     compute_age_buckets,
     compute_step_diagnostics,
@@ -18,7 +19,6 @@ from dapo_mega.ledger_report import (
     sample_high_reward,
     write_report,
 )
-from dapo_mega.rollout.ledger import LedgerRecord, write_step
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,10 +8,10 @@ import tracemalloc
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_mega.ledger_report import build_report, main, parse_steps, render_markdown, report_from_records
-from dapo_mega.records import read_metrics
-from dapo_mega.rollout import ledger
-from dapo_mega.rollout.ledger import REJECT_REASONS, LedgerRecord, LedgerText, read_records, write_step
+from dapo_mega.records import ledger
+from dapo_mega.records.ledger import REJECT_REASONS, LedgerRecord, LedgerText, read_records, write_step
+from dapo_mega.records.ledger_report import build_report, main, parse_steps, render_markdown, report_from_records
+from dapo_mega.records.metrics import read_metrics
 
 COPIED = "I am confident the result is right, trust me on this one"
 

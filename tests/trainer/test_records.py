@@ -2,7 +2,9 @@
 
 import json
 
-from dapo_mega.records import RunRecorder, format_console_line, read_metrics
+from dapo_mega.records.console import format_console_line
+from dapo_mega.records.metrics import read_metrics
+from dapo_mega.records.recorder import RunRecorder
 
 
 def _metrics(step):

@@ -14,7 +14,7 @@ so the two ledgers differed.
 import pytest
 from helpers.training import RUN_NAME, read_rows, run_train
 
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
 
 COMPARED = ["step", "prompt_id", "sample_index", "seed", "gen_round", "response_text", "response_length",
             "truncated", "reward", "correct", "reject_reason", "policy_version_min", "policy_version_max",

@@ -43,7 +43,7 @@ def test_colocated_sync_end_to_end(tmp_path):
         assert len(result["problems"]) == 8 and result["k"] == 2
         assert r["eval/avg_at_k"] == pytest.approx(sum(p["correct"] / 2 for p in result["problems"]) / 8)
     # the ledger report reads the same run back: its per-step numbers are the trainer's
-    from dapo_mega.ledger_report import build_report
+    from dapo_mega.records.ledger_report import build_report
 
     report = build_report(run_dir)
     assert [d.step for d in report.steps] == [1, 2, 3]

@@ -19,8 +19,8 @@ from helpers.training import (
     train_command,
 )
 
-from dapo_mega.ledger_report import build_report, render_markdown
-from dapo_mega.rollout.ledger import read_records
+from dapo_mega.records.ledger import read_records
+from dapo_mega.records.ledger_report import build_report, render_markdown
 from dapo_mega.run_identity import read_config_history, read_run_id
 
 TOTAL_STEPS = 4

@@ -59,10 +59,12 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set,
 
 import numpy as np
 
+from dapo_mega.records.ledger import ROW_GROUP_ROWS, ledger_dir, ledger_shards
+from dapo_mega.records.metrics import read_metrics
+from dapo_mega.records.rollout_metrics import AGE_BUCKETS, age_label
 from dapo_mega.rollout.samples import TRAINED_REASONS
+from dapo_mega.run_identity import history_of_current_run
 
-AGE_BUCKETS = (0, 1, 2, 3)
-"""Lower edges of the age buckets; the last one is open (3+)."""
 MAX_FLAGGED = 1000
 """Flagged responses the streamed report keeps to list (`--max-flagged`); they are all counted."""
 
@@ -172,11 +174,6 @@ def compute_step_diagnostics(records: Sequence, metrics_rows: Sequence[Dict] = (
             metrics_verifier_errors=verifier_errors_by_step.get(step),
             reject_counts=dict(sorted(Counter(r.reject_reason for r in rows).items()))))
     return out
-
-
-def age_label(age: int) -> str:
-    last = AGE_BUCKETS[-1]
-    return f"{last}+" if age >= last else str(max(age, 0))
 
 
 class AgeTally:
@@ -494,7 +491,6 @@ def iter_shard_rows(path: Path, columns: Sequence[str], batch_rows: Optional[int
     rows) read at a time."""
     import pyarrow.parquet as pq
 
-    from dapo_mega.rollout.ledger import ROW_GROUP_ROWS
 
     shard = pq.ParquetFile(path)
     present = set(shard.schema_arrow.names)
@@ -523,9 +519,6 @@ def build_report(run_dir: Path, per_stratum: int = 2, n_step_buckets: int = 3, n
                  (None, None), max_flagged: Optional[int] = MAX_FLAGGED) -> LedgerReport:
     """Stream `<run_dir>/ledger/` (the shards of `steps`, both ends included) and
     metrics.jsonl when there into every table (module docstring)."""
-    from dapo_mega.records import read_metrics
-    from dapo_mega.rollout.ledger import ledger_dir, ledger_shards
-    from dapo_mega.run_identity import history_of_current_run
 
     first, last = steps
     step_range = "all" if steps == (None, None) else f"{'' if first is None else first}:{'' if last is None else last}"
@@ -673,7 +666,7 @@ def plot_report(report: LedgerReport, path: Path) -> Path:
     ax.legend(fontsize=7)
     for a in axes.flat:
         a.set_xlabel("step" if a is not axes[1, 1] else "age")
-    from dapo_mega.records import mark_config_changes
+    from dapo_mega.records.curves import mark_config_changes
 
     mark_config_changes([axes[0, 0], axes[0, 1], axes[1, 0]], [c for c in report.config_changes
                                                                if c.get("shapes_training")])

@@ -15,7 +15,7 @@ answer is at the end of a response) or leaves them out; either way a row records
 text's length in characters and whether the stored text is all of it. The ledger holds no
 token ids or log-probs (only `response_length`), so nothing else grows with the response.
 Shards are zstd-compressed and written in row groups of `ROW_GROUP_ROWS` rows, so a reader
-can stream one row group of text at a time (`dapo_mega.ledger_report`).
+can stream one row group of text at a time (`dapo_mega.records.ledger_report`).
 `ledger_bytes_per_step` estimates a shard's size from the config (`dapo-mega plan`).
 """
 
@@ -246,7 +246,7 @@ def read_ledger(run_dir: os.PathLike, steps: Optional[Sequence[int]] = None) -> 
 
 def read_records(run_dir: os.PathLike, steps: Optional[Sequence[int]] = None) -> List[LedgerRecord]:
     """Every row of `read_ledger` as a LedgerRecord: for tests and small runs (the report
-    streams instead, `dapo_mega.ledger_report`)."""
+    streams instead, `dapo_mega.records.ledger_report`)."""
     return [LedgerRecord(**row) for row in read_ledger(run_dir, steps).to_pylist()]
 
 

@@ -16,8 +16,15 @@ import numpy as np
 
 from dapo_mega.rollout.samples import TRAINED_REASONS
 
-# Age buckets of asynchronous training: 0, 1, 2, 3+ versions behind the learner.
 AGE_BUCKETS = (0, 1, 2, 3)
+"""Lower edges of the age buckets of asynchronous training (versions behind the learner);
+the last one is open (3+). The step metrics and the ledger report share them."""
+
+
+def age_label(age: int) -> str:
+    """The bucket of an age: `0`, `1`, `2` or `3+` (a negative age counts as 0)."""
+    last = AGE_BUCKETS[-1]
+    return f"{last}+" if age >= last else str(max(age, 0))
 
 
 def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, float]:
@@ -91,15 +98,15 @@ def rollout_entropy_estimate(records: Sequence) -> Optional[float]:
 def compute_age_metrics(records: Sequence, num_stale_groups: int) -> Dict[str, float]:
     """Reward and accuracy by sample age (versions behind the consuming learner)."""
     out: Dict[str, float] = {"rollout/stale_groups": float(num_stale_groups)}
-    trained = [r for r in records if r.reject_reason in ("kept", "verifier_error", "stale")]
+    # the samples trained on and those dropped for their age: the age tables show what staleness costs
+    trained = [r for r in records if r.reject_reason in (*TRAINED_REASONS, "stale")]
     if trained:
         out["rollout/age_mean"] = float(np.mean([r.age for r in trained]))
         out["rollout/age_max"] = float(max(r.age for r in trained))
-    for bucket in AGE_BUCKETS:
-        rows = [r for r in trained if (r.age == bucket if bucket < AGE_BUCKETS[-1] else r.age >= bucket)]
+    for label in (age_label(lower) for lower in AGE_BUCKETS):
+        rows = [r for r in trained if age_label(int(r.age)) == label]
         if not rows:
             continue
-        label = f"{bucket}+" if bucket == AGE_BUCKETS[-1] else str(bucket)
         out[f"age/{label}/num_samples"] = float(len(rows))
         out[f"age/{label}/reward_mean"] = float(np.mean([r.reward for r in rows]))
         out[f"age/{label}/accuracy"] = float(np.mean([r.correct for r in rows]))

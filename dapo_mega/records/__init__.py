@@ -1,0 +1,10 @@
+"""What a run writes for a person to read, and reads back.
+
+* `metrics`: `metrics.jsonl`, one row per step (read, cut back on resume);
+* `console`: the fixed-format step line rank 0 prints;
+* `curves`: `curves.png`, redrawn every step;
+* `recorder`: `RunRecorder`, which writes the three above (and wandb) per step;
+* `rollout_metrics`: the step's rollout metrics, computed from the rows that go into the ledger;
+* `ledger`: the rollout ledger, one Parquet shard per step, one row per sample;
+* `ledger_report`: the diagnostics read back from the ledger (`tools/ledger_report.py`).
+"""

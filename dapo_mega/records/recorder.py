@@ -1,0 +1,88 @@
+"""`RunRecorder`: what the driver rank writes per step: a `metrics.jsonl` row, the console
+line, wandb (offline by default) and `curves.png`.
+
+Used by the driver rank only (dapo_mega/driver/roles.py). On resume it first cuts
+`metrics.jsonl` back to the checkpointed step, so a step that ran after the last checkpoint
+and before a crash appears once, not twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from dapo_mega import log
+from dapo_mega.records.console import format_console_line
+from dapo_mega.records.curves import plot_curves
+from dapo_mega.records.metrics import finite_or_none, truncate_metrics
+
+logger = log.get(__name__)
+
+
+class RunRecorder:
+    """metrics.jsonl + one console line per step + wandb (offline by default) + curves.png."""
+
+    def __init__(self, run_dir: Path, run_name: str, config_dict: Dict[str, Any], resume_step: int,
+                 wandb_mode: str = "offline", wandb_project: str = "dapo-mega",
+                 wandb_run_id: Optional[str] = None, plot: bool = True, run_id: str = ""):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.plot = plot
+        self.run_id = run_id
+        """The run's unique id (`run_identity`), in every metrics row when set."""
+        dropped = truncate_metrics(self.run_dir, resume_step)
+        if dropped:
+            logger.info(f"[records] resuming at step {resume_step}: dropped {dropped} metric rows of "
+                        "steps that ran after the last checkpoint")
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._wandb = None
+        self.wandb_run_id = wandb_run_id
+        if wandb_mode != "disabled":
+            self._wandb = self._start_wandb(run_name, config_dict, wandb_mode, wandb_project, wandb_run_id)
+
+    def _start_wandb(self, run_name, config_dict, mode, project, run_id):
+        try:
+            import wandb
+        except ImportError:  # wandb is a core dependency, but a run must not die for a logger
+            logger.info("[records] wandb is not installed: metrics go to metrics.jsonl only")
+            return None
+        os.environ.setdefault("WANDB_SILENT", "true")
+        run_id = run_id or uuid.uuid4().hex[:8]
+        self.wandb_run_id = run_id
+        # After a SIGKILL the killed run's wandb service can hold the id for a while
+        # ("run ID ... is in use"): retry, then go on without wandb rather than die for a logger.
+        last_error: Optional[Exception] = None
+        for attempt in range(8):
+            try:
+                return wandb.init(project=project, name=run_name, id=run_id, resume="allow", mode=mode,
+                                  dir=str(self.run_dir), config=config_dict, settings=wandb.Settings(console="off"))
+            except Exception as exc:  # wandb raises its own error types for this
+                last_error = exc
+                if "in use" not in str(exc):
+                    break
+                time.sleep(min(2.0 * (attempt + 1), 8.0))
+        logger.info(f"[records] wandb could not start ({last_error}); metrics go to metrics.jsonl only")
+        return None
+
+    def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
+        row = {"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}, "time/unix": time.time()}
+        if self.run_id:
+            row["run_id"] = self.run_id
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+        print(format_console_line(row), flush=True)
+        if self.plot:
+            plot_curves(self.run_dir)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
