@@ -139,18 +139,18 @@ def other_verifier_name(primary: str) -> Optional[str]:
 
 
 def score_records(cfg: DapoConfig, groups: Sequence[Any], encoder: Any) -> List[AuditRecord]:
-    """Both verifiers on every response, the training reward components, the patterns."""
+    """Both verifiers on every response (one per group), the training reward components (the
+    trainer's own `score_groups`), the patterns."""
     from dapo_mega.data import verification_prefix
-    from dapo_mega.reward import build_verifier, compute_rewards, score_responses
-    from dapo_mega.reward.plugin import problem_metadata
+    from dapo_mega.reward import build_verifier, score_groups, score_responses
 
     samples = [(g.prompt, g.samples[0]) for g in groups]
+    assert all(len(g.samples) == 1 for g in groups), "the audit rolls out one response per problem"
     texts = [s.response_text for _, s in samples]
     truths = [p.ground_truth for p, _ in samples]
     prefixes = [verification_prefix(p, cfg.data.prompt_template) for p, _ in samples]
     verifier = build_verifier(cfg.algo.verifier)
-    rewards = compute_rewards(verifier, texts, truths, [len(s.token_ids) for _, s in samples], cfg.algo,
-                              answer_prefixes=prefixes, metadata=[problem_metadata(p) for p, _ in samples]).items()
+    rewards = score_groups(verifier, groups, cfg.algo, cfg.data.prompt_template).items()
     other_name = other_verifier_name(cfg.algo.verifier)
     others: List[Optional[VerifierView]] = [None] * len(samples)
     if other_name:
