@@ -319,7 +319,7 @@ def _model_meta(learner) -> Dict[str, object]:
     return meta
 
 
-def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict[str, Any],
+def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Mapping[str, object],
                     keep_last_k: int = 2, optimizer_sharding: Optional[str] = None, keep_every: int = 0) -> Path:
     """Save model, optimizer, scheduler, RNG and `trainer_state` as `step_<N>` (collective).
 
