@@ -20,9 +20,12 @@ the group has one rank, so single-process runs and unit tests call them uncondit
 from __future__ import annotations
 
 import socket
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _DEVICE_OF_BACKEND = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cpu", "xccl": "xpu", "hccl": "npu"}
 
@@ -47,25 +50,25 @@ def collective_device_type(backend: str) -> str:
     return _DEVICE_OF_BACKEND[name]
 
 
-def is_active(group: Optional[Any] = None) -> bool:
+def is_active(group: Optional[ProcessGroup] = None) -> bool:
     """torch.distributed is initialised and the group has more than one rank."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def rank(group: Optional[Any] = None) -> int:
+def rank(group: Optional[ProcessGroup] = None) -> int:
     """This process's rank in `group` (0 without torch.distributed)."""
     dist = torch.distributed
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def world_size(group: Optional[Any] = None) -> int:
+def world_size(group: Optional[ProcessGroup] = None) -> int:
     """Ranks in `group` (1 without torch.distributed)."""
     dist = torch.distributed
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def collective_device(group: Optional[Any] = None) -> torch.device:
+def collective_device(group: Optional[ProcessGroup] = None) -> torch.device:
     """Where to allocate a tensor for a collective on `group` (the current CUDA device for NCCL)."""
     kind = collective_device_type(torch.distributed.get_backend(group))
     if kind == "cuda":
@@ -73,13 +76,13 @@ def collective_device(group: Optional[Any] = None) -> torch.device:
     return torch.device(kind)
 
 
-def barrier(group: Optional[Any] = None) -> None:
+def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Wait for every rank of `group`."""
     if is_active(group):
         torch.distributed.barrier(group=group)
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
+def broadcast_object(obj: object, src: int = 0, group: Optional[ProcessGroup] = None) -> Any:
     """Rank `src`'s `obj` on every rank of `group` (others pass anything, e.g. None).
 
     Pickled: use it inside a trusted group only (the learner ranks of one job).
@@ -91,7 +94,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any
     return box[0]
 
 
-def any_rank_true(flag: bool, group: Optional[Any] = None) -> bool:
+def any_rank_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
     """True on every rank when `flag` is True on at least one rank of `group`."""
     if not is_active(group):
         return bool(flag)
@@ -100,7 +103,7 @@ def any_rank_true(flag: bool, group: Optional[Any] = None) -> bool:
     return bool(tensor.item())
 
 
-def all_reduce_sum(values: Sequence[float], group: Optional[Any] = None) -> List[float]:
+def all_reduce_sum(values: Sequence[float], group: Optional[ProcessGroup] = None) -> List[float]:
     """Element-wise sum over the ranks of `group` (float64, so token counts stay exact)."""
     if not is_active(group):
         return [float(v) for v in values]

@@ -30,11 +30,31 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict
 
 from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.run_dir import write_text_atomic
+
+if TYPE_CHECKING:
+    from dapo_mega.data import EvalSet, Problem
+    from dapo_mega.reward.types import Verifier
+    from dapo_mega.rollout.samples import PromptToInput
+
+
+class ProblemOutcome(TypedDict):
+    """One problem's line of an evaluation: its k samples' verdicts and answers."""
+
+    id: str
+    ground_truth: str
+    correct: int
+    """Samples the verifier found correct."""
+    k: int
+    pass_rate: float
+    truncated: int
+    """Samples cut by the length limit."""
+    sample_answers: List[Optional[str]]
+    """The answers the verifier read in the first 4 samples (None: none)."""
 
 
 @dataclass
@@ -42,9 +62,9 @@ class EvalResult:
     """Per-problem pass rates of one model."""
 
     k: int
-    problems: List[Dict[str, Any]] = field(default_factory=list)
+    problems: List[ProblemOutcome] = field(default_factory=list)
     """[{id, ground_truth, correct: int, k, pass_rate, truncated, sample_answers}]"""
-    settings: Dict[str, Any] = field(default_factory=dict)
+    settings: Dict[str, object] = field(default_factory=dict)
     engines: Dict[str, Dict[str, int]] = field(default_factory=dict)
     """url -> {requests, samples} the engine completed for this evaluation."""
     dead_engines: Dict[str, str] = field(default_factory=dict)
@@ -86,8 +106,8 @@ class EvalResult:
             "problems": self.problems}, indent=1))
 
 
-def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any], cfg: DapoConfig,
-                      prompt_to_input: Callable[[Any], Any], verifier, run_id: str = "",
+def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Problem], cfg: DapoConfig,
+                      prompt_to_input: PromptToInput, verifier: Verifier, run_id: str = "",
                       n_samples: Optional[int] = None, max_response_length: Optional[int] = None) -> EvalResult:
     """k samples per problem on the engines, scored by `verifier` with the training length limit;
     `run_id`: the run whose model this is (in the settings), when known; `n_samples` /
@@ -137,8 +157,8 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Any],
     return result
 
 
-def evaluate_set(engines: Sequence[EngineAddress], eval_set: Any, cfg: DapoConfig,
-                 prompt_to_input: Callable[[Any], Any], verifier, run_id: str = "") -> EvalResult:
+def evaluate_set(engines: Sequence[EngineAddress], eval_set: EvalSet, cfg: DapoConfig,
+                 prompt_to_input: PromptToInput, verifier: Verifier, run_id: str = "") -> EvalResult:
     """`evaluate_problems` on one `EvalSet` (data/build.py) with its k and length limit."""
     result = evaluate_problems(engines, eval_set.problems, cfg, prompt_to_input, verifier, run_id=run_id,
                                n_samples=eval_set.n_samples, max_response_length=eval_set.max_response_length)

@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from dapo_mega.config import ConfigError, DapoConfig, validate_config
+from dapo_mega.config import AlgoConfig, ConfigError, DapoConfig, DataConfig, EvalConfig, validate_config
+
+if TYPE_CHECKING:
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.models.shape import HfConfigSource
 
 
 def learner_world_size(cfg: DapoConfig) -> int:
@@ -34,7 +38,7 @@ def learner_world_size(cfg: DapoConfig) -> int:
     return cfg.cluster.num_learner_processes
 
 
-def model_hf_config(cfg: DapoConfig) -> Any:
+def model_hf_config(cfg: DapoConfig) -> HfConfigSource:
     """The model's HF config without building anything: `model.hf_path` (a directory with
     config.json) or the tiny model's config from its fields."""
     if cfg.model.hf_path:
@@ -48,7 +52,7 @@ def model_hf_config(cfg: DapoConfig) -> Any:
     return tiny_hf_config(cfg.model)
 
 
-def check_data_paths(data_cfg: Any) -> None:
+def check_data_paths(data_cfg: DataConfig) -> None:
     """Each configured data file exists (empty paths mean the synthetic task / no held-out set)."""
     for name in ("train_path", "eval_path"):
         value = getattr(data_cfg, name)
@@ -58,7 +62,7 @@ def check_data_paths(data_cfg: Any) -> None:
                               "for the synthetic task")
 
 
-def check_eval_set_paths(eval_cfg: Any) -> None:
+def check_eval_set_paths(eval_cfg: EvalConfig) -> None:
     """Each named eval set's file exists (`eval.sets.<name>.path`)."""
     for name, eval_set in eval_cfg.sets.items():
         if not Path(eval_set.path).is_file():
@@ -66,7 +70,7 @@ def check_eval_set_paths(eval_cfg: Any) -> None:
                               "or .jsonl file (tools/prepare_data.py writes AIME 2025 and MATH-500), or drop the set")
 
 
-def check_verifier(algo_cfg: Any) -> None:
+def check_verifier(algo_cfg: AlgoConfig) -> None:
     """`algo.verifier` names a verifier that can run: a built-in name, or a reward plugin that
     imports, takes (response, ground_truth, metadata) and returns a RewardResult of finite
     numbers on a probe, in a worker like the run's (reward.check_verifier)."""
@@ -116,7 +120,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     check_resume_layout(cfg, layout)
 
 
-def check_resume_layout(cfg: DapoConfig, layout: Any) -> None:
+def check_resume_layout(cfg: DapoConfig, layout: ParallelLayout) -> None:
     """The checkpoint this run would resume from holds optimizer state this layout can load."""
     from dapo_mega.backends.megatron.checkpoint import layout_record, resume_layout_problem
     from dapo_mega.run_dir import find_latest_checkpoint, read_trainer_state

@@ -46,7 +46,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -184,7 +184,7 @@ def read_trainer_state(step_dir: Path | str) -> Dict[str, Any]:
     return json.loads((Path(step_dir) / TRAINER_STATE_FILE).read_text())
 
 
-def encode_trainer_state(trainer_state: Dict[str, Any], step: int, **extra: Any) -> str:
+def encode_trainer_state(trainer_state: Mapping[str, object], step: int, **extra: object) -> str:
     """trainer_state.json text: the trainer's dict + step, format version, save time and `extra`.
 
     Raises TypeError when the state is not JSON-serialisable (call it before writing anything).

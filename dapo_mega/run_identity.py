@@ -30,7 +30,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, TypedDict
 
 from dapo_mega.config import ConfigError, DapoConfig, from_yaml, save_config
 from dapo_mega.run_dir import read_trainer_state, resume_checkpoint, write_text_atomic
@@ -59,6 +59,10 @@ GUARDED_FIELDS = (
 Parallel layout, engine counts, timeouts, intervals, logging and paths of the run directory
 do not: a resume may change them freely (the change is still recorded)."""
 
+ConfigTree = Dict[str, Any]
+"""A resolved config as nested plain dicts (what config.yaml holds): a group is a dict, a
+field's value a YAML scalar or list."""
+
 
 @dataclass(frozen=True)
 class ConfigChange:
@@ -66,15 +70,28 @@ class ConfigChange:
 
     field: str
     """Dotted name, e.g. algo.verifier."""
-    old: Any
+    old: object
     """The value in the run's config.yaml (ABSENT when it has none)."""
-    new: Any
+    new: object
     """The value of this start's config."""
     shapes_training: bool
     """The field is guarded (`GUARDED_FIELDS`): it needs trainer.allow_changes."""
 
     def describe(self) -> str:
         return f"{self.field} {json.dumps(self.old)} -> {json.dumps(self.new)}"
+
+
+class ConfigHistoryRow(TypedDict):
+    """One line of config_history.jsonl (`_append_history`): a field a resume changed, from
+    `step` (the first step trained with the new value) on, and when."""
+
+    run_id: str
+    step: int
+    field: str
+    old: object
+    new: object
+    shapes_training: bool
+    time: str
 
 
 class ConfigChangeRefused(ConfigError):
@@ -90,9 +107,9 @@ def is_guarded(path: str) -> bool:
     return any(_covers(g, path) for g in GUARDED_FIELDS)
 
 
-def flatten_config(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+def flatten_config(tree: ConfigTree, prefix: str = "") -> Dict[str, object]:
     """{"algo": {"lr": 1}} -> {"algo.lr": 1}; lists are values, not groups."""
-    out: Dict[str, Any] = {}
+    out: Dict[str, object] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
@@ -102,7 +119,7 @@ def flatten_config(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def compare_configs(old: Dict[str, Any], new: Dict[str, Any], allowed: Sequence[str] = ()) -> List[ConfigChange]:
+def compare_configs(old: ConfigTree, new: ConfigTree, allowed: Sequence[str] = ()) -> List[ConfigChange]:
     """Every field whose value differs between the run's resolved config `old` and this
     start's `new` (nested dicts), in field order. Raises ConfigChangeRefused naming each
     guarded change that `allowed` (dotted fields or groups) does not cover, with both values;
@@ -133,14 +150,14 @@ def new_run_id(run_name: str, now: Optional[float] = None) -> str:
     return f"{run_name}-{stamp}-{secrets.token_hex(3)}"
 
 
-def config_dict(cfg: DapoConfig) -> Dict[str, Any]:
+def config_dict(cfg: DapoConfig) -> ConfigTree:
     """The resolved config as nested plain dicts (what config.yaml holds)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]
 
 
-def read_saved_config(run_dir: Path) -> Optional[Dict[str, Any]]:
+def read_saved_config(run_dir: Path) -> Optional[ConfigTree]:
     """The run's config.yaml as nested dicts (None without one). Read through the current
     schema (fields added since get their defaults); a file the schema no longer parses (a
     field since removed) is read as plain YAML, so its fields still compare."""
@@ -175,11 +192,11 @@ def run_id_of_path(path: os.PathLike) -> str:
     return ""
 
 
-def read_config_history(run_dir: Path, run_id: Optional[str] = None) -> List[Dict[str, Any]]:
+def read_config_history(run_dir: Path, run_id: Optional[str] = None) -> List[ConfigHistoryRow]:
     """The lines of `<run_dir>/config_history.jsonl` (of `run_id` only, when given; a torn
     last line is skipped)."""
     path = Path(run_dir) / HISTORY_FILE
-    rows: List[Dict[str, Any]] = []
+    rows: List[ConfigHistoryRow] = []
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
@@ -189,7 +206,7 @@ def read_config_history(run_dir: Path, run_id: Optional[str] = None) -> List[Dic
     return [r for r in rows if run_id is None or r.get("run_id") == run_id]
 
 
-def history_of_current_run(run_dir: Path) -> List[Dict[str, Any]]:
+def history_of_current_run(run_dir: Path) -> List[ConfigHistoryRow]:
     """The history lines of the run whose id run.json holds (none without run.json)."""
     run_id = read_run_id(run_dir)
     return read_config_history(run_dir, run_id) if run_id else []

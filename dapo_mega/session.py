@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -35,6 +35,12 @@ from dapo_mega.driver.run_state import RunState, prune_records_after
 from dapo_mega.run_dir import set_aside_after
 from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
 
+if TYPE_CHECKING:
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.rollout.engine_process import EngineProcess
+    from dapo_mega.rollout.fleet import EngineFleet
+
 logger = log.get(__name__)
 
 
@@ -47,10 +53,10 @@ class Session:
         self.run = RunState(cfg.run_dir, cfg.trainer)
         self.role: LearnerRankRole = LearnerRankRole()
         self.model_dir = self._model_dir()
-        self.layout: Any = None
-        self.learner: Any = None
-        self.fleet: Any = None
-        self.engines: List[Any] = []
+        self.layout: Optional[ParallelLayout] = None
+        self.learner: Optional[MegatronLearner] = None
+        self.fleet: Optional[EngineFleet] = None
+        self.engines: List[EngineProcess] = []
         self.engine_urls: List[str] = []
         self.policy_sync: Optional[PolicySync] = None
 
@@ -151,7 +157,7 @@ class Session:
         cfg, state = self.cfg, self.run.state
         logger.info(self.run.identity.start_line(self.run_dir))
         encoder = PromptEncoder.from_pretrained(self.model_dir, cfg.data)
-        data_report: Dict[str, Any] = {}
+        data_report: Dict[str, object] = {}
         train_problems, eval_sets, revision = build_run_datasets(cfg.data, cfg.eval, report=data_report)
         skipped = {split: f"{r.num_skipped} {dict(r.skip_reasons)}" for split, r in data_report.items()
                    if getattr(r, "num_skipped", 0)}

@@ -29,11 +29,14 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.ablation.rungs import AblationPlan, PlannedRun
 from dapo_mega.ablation.stats import Difference, Interval, mean_interval, welch_interval
 from dapo_mega.run_dir import atomic_path, write_text_atomic
+
+if TYPE_CHECKING:
+    from dapo_mega.records.metrics import Row
 
 EVAL_KEY = "eval/avg_at_k"
 ENTROPY_KEY = "rollout/entropy_mc"
@@ -94,11 +97,11 @@ def _mean(values: Sequence[float]) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
-def _series(rows: List[Dict[str, Any]], key: str) -> List[Tuple[int, float]]:
+def _series(rows: List[Row], key: str) -> List[Tuple[int, float]]:
     return [(int(r["step"]), float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
 
 
-def summarize_run(rows: List[Dict[str, Any]], seed: int, run_dir: str, target: Optional[float]) -> RunSummary:
+def summarize_run(rows: List[Row], seed: int, run_dir: str, target: Optional[float]) -> RunSummary:
     """A run's numbers from its metrics rows (see the module docstring)."""
     rl = [r for r in rows if int(r.get("step", 0)) >= 1]
     evals = _series(rl, EVAL_KEY)
@@ -133,7 +136,7 @@ def summarize_run(rows: List[Dict[str, Any]], seed: int, run_dir: str, target: O
     return s
 
 
-def peak_memory_gib(rows: List[Dict[str, Any]]) -> Optional[float]:
+def peak_memory_gib(rows: List[Row]) -> Optional[float]:
     """The largest per-phase peak in metrics rows: CUDA reserved where recorded, else RSS."""
     for suffix in ("cuda_reserved_peak_gib", "rss_peak_gib"):
         values = [float(v) for r in rows for k, v in r.items()
@@ -279,8 +282,8 @@ def render_markdown(plan: AblationPlan, results: List[RungResult], elapsed_s: Op
     return "\n".join(parts) + "\n"
 
 
-def to_json(plan: AblationPlan, results: List[RungResult], elapsed_s: Optional[float] = None) -> Dict[str, Any]:
-    def interval(iv: Optional[Interval]) -> Optional[Dict[str, Any]]:
+def to_json(plan: AblationPlan, results: List[RungResult], elapsed_s: Optional[float] = None) -> Dict[str, object]:
+    def interval(iv: Optional[Interval]) -> Optional[Dict[str, Optional[float]]]:
         return None if iv is None else {"mean": iv.mean, "half_width": _finite(iv.half_width), "n": iv.n,
                                         "std": _finite(iv.std)}
 

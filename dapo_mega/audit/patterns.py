@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from dapo_mega.reward.dapo_verifier import ANSWER_PATTERN
 
@@ -106,7 +106,7 @@ class AuditRecord:
             member.add("disagreement")
         return [s for s in STRATA if s in member]
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, object]:
         return {**asdict(self), "verdict": self.verdict, "disagreement": self.disagreement, "strata": self.strata()}
 
 

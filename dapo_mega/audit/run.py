@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, TypeVar
 
 from dapo_mega.audit.patterns import (
     AuditRecord,
@@ -30,6 +30,13 @@ from dapo_mega.audit.patterns import (
 )
 from dapo_mega.audit.sheet import AuditSheet
 from dapo_mega.config import ConfigError, DapoConfig
+
+if TYPE_CHECKING:
+    from dapo_mega.data import Problem, PromptEncoder
+    from dapo_mega.rollout.samples import Group
+
+T = TypeVar("T")
+"""A training problem (`choose_prompts` keeps what it is given)."""
 
 USAGE = """dapo-mega audit [overrides] [--checkpoint PATH] [--n N] [--seed S] [--per-stratum K] [--out DIR] [--json]
 
@@ -88,7 +95,7 @@ def parse_audit_args(args: Sequence[str]) -> Tuple[AuditOptions, List[str]]:
     return options, overrides
 
 
-def choose_prompts(problems: Sequence[Any], n: int, seed: int) -> List[Any]:
+def choose_prompts(problems: Sequence[T], n: int, seed: int) -> List[T]:
     """`n` training problems (all when fewer), drawn with `seed`, in training-set order."""
     return [problems[i] for i in choose_indices(len(problems), n, seed, "prompts")]
 
@@ -108,7 +115,7 @@ def resolve_policy(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Tuple[Pat
     return model_dir, f"initial policy: {model_dir}"
 
 
-def roll_out(cfg: DapoConfig, hf_dir: Path, problems: Sequence[Any], encoder: Any, seed: int, revision: str,
+def roll_out(cfg: DapoConfig, hf_dir: Path, problems: Sequence[Problem], encoder: PromptEncoder, seed: int, revision: str,
              run_id: str) -> list:
     """One response per problem with the training sampling, length limit and seeds: Groups in order."""
     from dapo_mega.backends.sglang.client import build_sampling_params
@@ -138,7 +145,7 @@ def other_verifier_name(primary: str) -> Optional[str]:
     return "math_verify" if importlib.util.find_spec("math_verify") is not None else None
 
 
-def score_records(cfg: DapoConfig, groups: Sequence[Any], encoder: Any) -> List[AuditRecord]:
+def score_records(cfg: DapoConfig, groups: Sequence[Group], encoder: PromptEncoder) -> List[AuditRecord]:
     """Both verifiers on every response (one per group), the training reward components (the
     trainer's own `score_groups`), the patterns."""
     from dapo_mega.data import verification_prefix
@@ -168,7 +175,7 @@ def score_records(cfg: DapoConfig, groups: Sequence[Any], encoder: Any) -> List[
     return records
 
 
-def describe_settings(cfg: DapoConfig, policy: str, run_id: str, encoder: Any, revision: str, seed: int,
+def describe_settings(cfg: DapoConfig, policy: str, run_id: str, encoder: PromptEncoder, revision: str, seed: int,
                       num_train: int, records: Sequence[AuditRecord]) -> List[Tuple[str, str]]:
     """The sheet's settings: what produced these responses and who graded them."""
     from dapo_mega.reward import build_verifier

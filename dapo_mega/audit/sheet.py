@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from dapo_mega.audit.patterns import PATTERNS, STRATA, STRATUM_TITLES, VERDICTS, AuditRecord
 from dapo_mega.run_dir import write_text_atomic
@@ -37,7 +37,7 @@ class AuditSheet:
     notes: List[str] = field(default_factory=list)
     """Lines the reader needs before the counts (e.g. which checks were skipped)."""
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, object]:
         """audit.json: settings, counts, the picks with their full records, and a line per response."""
         return {"settings": dict(self.settings), "counts": self.counts, "num_prompts": len(self.records),
                 "per_stratum": self.per_stratum, "notes": self.notes,
@@ -56,7 +56,7 @@ class AuditSheet:
         return paths
 
 
-def _summary(r: AuditRecord) -> Dict[str, Any]:
+def _summary(r: AuditRecord) -> Dict[str, object]:
     return {"index": r.index, "id": r.problem_id, "verdict": r.verdict, "truncated": r.truncated,
             "extracted": r.verifier.extracted, "ground_truth": r.ground_truth, "reward": r.reward,
             "other_verdict": None if r.other is None else ("correct" if r.other.correct else "not correct"),
@@ -96,7 +96,7 @@ def _verdict_line(r: AuditRecord) -> List[Tuple[str, str]]:
     return facts
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     return "(none)" if value is None else repr(str(value))
 
 
@@ -148,7 +148,7 @@ pre { background: #f7f7f7; border: 1px solid #ddd; padding: 0.5em; white-space: 
 """
 
 
-def _e(text: Any) -> str:
+def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from dapo_mega.config import DataConfig, EvalConfig
 from dapo_mega.data.problem import Problem, compute_dataset_revision, run_dataset_revision
 from dapo_mega.data.readers import read_problems
 from dapo_mega.data.synthetic import generate_synthetic_problems
@@ -43,7 +44,7 @@ class EvalSet:
         return f"eval/{self.name}/" if self.name else "eval/"
 
 
-def build_datasets(data_cfg: Any, report: Optional[Dict[str, Any]] = None,
+def build_datasets(data_cfg: DataConfig, report: Optional[Dict[str, object]] = None,
                    named_eval: Optional[Mapping[str, Sequence[Problem]]] = None
                    ) -> Tuple[List[Problem], List[Problem], str]:
     """(train problems, held-out problems, dataset revision) from a DataConfig.
@@ -88,8 +89,8 @@ def build_datasets(data_cfg: Any, report: Optional[Dict[str, Any]] = None,
     return train, held_out, revision
 
 
-def read_named_eval_sets(eval_cfg: Any, data_cfg: Any,
-                         report: Optional[Dict[str, Any]] = None) -> Dict[str, List[Problem]]:
+def read_named_eval_sets(eval_cfg: EvalConfig, data_cfg: DataConfig,
+                         report: Optional[Dict[str, object]] = None) -> Dict[str, List[Problem]]:
     """name -> problems of each `eval.sets` file (read as data.eval_path is: data.on_bad_row,
     data.dedup); `report` gets each ReadReport as "eval/<name>"."""
     named: Dict[str, List[Problem]] = {}
@@ -100,7 +101,7 @@ def read_named_eval_sets(eval_cfg: Any, data_cfg: Any,
     return named
 
 
-def eval_sets_of(eval_cfg: Any, held_out: Sequence[Problem], named: Mapping[str, Sequence[Problem]]) -> List[EvalSet]:
+def eval_sets_of(eval_cfg: EvalConfig, held_out: Sequence[Problem], named: Mapping[str, Sequence[Problem]]) -> List[EvalSet]:
     """The unnamed set (when there are held-out problems) first, then the named ones in config
     order; a named set's null n_samples / max_response_length / max_problems are eval.*'s."""
     def first(problems: Sequence[Problem], limit: int) -> List[Problem]:
@@ -116,7 +117,7 @@ def eval_sets_of(eval_cfg: Any, held_out: Sequence[Problem], named: Mapping[str,
     return sets
 
 
-def build_run_datasets(data_cfg: Any, eval_cfg: Any, report: Optional[Dict[str, Any]] = None
+def build_run_datasets(data_cfg: DataConfig, eval_cfg: EvalConfig, report: Optional[Dict[str, object]] = None
                        ) -> Tuple[List[Problem], List[EvalSet], str]:
     """(train problems, the evaluation sets, run dataset revision): what the trainer and
     `dapo-mega eval` call (`build_datasets` plus the named sets of eval.sets)."""

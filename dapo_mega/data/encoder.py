@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from dapo_mega.config import ConfigError
+from dapo_mega.config import ConfigError, DataConfig
 from dapo_mega.data.problem import Problem, format_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def token_ids_of(encoded: Any) -> List[int]:
@@ -53,7 +57,7 @@ def token_ids_of(encoded: Any) -> List[int]:
 class PromptEncoder:
     """Problem -> prompt token ids, with or without the tokenizer's chat template."""
 
-    def __init__(self, tokenizer: Any, prompt_template: str = "dapo", apply_chat_template: bool = False):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_template: str = "dapo", apply_chat_template: bool = False):
         self.tokenizer = tokenizer
         self.prompt_template = prompt_template
         self.apply_chat_template = apply_chat_template
@@ -67,12 +71,12 @@ class PromptEncoder:
         self._fingerprint: Optional[str] = None
 
     @classmethod
-    def from_config(cls, tokenizer: Any, data_cfg: Any) -> "PromptEncoder":
+    def from_config(cls, tokenizer: PreTrainedTokenizerBase, data_cfg: DataConfig) -> "PromptEncoder":
         """From a tokenizer and a DataConfig (prompt_template, apply_chat_template)."""
         return cls(tokenizer, data_cfg.prompt_template, data_cfg.apply_chat_template)
 
     @classmethod
-    def from_pretrained(cls, model_dir: Any, data_cfg: Any) -> "PromptEncoder":
+    def from_pretrained(cls, model_dir: Path | str, data_cfg: DataConfig) -> "PromptEncoder":
         """Load the tokenizer of an HF directory and build the encoder for `data_cfg`."""
         from transformers import AutoTokenizer
 

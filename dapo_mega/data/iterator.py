@@ -7,11 +7,23 @@ when shuffle is off). The cursor (epoch, position) is the whole state: a run res
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, TypedDict
 
 import numpy as np
 
 from dapo_mega.data.problem import DataError, Problem
+
+
+class PromptCursor(TypedDict):
+    """A `PromptIterator`'s saved state: the cursor (epoch, position) and what it must match
+    on resume (dataset size and revision, seed, shuffle)."""
+
+    epoch: int
+    position: int
+    seed: int
+    shuffle: bool
+    num_problems: int
+    revision: Optional[str]
 
 
 class PromptIterator:
@@ -65,11 +77,11 @@ class PromptIterator:
                 self.position = 0
         return batch
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> PromptCursor:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
                 "num_problems": len(self.problems), "revision": self.revision}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: PromptCursor) -> None:
         """Restore a cursor saved by `state_dict` (same data, seed and shuffle, or DataError)."""
         for key, mine in (("num_problems", len(self.problems)), ("seed", self.seed), ("shuffle", self.shuffle),
                           ("revision", self.revision)):

@@ -33,7 +33,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Tuple
 
 from dapo_mega.data.problem import DataError, Problem
 
@@ -61,7 +61,7 @@ class _BadRow(Exception):
         self.problem = problem
 
 
-def _prompt_from(value: Any) -> Tuple[str, Tuple[Dict[str, str], ...]]:
+def _prompt_from(value: object) -> Tuple[str, Tuple[Dict[str, str], ...]]:
     """(prompt text, chat list) from a chat list or a plain string."""
     if isinstance(value, str):
         text, messages = value, ({"role": "user", "content": value},)
@@ -85,7 +85,7 @@ def _prompt_from(value: Any) -> Tuple[str, Tuple[Dict[str, str], ...]]:
     return text, messages
 
 
-def _row_to_problem(row: Dict[str, Any], default_source: str) -> Problem:
+def _row_to_problem(row: Mapping[str, object], default_source: str) -> Problem:
     if "reward_model" in row and row["reward_model"] is not None:
         reward_model = row["reward_model"]
         if not isinstance(reward_model, dict):
@@ -120,7 +120,7 @@ def _row_to_problem(row: Dict[str, Any], default_source: str) -> Problem:
                    messages=messages, answer_prefix=prefix)
 
 
-def _iter_parquet_rows(path: Path) -> Iterator[Dict[str, Any]]:
+def _iter_parquet_rows(path: Path) -> Iterator[Dict[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -141,7 +141,7 @@ def _iter_parquet_rows(path: Path) -> Iterator[Dict[str, Any]]:
         raise DataError(f"{path}: parquet data unreadable (truncated or corrupt?): {exc}") from exc
 
 
-def _iter_jsonl_rows(path: Path) -> Iterator[Any]:
+def _iter_jsonl_rows(path: Path) -> Iterator[object]:
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle):
             if not raw.strip():
@@ -153,7 +153,7 @@ def _iter_jsonl_rows(path: Path) -> Iterator[Any]:
                 yield _BadRow("json", f"line {line_number + 1} is not valid JSON: {exc}")
 
 
-def _published_row(row: Any) -> Any:
+def _published_row(row: object) -> object:
     """A row of a published eval set (see the module docstring) in the simple form."""
     if not isinstance(row, dict) or "prompt" in row or "reward_model" in row:
         return row  # a bad row, or already the project's form: validated as such
@@ -170,7 +170,7 @@ def _published_row(row: Any) -> Any:
     return simple
 
 
-def _iter_raw_parquet_rows(path: Path) -> Iterator[Dict[str, Any]]:
+def _iter_raw_parquet_rows(path: Path) -> Iterator[Dict[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -211,7 +211,7 @@ def read_problems(path: str | Path, on_bad_row: str = "error", dedup: bool = Tru
     return _problems_from_rows(path, rows, on_bad_row, dedup)
 
 
-def _iter_file_rows(path: Path, parquet_rows: Callable[[Path], Iterator[Any]], where: str) -> Iterator[Any]:
+def _iter_file_rows(path: Path, parquet_rows: Callable[[Path], Iterator[object]], where: str) -> Iterator[object]:
     """The rows of a .parquet (through `parquet_rows`) or .jsonl file; DataError for a missing
     file (`where` says which setting names it) or another file type."""
     if not path.is_file():
@@ -224,7 +224,7 @@ def _iter_file_rows(path: Path, parquet_rows: Callable[[Path], Iterator[Any]], w
     raise DataError(f"{path}: unknown file type {suffix!r}; use .parquet or .jsonl")
 
 
-def _problems_from_rows(path: Path, rows: Iterator[Any], on_bad_row: str,
+def _problems_from_rows(path: Path, rows: Iterator[object], on_bad_row: str,
                         dedup: bool) -> Tuple[List[Problem], ReadReport]:
     """Validate, count and deduplicate rows read from `path` (see `read_problems`)."""
     if on_bad_row not in ("error", "skip"):

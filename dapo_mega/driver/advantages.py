@@ -10,16 +10,17 @@ trains on exactly the tokens that were sampled from.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import List, Sequence
 
 import torch
 
 from dapo_mega.algo import compute_group_advantages
 from dapo_mega.algo.train_sample import TrainSample
+from dapo_mega.config import AlgoConfig
 from dapo_mega.rollout.samples import Group
 
 
-def build_train_samples(groups: Sequence[Group], algo: Any) -> List[TrainSample]:
+def build_train_samples(groups: Sequence[Group], algo: AlgoConfig) -> List[TrainSample]:
     """TrainSamples of `groups` in order (group by group, sample by sample).
 
     algo: an AlgoConfig (adv_eps, normalize_adv_std, overlong_filter).

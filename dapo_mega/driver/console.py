@@ -16,7 +16,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Set, TextIO, Tuple, Type, Union
 
 KNOWN_WARNINGS: Tuple[Tuple[str, str], ...] = (
     (r"(Apex|Transformer Engine).* not installed", "megatron-core falls back to torch implementations"),
@@ -36,15 +36,15 @@ KNOWN_WARNINGS: Tuple[Tuple[str, str], ...] = (
 class _Router:
     """The `warnings.showwarning` replacement installed by `route_known_warnings`."""
 
-    def __init__(self, log_path: Path, show: Callable[..., Any]):
+    def __init__(self, log_path: Path, show: Callable[..., None]):
         self.log_path = log_path
         self.show = show
         self.patterns = [(re.compile(p), why) for p, why in KNOWN_WARNINGS]
         self.seen: Set[str] = set()
         self.lock = threading.Lock()
 
-    def __call__(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
-                 line: Optional[str] = None) -> None:
+    def __call__(self, message: Union[Warning, str], category: Type[Warning], filename: str, lineno: int,
+                 file: Optional[TextIO] = None, line: Optional[str] = None) -> None:
         text = str(message)
         why = next((why for pattern, why in self.patterns if pattern.search(text)), None)
         if why is None:

@@ -43,7 +43,7 @@ class LearnerRankRole:
     def __init__(self, gate: Optional[DriverGate] = None):
         self.gate = gate or DriverGate()
 
-    def broadcast(self, obj: Any = None, stall_timeout_s: Optional[float] = None) -> Any:
+    def broadcast(self, obj: object = None, stall_timeout_s: Optional[float] = None) -> Any:
         """The driver's `obj` (inside the trusted learner group only), once it is ready;
         `stall_timeout_s` replaces cluster.driver_stall_timeout_s for this wait (the engines' start)."""
         self.gate.handover(stall_timeout_s)
@@ -89,10 +89,10 @@ class LearnerRankRole:
         self.gate.handover()
         return {}
 
-    def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
+    def log_step(self, step: int, metrics: Dict[str, float], timings: Dict[str, float]) -> None:
         pass
 
-    def checkpoint_state(self) -> Dict[str, Any]:
+    def checkpoint_state(self) -> Dict[str, object]:
         """What only the driver adds to a checkpoint's trainer state."""
         return {}
 
@@ -208,13 +208,13 @@ class DriverRole(LearnerRankRole):
             metrics.update(result.metrics())
         return metrics
 
-    def log_step(self, step: int, metrics: Dict[str, Any], timings: Dict[str, float]) -> None:
+    def log_step(self, step: int, metrics: Dict[str, float], timings: Dict[str, float]) -> None:
         self.recorder.log_step(step, {"policy_version": self.run.state.policy_version, **metrics, **timings})
 
     def out_of_time(self, clock: WallClock) -> bool:
         return bool(self.broadcast(clock.next_step_would_overrun()))
 
-    def checkpoint_state(self) -> Dict[str, Any]:
+    def checkpoint_state(self) -> Dict[str, object]:
         if self.last_batch is None:
             return self.rollouts.state_dict()
         return {"data_cursor": self.last_batch.data_cursor, "rollout_carry": self.last_batch.rollout_carry}

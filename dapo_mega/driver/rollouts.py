@@ -23,12 +23,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.manager import RolloutManager
-from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups
+from dapo_mega.rollout.samples import Group, PromptFactory, ScoredSample, drop_stale_groups
+
+if TYPE_CHECKING:
+    from dapo_mega.config import DapoConfig
+    from dapo_mega.data import Problem, PromptEncoder, PromptIterator
+    from dapo_mega.data.iterator import PromptCursor
+    from dapo_mega.reward.types import Verifier
 
 
 @dataclass
@@ -41,7 +47,7 @@ class RolloutBatch:
     samples: List[ScoredSample] = field(default_factory=list)
     """Every sample generated or dropped in the step, kept or not: the step's ledger rows."""
     metrics: Dict[str, float] = field(default_factory=dict)
-    data_cursor: Optional[Dict[str, Any]] = None
+    data_cursor: Optional[PromptCursor] = None
     """The prompt iterator's state right after this batch's prompts were drawn."""
     rollout_carry: Optional[Dict[str, Any]] = None
     """The manager's state right after this batch (carry-over, pending prompts, keep rate)."""
@@ -52,7 +58,8 @@ class RolloutBatch:
 class RolloutSource:
     """Generates, scores and filters one step's groups; see the module docstring."""
 
-    def __init__(self, cfg: Any, prompts: Any, encoder: Any, verifier: Any, manager: RolloutManager):
+    def __init__(self, cfg: DapoConfig, prompts: PromptIterator, encoder: PromptEncoder, verifier: Verifier,
+                 manager: RolloutManager):
         """cfg: the DapoConfig; prompts: a data.PromptIterator; encoder: a data.PromptEncoder."""
         self.cfg = cfg
         self.prompts = prompts
@@ -90,21 +97,21 @@ class RolloutSource:
                             data_cursor=self.prompts.state_dict(), rollout_carry=self.manager.state_dict(),
                             seconds=seconds)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, object]:
         """What a checkpoint needs when no batch has been drawn yet."""
         return {"data_cursor": self.prompts.state_dict(), "rollout_carry": self.manager.state_dict()}
 
-    def load_state_dict(self, data_cursor: Optional[Dict[str, Any]], rollout_carry: Optional[Dict[str, Any]],
-                        problem_factory: Callable[[Dict[str, Any]], Any]) -> None:
+    def load_state_dict(self, data_cursor: Optional[PromptCursor], rollout_carry: Optional[Dict[str, Any]],
+                        problem_factory: PromptFactory) -> None:
         if data_cursor:
             self.prompts.load_state_dict(data_cursor)
         if rollout_carry:
             self.manager.load_state_dict(rollout_carry, problem_factory)
 
     # ---------------------------------------------------------------- StepInputs (rollout/dynamic_sampling.py)
-    def draw(self, n: int) -> List[Any]:
+    def draw(self, n: int) -> List[Problem]:
         """n problems whose prompts fit max_prompt_length (longer ones are skipped, counted)."""
-        out: List[Any] = []
+        out: List[Problem] = []
         for _ in range(100):
             for p in self.prompts.next_batch(n - len(out)):
                 if len(self.encoder.encode(p)) <= self.cfg.algo.max_prompt_length:

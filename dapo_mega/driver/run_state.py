@@ -24,6 +24,8 @@ from dapo_mega.run_identity import RunIdentity
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.data.iterator import PromptCursor
+    from dapo_mega.models.shape import HfConfigDict
 
 
 @dataclass
@@ -34,7 +36,7 @@ class TrainerState:
     """Last completed step."""
     policy_version: int = 0
     """Optimizer steps the learner has taken and synced into the engines."""
-    data_cursor: Optional[Dict[str, Any]] = None
+    data_cursor: Optional[PromptCursor] = None
     """The prompt iterator's position (driver)."""
     rollout_carry: Optional[Dict[str, Any]] = None
     """Groups dynamic sampling kept for the next step (driver)."""
@@ -115,7 +117,7 @@ class RunState:
         self.resumed, self.checkpoint = True, latest
         return True
 
-    def save(self, learner: "MegatronLearner", step: int, driver_state: Dict[str, Any]) -> None:
+    def save(self, learner: "MegatronLearner", step: int, driver_state: Dict[str, object]) -> None:
         """Checkpoint `step` with the trainer state (collective); `driver_state` holds what only
         the driver knows (data cursor, rollout carry-over), {} on the other ranks."""
         from dapo_mega.backends.megatron.checkpoint import save_checkpoint
@@ -136,7 +138,8 @@ class RunState:
         n = self.cfg.hf_export_interval
         return n > 0 and (step % n == 0 or step == self.cfg.total_steps)
 
-    def export_hf(self, learner: "MegatronLearner", step: int, hf_config: Dict[str, Any], hf_side_dir: Path) -> Dict[str, float]:
+    def export_hf(self, learner: "MegatronLearner", step: int, hf_config: HfConfigDict,
+                  hf_side_dir: Path) -> Dict[str, float]:
         """The learner's weights as `<run_dir>/hf/step_<N>/` (collective; `weights.convert.export_hf_step`),
         keeping `trainer.hf_export_keep`; its cost as metrics on the driver, {} elsewhere."""
         from dapo_mega.weights.convert import export_hf_step

@@ -18,13 +18,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Union
 
 from dapo_mega.config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 """HF `config.architectures[0]` of each supported `model_type`."""
+
+HfConfigDict = Dict[str, Any]
+"""A parsed Hugging Face config.json (nested JSON: `rope_scaling`, `rope_parameters`, ...)."""
+
+HfConfigSource = Union["PretrainedConfig", HfConfigDict, str, Path]
+"""Where an HF config is read from: a transformers config object, the parsed config.json,
+or a checkpoint directory / config.json path (`hf_config_to_dict`)."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +96,11 @@ class ModelShape:
         """The same shape with Megatron's padded vocabulary (set by the model provider)."""
         return replace(self, padded_vocab_size=padded_vocab_size)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, object]:
         return asdict(self)
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "ModelShape":
+    def from_hf_config(cls, hf_config: HfConfigSource) -> "ModelShape":
         """Parse a Qwen2/Qwen2.5/Qwen3/Llama config; raises ConfigError for other model types
         and for variants the learner would compute differently from transformers."""
         cfg = hf_config_to_dict(hf_config)
@@ -124,7 +134,7 @@ class ModelShape:
         )
 
 
-def _check_qwen3(cfg: Dict[str, Any]) -> None:
+def _check_qwen3(cfg: Mapping[str, object]) -> None:
     """Qwen3 options the Megatron learner does not compute: a bias on q/k/v/o, sliding windows."""
     if cfg.get("attention_bias"):
         raise ConfigError("model.hf_path: Qwen3 with attention_bias=true (a bias on q/k/v and o_proj) is not "
@@ -134,7 +144,7 @@ def _check_qwen3(cfg: Dict[str, Any]) -> None:
                           "attention is full causal). Fix: set use_sliding_window=false in config.json")
 
 
-def hf_config_to_dict(hf_config: Any) -> Dict[str, Any]:
+def hf_config_to_dict(hf_config: HfConfigSource) -> HfConfigDict:
     """A config object, dict, directory or config.json path -> the config.json dict."""
     if isinstance(hf_config, dict):
         return dict(hf_config)
@@ -148,7 +158,7 @@ def hf_config_to_dict(hf_config: Any) -> Dict[str, Any]:
     raise TypeError(f"cannot read a Hugging Face config from {type(hf_config).__name__}")
 
 
-def _rope(cfg: Dict[str, Any]) -> Dict[str, Any]:
+def _rope(cfg: HfConfigDict) -> Dict[str, Optional[float]]:
     """RoPE θ and the Llama-3 scaling fields, as ModelShape keyword arguments.
 
     transformers 5 stores RoPE as `rope_parameters = {"rope_theta": θ, "rope_type": ...,

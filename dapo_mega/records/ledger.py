@@ -25,12 +25,12 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, get_args
+from typing import List, Optional, Sequence, Tuple, get_args
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo_mega.config import LedgerTextMode
+from dapo_mega.config import AlgoConfig, DapoConfig, LedgerTextMode, TrainerConfig
 from dapo_mega.rollout.samples import ScoredSample
 from dapo_mega.run_dir import atomic_path
 
@@ -141,7 +141,7 @@ class LedgerText:
             raise ValueError(f"ledger text mode {self.mode!r} is not one of {LEDGER_TEXT_MODES}")
 
     @classmethod
-    def of(cls, trainer_cfg: Any) -> "LedgerText":
+    def of(cls, trainer_cfg: TrainerConfig) -> "LedgerText":
         """The setting of a TrainerConfig (trainer.ledger_text, trainer.ledger_text_max_chars)."""
         return cls(trainer_cfg.ledger_text, trainer_cfg.ledger_text_max_chars)
 
@@ -263,7 +263,7 @@ float timings are most of it) and a few short repeated strings (ids, reject reas
 parts as JSON); ~30-35 measured on shards of 512 rows."""
 
 
-def ledger_responses_per_step(algo_cfg: Any, rounds: int = 1) -> int:
+def ledger_responses_per_step(algo_cfg: AlgoConfig, rounds: int = 1) -> int:
     """Ledger rows of a step that takes `rounds` generation rounds: every round sends
     algo.gen_batch_size prompts of algo.n_samples_per_prompt responses, each one a row
     (kept or rejected). The bound is rounds = algo.max_num_gen_batches (when > 0)."""
@@ -308,7 +308,7 @@ def ledger_bytes_per_step(responses_per_step: float, mean_response_tokens: float
             + n / max(group_size, 1) * stored_chars(prompt_tokens) / text_compression)
 
 
-def ledger_bytes_per_step_of(cfg: Any, mean_response_tokens: float, prompt_tokens: float = 150.0,
+def ledger_bytes_per_step_of(cfg: DapoConfig, mean_response_tokens: float, prompt_tokens: float = 150.0,
                              rounds: int = 1) -> float:
     """`ledger_bytes_per_step` of a DapoConfig: its rows per step (`rounds` generation rounds;
     algo.max_num_gen_batches is the bound), group size and trainer.ledger_text setting."""

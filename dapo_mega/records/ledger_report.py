@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from difflib import SequenceMatcher
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -63,7 +63,7 @@ from dapo_mega.records.ledger import ROW_GROUP_ROWS, ledger_dir, ledger_shards
 from dapo_mega.records.metrics import read_metrics
 from dapo_mega.records.rollout_metrics import AGE_BUCKETS, age_label
 from dapo_mega.rollout.samples import TRAINED_REASONS
-from dapo_mega.run_identity import history_of_current_run
+from dapo_mega.run_identity import ConfigHistoryRow, history_of_current_run
 
 MAX_FLAGGED = 1000
 """Flagged responses the streamed report keeps to list (`--max-flagged`); they are all counted."""
@@ -136,7 +136,7 @@ class LedgerReport:
     """Rows whose response text the ledger holds elided or not at all."""
     step_range: str = "all"
     """The steps read: `A:B`, `A:`, `:B`, or all."""
-    config_changes: List[Dict[str, Any]] = field(default_factory=list)
+    config_changes: List[ConfigHistoryRow] = field(default_factory=list)
     """What resumes of the run changed (`config_history.jsonl` lines: step, field, old, new,
     shapes_training), oldest first."""
 
@@ -248,7 +248,7 @@ def repeats_prompt(response_text: str, prompt_text: str, min_chars: int = 8, cov
     return match.size >= cover * len(resp)
 
 
-def _digest(*parts: Any) -> int:
+def _digest(*parts: object) -> int:
     """64 bits of blake2b over `parts` (collisions among a run's texts: ~n² / 2^65)."""
     h = hashlib.blake2b(digest_size=8)
     for part in parts:
@@ -566,10 +566,10 @@ def _quote(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def config_changes_line(changes: Sequence[Dict[str, Any]]) -> str:
+def config_changes_line(changes: Sequence[ConfigHistoryRow]) -> str:
     """The report's line on what resumes changed: guarded fields first (they were allowed by
     name, trainer.allow_changes), then the others."""
-    def describe(c: Dict[str, Any]) -> str:
+    def describe(c: ConfigHistoryRow) -> str:
         return f"step {c['step']}: {c['field']} {json.dumps(c['old'])} -> {json.dumps(c['new'])}"
 
     guarded = [describe(c) for c in changes if c.get("shapes_training")]

@@ -13,12 +13,15 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 from dapo_mega import log
 from dapo_mega.records.console import format_console_line
 from dapo_mega.records.curves import plot_curves
 from dapo_mega.records.metrics import finite_or_none, truncate_metrics
+
+if TYPE_CHECKING:
+    from dapo_mega.run_identity import ConfigTree
 
 logger = log.get(__name__)
 
@@ -26,7 +29,7 @@ logger = log.get(__name__)
 class RunRecorder:
     """metrics.jsonl + one console line per step + wandb (offline by default) + curves.png."""
 
-    def __init__(self, run_dir: Path, run_name: str, config_dict: Dict[str, Any], resume_step: int,
+    def __init__(self, run_dir: Path, run_name: str, config_dict: ConfigTree, resume_step: int,
                  wandb_mode: str = "offline", wandb_project: str = "dapo-mega",
                  wandb_run_id: Optional[str] = None, plot: bool = True, run_id: str = ""):
         self.run_dir = Path(run_dir)
@@ -68,7 +71,7 @@ class RunRecorder:
         logger.info(f"[records] wandb could not start ({last_error}); metrics go to metrics.jsonl only")
         return None
 
-    def log_step(self, step: int, metrics: Dict[str, Any]) -> None:
+    def log_step(self, step: int, metrics: Dict[str, float]) -> None:
         row = {"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}, "time/unix": time.time()}
         if self.run_id:
             row["run_id"] = self.run_id

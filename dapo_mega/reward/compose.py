@@ -14,6 +14,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 import torch
 
 from dapo_mega.algo.overlong import compute_overlong_penalty
+from dapo_mega.config import AlgoConfig
 from dapo_mega.reward.scoring import Text, VerifierPool, score_responses
 from dapo_mega.reward.types import Components, SampleReward, Verifier, VerifyStats
 
@@ -56,7 +57,7 @@ class RewardBatch:
                 for reward, correct, correctness, penalty, error, extracted, components in columns]
 
 
-def score_groups(verifier: Verifier, groups: Sequence[Any], algo_cfg: Any, prompt_template: str,
+def score_groups(verifier: Verifier, groups: Sequence[Any], algo_cfg: AlgoConfig, prompt_template: str,
                  pool: Optional[VerifierPool] = None) -> RewardBatch:
     """`compute_rewards` of every sample of every group (a `Group`: `.prompt`, `.samples`),
     flat, group after group; each sample's answer prefix comes from its prompt and
@@ -76,10 +77,10 @@ def compute_rewards(
     responses: Sequence[Text],
     ground_truths: Sequence[str],
     response_lengths: Sequence[int],
-    algo_cfg: Any,
+    algo_cfg: AlgoConfig,
     answer_prefixes: Optional[Sequence[str]] = None,
     pool: Optional[VerifierPool] = None,
-    metadata: Optional[Sequence[Mapping[str, Any]]] = None,
+    metadata: Optional[Sequence[Mapping[str, object]]] = None,
 ) -> RewardBatch:
     """Verify N responses and add the overlong penalty.
 

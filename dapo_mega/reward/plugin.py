@@ -27,7 +27,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 from dapo_mega.config import ConfigError
 from dapo_mega.reward.types import VerifyResult, code_version
@@ -60,7 +60,7 @@ def is_plugin_path(spec: str) -> bool:
     return bool(PLUGIN_PATH.match(spec))
 
 
-def problem_metadata(problem: Any) -> Dict[str, Any]:
+def problem_metadata(problem: object) -> Dict[str, str]:
     """The metadata dict a plugin is given for a problem (a `data.Problem` or alike)."""
     return {"id": str(getattr(problem, "id", "")), "data_source": str(getattr(problem, "data_source", "")),
             "prompt": str(getattr(problem, "prompt", ""))}
@@ -70,10 +70,10 @@ def _error(path: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{FIELD}: reward plugin {path!r} {problem}. Fix: {fix}")
 
 
-_LOADED: Dict[str, Callable[..., Any]] = {}
+_LOADED: Dict[str, Callable[..., object]] = {}
 
 
-def load_plugin(path: str) -> Callable[..., Any]:
+def load_plugin(path: str) -> Callable[..., object]:
     """The function `path` names, imported and checked against SIGNATURE (cached per process)."""
     if path in _LOADED:
         return _LOADED[path]
@@ -98,7 +98,7 @@ def load_plugin(path: str) -> Callable[..., Any]:
     return fn
 
 
-def check_signature(path: str, fn: Any) -> None:
+def check_signature(path: str, fn: object) -> None:
     """`fn` is a plain callable that accepts (response, ground_truth, metadata)."""
     if not callable(fn) or inspect.isclass(fn):
         raise _error(path, f"is an object of type {type(fn).__name__}, not a function",
@@ -116,7 +116,7 @@ def check_signature(path: str, fn: Any) -> None:
                      f"ground_truth, metadata)", f"define it as {SIGNATURE}") from None
 
 
-def plugin_version(path: str, fn: Any) -> str:
+def plugin_version(path: str, fn: Callable[..., object]) -> str:
     """The declared `__version__` / `VERSION` of the function, else of its module; else the
     hash of the module's source file (see `code_version`)."""
     module = inspect.getmodule(fn)
@@ -132,7 +132,7 @@ def plugin_version(path: str, fn: Any) -> str:
     return code_version(path, source)
 
 
-def to_verify_result(path: str, value: Any) -> VerifyResult:
+def to_verify_result(path: str, value: object) -> VerifyResult:
     """A plugin's return value as a VerifyResult; TypeError naming the plugin if it is not a
     RewardResult with a finite score, a bool verdict and finite components."""
     if not isinstance(value, RewardResult):
@@ -153,7 +153,7 @@ def to_verify_result(path: str, value: Any) -> VerifyResult:
     return VerifyResult(correct=value.correct, reward=float(value.score), extracted=extracted, components=components)
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -178,7 +178,7 @@ class PluginVerifier:
         """Import and check `path`; ConfigError naming algo.verifier when it cannot be used."""
         return cls(name=path, version=plugin_version(path, load_plugin(path)))
 
-    def score(self, response: str, ground_truth: str, metadata: Optional[Mapping[str, Any]] = None) -> VerifyResult:
+    def score(self, response: str, ground_truth: str, metadata: Optional[Mapping[str, object]] = None) -> VerifyResult:
         fn = load_plugin(self.name)
         return to_verify_result(self.name, fn(response, ground_truth, dict(metadata or {})))
 

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from dapo_mega.reward.types import Verifier, VerifyResult, VerifyStats, call_verifier, verifier_error_result
 from dapo_mega.tether import popen_tethered
@@ -158,7 +158,7 @@ class VerifierPool:
             self._workers.append(worker)
 
     def score(self, responses: Sequence[str], ground_truths: Sequence[str], timeout_s: float,
-              stats: VerifyStats, metadata: Optional[Sequence[Mapping[str, Any]]] = None) -> List[VerifyResult]:
+              stats: VerifyStats, metadata: Optional[Sequence[Mapping[str, object]]] = None) -> List[VerifyResult]:
         """Score every item; each gets at most `timeout_s` of a worker's time. `metadata`: N
         problem metadata dicts for verifiers that take them (default: {} each)."""
         with self._lock:
@@ -291,7 +291,7 @@ def score_responses(
     timeout_s: float = 5.0,
     answer_prefixes: Optional[Sequence[str]] = None,
     pool: Optional[VerifierPool] = None,
-    metadata: Optional[Sequence[Mapping[str, Any]]] = None,
+    metadata: Optional[Sequence[Mapping[str, object]]] = None,
 ) -> Tuple[List[VerifyResult], VerifyStats]:
     """Score responses against ground truths; never raises on bad input, never hangs.
 

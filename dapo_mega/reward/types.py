@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 Components = Tuple[Tuple[str, float], ...]
 """A verifier's own breakdown of its score, as (name, value) pairs (frozen, hashable)."""
@@ -77,7 +77,7 @@ UNSCORED = SampleReward(reward=0.0, correct=False)
 
 
 def call_verifier(verifier: Verifier, response: str, ground_truth: str,
-                  metadata: Optional[Mapping[str, Any]] = None) -> VerifyResult:
+                  metadata: Optional[Mapping[str, object]] = None) -> VerifyResult:
     """`verifier.score` with the problem's metadata where the verifier takes it (a reward
     plugin), without it otherwise (the built-in verifiers and any two-argument one)."""
     if getattr(verifier, "takes_metadata", False):

@@ -10,12 +10,12 @@ decided, nor scored; otherwise every group is decided and the kept surplus is ca
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
 from dapo_mega.reward.types import SampleReward
-from dapo_mega.rollout.samples import TRAINED_REASONS, Group, ScoredSample
+from dapo_mega.rollout.samples import TRAINED_REASONS, Group, PromptItem, ScoredSample
 
 __all__ = ["BatchFill", "SET_ASIDE_COUNTS", "select_groups"]
 
@@ -62,7 +62,7 @@ class BatchFill:
         """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""
         self.counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0,
                        **{k: 0 for k in SET_ASIDE_COUNTS}}
-        self.round_prompts: Sequence[Any] = ()
+        self.round_prompts: Sequence[PromptItem] = ()
         self.decided = 0
         """Groups of the current round decided: always its first `decided` prompts."""
 
@@ -72,7 +72,7 @@ class BatchFill:
     def full(self) -> bool:
         return len(self.kept) >= self.train_batch_size
 
-    def start_round(self, prompts: Sequence[Any]) -> None:
+    def start_round(self, prompts: Sequence[PromptItem]) -> None:
         self.round_prompts, self.decided = prompts, 0
 
     def take(self, groups: List[Group]) -> bool:

@@ -15,12 +15,19 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import aiohttp
 
-from dapo_mega.backends.sglang.client import EngineClient, EngineError, SampleResult
-from dapo_mega.rollout.samples import Group, ScoredSample
+from dapo_mega.backends.sglang.client import (
+    EngineClient,
+    EngineError,
+    PromptInput,
+    RequestSamplingParams,
+    SampleResult,
+)
+from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+from dapo_mega.rollout.samples import Group, PromptItem, ScoredSample
 
 __all__ = ["IN_FLIGHT_MARGIN", "RolloutError", "RoundDispatcher", "RoundOutcome", "abort_in_flight", "chunk_size",
            "finished_requests", "scored_sample"]
@@ -52,7 +59,7 @@ class RoundOutcome:
     stopped: bool = False
     """The batch filled and the rest of the round was cancelled."""
     unsent_chunks: List[int] = field(default_factory=list)
-    unsent: List[Any] = field(default_factory=list)
+    unsent: List[PromptItem] = field(default_factory=list)
     """Prompts of the round never completed (never sent, or aborted in flight), in order."""
     aborted_requests: int = 0
     aborted_samples: int = 0
@@ -89,7 +96,7 @@ class RoundDispatcher:
     want() x IN_FLIGHT_MARGIN groups.
     """
 
-    def __init__(self, manager, prompts: Sequence[Any], gen_round: int,
+    def __init__(self, manager, prompts: Sequence[PromptItem], gen_round: int,
                  on_groups: Optional[Callable[[List[Group]], bool]] = None,
                  want: Optional[Callable[[], int]] = None,
                  keep_rate: Optional[Callable[[], Optional[float]]] = None):
@@ -348,7 +355,8 @@ class RoundDispatcher:
         self._finish(url, c, inputs, params, samples, t0)
         return True
 
-    def _finish(self, url: str, c: int, inputs: List[Any], params: Any, samples: List[SampleResult],
+    def _finish(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
+                samples: List[SampleResult],
                 t0: float) -> None:
         """A complete reply: its groups, the engine's progress and counters."""
         global _finished_requests
@@ -373,7 +381,7 @@ class RoundDispatcher:
         self._settle(c)
 
 
-async def abort_in_flight(endpoints: Dict[str, Any], urls: Sequence[str], failures: List[str]) -> None:
+async def abort_in_flight(endpoints: Dict[str, EngineEndpoint], urls: Sequence[str], failures: List[str]) -> None:
     """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised."""
     async def one(url: str) -> None:
         try:
@@ -385,7 +393,7 @@ async def abort_in_flight(endpoints: Dict[str, Any], urls: Sequence[str], failur
     await asyncio.gather(*(one(u) for u in urls))
 
 
-def scored_sample(reply: SampleResult, prompt: Any, seed: Optional[int], engine_id: str, queue_delay_s: float,
+def scored_sample(reply: SampleResult, prompt: PromptItem, seed: Optional[int], engine_id: str, queue_delay_s: float,
                   latency_s: float, gen_round: int, dataset_revision: str = "") -> ScoredSample:
     """A ScoredSample (not scored yet) from one sample of an engine's reply."""
     text = getattr(prompt, "prompt", None)

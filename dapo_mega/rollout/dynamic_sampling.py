@@ -40,7 +40,14 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Protocol, Seq
 from dapo_mega.reward.types import SampleReward
 from dapo_mega.rollout.batch_fill import BatchFill
 from dapo_mega.rollout.dispatch import RolloutError, RoundOutcome
-from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups
+from dapo_mega.rollout.samples import (
+    Group,
+    PromptFactory,
+    PromptItem,
+    PromptToInput,
+    ScoredSample,
+    drop_stale_groups,
+)
 
 __all__ = ["DynamicSampler", "DynamicSamplingExhausted", "KEEP_RATE_EMA", "MAX_ROUND_FACTOR", "ROUND_MARGIN",
            "StepInputs", "plain_prompt"]
@@ -60,7 +67,7 @@ class DynamicSamplingExhausted(RuntimeError):
 class StepInputs(Protocol):
     """What a step's dynamic sampling needs from the run: prompts, and rewards for groups."""
 
-    def draw(self, n: int) -> List[Any]:
+    def draw(self, n: int) -> List[PromptItem]:
         """n fresh prompts (problems)."""
 
     def score(self, groups: List[Group]) -> List[List[SampleReward]]:
@@ -75,11 +82,11 @@ engines (`RolloutManager._generate`)."""
 class DynamicSampler:
     """One run's dynamic sampling state (carry, pending prompts, keep rate) and its steps."""
 
-    def __init__(self, prompt_to_input: Callable[[Any], Any]):
+    def __init__(self, prompt_to_input: PromptToInput):
         self.prompt_to_input = prompt_to_input
         self.carry: List[Group] = []
         """Kept groups beyond a step's batch, offered to the next step (asynchronous modes)."""
-        self.pending: List[Any] = []
+        self.pending: List[PromptItem] = []
         """Prompts drawn but never completed (a streamed round stopped first): drawn again first."""
         self.keep_counts = [0.0, 0.0]
         """Exponentially decayed counts of kept and finished groups (`keep_rate`)."""
@@ -87,12 +94,12 @@ class DynamicSampler:
         """The last step's counts (BatchFill.counts): rounds, groups seen, set-aside work."""
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, object]:
         """Carried groups, pending prompts (plain data) and the keep-rate estimate for checkpoints."""
         return {"carry": [g.to_dict() for g in self.carry], "pending": [plain_prompt(p) for p in self.pending],
                 "keep_counts": list(self.keep_counts)}
 
-    def load_state_dict(self, state: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], prompt_factory: PromptFactory) -> None:
         """What `state_dict` wrote (checkpoints from before streaming have only `carry`)."""
         self.carry = [Group.from_dict(d, prompt_factory, self.prompt_to_input) for d in state["carry"]]
         self.pending = [prompt_factory(d) for d in state.get("pending", [])]
@@ -125,7 +132,8 @@ class DynamicSampler:
         return cap if rate * cap <= need * ROUND_MARGIN else max(1, math.ceil(need * ROUND_MARGIN / rate))
 
     # ---------------------------------------------------------------- one step
-    def collect_step(self, generate: Generate, run_coroutine: Callable[[Awaitable[Any]], Any], step: int,
+    def collect_step(self, generate: Generate, run_coroutine: Callable[[Awaitable[RoundOutcome]], RoundOutcome],
+                     step: int,
                      learner_version: int, inputs: StepInputs, train_batch_size: int, gen_batch_size: int,
                      dynamic_sampling: bool, max_num_gen_batches: int, max_staleness: Optional[int], stream: bool,
                      ) -> Tuple[List[Group], List[ScoredSample]]:
@@ -167,12 +175,12 @@ class DynamicSampler:
             samples += g.stamp(step, learner_version)
         return kept, samples
 
-    def _draw(self, inputs: StepInputs, n: int) -> List[Any]:
+    def _draw(self, inputs: StepInputs, n: int) -> List[PromptItem]:
         """n prompts: those returned unsent by an earlier round first, then fresh ones."""
         taken, self.pending = self.pending[:n], self.pending[n:]
         return taken + (list(inputs.draw(n - len(taken))) if n > len(taken) else [])
 
-    def _set_aside_undecided(self, prompts: Sequence[Any], fill: BatchFill, out: RoundOutcome) -> None:
+    def _set_aside_undecided(self, prompts: Sequence[PromptItem], fill: BatchFill, out: RoundOutcome) -> None:
         """After a streamed round: its prompts after the last one decided go back to `pending`
         (in prompt order, before the older pending ones), whether their request was never sent,
         aborted, or finished; the samples of those that finished are discarded (counted)."""
@@ -197,6 +205,6 @@ def _exhausted(step: int, fill: BatchFill, train_batch_size: int, max_num_gen_ba
             "algo.dynamic_sampling=false.")
 
 
-def plain_prompt(prompt: Any) -> Any:
+def plain_prompt(prompt: PromptItem) -> object:
     """A prompt item as plain data (as Group.to_dict stores it)."""
     return asdict(prompt) if hasattr(prompt, "__dataclass_fields__") else prompt

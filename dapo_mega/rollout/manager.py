@@ -42,12 +42,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
-from dapo_mega.backends.sglang.client import EngineClient, EngineError
+from dapo_mega.backends.sglang.client import EngineClient, EngineError, RequestSamplingParams, SamplingParams
 from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS
 from dapo_mega.rollout.dispatch import RolloutError, RoundDispatcher, RoundOutcome, chunk_size
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs
-from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups, parse_version
+from dapo_mega.rollout.samples import (
+    Group,
+    PromptFactory,
+    PromptItem,
+    PromptToInput,
+    ScoredSample,
+    drop_stale_groups,
+    parse_version,
+)
 
 __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample", "StepInputs",
            "chunk_size", "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
@@ -56,11 +64,11 @@ __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager"
 class RolloutManager:
     """Generates groups on several engines; see the module docstring."""
 
-    def __init__(self, engines: Sequence[EngineAddress], n_samples: int, sampling_params: Dict[str, Any],
+    def __init__(self, engines: Sequence[EngineAddress], n_samples: int, sampling_params: SamplingParams,
                  max_retries: int = 3,
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
                  requests_per_engine: int = 8,
-                 prompt_to_input: Optional[Callable[[Any], Any]] = None, seed: Optional[int] = None,
+                 prompt_to_input: Optional[PromptToInput] = None, seed: Optional[int] = None,
                  liveness_timeout_s: float = 300.0, probe_interval_s: float = 10.0, dataset_revision: str = ""):
         self.endpoints = {e.url: e for e in map(as_endpoint, engines)}
         self.engine_urls = list(self.endpoints)
@@ -101,11 +109,11 @@ class RolloutManager:
         self.metrics: Dict[str, float] = {}
 
     # ---------------------------------------------------------------- state
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, object]:
         """What a checkpoint keeps of the rollouts: dynamic sampling's state (`DynamicSampler`)."""
         return self.sampling.state_dict()
 
-    def load_state_dict(self, state: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], prompt_factory: PromptFactory) -> None:
         self.sampling.load_state_dict(state, prompt_factory)
 
     def dead_engines(self) -> Dict[str, str]:
@@ -163,7 +171,7 @@ class RolloutManager:
             self.rejoining = [u for u in self.rejoining if u not in set(urls)]
 
     # ---------------------------------------------------------------- generation
-    async def generate_groups(self, prompts: Sequence[Any], gen_round: int = 0) -> List[Group]:
+    async def generate_groups(self, prompts: Sequence[PromptItem], gen_round: int = 0) -> List[Group]:
         """One group of n_samples per prompt, in prompt order, spread over live engines."""
         out = await self._generate(prompts, gen_round)
         if len(out.groups) != len(prompts):
@@ -171,7 +179,7 @@ class RolloutManager:
                                f"dead engines: {self.dead}; failures: {out.failures[-5:]}")
         return [out.groups[i] for i in range(len(prompts))]
 
-    async def _generate(self, prompts: Sequence[Any], gen_round: int,
+    async def _generate(self, prompts: Sequence[PromptItem], gen_round: int,
                         on_groups: Optional[Callable[[List[Group]], bool]] = None,
                         want: Optional[Callable[[], int]] = None,
                         keep_rate: Optional[Callable[[], Optional[float]]] = None) -> RoundOutcome:
@@ -214,7 +222,7 @@ class RolloutManager:
         self.metrics.update(self.engine_load_metrics())
         return kept, samples
 
-    def _params_for(self, prompts: Sequence[Any], gen_round: int) -> Any:
+    def _params_for(self, prompts: Sequence[PromptItem], gen_round: int) -> RequestSamplingParams:
         """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
         `sampling_seed` depends only on (seed, step, round, prompt id) — so a step redone after a
         resume, or a request retried on another engine, samples the same tokens where the engine

@@ -15,12 +15,31 @@ engine was given (the learner trains on the same ids).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from dapo_mega.backends.sglang.client import PromptInput, WeightVersionSpan
 from dapo_mega.reward.types import UNSCORED, SampleReward
 
 
-def parse_version(version: Any) -> int:
+class PromptItem(Protocol):
+    """A prompt the rollout generates for: an id (the ledger's `prompt_id`) and its text.
+    `data.Problem` is one; `prompt_to_input` turns it into what the engine is given."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def prompt(self) -> str: ...
+
+
+PromptToInput = Callable[[PromptItem], PromptInput]
+"""A prompt item -> the engine's input for it (`PromptEncoder.encode`: token ids)."""
+
+PromptFactory = Callable[[Dict[str, Any]], PromptItem]
+"""The plain data a checkpoint stored of a prompt item (`plain_prompt`) -> the item again."""
+
+
+def parse_version(version: object) -> int:
     """Engine weight versions are strings; ours are integers ("default" = 0)."""
     try:
         return int(str(version))
@@ -42,7 +61,7 @@ class ScoredSample:
     """Every generated token, a matched stop token included: what the learner trains on."""
     logprobs: Optional[List[float]]
     """[len(token_ids)] log p(token) under the engine's sampling distribution, or None."""
-    weight_versions: List[Dict[str, Any]]
+    weight_versions: List[WeightVersionSpan]
     """The engine's `{"version", "start", "end"}` spans over token_ids."""
     response_text: str
     truncated: bool
@@ -104,9 +123,9 @@ class ScoredSample:
 class Group:
     """The G samples of one prompt, with where and when they were generated."""
 
-    prompt: Any
+    prompt: PromptItem
     """The prompt item (an object with `.id` and `.prompt`, e.g. data.Problem)."""
-    prompt_input: Any
+    prompt_input: PromptInput
     """What the engine was given for it (token ids, or text): the learner's prompt ids."""
     samples: List[ScoredSample]
     engine_id: str
@@ -136,7 +155,7 @@ class Group:
         versions = [parse_version(span["version"]) for s in self.samples for span in s.weight_versions]
         return (min(versions), max(versions)) if versions else (0, 0)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, object]:
         """Plain data (checkpoints carry the groups dynamic sampling kept for later)."""
         prompt = asdict(self.prompt) if hasattr(self.prompt, "__dataclass_fields__") else self.prompt
         return {"prompt": prompt, "prompt_input": self.prompt_input, "engine_id": self.engine_id,
@@ -144,8 +163,8 @@ class Group:
                 "samples": [asdict(s) for s in self.samples]}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any], prompt_factory: Callable[[Dict[str, Any]], Any],
-                  prompt_to_input: Optional[Callable[[Any], Any]] = None) -> "Group":
+    def from_dict(cls, d: Dict[str, Any], prompt_factory: PromptFactory,
+                  prompt_to_input: Optional[PromptToInput] = None) -> "Group":
         """The group `to_dict` wrote; also reads the carry-over of checkpoints written before
         samples were typed (engine replies and reward dicts side by side), re-encoding the
         prompt with `prompt_to_input`."""
@@ -157,7 +176,7 @@ class Group:
                    queue_delay_s=d["queue_delay_s"], latency_s=d["latency_s"], gen_round=d["gen_round"])
 
 
-def _legacy_group(d: Dict[str, Any], prompt: Any, prompt_input: Any) -> Group:
+def _legacy_group(d: Dict[str, Any], prompt: PromptItem, prompt_input: PromptInput) -> Group:
     """A carried group as checkpoints stored it before `ScoredSample` (see Group.from_dict)."""
     rewards = d.get("rewards") or []
     text = getattr(prompt, "prompt", None)

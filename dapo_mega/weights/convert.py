@@ -40,7 +40,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -61,6 +61,14 @@ from dapo_mega.weights.hf_io import (
     dtype_from_name,
     write_index,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+
+    from dapo_mega.models.shape import HfConfigDict
+
+T = TypeVar("T")
+"""What a function run on every rank returns (`run_on_ranks`)."""
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
@@ -101,7 +109,7 @@ class ConversionSummary:
 # --------------------------------------------------------------------------- helpers
 
 
-def read_hf_config_dict(hf_dir: Path | str) -> Dict[str, Any]:
+def read_hf_config_dict(hf_dir: Path | str) -> HfConfigDict:
     """config.json of an HF directory, with the architecture checked."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
@@ -123,7 +131,7 @@ def copy_hf_side_files(src: Path | str, dst: Path | str, include_config: bool = 
     return copied
 
 
-def _target_dtype(name: Optional[str], hf_cfg: Dict[str, Any]) -> torch.dtype:
+def _target_dtype(name: Optional[str], hf_cfg: HfConfigDict) -> torch.dtype:
     """--dtype, else the HF config's dtype (torch_dtype / dtype), else float32."""
     explicit = dtype_from_name(name)
     if explicit is not None:
@@ -136,7 +144,7 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _build(hf_cfg: Dict[str, Any], tp: int, pp: int, world_size: int, dtype: torch.dtype):
+def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch.dtype):
     """Initialise the layout on this rank and build the model chunks in `dtype`, uninitialised.
 
     `dtype` is the checkpoint's (bf16 for a bf16 checkpoint, on the CPU too): the model is
@@ -172,7 +180,7 @@ _ERROR_TYPES = {cls.__name__: cls for cls in (M.WeightMappingError, M.MissingHFT
                                                 M.UnsupportedArchitectureError, FileNotFoundError)}
 
 
-def run_on_ranks(fn, world_size: int, args: Sequence[Any]) -> List[Any]:
+def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object]) -> List[T]:
     """Run `fn(rank, world_size, *args)` on the current ranks (already distributed) or spawned ones.
 
     Errors of spawned ranks are re-raised with their original type when it is one of the
@@ -241,7 +249,7 @@ def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, 
                              tp=tp, pp=pp, dtype=_dtype_str(dtype), notes=notes)
 
 
-def _consume_into_save_state(chunks) -> Dict[str, Any]:
+def _consume_into_save_state(chunks) -> ShardedStateDict:
     """The chunks' sharded state dict, with no tensor a view; the chunks are left empty.
 
     megatron's torch_dist writer clones every CPU tensor that is a view of a larger storage
@@ -256,7 +264,7 @@ def _consume_into_save_state(chunks) -> Dict[str, Any]:
     state = model_sharded_state_dict(chunks)
     apply_factories(state)
     params = {p.untyped_storage().data_ptr(): p for c in chunks for p in c.parameters()}
-    views: Dict[int, List[Any]] = {}
+    views: Dict[int, List[ShardedTensor]] = {}
     for sh in nested_values(state):
         if isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.Tensor) and sh.data.device.type == "cpu":
             storage = sh.data.untyped_storage()
@@ -311,19 +319,19 @@ def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
     return summary
 
 
-def _write_hf_config(out: Path, hf_cfg: Dict[str, Any], dtype: str) -> None:
+def _write_hf_config(out: Path, hf_cfg: HfConfigDict, dtype: str) -> None:
     cfg = dict(hf_cfg)
     cfg["dtype"] = dtype
     cfg.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _write_generation_config(out: Path, hf_cfg: Dict[str, Any]) -> None:
+def _write_generation_config(out: Path, hf_cfg: HfConfigDict) -> None:
     gen = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_cfg.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: Dict[str, Any], tp: int, pp: int,
+def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: HfConfigDict, tp: int, pp: int,
                    max_shard_bytes: int, dtype_name: Optional[str], stored_dtype: Optional[torch.dtype],
                    progress: bool) -> Optional[ConversionSummary]:
     """Build in the dtype the checkpoint stores (so the load casts nothing), write `dtype_name`."""
@@ -341,7 +349,7 @@ def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: 
 def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
                          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: Optional[torch.dtype] = None,
                          progress: bool = False, hf_side_dir: Optional[Path | str] = None,
-                         hf_config: Optional[Dict[str, Any]] = None) -> Optional[ConversionSummary]:
+                         hf_config: Optional[HfConfigDict] = None) -> Optional[ConversionSummary]:
     """Write the live model's weights as HF safetensors shards + index into `out_dir`.
 
     Collective over all learner ranks (each pipeline stage streams its layers through
@@ -408,7 +416,8 @@ def _agree_on_export(error: Optional[BaseException], out: Path) -> None:
     raise HFExportError(f"HF export to {out} failed on rank {D.rank()}: {error!r}") from error
 
 
-def _write_export_index(out: Path, parts: List[Any], dtype: Optional[torch.dtype], hf_config: Optional[Dict[str, Any]],
+def _write_export_index(out: Path, parts: List[Optional[Tuple[int, Tuple[Dict[str, str], List[str], int]]]],
+                        dtype: Optional[torch.dtype], hf_config: Optional[HfConfigDict],
                         hf_side_dir: Optional[Path | str]) -> ConversionSummary:
     """Rank 0: the shards renamed in stage order, the index, and the side files."""
     ordered = [p for _, p in sorted((p for p in parts if p is not None), key=lambda x: x[0])]
@@ -441,7 +450,7 @@ class HFExportRecord:
         return {"hf_export/seconds": self.seconds, "hf_export/bytes": float(self.bytes)}
 
 
-def export_hf_step(model_chunks, info, layout, run_dir: Path | str, step: int, hf_config: Dict[str, Any],
+def export_hf_step(model_chunks, info, layout, run_dir: Path | str, step: int, hf_config: HfConfigDict,
                    hf_side_dir: Optional[Path | str], dtype: torch.dtype, keep: int) -> Optional[HFExportRecord]:
     """The running learner's weights as `<run_dir>/hf/step_<N>/`, atomically (collective).
 
@@ -562,7 +571,7 @@ def _release_freed_memory() -> None:
         pass
 
 
-def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: Dict[str, Any], tp: int,
+def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: HfConfigDict, tp: int,
                    input_ids: torch.Tensor, tolerance: float, dtype: torch.dtype) -> Optional[ConversionSummary]:
     layout, chunks, info = _build(hf_cfg, tp, 1, world_size, dtype)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)

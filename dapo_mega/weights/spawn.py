@@ -12,10 +12,13 @@ import io
 import os
 import time
 import traceback
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Sequence, TypeVar
+
+T = TypeVar("T")
+"""What the function run on each spawned rank returns."""
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], args: Sequence[object], queue) -> None:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -49,7 +52,8 @@ class SpawnedRankError(RuntimeError):
         self.rank, self.exc_type, self.message, self.traceback = rank, exc_type, message, tb
 
 
-def spawn_gloo(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: float = 3600.0) -> List[Any]:
+def spawn_gloo(fn: Callable[..., T], world_size: int, args: Sequence[object] = (),
+               timeout_s: float = 3600.0) -> List[T]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; results by rank.
 
     The environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE) is set so `fn` initialises

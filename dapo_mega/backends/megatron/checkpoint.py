@@ -30,7 +30,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -54,6 +54,11 @@ from dapo_mega.run_dir import (
     resolve_checkpoint_dir,
     step_dir_name,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict, StateDict
+
+    from dapo_mega.backends.megatron.layout import ParallelLayout
 
 CONVERTED_MODEL_SUBDIR = "model"
 """The distributed checkpoint of a converted (`convert_checkpoint.py import`) checkpoint."""
@@ -85,7 +90,7 @@ def ensure_dist_checkpoint_writer() -> None:
         filesystem_async._process_memory = lambda: 0
 
 
-def save_dist_checkpoint(state: Dict[str, Any], ckpt_dir: Path | str) -> None:
+def save_dist_checkpoint(state: ShardedStateDict, ckpt_dir: Path | str) -> None:
     """`dist_checkpointing.save(state, ckpt_dir)` (torch_dist backend; the dir must exist)."""
     from megatron.core import dist_checkpointing
 
@@ -96,7 +101,7 @@ def save_dist_checkpoint(state: Dict[str, Any], ckpt_dir: Path | str) -> None:
 # --------------------------------------------------------------------------- model state
 
 
-def model_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, Any]:
+def model_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> ShardedStateDict:
     """{"model": sd} (one chunk) or {"model0": sd0, …} (virtual PP), as Megatron-LM nests them.
 
     ShardedTensor keys carry global layer numbers, so the file layout does not depend on
@@ -110,7 +115,7 @@ def model_sharded_state_dict(model_chunks: List[torch.nn.Module]) -> Dict[str, A
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
 
 
-def load_model_state(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
+def load_model_state(model_chunks: List[torch.nn.Module], loaded: StateDict) -> None:
     """Copy a loaded {"model"…} dict into the chunks (strict: every parameter present)."""
     from dapo_mega.backends.megatron.model import unwrap_chunk
 
@@ -140,7 +145,7 @@ def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_di
     load_model_state(model_chunks, loaded)
 
 
-def merge_factories_in_place(state: Dict[str, Any]) -> None:
+def merge_factories_in_place(state: ShardedStateDict) -> None:
     """Make each ShardedTensorFactory's merge write into its own tensor and return it.
 
     dist_checkpointing loads the pieces a factory builds (SwiGLU's fc1 as gate and up
@@ -191,10 +196,10 @@ def resolve_megatron_source(megatron_path: Path | str) -> Dict[str, Any]:
 # --------------------------------------------------------------------------- RNG
 
 
-def capture_rng_state() -> Dict[str, Any]:
+def capture_rng_state() -> Dict[str, object]:
     """This rank's RNG states as tensors/ints/tuples (loadable with weights_only=True)."""
     np_state = np.random.get_state()
-    state: Dict[str, Any] = {
+    state: Dict[str, object] = {
         "python": random.getstate(),
         "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
                   "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gauss": float(np_state[4])},
@@ -226,14 +231,14 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
-def _tuplify(x: Any) -> Any:
+def _tuplify(x: object) -> object:
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 # --------------------------------------------------------------------------- save / load
 
 
-def _full_state(learner, is_loading: bool, optimizer_sharding: str) -> Dict[str, Any]:
+def _full_state(learner, is_loading: bool, optimizer_sharding: str) -> ShardedStateDict:
     state = model_sharded_state_dict(learner.model_chunks)
     optimizer = getattr(learner, "optimizer", None)
     if optimizer is not None:
@@ -266,7 +271,7 @@ def _prepare_optimizer_for_loading(optimizer) -> None:
                     inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
-def _restore_adam_step(optimizer, loaded_optimizer_state: Any) -> None:
+def _restore_adam_step(optimizer, loaded_optimizer_state: Union[StateDict, List[StateDict]]) -> None:
     """Put the saved Adam step count back after a DistributedOptimizer load (no Apex/TE).
 
     megatron-core 0.16.1 stores the step of a torch Adam in the param groups of the common
@@ -297,9 +302,9 @@ def _restore_adam_step(optimizer, loaded_optimizer_state: Any) -> None:
                 param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
-def _model_meta(learner) -> Dict[str, Any]:
+def _model_meta(learner) -> Dict[str, object]:
     info = getattr(learner, "info", None)
-    meta: Dict[str, Any] = {"format_version": FORMAT_VERSION,
+    meta: Dict[str, object] = {"format_version": FORMAT_VERSION,
                             "model_info": info.to_dict() if hasattr(info, "to_dict") else None}
     hf_config = getattr(learner, "hf_config", None)
     hf_path = getattr(getattr(getattr(learner, "cfg", None), "model", None), "hf_path", "") or ""
@@ -314,7 +319,7 @@ def _model_meta(learner) -> Dict[str, Any]:
     return meta
 
 
-def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Dict[str, Any],
+def save_checkpoint(learner, run_dir: Path | str, step: int, trainer_state: Mapping[str, object],
                     keep_last_k: int = 2, optimizer_sharding: Optional[str] = None, keep_every: int = 0) -> Path:
     """Save model, optimizer, scheduler, RNG and `trainer_state` as `step_<N>` (collective).
 
@@ -383,22 +388,23 @@ def _configured_sharding(learner) -> str:
     return getattr(mcfg, "optimizer_sharding", None) or DEFAULT_OPTIMIZER_SHARDING
 
 
-def _layout_record(learner) -> Optional[Dict[str, Any]]:
+def _layout_record(learner) -> Optional[Dict[str, Optional[int]]]:
     layout = getattr(learner, "layout", None)
     return None if layout is None else layout_record(layout)
 
 
-def layout_record(layout) -> Dict[str, Any]:
+def layout_record(layout: ParallelLayout) -> Dict[str, Optional[int]]:
     """What a checkpoint records of a ParallelLayout (trainer_state.json `learner_layout`)."""
     return {k: getattr(layout, k) for k in LAYOUT_KEYS}
 
 
-def _describe_layout(layout: Dict[str, Any], dp: bool = True) -> str:
+def _describe_layout(layout: Mapping[str, object], dp: bool = True) -> str:
     vpp = f" / VPP {layout['vpp']}" if layout.get("vpp") else ""
     return f"TP {layout['tp']} / PP {layout['pp']}{vpp}" + (f" / DP {layout['dp']}" if dp else "")
 
 
-def resume_layout_problem(trainer_state: Dict[str, Any], here: Dict[str, Any], ckpt: Path | str) -> Optional[str]:
+def resume_layout_problem(trainer_state: Dict[str, Any], here: Mapping[str, Optional[int]], ckpt: Path | str
+                          ) -> Optional[str]:
     """Why the optimizer state of the checkpoint `ckpt` (its `trainer_state`) cannot load at
     the layout `here` (a `layout_record`), or None when it can. dp_reshardable state keeps each
     DP rank's flat buffer shard, which lines up only at the TP, PP and VPP it was saved with
@@ -417,7 +423,7 @@ def resume_layout_problem(trainer_state: Dict[str, Any], here: Dict[str, Any], c
             "resume: megatron.optimizer_sharding=fully_reshardable. Nothing was loaded")
 
 
-def _load_fully_reshardable_with_torch_adam(optimizer, state: Dict[str, Any]) -> None:
+def _load_fully_reshardable_with_torch_adam(optimizer, state: StateDict) -> None:
     """`optimizer.load_state_dict(state)` for fully_reshardable state and a torch Adam.
 
     megatron-core 0.16.1's `load_parameter_state_from_fully_reshardable` leaves "step" out
@@ -462,7 +468,7 @@ def verify_checkpoint_files(model_optim_dir: Path | str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     storage = FileSystemReader(str(model_optim_dir)).read_metadata().storage_data or {}
-    needed: Dict[str, Any] = {}
+    needed: Dict[str, Tuple[int, str]] = {}
     for index, info in storage.items():
         end = info.offset + info.length
         if end > needed.get(info.relative_path, (0, ""))[0]:
@@ -476,7 +482,7 @@ def verify_checkpoint_files(model_optim_dir: Path | str) -> None:
                                          "was loaded: the model and optimizer are unchanged")
 
 
-def verify_checkpoint_fits(state: Dict[str, Any], model_optim_dir: Path | str) -> None:
+def verify_checkpoint_fits(state: ShardedStateDict, model_optim_dir: Path | str) -> None:
     """Every tensor of `state` (a sharded state dict about to be loaded) is in the checkpoint
     with the same global shape; else raise CheckpointCorruptError naming the tensor, before
     anything is read (a checkpoint of another size or architecture is refused whole)."""

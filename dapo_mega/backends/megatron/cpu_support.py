@@ -41,10 +41,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from torch.types import Device
 
 _ENABLED = False
 _LOCK = threading.Lock()
@@ -58,7 +61,7 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-def _is_cuda_device(device: Any) -> bool:
+def _is_cuda_device(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -67,7 +70,7 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-def _to_cpu_device(value: Any) -> Any:
+def _to_cpu_device(value: object) -> object:
     return _CPU if _is_cuda_device(value) else value
 
 
@@ -95,12 +98,12 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _cpu_get_rng_state(device: Device = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     state = torch.get_rng_state()
     return state.clone() if clone else state
 
 
-def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Device = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
 
 

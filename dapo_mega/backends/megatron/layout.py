@@ -14,12 +14,12 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from dapo_mega.config import ConfigError, MegatronConfig
-from dapo_mega.models.shape import ModelShape
+from dapo_mega.models.shape import HfConfigSource, ModelShape
 
 
 @dataclass
@@ -35,11 +35,12 @@ class ParallelLayout:
     dp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
-    hf_config: Any = None
+    hf_config: Optional[HfConfigSource] = None
     """The HF config (object, dict or path) used for divisibility checks; may be None."""
 
     @classmethod
-    def from_config(cls, mcfg: MegatronConfig, world_size: int, hf_config: Any = None) -> "ParallelLayout":
+    def from_config(cls, mcfg: MegatronConfig, world_size: int, hf_config: Optional[HfConfigSource] = None
+                    ) -> "ParallelLayout":
         """Layout from the Megatron config and the number of learner processes.
 
         DP = world_size / (TP·PP·CP); the division is checked in `validate()`.

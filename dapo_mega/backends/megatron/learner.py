@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -63,6 +63,7 @@ from dapo_mega.backends.megatron.model import TE_SPEC, build_model
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
 from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
 from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.models.shape import HfConfigSource
 
 _POLICY_METRICS = ("loss/clip_frac_low", "loss/clip_frac_high", "loss/dual_clip_frac", "loss/approx_kl",
                    "loss/ratio_mean")
@@ -92,7 +93,7 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
 class MegatronLearner:
     """Megatron-core policy model, optimizer and the DAPO train step on one rank."""
 
-    def __init__(self, cfg: DapoConfig, hf_config: Any, layout: ParallelLayout, initialize: bool = True):
+    def __init__(self, cfg: DapoConfig, hf_config: HfConfigSource, layout: ParallelLayout, initialize: bool = True):
         """`initialize=False`: the caller loads every weight next (no random initialisation)."""
         check_learner_supports(layout)
         self.cfg = cfg
@@ -279,7 +280,7 @@ class MegatronLearner:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def _update(self, micro_batches: List[MicroBatch], loss_func: Callable, lr: Optional[float]) -> Dict[str, Any]:
+    def _update(self, micro_batches: List[MicroBatch], loss_func: Callable, lr: Optional[float]) -> Dict[str, float]:
         """Forward/backward over the micro-batches, non-finite check, clip + step. Returns step info."""
         self._zero_grads()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
@@ -296,7 +297,7 @@ class MegatronLearner:
         totals = self._all_reduce_sum(local)
         loss, tokens = totals[0], totals[1]
         finite = bool(torch.isfinite(torch.tensor(loss))) and self._grads_finite()
-        info: Dict[str, Any] = {"loss": loss, "tokens": tokens, "entropy": totals[2] / max(tokens, 1.0),
+        info: Dict[str, float] = {"loss": loss, "tokens": tokens, "entropy": totals[2] / max(tokens, 1.0),
                                 "finite": finite}
         for k, key in enumerate(keys):
             info[key] = totals[3 + k] / max(tokens, 1.0)

@@ -51,7 +51,7 @@ import torch
 
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.config import ConfigError, MegatronConfig
-from dapo_mega.models.shape import ModelShape
+from dapo_mega.models.shape import HfConfigSource, ModelShape
 
 VOCAB_PAD_MULTIPLE = 128
 INIT_STD = 0.02
@@ -77,7 +77,7 @@ class ModelInfo:
     fp8: Optional[str]
     """None, "e4m3" or "hybrid"."""
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> Dict[str, object]:
         """Flat JSON form (the shape's fields, then the build's), as written to dapo_mega_model.json."""
         return {**self.shape.to_dict(), "layer_spec": self.layer_spec, "params_dtype": self.params_dtype,
                 "fp8": self.fp8}
@@ -236,7 +236,7 @@ def _layer_spec(spec: str, qk_layernorm: bool = False):
     return local
 
 
-def build_model(hf_config: Any, mcfg: MegatronConfig, layout: ParallelLayout,
+def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: ParallelLayout,
                 device: Optional[torch.device] = None, initialize: bool = True,
                 params_dtype: Optional[torch.dtype] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage) and the ModelInfo.

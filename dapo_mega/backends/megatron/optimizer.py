@@ -19,11 +19,14 @@ token mean (DAPO Eq. 12).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 
 from dapo_mega.config import AlgoConfig, MegatronConfig
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
@@ -99,7 +102,7 @@ class WarmupConstantLR:
     def current_lr(self) -> float:
         return self.lr_at(self.num_updates)
 
-    def apply(self, optimizer: Any, lr: float | None = None) -> float:
+    def apply(self, optimizer: MegatronOptimizer, lr: float | None = None) -> float:
         value = self.current_lr if lr is None else lr
         for group in optimizer.param_groups:
             group["lr"] = value
@@ -108,8 +111,8 @@ class WarmupConstantLR:
     def advance(self) -> None:
         self.num_updates += 1
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, float]:
         return {"base_lr": self.base_lr, "warmup_steps": self.warmup_steps, "num_updates": self.num_updates}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, float]) -> None:
         self.num_updates = int(state["num_updates"])

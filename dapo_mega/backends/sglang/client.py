@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import aiohttp
 
@@ -31,11 +31,29 @@ from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
 NO_LIMIT_S = 10.0 * 365 * 24 * 3600
 """What "no time limit" is passed to aiohttp as (a total of None would fall back to a default)."""
 
+PromptInput = Union[str, Sequence[int]]
+"""What an engine is given for one prompt: its text, or its token ids."""
+
+SamplingParams = Dict[str, Any]
+"""One SGLang `sampling_params` object (n, temperature, top_p, top_k, max_new_tokens, stop,
+sampling_seed, ...: `build_sampling_params`); its values are JSON scalars and lists."""
+
+RequestSamplingParams = Union[SamplingParams, List[SamplingParams]]
+"""A request's `sampling_params`: one object for every prompt, or a list of one per prompt."""
+
+
+class WeightVersionSpan(TypedDict):
+    """One `meta_info.weight_versions` span: tokens [start, end) came from weight `version`."""
+
+    version: str
+    start: int
+    end: int
+
 
 class EngineError(RuntimeError):
     """An engine answered with an error status (the message carries its reply)."""
 
-    def __init__(self, url: str, path: str, status: int, body: Any):
+    def __init__(self, url: str, path: str, status: int, body: object):
         super().__init__(f"{url}{path} -> HTTP {status}: {body}")
         self.status, self.body = status, body
 
@@ -56,9 +74,9 @@ class SampleResult:
     text: str
     output_ids: List[int]
     token_ids: List[int]
-    finish_reason: Dict[str, Any]
+    finish_reason: Dict[str, object]
     logprobs: Optional[List[float]]
-    weight_versions: List[Dict[str, Any]]
+    weight_versions: List[WeightVersionSpan]
     prompt_tokens: int
     completion_tokens: int
     meta_info: Dict[str, Any] = field(repr=False, default_factory=dict)
@@ -78,9 +96,9 @@ class SampleResult:
 
 def build_sampling_params(n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                           max_new_tokens: int = 128, stop: Optional[Sequence[str]] = None,
-                          sampling_seed: Optional[int] = None, **extra: Any) -> Dict[str, Any]:
+                          sampling_seed: Optional[int] = None, **extra: Any) -> SamplingParams:
     """SGLang `sampling_params` dict."""
-    params: Dict[str, Any] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+    params: SamplingParams = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                               "max_new_tokens": max_new_tokens}
     if stop:
         params["stop"] = list(stop)
@@ -90,20 +108,21 @@ def build_sampling_params(n: int = 1, temperature: float = 1.0, top_p: float = 1
     return params
 
 
-def build_generate_body(prompts: Sequence, sampling_params: Dict[str, Any], return_logprob: bool = False,
-                        rid: Optional[str] = None) -> Dict[str, Any]:
+def build_generate_body(prompts: Sequence[PromptInput], sampling_params: RequestSamplingParams,
+                        return_logprob: bool = False, rid: Optional[str] = None) -> Dict[str, object]:
     """Batched GenerateReqInput: `text` for strings, `input_ids` for token lists."""
     if not prompts:
         raise ValueError("no prompts")
     key = "text" if isinstance(prompts[0], str) else "input_ids"
-    body: Dict[str, Any] = {key: [p if isinstance(p, str) else list(p) for p in prompts],
-                            "sampling_params": sampling_params, "return_logprob": bool(return_logprob)}
+    body: Dict[str, object] = {key: [p if isinstance(p, str) else list(p) for p in prompts],
+                               "sampling_params": sampling_params, "return_logprob": bool(return_logprob)}
     if rid is not None:
         body["rid"] = rid
     return body
 
 
-def expand_seeded_samples(prompts: Sequence, sampling_params: Any) -> Tuple[List, Any, int]:
+def expand_seeded_samples(prompts: Sequence[PromptInput], sampling_params: RequestSamplingParams
+                          ) -> Tuple[List[PromptInput], RequestSamplingParams, int]:
     """(prompts, sampling_params, n) to send: a seeded request with n > 1 becomes n copies of
     each prompt with n = 1 and `sampling_seed` seed + j for copy j (see the module docstring);
     anything else is sent as given."""
@@ -142,7 +161,7 @@ def parse_generate_reply(reply: Any, num_prompts: int, n: int) -> List[SampleRes
     return out
 
 
-def control_body(path: str, **fields: Any) -> Dict[str, Any]:
+def control_body(path: str, **fields: object) -> Dict[str, object]:
     """A control request body; drops None values (SGLang fills its defaults)."""
     return {k: v for k, v in fields.items() if v is not None}
 
@@ -167,8 +186,8 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
-    async def _request(self, method: str, path: str, body: Any = None, timeout_s: Optional[float] = None,
-                       expect_json: bool = True) -> Any:
+    async def _request(self, method: str, path: str, body: Optional[Dict[str, object]] = None,
+                       timeout_s: Optional[float] = None, expect_json: bool = True) -> Any:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(headers=self.endpoint.headers())
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.endpoint.control_timeout_s)
@@ -183,8 +202,8 @@ class EngineClient:
             return data
 
     # ---------------------------------------------------------------- generation
-    async def generate(self, prompts: Sequence, sampling_params: Any, return_logprob: bool = True,
-                       timeout_s: Optional[float] = None) -> List[SampleResult]:
+    async def generate(self, prompts: Sequence[PromptInput], sampling_params: RequestSamplingParams,
+                       return_logprob: bool = True, timeout_s: Optional[float] = None) -> List[SampleResult]:
         """Batched /generate; returns len(prompts) * n SampleResults, prompt-major.
 
         `sampling_params`: one dict for every prompt, or a list of one dict per prompt (same n).
@@ -229,14 +248,14 @@ class EngineClient:
                 raise EngineError(self.url, "/v1/loads", 503, f"still {busy} requests after {limit:.0f} s")
             await asyncio.sleep(poll_s)
 
-    async def model_info(self) -> Dict[str, Any]:
+    async def model_info(self) -> Dict[str, object]:
         return await self._request("GET", "/model_info")
 
     async def weight_version(self) -> str:
         return str((await self.model_info())["weight_version"])
 
     # ---------------------------------------------------------------- control
-    async def pause_generation(self, mode: str = "abort") -> Any:
+    async def pause_generation(self, mode: str = "abort") -> Dict[str, object]:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}")
         return await self._request("POST", "/pause_generation", control_body("/pause_generation", mode=mode))
@@ -246,60 +265,61 @@ class EngineClient:
         await self._request("POST", "/abort_request", control_body("/abort_request", rid=rid, abort_all=abort_all),
                             expect_json=False)
 
-    async def begin_weight_update(self, selector: str = "all") -> Any:
+    async def begin_weight_update(self, selector: str = "all") -> Dict[str, object]:
         """Open the weight-update session every update must run in (one at a time per engine)."""
         return await self._request("POST", "/begin_weight_update", {"selector": selector})
 
-    async def end_weight_update(self) -> Any:
+    async def end_weight_update(self) -> Dict[str, object]:
         """Close the session `begin_weight_update` opened."""
         return await self._request("POST", "/end_weight_update", {})
 
-    async def continue_generation(self) -> Any:
+    async def continue_generation(self) -> Dict[str, object]:
         return await self._request("POST", "/continue_generation", {})
 
     async def flush_cache(self) -> str:
         return await self._request("POST", "/flush_cache", expect_json=False)
 
-    async def release_memory_occupation(self, tags: Optional[List[str]] = None) -> Any:
+    async def release_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
         return await self._request("POST", "/release_memory_occupation", control_body("", tags=tags))
 
     async def release_memory_when_idle(self, tags: Optional[List[str]] = None,
-                                       timeout_s: Optional[float] = None) -> Any:
+                                       timeout_s: Optional[float] = None) -> None:
         """`wait_idle`, then `release_memory_occupation`: the only release SGLang survives."""
         await self.wait_idle(timeout_s)
         return await self.release_memory_occupation(tags)
 
-    async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> Any:
+    async def resume_memory_occupation(self, tags: Optional[List[str]] = None) -> None:
         return await self._request("POST", "/resume_memory_occupation", control_body("", tags=tags))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = DEFAULT_GROUP_NAME,
-                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> Any:
+                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> Dict[str, object]:
         body = control_body("/init_weights_update_group", master_address=master_address,
                             master_port=int(master_port), rank_offset=int(rank_offset),
                             world_size=int(world_size), group_name=group_name, backend=backend)
         return await self._request("POST", "/init_weights_update_group", body, timeout_s=timeout_s)
 
-    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> Any:
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> Dict[str, object]:
         return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
                                               group_name: str = DEFAULT_GROUP_NAME,
                                               weight_version: Optional[str] = None,
                                               load_format: Optional[str] = None, flush_cache: bool = True,
-                                              timeout_s: Optional[float] = None) -> Any:
+                                              timeout_s: Optional[float] = None) -> Dict[str, object]:
         body = control_body("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
                             group_name=group_name, weight_version=weight_version, load_format=load_format,
                             flush_cache=flush_cache)
         return await self._request("POST", "/update_weights_from_distributed", body, timeout_s=timeout_s)
 
     async def update_weights_from_tensor(self, serialized_named_tensors: List[str], load_format: Optional[str],
-                                         weight_version: Optional[str] = None, flush_cache: bool = True) -> Any:
+                                         weight_version: Optional[str] = None,
+                                         flush_cache: bool = True) -> Dict[str, object]:
         body = control_body("/update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors,
                             load_format=load_format, weight_version=weight_version, flush_cache=flush_cache)
         return await self._request("POST", "/update_weights_from_tensor", body)
 
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Dict[str, object]:
         return await self._request("POST", "/update_weight_version",
                                    {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 from aiohttp import web
@@ -38,6 +38,9 @@ from dapo_mega.backends.sglang.api import FLATTENED_BUCKET, PAUSE_MODES
 from dapo_mega.rollout.embedded.engine import GenerationEngine
 from dapo_mega.rollout.embedded.validation import BadRequest, fail, parse_control_body, read_json
 from dapo_mega.weights import transport
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SHM_LOAD_FORMAT = "shared_memory_json"
 
@@ -48,7 +51,7 @@ class EngineControl:
     def __init__(self, engine: GenerationEngine):
         self.engine = engine
         self.runner = engine.runner
-        self.groups: Dict[str, Any] = {}
+        self.groups: Dict[str, ProcessGroup] = {}
         self.update_session: Optional[str] = None
         """The open weight-update session's selector (None: no session; updates are refused)."""
         self._update_lock = asyncio.Lock()

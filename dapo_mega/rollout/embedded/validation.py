@@ -75,7 +75,7 @@ def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int) -> Non
                                  "tokens). Use a shorter input or enable --allow-auto-truncate.")
 
 
-def parse_control_body(path: str, body: Any) -> Dict[str, Any]:
+def parse_control_body(path: str, body: object) -> Dict[str, Any]:
     """Validate a control request against SGLang's struct and fill its defaults."""
     if not isinstance(body, dict):
         raise BadRequest(f"{path}: the JSON body must be an object")
@@ -90,7 +90,7 @@ def parse_control_body(path: str, body: Any) -> Dict[str, Any]:
     return out
 
 
-def parse_prompts(body: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], bool]:
+def parse_prompts(body: object, tokenizer, vocab_size: int) -> Tuple[List[List[int]], bool]:
     """A /generate body's prompts as token ids, and whether it sent one prompt (not a list).
 
     Checks the body's fields first: unknown ones, SGLang fields the engine does not
@@ -129,7 +129,7 @@ def parse_prompts(body: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]
     return prompts, is_single
 
 
-def parse_sampling(params: Any) -> Tuple[SamplingSpec, int]:
+def parse_sampling(params: object) -> Tuple[SamplingSpec, int]:
     """SGLang sampling_params dict -> (SamplingSpec, n)."""
     params = params or {}
     if not isinstance(params, dict):
