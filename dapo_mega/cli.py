@@ -166,21 +166,23 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
     assumptions = assumptions_from_overrides(clock_overrides)
     plan = compute_plan(cfg, assumptions.lengths)
     clock = estimate_clock(cfg, assumptions, plan)
-    plan["warnings"] += [f"clock: {w}" for w in clock_warnings(cfg, clock)]
-    plan["clock"] = clock.to_dict()
+    plan.warnings.extend(f"clock: {w}" for w in clock_warnings(cfg, clock))
     lengths = assumptions.lengths.resolved(cfg.algo.max_prompt_length, cfg.algo.max_response_length)
     per_round = ledger_bytes_per_step_of(cfg, lengths.response_moment(1, cfg.algo.max_response_length),
                                          lengths.prompt_tokens)
     rounds = max(1, cfg.algo.max_num_gen_batches)
-    plan["ledger"] = {"bytes_per_step": per_round, "bytes_per_step_at_round_limit": per_round * rounds,
-                      "text": cfg.trainer.ledger_text}
     ledger = (f"ledger: {per_round / 1e6:,.1f} MB per step and generation round (trainer.ledger_text="
               f"{cfg.trainer.ledger_text}; up to {per_round * rounds / 1e6:,.1f} MB at algo.max_num_gen_batches="
               f"{cfg.algo.max_num_gen_batches}), {per_round * cfg.trainer.total_steps / 1e9:,.1f} GB over "
               f"{cfg.trainer.total_steps} steps of one round")
-    print(json.dumps(plan, indent=2) if as_json else format_plan(plan, sections=[format_clock(cfg, clock), ledger]))
+    if as_json:  # the plan's sections, then the clock and the ledger
+        print(json.dumps({**plan.to_dict(), "clock": clock.to_dict(),
+                          "ledger": {"bytes_per_step": per_round, "bytes_per_step_at_round_limit": per_round * rounds,
+                                     "text": cfg.trainer.ledger_text}}, indent=2))
+    else:
+        print(format_plan(plan, sections=[format_clock(cfg, clock), ledger]))
     return 1 if any(w.startswith(("learner does not fit", "learner and engine do not fit"))
-                    for w in plan["warnings"]) else 0
+                    for w in plan.warnings) else 0
 
 
 if __name__ == "__main__":

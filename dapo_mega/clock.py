@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.plan import LengthAssumption, compute_plan, resolve_model_shape, total_params
+from dapo_mega.plan_types import Plan
 
 GB = 1e9
 GIB = 1024 ** 3
@@ -325,9 +326,9 @@ def _resolved(cfg: DapoConfig, a: ClockAssumptions) -> LengthAssumption:
     return a.lengths.resolved(cfg.algo.max_prompt_length, cfg.algo.max_response_length)
 
 
-def _engine_start(cfg: DapoConfig, a: ClockAssumptions, plan: dict, params: float) -> tuple:
+def _engine_start(cfg: DapoConfig, a: ClockAssumptions, plan: Plan, params: float) -> tuple:
     """(readers, capture seconds, estimated start) of this config's engines."""
-    readers = engine_start_readers(cfg, plan["parallel"]["dp"])
+    readers = engine_start_readers(cfg, plan.parallel.dp)
     capture = a.cuda_graph_capture_s if cfg.rollout.backend == "sglang" else 0.0
     return readers, capture, estimate_engine_start_s(2 * params, readers, a, capture)
 
@@ -347,7 +348,7 @@ def resolve_health_timeout_s(cfg: DapoConfig) -> float:
 
 
 def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = None,
-                   plan: Optional[dict] = None) -> ClockEstimate:
+                   plan: Optional[Plan] = None) -> ClockEstimate:
     """Every estimate of `cfg` under `assumptions`; `plan` is `compute_plan(cfg, lengths)` when
     the caller has it (the KV cache of an engine, the learner layout)."""
     a = assumptions or ClockAssumptions()
@@ -359,7 +360,7 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
     rates = engine_rates(a, params, r.engine_tp_size * r.engine_dp_size)
     p = int(lengths.prompt_tokens)
     mean = lengths.response_moment(1, algo.max_response_length)
-    slots = engine_slots(r.max_running_requests, plan["engines"]["kv_tokens"], p + mean)
+    slots = engine_slots(r.max_running_requests, plan.engines.kv_tokens, p + mean)
     common = dict(num_engines=r.num_engines, prompts_per_request=r.prompts_per_request,
                   requests_per_engine=r.requests_per_engine, slots_per_engine=slots, rates=rates)
     rollout_round = estimate_generation(algo.gen_batch_size, algo.n_samples_per_prompt, algo.max_response_length,
@@ -374,7 +375,7 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
     flops = train_flops_per_step(samples, lengths, algo.max_response_length, params, shape.num_layers,
                                  shape.num_attention_heads * shape.head_dim, passes)
     tokens = samples * (p + mean)
-    learner_gpus = plan["parallel"]["world_size"]
+    learner_gpus = plan.parallel.world_size
     train_s = estimate_train_step_s(flops, tokens, learner_gpus, a)
     sync_s = estimate_weight_sync_s(params, a.weight_sync_gb_per_s)
     readers, capture_s, start_s = _engine_start(cfg, a, plan, params)

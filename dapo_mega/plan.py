@@ -65,9 +65,33 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
-from dapo_mega.backends.placement import ClusterShape, place
+from dapo_mega.backends.placement import ClusterShape, Placement, place
 from dapo_mega.config import DapoConfig
 from dapo_mega.models.shape import ModelShape
+from dapo_mega.plan_types import (
+    AssumedBatch,
+    CheckpointDisk,
+    ClusterSummary,
+    ColocatedFit,
+    ConfiguredLayout,
+    ConversionHostRam,
+    ConversionRam,
+    EngineMemory,
+    KvRoom,
+    LayoutEfficiency,
+    LearnerEfficiency,
+    LearnerMemory,
+    LearnerParallel,
+    LogitsPeak,
+    ModelSummary,
+    NodeRoles,
+    Plan,
+    StageActivations,
+    StageMemory,
+    SyncGroup,
+    SyncTopology,
+    WeightSync,
+)
 
 GIB = 1024 ** 3
 
@@ -217,7 +241,7 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
 
 
 def logits_peak_bytes(tokens: float, vocab_local: int, logits_bytes: int = 2,
-                      chunk_tokens: Optional[int] = None) -> Dict[str, float]:
+                      chunk_tokens: Optional[int] = None) -> LogitsPeak:
     """What the last stage holds for the logits of one micro-batch, from
     `backends/megatron/logprobs.py` (`ChunkedVocabParallelLogProbs`), with n = tokens, V = vocab_local:
 
@@ -238,13 +262,13 @@ def logits_peak_bytes(tokens: float, vocab_local: int, logits_bytes: int = 2,
     second = chunk if logits_bytes != 4 else 0.0  # fp32 logits: .float() and .to(fp32) copy nothing
     forward = logits + 3 * chunk
     backward = 2 * logits + 2 * chunk + second
-    return {"logits": logits, "fp32_chunk": chunk, "forward": forward, "backward": backward,
-            "peak": max(forward, backward) + 3 * 4 * n}
+    return LogitsPeak(logits=logits, fp32_chunk=chunk, forward=forward, backward=backward,
+                      peak=max(forward, backward) + 3 * 4 * n)
 
 
-def stage_activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> Dict[str, float]:
-    """Activation memory of pipeline stage `stage` for the learner's step (module docstring):
-    {per_layer, kept, recompute, workspace, logits, peak} bytes; peak = kept + the larger of
+def stage_activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> StageActivations:
+    """Activation memory of pipeline stage `stage` for the learner's step (module docstring),
+    in bytes; peak = kept + the larger of
     (recompute + workspace) and the logits peak (the last stage's loss runs before any layer
     is recomputed)."""
     m = cfg.megatron
@@ -273,9 +297,9 @@ def stage_activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> Di
     logits = 0.0
     if last:
         kept += (2 if spec == "transformer_engine" else 3) * e * s_n * h  # final norm input, output-layer input
-        logits = logits_peak_bytes(s, padded_vocab_per_gpu(shape, tp), e)["peak"]
-    return {"per_layer": per_layer, "kept": kept, "recompute": recompute, "workspace": workspace, "logits": logits,
-            "peak": kept + max(recompute + workspace, logits)}
+        logits = logits_peak_bytes(s, padded_vocab_per_gpu(shape, tp), e).peak
+    return StageActivations(per_layer=per_layer, kept=kept, recompute=recompute, workspace=workspace,
+                            logits=logits, peak=kept + max(recompute + workspace, logits))
 
 
 def fp8_cache_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> float:
@@ -318,7 +342,7 @@ ENGINE_RUNTIME_GIB = 3.0
 (1 − mem_fraction_static) share of the free memory is left for."""
 
 
-def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> Dict[str, float]:
+def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> KvRoom:
     """SGLang 0.5.23's KV budget on one engine GPU (`_profile_available_bytes`): free memory B
     measured when the engine starts (after its CUDA context, and, colocated, beside the
     learner's `learner_resident` bytes and context), the weights loaded, then
@@ -328,11 +352,11 @@ def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> Dict[s
         ENGINE_CONTEXT_GIB + (LEARNER_CONTEXT_GIB if cfg.cluster.mode == "colocated" else 0.0)) * GIB
     free_at_start = gpu - learner_resident - contexts
     weights = 2 * phi / r.engine_tp_size
-    return {"free_at_start": free_at_start, "weights": weights, "contexts": contexts,
-            "kv": r.mem_fraction_static * free_at_start - weights}
+    return KvRoom(free_at_start=free_at_start, weights=weights, contexts=contexts,
+                  kv=r.mem_fraction_static * free_at_start - weights)
 
 
-def colocated_fit(cfg: DapoConfig, phi: int, stage: dict, dp: int) -> Dict[str, float]:
+def colocated_fit(cfg: DapoConfig, phi: int, stage: StageMemory, dp: int) -> ColocatedFit:
     """One colocated GPU of a stage in both phases (bytes). The engine sizes its KV pool when
     it starts: on a fresh run the learner then holds its bf16 params, fp32 grads and fp32
     master shard but no Adam m, v (made at the first step) and no FP8 caches (made at the
@@ -342,21 +366,21 @@ def colocated_fit(cfg: DapoConfig, phi: int, stage: dict, dp: int) -> Dict[str, 
     buckets (`weights/handover.py`: the source rank's gathered HF tensors and the flat
     buffer every rank receives); during training the released engine keeps its context.
     The rollout figure is the fresh run's (the larger pool)."""
-    m, params = cfg.megatron, stage["params"]
+    m, params = cfg.megatron, stage.params
     fresh = params * (2 + 4 + (4 / dp if m.use_distributed_optimizer else 4))
     at_fresh = engine_kv_room(cfg, phi, fresh)
-    at_resume = engine_kv_room(cfg, phi, stage["model_state_bytes"])
-    learner = stage["model_state_bytes"] + stage["fp8_cache_bytes"]
+    at_resume = engine_kv_room(cfg, phi, stage.model_state_bytes)
+    learner = stage.model_state_bytes + stage.fp8_cache_bytes
     runtime = 0.0 if cfg.cluster.device == "cpu" else ENGINE_RUNTIME_GIB * GIB
-    engine = at_fresh["weights"] + max(0.0, at_fresh["kv"]) + runtime
+    engine = at_fresh.weights + max(0.0, at_fresh.kv) + runtime
     sync = 2 * (cfg.rollout.weight_sync_bucket_mb << 20)
-    return {"kv_fresh": at_fresh["kv"], "kv_resumed": at_resume["kv"], "learner_resident": learner,
-            "engine_weights": at_fresh["weights"], "contexts": at_fresh["contexts"], "engine_runtime": runtime,
-            "sync_buffers": sync, "rollout_bytes": learner + sync + at_fresh["contexts"] + engine,
-            "training_bytes": stage["total_bytes"] + at_fresh["contexts"]}
+    return ColocatedFit(stage=stage.stage, kv_fresh=at_fresh.kv, kv_resumed=at_resume.kv, learner_resident=learner,
+                        engine_weights=at_fresh.weights, contexts=at_fresh.contexts, engine_runtime=runtime,
+                        sync_buffers=sync, rollout_bytes=learner + sync + at_fresh.contexts + engine,
+                        training_bytes=stage.total_bytes + at_fresh.contexts)
 
 
-def checkpoint_bytes(cfg: DapoConfig, phi: int) -> Dict[str, float]:
+def checkpoint_bytes(cfg: DapoConfig, phi: int) -> CheckpointDisk:
     """One training checkpoint (`backends/megatron/checkpoint.py` `_full_state`): the model's
     sharded state dict in its dtype (each tensor once, replicas deduplicated) and the
     optimizer's: fp32 master params + Adam m and v under bf16 (12 bytes per parameter), m and v
@@ -372,9 +396,9 @@ def checkpoint_bytes(cfg: DapoConfig, phi: int) -> Dict[str, float]:
     keep = cfg.trainer.keep_last_k
     t = cfg.trainer
     export = phi * {"float32": 4}.get(t.hf_export_dtype, 2) if t.hf_export_interval > 0 else 0
-    return {"model_bytes": model, "optimizer_bytes": optimizer, "bytes": each, "keep_last_k": keep,
-            "hf_export_bytes": export, "hf_export_keep": t.hf_export_keep if export else 0,
-            "disk_peak_bytes": (keep + 1) * each + (t.hf_export_keep * export)}
+    return CheckpointDisk(model_bytes=model, optimizer_bytes=optimizer, bytes=each, keep_last_k=keep,
+                          hf_export_bytes=export, hf_export_keep=t.hf_export_keep if export else 0,
+                          disk_peak_bytes=(keep + 1) * each + (t.hf_export_keep * export))
 
 
 CONVERSION_FIXED_BYTES = 0.4e9
@@ -382,7 +406,7 @@ CONVERSION_FIXED_BYTES = 0.4e9
 (`bench/bench_conversion_memory.py`: 386 MiB), which does not grow with the model."""
 
 
-def conversion_host_ram_bytes(phi: int, tp: int, largest_tensor: int, dtype_bytes: int = 2) -> Dict[str, float]:
+def conversion_host_ram_bytes(phi: int, tp: int, largest_tensor: int, dtype_bytes: int = 2) -> ConversionRam:
     """Host RAM of `tools/convert_checkpoint.py` at `--tp tp`, by the rule the conversion
     benchmark measured (1.50x / 1.49x / 1.52x of a 929 MiB checkpoint for import / export /
     verify at TP 1): each process holds its share of the model once, in the checkpoint's
@@ -391,7 +415,7 @@ def conversion_host_ram_bytes(phi: int, tp: int, largest_tensor: int, dtype_byte
     while it is gathered or padded (one copy at TP 1), plus `CONVERSION_FIXED_BYTES`."""
     copies = 2 if tp > 1 else 1
     per_process = CONVERSION_FIXED_BYTES + dtype_bytes * phi / tp + copies * dtype_bytes * largest_tensor
-    return {"tp": tp, "per_process_bytes": per_process, "total_bytes": tp * per_process}
+    return ConversionRam(tp=tp, per_process_bytes=per_process, total_bytes=tp * per_process)
 
 
 @dataclass
@@ -451,7 +475,7 @@ def _normal_cdf(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
-def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumption] = None) -> dict:
+def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumption] = None) -> LearnerEfficiency:
     """Padding efficiency and DP imbalance of one mini-batch under `cfg` (module docstring)."""
     m, a = cfg.megatron, cfg.algo
     assumption = (lengths or LengthAssumption()).resolved(a.max_prompt_length, a.max_response_length)
@@ -459,25 +483,27 @@ def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumpt
     thd = m.transformer_impl != "local"  # the GPU spec: Transformer Engine, THD packing
     multiple = token_multiple(m.tensor_model_parallel_size, m.sequence_parallel, m.fp8.enabled, m.fp8.recipe)
 
-    def measure(packing: bool, balanced: bool) -> dict:
+    def measure(packing: bool, balanced: bool) -> LayoutEfficiency:
         stats = measure_layout(samples, dp, m.micro_batch_tokens, packing=packing, balanced=balanced, thd=thd,
-                               multiple=multiple).to_dict()
-        stats.pop("rank_tokens")
-        stats["max_micro_batches"] = max(stats.pop("micro_batches"))
-        return stats
+                               multiple=multiple)
+        return LayoutEfficiency(useful_tokens=stats.useful_tokens, computed_tokens=stats.computed_tokens,
+                                padding_efficiency=stats.padding_efficiency, dp_imbalance=stats.dp_imbalance,
+                                max_micro_batches=max(stats.micro_batches))
 
-    return {"assumption": {"response_median": assumption.response_median,
-                           "response_sigma": assumption.response_sigma, "prompt_tokens": assumption.prompt_tokens,
-                           "samples": len(samples), "mean_length": sum(samples) / len(samples),
-                           "max_length": max(samples)},
-            "configured": {"sequence_packing": m.sequence_packing, "balance_data_parallel": m.balance_data_parallel,
-                           "token_multiple": multiple, "thd": thd and m.sequence_packing,
-                           **measure(m.sequence_packing, m.balance_data_parallel)},
-            "padded_contiguous": measure(False, False)}
+    configured = measure(m.sequence_packing, m.balance_data_parallel)
+    return LearnerEfficiency(
+        assumption=AssumedBatch(response_median=assumption.response_median, response_sigma=assumption.response_sigma,
+                                prompt_tokens=assumption.prompt_tokens, samples=len(samples),
+                                mean_length=sum(samples) / len(samples), max_length=max(samples)),
+        configured=ConfiguredLayout(**asdict(configured), sequence_packing=m.sequence_packing,
+                                    balance_data_parallel=m.balance_data_parallel, token_multiple=multiple,
+                                    thd=thd and m.sequence_packing),
+        padded_contiguous=measure(False, False))
 
 
-def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) -> dict:
-    """The layout, memory, learner efficiency and warnings of `cfg` on its cluster.* shape.
+def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) -> Plan:
+    """The layout, memory, learner efficiency and warnings of `cfg` on its cluster.* shape, as
+    a `Plan` (`dapo_mega.plan_types`; `Plan.to_dict()` is its JSON).
 
     Pure (no I/O but config.json); `lengths` is the response-length assumption of the
     efficiency figures (default `LengthAssumption()`). ConfigError where the learner would
@@ -494,17 +520,17 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     dp = _check_layout(cfg, shape, world, warnings)
 
     stages = learner_stages(cfg, shape, dp)
-    worst = max(stages, key=lambda st: st["total_bytes"])
-    if worst["total_bytes"] > 0.9 * c.gpu_memory_gib * GIB:
-        warnings.append(f"learner does not fit: stage {worst['stage']} needs {worst['total_bytes'] / GIB:.1f} GiB of "
+    worst = max(stages, key=lambda st: st.total_bytes)
+    if worst.total_bytes > 0.9 * c.gpu_memory_gib * GIB:
+        warnings.append(f"learner does not fit: stage {worst.stage} needs {worst.total_bytes / GIB:.1f} GiB of "
                         f"{c.gpu_memory_gib:.0f} GiB (keep 10% for the CUDA context and fragmentation); raise TP/PP, "
                         "enable megatron.recompute_granularity=full or lower micro_batch_tokens")
     phi = total_params(shape)
     engines = _engine_memory(cfg, shape, phi, stages, dp, warnings)
     engine_gpus = engine_nodes * c.gpus_per_node
-    used_engine_gpus = r.num_engines * engines["gpus_per_engine"]
+    used_engine_gpus = r.num_engines * engines.gpus_per_engine
     if used_engine_gpus > engine_gpus:
-        warnings.append(f"{r.num_engines} engines x {engines['gpus_per_engine']} GPUs need {used_engine_gpus} GPUs, "
+        warnings.append(f"{r.num_engines} engines x {engines.gpus_per_engine} GPUs need {used_engine_gpus} GPUs, "
                         f"the engine nodes have {engine_gpus}")
     elif used_engine_gpus < engine_gpus:
         warnings.append(f"engines idle GPUs: {engine_gpus - used_engine_gpus} of {engine_gpus} engine GPUs run no engine")
@@ -514,38 +540,38 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=c.device != "cpu"))
     warnings.extend(f"placement: {problem}" for problem in placement.problems())
     efficiency = learner_efficiency(cfg, dp, lengths)
-    if efficiency["configured"]["dp_imbalance"] > 1.10 and not m.balance_data_parallel:
+    if efficiency.configured.dp_imbalance > 1.10 and not m.balance_data_parallel:
         warnings.append(f"data-parallel ranks uneven: the busiest carries "
-                        f"{efficiency['configured']['dp_imbalance']:.2f}x the mean tokens; set "
+                        f"{efficiency.configured.dp_imbalance:.2f}x the mean tokens; set "
                         "megatron.balance_data_parallel=true (or more samples per rank)")
     spec, element_bytes = learner_spec_and_bytes(cfg)
     s_h_t = m.micro_batch_tokens * shape.hidden_size / tp if m.sequence_parallel else None
     embedding = shape.vocab_size * shape.hidden_size  # the largest HF tensor a conversion gathers
     sync_bytes = 2 * phi
-    return {
-        "model": {"name": cfg.model.name, "source": source, **asdict(shape)}, "total_params": phi,
-        "cluster": {"mode": c.mode, "num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node,
-                    "learner_nodes": learner_nodes, "engine_nodes": engine_nodes, "gpu_memory_gib": c.gpu_memory_gib},
-        "parallel": {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world_size": world,
-                     "sequence_parallel": m.sequence_parallel, "recompute": m.recompute_granularity,
-                     "distributed_optimizer": m.use_distributed_optimizer, "fp8": m.fp8.enabled},
-        "learner_memory": {"stages": stages, "worst_stage": worst["stage"],
-                           "worst_total_gib": worst["total_bytes"] / GIB,
-                           "layer_spec": spec, "activation_element_bytes": element_bytes,
-                           "per_layer_activation_s_h_over_t": (stages[0]["per_layer_activation_bytes"] / s_h_t
-                                                               if s_h_t else None)},
-        "engines": engines,
-        "weight_sync": {"bytes_per_step": sync_bytes, "gib_per_step": sync_bytes / GIB,
-                        "seconds_at_400gbps": sync_bytes * 8 / 400e9},
-        "checkpoint": checkpoint_bytes(cfg, phi),
-        "conversion_host_ram": {"import_export": conversion_host_ram_bytes(phi, tp, embedding),
-                                "verify": conversion_host_ram_bytes(phi, 1, embedding)},
-        "learner_efficiency": efficiency,
-        "layout": _node_layout(cfg, placement), "warnings": warnings,
-        "sync": {"transport": placement.transport, "groups": [
-            {"name": g.name, "kind": g.kind, "stage": g.stage, "world_size": g.world_size,
-             "learner_ranks": [mb.index for mb in g.members if mb.role == "learner"]} for g in placement.groups]},
-    }
+    return Plan(
+        model=ModelSummary(name=cfg.model.name, source=source, shape=shape), total_params=phi,
+        cluster=ClusterSummary(mode=c.mode, num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
+                               learner_nodes=learner_nodes, engine_nodes=engine_nodes,
+                               gpu_memory_gib=c.gpu_memory_gib),
+        parallel=LearnerParallel(tp=tp, pp=pp, cp=cp, dp=dp, world_size=world, sequence_parallel=m.sequence_parallel,
+                                 recompute=m.recompute_granularity, distributed_optimizer=m.use_distributed_optimizer,
+                                 fp8=m.fp8.enabled),
+        learner_memory=LearnerMemory(stages=stages, worst_stage=worst.stage, worst_total_gib=worst.total_bytes / GIB,
+                                     layer_spec=spec, activation_element_bytes=element_bytes,
+                                     per_layer_activation_s_h_over_t=(stages[0].per_layer_activation_bytes / s_h_t
+                                                                      if s_h_t else None)),
+        engines=engines,
+        weight_sync=WeightSync(bytes_per_step=sync_bytes, gib_per_step=sync_bytes / GIB,
+                               seconds_at_400gbps=sync_bytes * 8 / 400e9),
+        checkpoint=checkpoint_bytes(cfg, phi),
+        conversion_host_ram=ConversionHostRam(import_export=conversion_host_ram_bytes(phi, tp, embedding),
+                                              verify=conversion_host_ram_bytes(phi, 1, embedding)),
+        learner_efficiency=efficiency,
+        layout=_node_layout(cfg, placement), warnings=warnings,
+        sync=SyncTopology(transport=placement.transport, groups=[
+            SyncGroup(name=g.name, kind=g.kind, stage=g.stage, world_size=g.world_size,
+                      learner_ranks=[mb.index for mb in g.members if mb.role == "learner"]) for g in placement.groups]),
+    )
 
 
 def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List[str]) -> int:
@@ -571,7 +597,7 @@ def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List
     return max(1, world // model_parallel)
 
 
-def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[dict]:
+def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[StageMemory]:
     """Memory of one learner GPU of each pipeline stage (bytes; module docstring). bf16
     params: param 2 + main grad 4 + (master, m, v) 12 per parameter; fp32 params (CPU): 4 +
     4 + (m, v) 8; the optimizer's share divided by DP under the distributed optimizer."""
@@ -584,26 +610,25 @@ def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[dict]:
         state = params * (e + 4 + optimizer_share)
         acts = stage_activation_bytes(cfg, shape, stage)
         fp8 = fp8_cache_bytes(cfg, shape, stage)
-        stages.append({"stage": stage, "params": params, "param_bytes": params * e, "grad_bytes": params * 4,
-                       "optimizer_bytes": params * optimizer_share, "model_state_bytes": state,
-                       "fp8_cache_bytes": fp8, "per_layer_activation_bytes": acts["per_layer"],
-                       "activation_kept_bytes": acts["kept"], "recompute_bytes": acts["recompute"] + acts["workspace"],
-                       "logits_bytes": acts["logits"], "activation_bytes": acts["peak"],
-                       "total_bytes": state + fp8 + acts["peak"]})
+        stages.append(StageMemory(stage=stage, params=params, param_bytes=params * e, grad_bytes=params * 4,
+                                  optimizer_bytes=params * optimizer_share, model_state_bytes=state,
+                                  fp8_cache_bytes=fp8, per_layer_activation_bytes=acts.per_layer,
+                                  activation_kept_bytes=acts.kept, recompute_bytes=acts.recompute + acts.workspace,
+                                  logits_bytes=acts.logits, activation_bytes=acts.peak,
+                                  total_bytes=state + fp8 + acts.peak))
     return stages
 
 
-def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[dict], dp: int,
-                   warnings: List[str]) -> dict:
+def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[StageMemory], dp: int,
+                   warnings: List[str]) -> EngineMemory:
     """KV room of each engine by SGLang's formula and, colocated, the sum of learner and engine
     on one GPU in each phase (`colocated_fit`), warnings into `warnings`."""
     r, c, a = cfg.rollout, cfg.cluster, cfg.algo
     gpus = r.engine_tp_size * r.engine_dp_size
     gpu_bytes = c.gpu_memory_gib * GIB
-    colocated = [] if c.mode == "disaggregated" else [dict(colocated_fit(cfg, phi, st, dp), stage=st["stage"])
-                                                      for st in stages]
+    colocated = [] if c.mode == "disaggregated" else [colocated_fit(cfg, phi, st, dp) for st in stages]
     room = engine_kv_room(cfg, phi, 0.0)
-    kv_per_gpu = min(f["kv_resumed"] for f in colocated) if colocated else room["kv"]
+    kv_per_gpu = min(f.kv_resumed for f in colocated) if colocated else room.kv
     engine_room = gpus * kv_per_gpu
     per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
     seq_tokens = a.max_prompt_length + a.max_response_length
@@ -613,20 +638,20 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[di
                         f"cannot hold {2 * phi / GIB:.1f} GiB of weights"
                         + (" next to the resident learner state" if colocated else ""))
     for fit in colocated:
-        for phase, used in (("rollout", fit["rollout_bytes"]), ("training", fit["training_bytes"])):
+        for phase, used in (("rollout", fit.rollout_bytes), ("training", fit.training_bytes)):
             if used > gpu_bytes:
-                warnings.append(f"learner and engine do not fit together on a stage-{fit['stage']} GPU during "
+                warnings.append(f"learner and engine do not fit together on a stage-{fit.stage} GPU during "
                                 f"{phase}: {used / GIB:.1f} of {c.gpu_memory_gib:.0f} GiB (dapo-mega plan's "
                                 "colocated lines); lower rollout.mem_fraction_static or micro_batch_tokens, "
                                 "or raise TP/PP")
-    return {"num_engines": r.num_engines, "gpus_per_engine": gpus, "kv_room_bytes": max(0.0, engine_room),
-            "kv_bytes_per_token": per_token, "kv_tokens": kv_tokens,
-            "max_full_length_sequences": kv_tokens // seq_tokens if seq_tokens else 0,
-            "mem_fraction_static": r.mem_fraction_static, "kv_per_gpu_bytes": kv_per_gpu,
-            "weights_per_gpu_bytes": room["weights"], "colocated": colocated}
+    return EngineMemory(num_engines=r.num_engines, gpus_per_engine=gpus, kv_room_bytes=max(0.0, engine_room),
+                        kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
+                        max_full_length_sequences=kv_tokens // seq_tokens if seq_tokens else 0,
+                        mem_fraction_static=r.mem_fraction_static, kv_per_gpu_bytes=kv_per_gpu,
+                        weights_per_gpu_bytes=room.weights, colocated=colocated)
 
 
-def _node_layout(cfg: DapoConfig, placement) -> List[dict]:
+def _node_layout(cfg: DapoConfig, placement: Placement) -> List[NodeRoles]:
     layout = []
     for node in range(cfg.cluster.num_nodes):
         roles = []
@@ -636,86 +661,84 @@ def _node_layout(cfg: DapoConfig, placement) -> List[dict]:
         engines = placement.engines_on_node(node)
         if engines:
             roles.append(f"engines {engines[0].index}-{engines[-1].index} (TP {cfg.rollout.engine_tp_size})")
-        layout.append({"node": node, "roles": roles, "engine_gpus": {e.index: list(e.gpu_ids) for e in engines}})
+        layout.append(NodeRoles(node=node, roles=roles, engine_gpus={e.index: list(e.gpu_ids) for e in engines}))
     return layout
 
 
-def format_plan(plan: dict, sections: Sequence[str] = ()) -> str:
+def format_plan(plan: Plan, sections: Sequence[str] = ()) -> str:
     """The plan as a fixed-width table; `sections` (e.g. the clock of `dapo_mega.clock`) are
     printed before the warnings."""
-    p, mdl = plan["parallel"], plan["model"]
-    lines = [f"model {mdl['name']} ({mdl['source']}): {plan['total_params'] / 1e9:.2f} B params, "
-             f"{mdl['num_layers']} layers, hidden {mdl['hidden_size']}",
-             f"cluster {plan['cluster']['mode']}: {plan['cluster']['num_nodes']} nodes x "
-             f"{plan['cluster']['gpus_per_node']} GPUs ({plan['cluster']['gpu_memory_gib']:.0f} GiB)",
-             f"learners: TP {p['tp']} PP {p['pp']} CP {p['cp']} DP {p['dp']} (world {p['world_size']}), "
-             f"SP {p['sequence_parallel']}, recompute {p['recompute']}, fp8 {p['fp8']}", ""]
+    p, mdl, cl = plan.parallel, plan.model, plan.cluster
+    lines = [f"model {mdl.name} ({mdl.source}): {plan.total_params / 1e9:.2f} B params, "
+             f"{mdl.shape.num_layers} layers, hidden {mdl.shape.hidden_size}",
+             f"cluster {cl.mode}: {cl.num_nodes} nodes x {cl.gpus_per_node} GPUs ({cl.gpu_memory_gib:.0f} GiB)",
+             f"learners: TP {p.tp} PP {p.pp} CP {p.cp} DP {p.dp} (world {p.world_size}), "
+             f"SP {p.sequence_parallel}, recompute {p.recompute}, fp8 {p.fp8}", ""]
     lines += _memory_lines(plan)
-    eff = plan["learner_efficiency"]
-    assumed, conf, base = eff["assumption"], eff["configured"], eff["padded_contiguous"]
-    lines += ["", f"learner efficiency, one mini-batch of {assumed['samples']} samples (assumed: responses "
-              f"log-normal, median {assumed['response_median']:,}, sigma {assumed['response_sigma']}, prompts "
-              f"{assumed['prompt_tokens']}; mean {assumed['mean_length']:,.0f}, max {assumed['max_length']:,} tokens)",
-              f"  configured (packing {conf['sequence_packing']}{' THD' if conf['thd'] else ''}, balanced DP "
-              f"{conf['balance_data_parallel']}, token multiple {conf['token_multiple']}): padding efficiency "
-              f"{conf['padding_efficiency']:.2%}, DP imbalance {conf['dp_imbalance']:.3f}, "
-              f"<= {conf['max_micro_batches']} micro-batches per rank",
-              f"  padded, contiguous DP blocks: padding efficiency {base['padding_efficiency']:.2%}, "
-              f"DP imbalance {base['dp_imbalance']:.3f}, <= {base['max_micro_batches']} micro-batches per rank",
+    eff = plan.learner_efficiency
+    assumed, conf, base = eff.assumption, eff.configured, eff.padded_contiguous
+    lines += ["", f"learner efficiency, one mini-batch of {assumed.samples} samples (assumed: responses "
+              f"log-normal, median {assumed.response_median:,}, sigma {assumed.response_sigma}, prompts "
+              f"{assumed.prompt_tokens}; mean {assumed.mean_length:,.0f}, max {assumed.max_length:,} tokens)",
+              f"  configured (packing {conf.sequence_packing}{' THD' if conf.thd else ''}, balanced DP "
+              f"{conf.balance_data_parallel}, token multiple {conf.token_multiple}): padding efficiency "
+              f"{conf.padding_efficiency:.2%}, DP imbalance {conf.dp_imbalance:.3f}, "
+              f"<= {conf.max_micro_batches} micro-batches per rank",
+              f"  padded, contiguous DP blocks: padding efficiency {base.padding_efficiency:.2%}, "
+              f"DP imbalance {base.dp_imbalance:.3f}, <= {base.max_micro_batches} micro-batches per rank",
               "", "layout:"]
-    lines += [f"  node {n['node']:>3}: " + "; ".join(n["roles"]) for n in plan["layout"]]
-    groups = plan["sync"]["groups"]
-    if plan["sync"]["transport"] == "cuda_ipc":
+    lines += [f"  node {n.node:>3}: " + "; ".join(n.roles) for n in plan.layout]
+    groups = plan.sync.groups
+    if plan.sync.transport == "cuda_ipc":
         lines += [f"weight sync: CUDA IPC hand-over on each GPU ({len(groups)} engines, each fed by the learner "
                   "ranks on its GPUs; no NCCL group with an engine)"]
     else:
-        lines += [f"weight sync: {plan['sync']['transport']}; " + ", ".join(
-            f"{g['name']} (source rank {g['learner_ranks'][0]} + {g['world_size'] - 1} engine ranks)"
-            for g in groups)]
+        lines += [f"weight sync: {plan.sync.transport}; " + ", ".join(
+            f"{g.name} (source rank {g.learner_ranks[0]} + {g.world_size - 1} engine ranks)" for g in groups)]
     for section in sections:
         lines += ["", section]
-    lines += [""] + [f"WARNING: {w}" for w in plan["warnings"]] if plan["warnings"] else ["", "no warnings"]
+    lines += [""] + [f"WARNING: {w}" for w in plan.warnings] if plan.warnings else ["", "no warnings"]
     return "\n".join(lines)
 
 
-def _memory_lines(plan: dict) -> List[str]:
+def _memory_lines(plan: Plan) -> List[str]:
     """The memory part of `format_plan`: learner stages, engines, one colocated GPU, checkpoints,
     conversion."""
-    mem, eng, gpu = plan["learner_memory"], plan["engines"], plan["cluster"]["gpu_memory_gib"]
+    mem, eng, gpu = plan.learner_memory, plan.engines, plan.cluster.gpu_memory_gib
     lines = ["stage  params/GPU   params   grads    optim   fp8 w.  layers  recomp.  logits    total  (GiB)"]
-    for st in mem["stages"]:
-        lines.append(f"{st['stage']:>5}  {st['params'] / 1e9:8.3f}B  " + "  ".join(
-            f"{st[k] / GIB:6.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "fp8_cache_bytes",
-                                            "activation_kept_bytes", "recompute_bytes", "logits_bytes",
-                                            "total_bytes")))
-    factor = mem["per_layer_activation_s_h_over_t"]
-    lines.append(f"  activations ({mem['layer_spec']} spec, {mem['activation_element_bytes']} bytes per element): "
-                 f"{mem['stages'][0]['per_layer_activation_bytes'] / GIB:.3f} GiB per layer and micro-batch"
+    for st in mem.stages:
+        lines.append(f"{st.stage:>5}  {st.params / 1e9:8.3f}B  " + "  ".join(
+            f"{b / GIB:6.2f}" for b in (st.param_bytes, st.grad_bytes, st.optimizer_bytes, st.fp8_cache_bytes,
+                                        st.activation_kept_bytes, st.recompute_bytes, st.logits_bytes,
+                                        st.total_bytes)))
+    factor = mem.per_layer_activation_s_h_over_t
+    lines.append(f"  activations ({mem.layer_spec} spec, {mem.activation_element_bytes} bytes per element): "
+                 f"{mem.stages[0].per_layer_activation_bytes / GIB:.3f} GiB per layer and micro-batch"
                  + (f" = {factor:.1f}*s*h/t" if factor else "") + "; layers = kept over the micro-batches in flight, "
                  "total = state + fp8 w. + layers + max(recomp., logits)")
-    lines += ["", f"engines: {eng['num_engines']} x {eng['gpus_per_engine']} GPUs, KV room "
-              f"{eng['kv_room_bytes'] / GIB:.1f} GiB per engine = {eng['kv_tokens']:,} tokens "
-              f"= {eng['max_full_length_sequences']} full-length sequences (SGLang: mem_fraction_static "
-              f"{eng['mem_fraction_static']} x free memory at start - {eng['weights_per_gpu_bytes'] / GIB:.1f} GiB "
+    lines += ["", f"engines: {eng.num_engines} x {eng.gpus_per_engine} GPUs, KV room "
+              f"{eng.kv_room_bytes / GIB:.1f} GiB per engine = {eng.kv_tokens:,} tokens "
+              f"= {eng.max_full_length_sequences} full-length sequences (SGLang: mem_fraction_static "
+              f"{eng.mem_fraction_static} x free memory at start - {eng.weights_per_gpu_bytes / GIB:.1f} GiB "
               "weights, per GPU)"]
-    for fit in eng["colocated"]:
-        lines.append(f"  colocated stage-{fit['stage']} GPU, rollout: learner {fit['learner_resident'] / GIB:.1f} + "
-                     f"CUDA contexts {fit['contexts'] / GIB:.1f} + engine weights {fit['engine_weights'] / GIB:.1f} + "
-                     f"KV {max(0.0, fit['kv_fresh']) / GIB:.1f} (first job; {fit['kv_resumed'] / GIB:.1f} resumed) + "
-                     f"graphs {fit['engine_runtime'] / GIB:.1f} + sync buckets {fit['sync_buffers'] / GIB:.1f} = "
-                     f"{fit['rollout_bytes'] / GIB:.1f} of {gpu:.0f} GiB; "
+    for fit in eng.colocated:
+        lines.append(f"  colocated stage-{fit.stage} GPU, rollout: learner {fit.learner_resident / GIB:.1f} + "
+                     f"CUDA contexts {fit.contexts / GIB:.1f} + engine weights {fit.engine_weights / GIB:.1f} + "
+                     f"KV {max(0.0, fit.kv_fresh) / GIB:.1f} (first job; {fit.kv_resumed / GIB:.1f} resumed) + "
+                     f"graphs {fit.engine_runtime / GIB:.1f} + sync buckets {fit.sync_buffers / GIB:.1f} = "
+                     f"{fit.rollout_bytes / GIB:.1f} of {gpu:.0f} GiB; "
                      "training: "
-                     f"{fit['training_bytes'] / GIB:.1f} of {gpu:.0f} GiB")
-    lines.append(f"weight sync: {plan['weight_sync']['gib_per_step']:.1f} GiB per step "
-                 f"(>= {plan['weight_sync']['seconds_at_400gbps']:.2f} s from one 400 Gb/s NIC)")
-    ck, conv = plan["checkpoint"], plan["conversion_host_ram"]
-    lines += [f"checkpoints: {ck['bytes'] / 1e9:,.1f} GB each (model {ck['model_bytes'] / 1e9:,.1f} + fp32 optimizer "
-              f"{ck['optimizer_bytes'] / 1e9:,.1f}); keep_last_k {ck['keep_last_k']} + the one being written"
-              + (f" + {ck['hf_export_keep']} HF exports of {ck['hf_export_bytes'] / 1e9:,.1f} GB"
-                 if ck["hf_export_bytes"] else "") + f": {ck['disk_peak_bytes'] / 1e12:,.2f} TB on disk",
+                     f"{fit.training_bytes / GIB:.1f} of {gpu:.0f} GiB")
+    lines.append(f"weight sync: {plan.weight_sync.gib_per_step:.1f} GiB per step "
+                 f"(>= {plan.weight_sync.seconds_at_400gbps:.2f} s from one 400 Gb/s NIC)")
+    ck, conv = plan.checkpoint, plan.conversion_host_ram
+    lines += [f"checkpoints: {ck.bytes / 1e9:,.1f} GB each (model {ck.model_bytes / 1e9:,.1f} + fp32 optimizer "
+              f"{ck.optimizer_bytes / 1e9:,.1f}); keep_last_k {ck.keep_last_k} + the one being written"
+              + (f" + {ck.hf_export_keep} HF exports of {ck.hf_export_bytes / 1e9:,.1f} GB"
+                 if ck.hf_export_bytes else "") + f": {ck.disk_peak_bytes / 1e12:,.2f} TB on disk",
               "conversion host RAM (the shard once in bf16 + up to two copies of the embedding + 0.4 GB, "
               "per process): "
-              f"import/export --tp {conv['import_export']['tp']} {conv['import_export']['total_bytes'] / 1e9:,.0f} GB "
-              f"({conv['import_export']['per_process_bytes'] / 1e9:,.1f} per process), verify --tp 1 "
-              f"{conv['verify']['total_bytes'] / 1e9:,.0f} GB"]
+              f"import/export --tp {conv.import_export.tp} {conv.import_export.total_bytes / 1e9:,.0f} GB "
+              f"({conv.import_export.per_process_bytes / 1e9:,.1f} per process), verify --tp 1 "
+              f"{conv.verify.total_bytes / 1e9:,.0f} GB"]
     return lines

@@ -139,7 +139,7 @@ def test_the_32b_clock_by_hand(cfg32):
     # responses: log-normal, median 20480 / 8 = 2560, σ 1, capped at 20480; prompts min(150, 2048 / 4)
     mean = capped_lognormal_moment(2560, 1.0, 20480, 1)
     mean2 = capped_lognormal_moment(2560, 1.0, 20480, 2)
-    kv = compute_plan(cfg32)["engines"]["kv_tokens"]
+    kv = compute_plan(cfg32).engines.kv_tokens
     slots = min(512, int(kv // (150 + mean)))
     # 371,237 KV tokens per engine by SGLang's formula (tests/trainer/test_plan_memory.py) // (150 + mean)
     assert e.rollout_round.slots_per_engine == slots == 89

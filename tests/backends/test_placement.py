@@ -228,15 +228,15 @@ def test_plan_reports_the_placements_sync_groups():
     from dapo_mega.plan import compute_plan, format_plan
 
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
-    assert disagg["sync"]["transport"] == DISTRIBUTED
-    assert [(g["name"], g["world_size"], g["learner_ranks"]) for g in disagg["sync"]["groups"]] == \
+    assert disagg.sync.transport == DISTRIBUTED
+    assert [(g.name, g.world_size, g.learner_ranks) for g in disagg.sync.groups] == \
         [("dapo_weight_sync_pp0", 65, [0]), ("dapo_weight_sync_pp1", 65, [32])]
     assert "dapo_weight_sync_pp1 (source rank 32 + 64 engine ranks)" in format_plan(disagg)
     colocated = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))
-    assert colocated["sync"]["transport"] == CUDA_IPC and len(colocated["sync"]["groups"]) == 32
-    assert colocated["layout"][3]["engine_gpus"] == {6: [0, 1, 2, 3], 7: [4, 5, 6, 7]}
+    assert colocated.sync.transport == CUDA_IPC and len(colocated.sync.groups) == 32
+    assert colocated.layout[3].engine_gpus == {6: [0, 1, 2, 3], 7: [4, 5, 6, 7]}
     broken = compute_plan(load_config(["+experiment=dapo_qwen2.5_7b", "rollout.num_engines=20"]))
-    assert any(w.startswith("placement: ") and "beyond gpus_per_node=8" in w for w in broken["warnings"])
+    assert any(w.startswith("placement: ") and "beyond gpus_per_node=8" in w for w in broken.warnings)
 
 
 @pytest.mark.parametrize("name", [n for n in EXPERIMENTS if load_config([f"+experiment={n}"]).cluster.mode

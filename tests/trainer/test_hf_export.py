@@ -53,10 +53,10 @@ def test_plan_counts_the_kept_exports_on_disk():
     from dapo_mega.plan import compute_plan
 
     phi = 32_763_876_352
-    off = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))["checkpoint"]
-    on = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "trainer.hf_export_interval=10"]))["checkpoint"]
-    assert off["disk_peak_bytes"] == 4 * 14 * phi and off["hf_export_bytes"] == 0
-    assert on["hf_export_bytes"] == 2 * phi and on["disk_peak_bytes"] == 4 * 14 * phi + 2 * 2 * phi
+    off = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"])).checkpoint
+    on = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "trainer.hf_export_interval=10"])).checkpoint
+    assert off.disk_peak_bytes == 4 * 14 * phi and off.hf_export_bytes == 0
+    assert on.hf_export_bytes == 2 * phi and on.disk_peak_bytes == 4 * 14 * phi + 2 * 2 * phi
 
 
 # --------------------------------------------------------------------------- directory protocol

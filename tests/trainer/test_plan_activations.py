@@ -186,32 +186,32 @@ def test_plan_memory_meets_a_tiny_model_on_the_cpu():
 
     # weights, main grads, Adam m and v (fp32 params on the CPU: no separate master copy)
     stage = learner_stages(cfg, shape, dp=1)[0]
-    assert got["state"]["params"] == stage["params"]
+    assert got["state"]["params"] == stage.params
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
-        assert got["state"][key] == stage[key], key
+        assert got["state"][key] == getattr(stage, key), key
 
     # one layer, one micro-batch, no recompute: every saved tensor, term by term
     per_layer = sum(layer_saved_bytes(shape, TOKENS, 1, False, spec="local", element_bytes=4).values())
     for layer in range(shape.num_layers):
         assert abs(got["plain"][layer] - per_layer) <= 0.01 * per_layer, (layer, got["plain"][layer], per_layer)
-    assert stage_activation_bytes(cfg, shape, 0)["per_layer"] == per_layer
+    assert stage_activation_bytes(cfg, shape, 0).per_layer == per_layer
 
     # full recompute: forward keeps each layer's input (+ the final norm's tensors); backward
     # recomputes each layer, which saves what the layer saves without recompute
     acts = stage_activation_bytes(full_cfg, shape, 0)
-    assert acts["recompute"] == per_layer
+    assert acts.recompute == per_layer
     measured_kept = sum(got["kept"].values())
     left_out = TOKENS * TOKENS + 8 * TOKENS + 4 * TOKENS * shape.head_dim  # bool mask, token ids, RoPE freqs
-    assert acts["kept"] <= measured_kept <= 1.01 * (acts["kept"] + left_out), (measured_kept, acts["kept"])
+    assert acts.kept <= measured_kept <= 1.01 * (acts.kept + left_out), (measured_kept, acts.kept)
     for layer in range(shape.num_layers):
         assert abs(got["recomputed"][layer] - per_layer) <= 0.01 * per_layer, (layer, got["recomputed"][layer])
 
     # the whole step (forward, log-probs, backward; transient weight gradients included) against
     # the stage's activation peak: kept + max(recomputed layers + backward temporaries, logits)
     for config, measured in zip((cfg, full_cfg), got["step_peaks"]):
-        planned = stage_activation_bytes(config, shape, 0)["peak"]
+        planned = stage_activation_bytes(config, shape, 0).peak
         assert 0.8 * planned <= measured <= 1.1 * planned, (config.megatron.recompute_granularity, measured, planned)
 
     # logits: the model's fp32 logits + their gradient + the chunks of ChunkedVocabParallelLogProbs
-    expected = logits_peak_bytes(TOKENS, got["vocab_local"], logits_bytes=4, chunk_tokens=CHUNK)["peak"]
+    expected = logits_peak_bytes(TOKENS, got["vocab_local"], logits_bytes=4, chunk_tokens=CHUNK).peak
     assert abs(got["logits_peak"] - expected) <= 0.01 * expected, (got["logits_peak"], expected)

@@ -23,8 +23,8 @@ def test_qwen32b_parameter_count_matches_the_published_size():
     expected = 31_206_735_872 + 1_557_135_360 + 5_120
     assert expected == 32_763_876_352  # "32.8B" on the Qwen2.5-32B model card
     plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))
-    assert plan["model"]["source"] == "table"  # no /models/Qwen2.5-32B here
-    assert plan["total_params"] == expected
+    assert plan.model.source == "table"  # no /models/Qwen2.5-32B here
+    assert plan.total_params == expected
 
 
 # The hand computation of docs/cluster.md ("Memory by hand"), its results as literals.
@@ -45,34 +45,35 @@ def _within(value, hand, rel=0.10):
 
 def test_qwen32b_colocated_plan_matches_the_hand_computation_in_docs():
     plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))
-    p = plan["parallel"]
-    assert (p["tp"], p["pp"], p["dp"], p["world_size"]) == (8, 2, 8, 128)  # 128 GPUs / (8*2)
-    for stage in plan["learner_memory"]["stages"]:
+    p = plan.parallel
+    assert (p.tp, p.pp, p.dp, p.world_size) == (8, 2, 8, 128)  # 128 GPUs / (8*2)
+    for stage in plan.learner_memory.stages:
         for key, hand in HAND.items():
-            assert _within(stage[key], hand[stage["stage"]]), (stage["stage"], key, stage[key], hand)
-        assert stage["fp8_cache_bytes"] == 0
-    stage0, stage1 = plan["learner_memory"]["stages"]
-    assert stage0["params"] == 2_048_356_352 and stage1["params"] == 2_048_361_472  # exact: counting
-    assert plan["learner_memory"]["per_layer_activation_s_h_over_t"] == pytest.approx(46.8, abs=0.05)  # not 34
-    assert plan["learner_memory"]["worst_stage"] == 0
+            value = getattr(stage, key)
+            assert _within(value, hand[stage.stage]), (stage.stage, key, value, hand)
+        assert stage.fp8_cache_bytes == 0
+    stage0, stage1 = plan.learner_memory.stages
+    assert stage0.params == 2_048_356_352 and stage1.params == 2_048_361_472  # exact: counting
+    assert plan.learner_memory.per_layer_activation_s_h_over_t == pytest.approx(46.8, abs=0.05)  # not 34
+    assert plan.learner_memory.worst_stage == 0
     # KV room per engine: 4 GPUs x (0.6 x free at start - 2*Phi/4), free at start 67,852,280,320
-    eng = plan["engines"]
-    assert _within(eng["kv_room_bytes"], 97_317_720_064) and eng["kv_room_bytes"] / GIB < 92  # 131 GiB before
-    assert eng["kv_bytes_per_token"] == 262_144
-    assert _within(eng["kv_tokens"], 371_237)
-    assert _within(eng["weights_per_gpu_bytes"], 16_381_938_176)
-    for fit in eng["colocated"]:  # one GPU during rollout: 59.9 of 80 GiB; training 19.8
-        assert _within(fit["rollout_bytes"], 64_282_417_971)
-        assert _within(fit["kv_fresh"], 25_558_446_899)
-        assert _within(fit["training_bytes"], 21_265_580_032)
-    ck = plan["checkpoint"]
-    assert _within(ck["bytes"], 458_694_268_928) and _within(ck["disk_peak_bytes"], 1_834_777_075_712)
-    assert ck["keep_last_k"] == 3
-    ram = plan["conversion_host_ram"]
+    eng = plan.engines
+    assert _within(eng.kv_room_bytes, 97_317_720_064) and eng.kv_room_bytes / GIB < 92  # 131 GiB before
+    assert eng.kv_bytes_per_token == 262_144
+    assert _within(eng.kv_tokens, 371_237)
+    assert _within(eng.weights_per_gpu_bytes, 16_381_938_176)
+    for fit in eng.colocated:  # one GPU during rollout: 59.9 of 80 GiB; training 19.8
+        assert _within(fit.rollout_bytes, 64_282_417_971)
+        assert _within(fit.kv_fresh, 25_558_446_899)
+        assert _within(fit.training_bytes, 21_265_580_032)
+    ck = plan.checkpoint
+    assert _within(ck.bytes, 458_694_268_928) and _within(ck.disk_peak_bytes, 1_834_777_075_712)
+    assert ck.keep_last_k == 3
+    ram = plan.conversion_host_ram
     # by hand (docs/cluster.md): 8 x (0.4 + 65.5 / 8 + 2 x 1.56) GB; 0.4 + 65.5 + 1.56 GB
-    assert _within(ram["import_export"]["total_bytes"], 93.8e9) and _within(ram["verify"]["total_bytes"], 67.5e9)
-    assert plan["weight_sync"]["bytes_per_step"] == 2 * 32_763_876_352
-    assert plan["warnings"] == []  # learner and engine fit together, by SGLang's formula too
+    assert _within(ram.import_export.total_bytes, 93.8e9) and _within(ram.verify.total_bytes, 67.5e9)
+    assert plan.weight_sync.bytes_per_step == 2 * 32_763_876_352
+    assert plan.warnings == []  # learner and engine fit together, by SGLang's formula too
 
 
 def test_fp8_adds_weight_caches_and_context_parallel_is_refused_as_the_learner_does():
@@ -81,9 +82,9 @@ def test_fp8_adds_weight_caches_and_context_parallel_is_refused_as_the_learner_d
     from dapo_mega.config import ConfigError
 
     fp8 = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_fp8"]))
-    for stage in fp8["learner_memory"]["stages"]:  # FP8 copy + transpose of 32 layers' linear weights
-        assert _within(stage["fp8_cache_bytes"], 3_900_702_720)
-        assert _within(stage["total_bytes"], HAND["total_bytes"][stage["stage"]] + 3_900_702_720)
+    for stage in fp8.learner_memory.stages:  # FP8 copy + transpose of 32 layers' linear weights
+        assert _within(stage.fp8_cache_bytes, 3_900_702_720)
+        assert _within(stage.total_bytes, HAND["total_bytes"][stage.stage] + 3_900_702_720)
     cfg = load_config(["+experiment=dapo_qwen2.5_32b", "megatron.context_parallel_size=2"])
     with pytest.raises(ConfigError) as planned:
         compute_plan(cfg)
@@ -98,25 +99,25 @@ def test_plan_warns_when_learner_and_engine_do_not_fit_on_one_gpu():
     # 15.4e9, 2.7e9 of contexts, 16.4e9 of weights, 3.2e9 of graphs, 1.1e9 of sync buckets: 88.8e9 > 85.9e9
     plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]))
     assert any(w.startswith("learner and engine do not fit together on a stage-1 GPU during rollout")
-               for w in plan["warnings"]), plan["warnings"]
+               for w in plan.warnings), plan.warnings
     assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]) == 1
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
-    assert disagg["engines"]["colocated"] == []  # engine GPUs hold no learner: 0.85 x (80 - 1) GiB - weights
-    assert _within(disagg["engines"]["kv_per_gpu_bytes"], 0.85 * 79 * GIB - 16_381_938_176)
+    assert disagg.engines.colocated == []  # engine GPUs hold no learner: 0.85 x (80 - 1) GiB - weights
+    assert _within(disagg.engines.kv_per_gpu_bytes, 0.85 * 79 * GIB - 16_381_938_176)
 
 
 def test_plan_warns_on_cross_node_tp_idle_engines_and_oom():
     cfg = load_config(["+experiment=dapo_qwen2.5_32b", "megatron.tensor_model_parallel_size=16",
                        "megatron.pipeline_model_parallel_size=1", "rollout.num_engines=8",
                        "megatron.recompute_granularity=null", "cluster.gpu_memory_gib=24"])
-    warnings = "\n".join(compute_plan(cfg)["warnings"])
+    warnings = "\n".join(compute_plan(cfg).warnings)
     assert "TP 16 crosses nodes" in warnings
     assert "engines idle GPUs: 96 of 128" in warnings  # 8 engines x 4 GPUs of 128
     assert "learner does not fit" in warnings
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg", "cluster.max_staleness=0"]))
-    assert any("engines idle while learners train" in w for w in disagg["warnings"])
-    assert disagg["parallel"]["dp"] == 4 and disagg["cluster"]["learner_nodes"] == 8
-    assert disagg["layout"][8]["roles"] == ["engines 0-1 (TP 4)"]
+    assert any("engines idle while learners train" in w for w in disagg.warnings)
+    assert disagg.parallel.dp == 4 and disagg.cluster.learner_nodes == 8
+    assert disagg.layout[8].roles == ["engines 0-1 (TP 4)"]
 
 
 def test_plan_reads_hf_config_json(tmp_path):
@@ -126,8 +127,8 @@ def test_plan_reads_hf_config_json(tmp_path):
     plan = compute_plan(load_config([f"model.hf_path={tmp_path}", "model.name=mine"]))
     # 4 x (256*256*2 + 2*256*64 + bias 256+128 + 3*256*512 + 2*256) + tied 1000*256 + 256
     per_layer = 256 * 256 * 2 + 2 * 256 * 64 + 384 + 3 * 256 * 512 + 512
-    assert plan["model"]["source"] == "hf_config"
-    assert plan["total_params"] == 4 * per_layer + 256_000 + 256
+    assert plan.model.source == "hf_config"
+    assert plan.total_params == 4 * per_layer + 256_000 + 256
 
 
 def test_plan_cli_json_and_exit_status(capsys):

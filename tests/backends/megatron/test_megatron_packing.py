@@ -329,19 +329,19 @@ def test_plan_reports_padding_efficiency_and_dp_imbalance_for_32b():
 
     cfg = load_config(["+experiment=dapo_qwen2.5_32b"])
     plan = compute_plan(cfg)
-    eff = plan["learner_efficiency"]
-    assert eff["assumption"]["samples"] == cfg.algo.mini_batch_size * cfg.algo.n_samples_per_prompt
-    assert eff["configured"]["thd"] and eff["configured"]["token_multiple"] == 8  # SP over TP 8
-    assert eff["configured"]["padding_efficiency"] > 0.99 and eff["configured"]["dp_imbalance"] < 1.01
-    assert eff["padded_contiguous"]["padding_efficiency"] < 0.8 and eff["padded_contiguous"]["dp_imbalance"] > 1.05
+    eff = plan.learner_efficiency
+    assert eff.assumption.samples == cfg.algo.mini_batch_size * cfg.algo.n_samples_per_prompt
+    assert eff.configured.thd and eff.configured.token_multiple == 8  # SP over TP 8
+    assert eff.configured.padding_efficiency > 0.99 and eff.configured.dp_imbalance < 1.01
+    assert eff.padded_contiguous.padding_efficiency < 0.8 and eff.padded_contiguous.dp_imbalance > 1.05
     text = format_plan(plan)
     assert "padding efficiency" in text and "DP imbalance" in text
     # a narrower distribution pads less, and the plan follows the assumption
     narrow = compute_plan(cfg, LengthAssumption(response_median=1000, response_sigma=0.1))
-    assert narrow["learner_efficiency"]["padded_contiguous"]["padding_efficiency"] > 0.85
+    assert narrow.learner_efficiency.padded_contiguous.padding_efficiency > 0.85
     cfg.megatron.balance_data_parallel = cfg.megatron.sequence_packing = False
-    assert compute_plan(cfg)["learner_efficiency"]["configured"]["dp_imbalance"] == pytest.approx(
-        eff["padded_contiguous"]["dp_imbalance"])
+    assert compute_plan(cfg).learner_efficiency.configured.dp_imbalance == pytest.approx(
+        eff.padded_contiguous.dp_imbalance)
 
 
 def _shuffle_run(rank, world):
