@@ -59,7 +59,6 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tupl
 
 import numpy as np
 
-from dapo_mega.records.ledger import ROW_GROUP_ROWS, ledger_dir, ledger_shards
 from dapo_mega.records.metrics import read_metrics
 from dapo_mega.records.rollout_metrics import AGE_BUCKETS, age_label
 from dapo_mega.rollout.samples import TRAINED_REASONS
@@ -491,11 +490,12 @@ def iter_shard_rows(path: Path, columns: Sequence[str], batch_rows: Optional[int
     rows) read at a time."""
     import pyarrow.parquet as pq
 
+    from dapo_mega.records import ledger  # read at call time: a test writes and reads smaller row groups
 
     shard = pq.ParquetFile(path)
     present = set(shard.schema_arrow.names)
     row = _row_type(tuple(columns))
-    for batch in shard.iter_batches(batch_size=batch_rows or ROW_GROUP_ROWS, columns=[c for c in columns if c in present]):
+    for batch in shard.iter_batches(batch_size=batch_rows or ledger.ROW_GROUP_ROWS, columns=[c for c in columns if c in present]):
         values = [batch.column(c).to_pylist() if c in present else [_MISSING[c]] * batch.num_rows for c in columns]
         for r in zip(*values):
             yield row(*r)
@@ -519,6 +519,7 @@ def build_report(run_dir: Path, per_stratum: int = 2, n_step_buckets: int = 3, n
                  (None, None), max_flagged: Optional[int] = MAX_FLAGGED) -> LedgerReport:
     """Stream `<run_dir>/ledger/` (the shards of `steps`, both ends included) and
     metrics.jsonl when there into every table (module docstring)."""
+    from dapo_mega.records.ledger import ledger_dir, ledger_shards  # pyarrow, only when a report is built
 
     first, last = steps
     step_range = "all" if steps == (None, None) else f"{'' if first is None else first}:{'' if last is None else last}"

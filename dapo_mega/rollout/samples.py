@@ -15,10 +15,12 @@ engine was given (the learner trains on the same ids).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from dapo_mega.backends.sglang.client import PromptInput, WeightVersionSpan
 from dapo_mega.reward.types import UNSCORED, SampleReward
+
+if TYPE_CHECKING:  # annotations only: the client brings aiohttp, which a ledger reader does not need
+    from dapo_mega.backends.sglang.client import PromptInput, WeightVersionSpan
 
 
 class PromptItem(Protocol):
@@ -32,7 +34,7 @@ class PromptItem(Protocol):
     def prompt(self) -> str: ...
 
 
-PromptToInput = Callable[[PromptItem], PromptInput]
+PromptToInput = Callable[[PromptItem], "PromptInput"]
 """A prompt item -> the engine's input for it (`PromptEncoder.encode`: token ids)."""
 
 PromptFactory = Callable[[Dict[str, Any]], PromptItem]
