@@ -19,13 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import aiohttp
 
-from dapo_mega.backends.sglang.client import (
-    EngineClient,
-    EngineError,
-    PromptInput,
-    RequestSamplingParams,
-    SampleResult,
-)
+from dapo_mega.backends.sglang.client import EngineClient, EngineError, PromptInput, RequestSamplingParams, SampleResult
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.rollout.samples import Group, PromptItem, ScoredSample
 
@@ -356,8 +350,7 @@ class RoundDispatcher:
         return True
 
     def _finish(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
-                samples: List[SampleResult],
-                t0: float) -> None:
+                samples: List[SampleResult], t0: float) -> None:
         """A complete reply: its groups, the engine's progress and counters."""
         global _finished_requests
         m = self.m
