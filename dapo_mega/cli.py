@@ -123,7 +123,7 @@ def _one_line(exc: BaseException) -> str:
 def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
     if command == "train":
         from dapo_mega.data import DataError
-        from dapo_mega.driver.console import route_known_warnings
+        from dapo_mega.driver.known_warnings import route_known_warnings
 
         route_known_warnings(cfg.run_dir)  # before the preflight imports megatron-core
         from dapo_mega.preflight import check_before_start

@@ -47,7 +47,7 @@ REFERENCE_DECODE = 4000.0
 engines in ~195 s of its 393-s step."""
 REFERENCE_SEQUENCE = 50.0
 """s of the reference engine (tokens/s of one sequence): 20,480 tokens in ~410 s, the slow end
-of the 52-102 tokens/s (200-390 s per full-length answer) that issue 19 estimates."""
+of 52-102 tokens/s (200-390 s per full-length answer) for one 32B engine at TP 4 on H100s."""
 REFERENCE_PREFILL = 20000.0
 """F of the reference engine (prompt tokens/s): 2Φ FLOPs per token on 4 H100 at a third of peak."""
 

@@ -352,11 +352,9 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
     model_path = engine_model_path(cfg)
     if not cfg.rollout.model_path and not cfg.model.hf_path and not (model_path / "config.json").exists():
         # the engines load it at start; the learners find it built and use it as is
-        from dapo_mega.models.tiny import build_tiny_model_dir
+        from dapo_mega.models.tiny import build_tiny_model_in_place
 
-        tmp = model_path.with_name(model_path.name + f".tmp-{job_id}")
-        build_tiny_model_dir(tmp, cfg.model, seed=cfg.megatron.seed)
-        os.replace(tmp, model_path)
+        build_tiny_model_in_place(model_path, cfg.model, cfg.megatron.seed)
     engines_per = engines_per_node(cfg.rollout.num_engines, engine_nodes)
     assignments = {"RUN_DIR": str(run_dir), "LOG_DIR": str(log_dir), "REGISTRY_DIR": str(registry),
                    "NUM_ENGINES": str(cfg.rollout.num_engines), "ENGINES_PER_NODE": str(engines_per),

@@ -26,7 +26,7 @@ import torch
 
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, validate_config
-from dapo_mega.driver.console import route_known_warnings
+from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
@@ -266,18 +266,10 @@ def model_dir_of(cfg: DapoConfig) -> Path:
 
 
 def build_tiny_model(cfg: DapoConfig, model_dir: Path) -> None:
-    """The tiny model's HF files in `model_dir`. Every rank may get here before process groups
-    exist: each builds the same deterministic files into its own tmp dir and the first rename wins."""
-    import shutil
+    """The tiny model's HF files in `model_dir` (deterministic in `megatron.seed`)."""
+    from dapo_mega.models.tiny import build_tiny_model_in_place
 
-    from dapo_mega.models.tiny import build_tiny_model_dir
-
-    tmp = model_dir.with_name(model_dir.name + f".tmp{os.getpid()}")
-    build_tiny_model_dir(tmp, cfg.model, seed=cfg.megatron.seed)
-    try:
-        os.rename(tmp, model_dir)
-    except OSError:  # another rank (or the Slurm prepare step) was first
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model_in_place(model_dir, cfg.model, cfg.megatron.seed)
 
 
 def _problem_fields(d: Dict[str, Any]) -> Dict[str, Any]:

@@ -57,7 +57,7 @@ class Stage:
 
 
 def _hydra(value: Path | str) -> str:
-    from dapo_mega.launch import hydra_value
+    from dapo_mega.config import hydra_value
 
     return hydra_value(str(value))
 

@@ -20,10 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dapo_mega"
 RENAMES_OF_OTHER_THINGS = {
     "run_dir.py": "the owner, and step directories renamed into place",
     "weights/hf_io.py": "safetensors shards renamed to their final count",
-    "session.py": "a built model directory",
-    "launch.py": "a built model directory",
+    "models/tiny.py": "a built model directory",
     "run_identity.py": "an old config.yaml moved aside, not written",
-    "rollout/engine_process.py": "engine registry file; moving to atomic_path with its owner",
 }
 
 

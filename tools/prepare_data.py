@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -45,6 +44,7 @@ from dapo_mega.data import (
     run_dataset_revision,
 )
 from dapo_mega.data.readers import read_published_problems
+from dapo_mega.run_dir import atomic_path, write_text_atomic
 
 AIME_2024_PROBLEMS = 30
 PUBLISHED_EVAL_SETS = {"aime_2025": 30, "math_500": 500}
@@ -81,9 +81,8 @@ def write_dataset(problems: List[Problem], source: Path | Sequence[Path], report
     import pyarrow.parquet as pq
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(".parquet.tmp")
-    pq.write_table(problems_to_table(problems, ability, desc=f"writing {out_path.name}"), tmp)
-    os.replace(tmp, out_path)
+    with atomic_path(out_path) as tmp:
+        pq.write_table(problems_to_table(problems, ability, desc=f"writing {out_path.name}"), tmp)
     sources = [source] if isinstance(source, Path) else list(source)
     record = {"file": out_path.name, "revision": compute_dataset_revision(problems), "num_problems": len(problems),
               "source": ", ".join(map(str, sources)), "source_sha256": ", ".join(map(file_sha256, sources)),
@@ -91,7 +90,7 @@ def write_dataset(problems: List[Problem], source: Path | Sequence[Path], report
               "duplicates_dropped": report.num_duplicates,
               "conflicting_duplicates": report.num_conflicting_duplicates,
               "skipped_rows": report.num_skipped, "skip_reasons": dict(report.skip_reasons)}
-    out_path.with_suffix(".revision.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_text_atomic(out_path.with_suffix(".revision.json"), json.dumps(record, indent=2) + "\n")
     return record
 
 
@@ -124,7 +123,7 @@ def prepare(dapo_math: Path, aime: Optional[Path], out_dir: Path, on_bad_row: st
                                         else compute_dataset_revision([]))
     for name, rec in records.items():
         rec["run_revision"] = run_revision
-        (out_dir / f"{name}.revision.json").write_text(json.dumps(rec, indent=2) + "\n")
+        write_text_atomic(out_dir / f"{name}.revision.json", json.dumps(rec, indent=2) + "\n")
     return records
 
 

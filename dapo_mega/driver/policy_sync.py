@@ -21,11 +21,12 @@ import os
 import socket
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
 import torch
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig
+from dapo_mega.config import DapoConfig, is_loopback
 from dapo_mega.distributed import free_port
 from dapo_mega.driver.roles import LearnerRankRole
 
@@ -75,7 +76,7 @@ class PolicySync:
         if placement.transport == CUDA_IPC:
             sync._start_handover(endpoints, placement)
             return sync
-        local = all(u.startswith(("http://127.0.0.1", "http://localhost")) for u in urls)
+        local = all(is_loopback(urlsplit(u).hostname or "") for u in urls)
         colocated = placement.transport == SHARED_MEMORY and local
         if not colocated:
             sync.grouped = True

@@ -140,3 +140,21 @@ def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] =
                      pad_token_id=hf_config.pad_token_id).save_pretrained(out)
     (out / "dapo_mega_tiny.json").write_text(json.dumps({"architecture": architecture, "seed": seed}))
     return out
+
+
+def build_tiny_model_in_place(model_dir: Path, model_cfg: ModelConfig, seed: int) -> Path:
+    """The tiny model's HF files at `model_dir`, built once however many processes ask at the
+    same time (every learner rank may get here before process groups exist, and the Slurm
+    prepare step too): each builds the same deterministic files into its own directory and the
+    first rename wins; the others drop theirs. Returns `model_dir`."""
+    import os
+    import shutil
+
+    model_dir = Path(model_dir)
+    tmp = model_dir.with_name(f"{model_dir.name}.tmp-{os.getpid()}")
+    build_tiny_model_dir(tmp, model_cfg, seed=seed)
+    try:
+        os.rename(tmp, model_dir)  # fails where another process put a directory there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir

@@ -210,7 +210,7 @@ def test_stop_token_and_stop_string(server, reference):
 
 
 def test_seeded_group_is_sent_with_one_seed_per_sample(server):
-    """Defect 11: n samples of one request share its sampling_params; the client sends n
+    """n samples of one request share its sampling_params; the client sends n
     copies with seeds seed + j, so a seed-honouring engine gives G different samples."""
     params = {"n": 4, "temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 1234}
     a = run(lambda c: c.generate([PROMPT, [30, 31]], params), server)
@@ -432,7 +432,7 @@ def init_group(syncer: WeightSyncer) -> None:
 
 
 def test_update_from_distributed_flattened_buckets_via_the_syncer(server, new_weights, reference):
-    """Defect 1 (no update session: every update was a 400) and the whole distributed path:
+    """The update session (without one every update was a 400) and the whole distributed path:
     the project's syncer over a gloo group made as SGLang makes its side."""
     state = {k: v.to(server.dtype) for k, v in new_weights.items()}
     syncer = WeightSyncer([server.endpoint], bucket_mb=0.02, mode="distributed", backend="gloo", timeout_s=120)

@@ -216,7 +216,7 @@ def test_eval_starts_the_configured_backend(tmp_path, model_dir):
 
 
 def test_health_probe_waits_for_a_health_check_that_takes_over_a_second():
-    """Issue 12 defect 3: SGLang's /health runs a one-token generation and sleeps 1 s before
+    """SGLang's /health runs a one-token generation and sleeps 1 s before
     answering; a probe with a 1-second timeout never saw it healthy. A stand-in server answers
     /health after 1.5 s: the fleet's probe must still say healthy."""
     import threading

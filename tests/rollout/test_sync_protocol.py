@@ -3,7 +3,7 @@
 NCCL broadcasts GPU tensors only, and SGLang receives into a buffer on its own device, so the
 flat bucket the learner broadcasts must live on the parameters' device. Parameters on the
 `meta` device stand in for a GPU: the old CPU buffer cannot even be filled from them. The
-update session (defect 1) is checked against real SGLang in test_conformance.py.
+update session is checked against real SGLang in test_conformance.py.
 """
 
 import pytest

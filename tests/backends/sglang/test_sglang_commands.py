@@ -77,7 +77,7 @@ def test_non_loopback_without_key_refused():
 
 
 def test_router_command_passes_the_engines_api_key():
-    """Defect 12: sglang-router 0.3.2 has --api-key (the key it sends to its workers)."""
+    """sglang-router 0.3.2 has --api-key (the key it sends to its workers)."""
     argv = build_router_command(["http://a:1", "http://b:2"], port=30000, python="py", api_key="engine-key")
     assert argv[:3] == ["py", "-m", "sglang_router.launch_router"]
     args = parse_in_sglang_venv(PARSE_ROUTER, argv[3:], "sglang_router.router_args")

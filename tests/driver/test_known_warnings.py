@@ -2,7 +2,7 @@
 
 import warnings
 
-from dapo_mega.driver.console import known_warning_lines, route_known_warnings
+from dapo_mega.driver.known_warnings import known_warning_lines, route_known_warnings
 
 
 def test_known_warnings_logged_once_others_shown(tmp_path, monkeypatch):
