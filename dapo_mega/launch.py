@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from dapo_mega import log as logs
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import (
@@ -240,8 +241,12 @@ def parse_node_addrs(text: str) -> Dict[str, str]:
 # --------------------------------------------------------------------------------------
 # the three roles
 # --------------------------------------------------------------------------------------
+_logger = logs.get(__name__)
+
+
 def _log(message: str) -> None:
-    print(f"[dapo-mega launch {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    """A line of this node's launcher (every node writes its own: Slurm keeps one log per task)."""
+    _logger.info(f"[dapo-mega launch {time.strftime('%H:%M:%S')}] {message}", extra=logs.EVERY_RANK)
 
 
 def _use_gpu(cfg: DapoConfig) -> bool:
@@ -521,7 +526,7 @@ def _role_process_failed(name: str, rc: int, log: Path) -> int:
     """Log which process of the role died and how; returns the task's exit status."""
     how = f"signal {-rc}" if rc < 0 else f"status {rc}"
     _log(f"{name} exited with {how}; stopping the other processes of this node")
-    print(f"--- last lines of {log}\n{log_tail(log)}", flush=True)
+    _logger.info(f"--- last lines of {log}\n{log_tail(log)}", extra=logs.EVERY_RANK)
     return _exit_status(rc)
 
 

@@ -26,8 +26,8 @@ import torch
 
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, validate_config
-from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.gate import DriverGate, finished_requests
+from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole

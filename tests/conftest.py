@@ -56,3 +56,14 @@ def tiny_models(tmp_path_factory):
 def tiny_model_dir(tiny_models):
     """The tiny checkpoint of seed 7, for the tests that only need some model."""
     return tiny_models(7)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """The local two-node Slurm cluster (tests/slurm_cluster.py), started once for every test
+    that submits jobs; where it cannot run the test skips saying why (fails under CI)."""
+    from slurm_cluster import start_or_skip
+
+    cluster = start_or_skip(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()

@@ -69,7 +69,7 @@ def run_ablate_command(args: List[str]) -> int:
         submit_slurm(plan, cfg.sbatch_script, cfg.sbatch_args, cfg.max_parallel, repo=config_dir().parent)
         return 0
     start = time.perf_counter()
-    outcomes = run_locally(plan, say=lambda m: print(m, flush=True), timeout_s=cfg.run_timeout_s)
+    outcomes = run_locally(plan, timeout_s=cfg.run_timeout_s)
     md, _ = write_report(plan, elapsed_s=time.perf_counter() - start)
     print(md.read_text(), flush=True)
     print(f"[ablate] wrote {md}, ablation.json and ablation.png", flush=True)

@@ -34,7 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+from dapo_mega import log
 from dapo_mega.ablation.rungs import AblationPlan, PlannedRun, slug
+
+logger = log.get(__name__)
 
 
 @dataclass
@@ -78,9 +81,11 @@ def log_path(plan: AblationPlan, run: PlannedRun) -> Path:
     return Path(plan.directory) / "logs" / f"{slug(run.rung)}-seed{run.seed}.log"
 
 
-def run_locally(plan: AblationPlan, say: Callable[[str], None] = print, timeout_s: float = 0.0,
+def run_locally(plan: AblationPlan, say: Optional[Callable[[str], None]] = None, timeout_s: float = 0.0,
                 command: Callable[[PlannedRun], List[str]] = train_command) -> List[RunOutcome]:
-    """The warm start (if any) and every run, one after another; returns each run's outcome."""
+    """The warm start (if any) and every run, one after another; returns each run's outcome.
+    `say` gets each progress line (default: the library's logger)."""
+    say = say or logger.info
     outcomes: List[RunOutcome] = []
     todo = ([plan.warm_start] if plan.warm_start else []) + list(plan.runs)
     for i, run in enumerate(todo):
@@ -233,9 +238,10 @@ def _sbatch(args: Sequence[str], cwd: Path, env: Optional[dict] = None) -> int:
 
 def submit_slurm(plan: AblationPlan, topology_name: str, sbatch_args: Sequence[str], max_parallel: int,
                  repo: Path, python: str = sys.executable, env: Optional[dict] = None,
-                 say: Callable[[str], None] = print) -> SlurmSubmission:
+                 say: Optional[Callable[[str], None]] = None) -> SlurmSubmission:
     """Write the task files and scripts, submit warm start -> array -> report (see the module
     docstring). Finished runs are left out of the array; the report job always runs."""
+    say = say or logger.info
     directory = Path(plan.directory)
     slurm_dir = directory / "slurm"
     slurm_dir.mkdir(parents=True, exist_ok=True)

@@ -13,16 +13,16 @@ length limit) beside the unnamed one (data.eval_path or the synthetic split), as
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from dapo_mega import log
 from dapo_mega.config import DataConfig, EvalConfig
 from dapo_mega.data.problem import Problem, compute_dataset_revision, run_dataset_revision
 from dapo_mega.data.readers import read_problems
 from dapo_mega.data.synthetic import generate_synthetic_problems
 
-logger = logging.getLogger(__name__)
+logger = log.get(__name__)
 
 
 @dataclass

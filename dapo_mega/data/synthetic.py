@@ -31,13 +31,13 @@ line only (answer_prefix is empty: the model writes that line itself).
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import List, Sequence, Set, Tuple
 
+from dapo_mega import log
 from dapo_mega.data.problem import DataError, Problem
 
-logger = logging.getLogger(__name__)
+logger = log.get(__name__)
 
 SYNTHETIC_SOURCE = "synthetic_arithmetic"
 CHAIN_SOURCE = "synthetic_chain"

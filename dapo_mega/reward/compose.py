@@ -9,12 +9,13 @@ reward on the last response token (it is an outcome reward; advantages spread it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Protocol, Sequence
 
 import torch
 
 from dapo_mega.algo.overlong import compute_overlong_penalty
 from dapo_mega.config import AlgoConfig
+from dapo_mega.data.problem import Problem
 from dapo_mega.reward.scoring import Text, VerifierPool, score_responses
 from dapo_mega.reward.types import Components, SampleReward, Verifier, VerifyStats
 
@@ -57,7 +58,23 @@ class RewardBatch:
                 for reward, correct, correctness, penalty, error, extracted, components in columns]
 
 
-def score_groups(verifier: Verifier, groups: Sequence[Any], algo_cfg: AlgoConfig, prompt_template: str,
+class _ScoredResponse(Protocol):
+    response_text: Text
+    token_ids: Sequence[int]
+
+
+class ResponseGroup(Protocol):
+    """What `score_groups` reads of a group (`rollout.samples.Group` is one): the problem and
+    its sampled responses."""
+
+    @property
+    def prompt(self) -> Problem: ...
+
+    @property
+    def samples(self) -> Sequence[_ScoredResponse]: ...
+
+
+def score_groups(verifier: Verifier, groups: Sequence[ResponseGroup], algo_cfg: AlgoConfig, prompt_template: str,
                  pool: Optional[VerifierPool] = None) -> RewardBatch:
     """`compute_rewards` of every sample of every group (a `Group`: `.prompt`, `.samples`),
     flat, group after group; each sample's answer prefix comes from its prompt and

@@ -27,7 +27,6 @@ error="verifier_error: ..." and are counted in the returned VerifyStats.
 from __future__ import annotations
 
 import atexit
-import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -39,10 +38,11 @@ import time
 from collections import deque
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from dapo_mega import log
 from dapo_mega.reward.types import Verifier, VerifyResult, VerifyStats, call_verifier, verifier_error_result
 from dapo_mega.tether import popen_tethered
 
-logger = logging.getLogger(__name__)
+logger = log.get(__name__)
 
 MAX_IN_PROCESS_GROUND_TRUTH_CHARS = 1000
 """Longer ground truths go to the pool even for in-process verifiers (their normalisation

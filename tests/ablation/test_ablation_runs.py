@@ -63,33 +63,28 @@ def test_quick_ladder_writes_table_json_and_curves(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.slurm
-def test_slurm_array_runs_the_ladder_and_builds_the_table(tmp_path_factory, tmp_path):
-    from slurm_cluster import start_or_skip
-
-    cluster = start_or_skip(tmp_path_factory.mktemp("slurm"))
-    try:
-        env = {**cluster.env(), "LEARNERS_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-        # one node per run (the two seeds at once on the two nodes), one rung of 2 steps; not the
-        # dynamic-sampling rung: after tiny_cpu_slurm's 10-step warm start every group is all wrong,
-        # and with its max_num_gen_batches=0 refilling would never end. Rung differences are the
-        # local test's.
-        cmd = [sys.executable, "-m", "dapo_mega.cli", "ablate", "+ablation=dapo_ladder", "--slurm",
-               "ablation.quick=true", "ablation.quick_rungs=[naive_grpo]",
-               "ablation.sbatch_args=['--nodes=1','--mem=4000']", "+experiment=tiny_cpu_slurm",
-               "cluster.num_nodes=1", "cluster.num_learner_processes=1", "rollout.num_engines=1",
-               f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.eval_interval=2",
-               "eval.max_problems=8", "eval.n_samples=2"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        report_job = int(re.search(r"built by job (\d+)", out.stdout).group(1))
-        array_job = int(re.search(r"job array (\d+)", out.stdout).group(1))
-        info = cluster.wait_job(report_job, timeout_s=1200)
-        assert info.get("JobState") == "COMPLETED", (info, cluster.debug_tail())
-        directory = tmp_path / "dapo_ladder_quick"
-        script = (directory / "slurm" / "array.sbatch").read_text()
-        assert "algo." not in script and "colocated.sbatch" in script
-        _check_outputs(directory, ["naive_grpo"], [1, 2])  # every array task finished
-        logs = sorted((directory / "slurm").glob(f"slurm-{array_job}_*.out"))
-        assert len(logs) == 2, logs  # one task per rung x seed
-    finally:
-        cluster.stop()
+def test_slurm_array_runs_the_ladder_and_builds_the_table(slurm_cluster, tmp_path):
+    cluster = slurm_cluster
+    env = {**cluster.env(), "LEARNERS_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    # one node per run (the two seeds at once on the two nodes), one rung of 2 steps; not the
+    # dynamic-sampling rung: after tiny_cpu_slurm's 10-step warm start every group is all wrong,
+    # and with its max_num_gen_batches=0 refilling would never end. Rung differences are the
+    # local test's.
+    cmd = [sys.executable, "-m", "dapo_mega.cli", "ablate", "+ablation=dapo_ladder", "--slurm",
+           "ablation.quick=true", "ablation.quick_rungs=[naive_grpo]",
+           "ablation.sbatch_args=['--nodes=1','--mem=4000']", "+experiment=tiny_cpu_slurm",
+           "cluster.num_nodes=1", "cluster.num_learner_processes=1", "rollout.num_engines=1",
+           f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", "trainer.eval_interval=2",
+           "eval.max_problems=8", "eval.n_samples=2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report_job = int(re.search(r"built by job (\d+)", out.stdout).group(1))
+    array_job = int(re.search(r"job array (\d+)", out.stdout).group(1))
+    info = cluster.wait_job(report_job, timeout_s=1200)
+    assert info.get("JobState") == "COMPLETED", (info, cluster.debug_tail())
+    directory = tmp_path / "dapo_ladder_quick"
+    script = (directory / "slurm" / "array.sbatch").read_text()
+    assert "algo." not in script and "colocated.sbatch" in script
+    _check_outputs(directory, ["naive_grpo"], [1, 2])  # every array task finished
+    logs = sorted((directory / "slurm").glob(f"slurm-{array_job}_*.out"))
+    assert len(logs) == 2, logs  # one task per rung x seed

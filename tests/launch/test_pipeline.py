@@ -215,13 +215,9 @@ def test_wait_names_the_stage_that_stopped_the_pipeline():
 # --------------------------------------------------------------------------------------
 # on the local two-node Slurm cluster
 # --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from slurm_cluster import start_or_skip
-
-    c = start_or_skip(tmp_path_factory.mktemp("slurm"))
-    yield c
-    c.stop()
+@pytest.fixture
+def cluster(slurm_cluster):
+    return slurm_cluster
 
 
 def _slurm_pipeline(cluster, args, timeout_s: float, entry=None) -> subprocess.CompletedProcess:

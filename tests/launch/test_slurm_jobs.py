@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 from sglang_venv import sglang_python_or_skip
-from slurm_cluster import start_or_skip
 
 from dapo_mega.distributed import free_port
 
@@ -37,11 +36,9 @@ JOB_TIMEOUT_S = 180
 TOTAL_STEPS = 3  # configs/experiment/tiny_cpu_slurm.yaml
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = start_or_skip(tmp_path_factory.mktemp("slurm"))
-    yield c
-    c.stop()
+@pytest.fixture
+def cluster(slurm_cluster):
+    return slurm_cluster
 
 
 def _job_env(learners_per_node: int = 1) -> dict:
