@@ -711,6 +711,9 @@ class EvalSetConfig:
         if not name.isidentifier():
             raise err(where, f"the set name {name!r} is not a plain identifier (it becomes the metric key "
                       f"eval/{name}/avg_at_k)", "use letters, digits and _, e.g. eval.sets.aime_2025")
+        if name == "eval":
+            raise err(where, "the name 'eval' is the unnamed held-out set's label in tables and reports",
+                      "give this set its own name, e.g. eval.sets.aime_2024")
         if not self.path:
             raise err(f"{where}.path", "empty", "point it at the set's .parquet / .jsonl file")
         if self.n_samples is not None and self.n_samples < 1:

@@ -32,14 +32,14 @@ def build_qwen3_dir(out_dir: Path, seed: int = 0, tie_word_embeddings: bool = Fa
     return out
 
 
-def hf_greedy(model_dir, prompts, steps: int, state=None) -> list:
-    """transformers' argmax decoding (fp32) of `model_dir` (a Qwen3), or of its model with
-    `state` loaded: per prompt, (the `steps` new token ids, their log-probs)."""
+def hf_greedy(model_dir, prompts, steps: int, state=None, architecture: str = "Qwen3ForCausalLM") -> list:
+    """transformers' argmax decoding (fp32) of `model_dir` (of class `architecture`), or of its
+    model with `state` loaded: per prompt, (the `steps` new token ids, their log-probs)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert type(model).__name__ == architecture, type(model).__name__
     if state is not None:
         model.load_state_dict(state, strict=True)
     out = []

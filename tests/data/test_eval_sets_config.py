@@ -66,6 +66,7 @@ def test_a_published_row_without_a_problem_names_the_field(tmp_path):
     ("+eval.sets={aime-25:{path:x.jsonl}}", "eval.sets.aime-25: the set name 'aime-25' is not a plain identifier"),
     ("+eval.sets={aime:{path:x.jsonl,n_samples:0}}", "eval.sets.aime.n_samples: must be >= 1, got 0"),
     ("+eval.sets={aime:{n_samples:2}}", "eval.sets.aime.path: empty"),
+    ("+eval.sets={eval:{path:x.jsonl}}", "eval.sets.eval: the name 'eval' is the unnamed held-out set's label"),
 ])
 def test_named_set_config_errors(override, message):
     with pytest.raises(ConfigError) as info:
@@ -80,7 +81,8 @@ def test_a_missing_set_file_fails_before_any_model_is_built(tmp_path):
                           cwd=REPO)
     assert proc.returncode != 0
     assert f"eval.sets.math.path: {missing} does not exist" in proc.stdout + proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    # the run directory (trainer.output_dir / run_name) holds no model and no checkpoint
+    assert not list(tmp_path.rglob("base_model")) and not list(tmp_path.rglob("checkpoints"))
 
 
 def test_named_sets_defaults_and_their_revisions_join_the_run_revision(tmp_path):
@@ -109,3 +111,25 @@ def test_console_line_and_ablation_table_show_each_named_set(tmp_path):
     head = [c.strip() for c in table[0].split("|")]
     cell = [c.strip() for c in table[2].split("|")][head.index("final avg@k (aime)")]
     assert cell.startswith("0.300 ± ")  # mean of the last evaluations 0.2 and 0.4
+
+
+def test_curves_draw_each_named_set_in_the_accuracy_panel(tmp_path, monkeypatch):
+    """curves.png's accuracy panel holds one line per named set, with that set's points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dapo_mega.records.curves import plot_curves
+
+    rows = [{"step": s, "rollout/accuracy": 0.1 * s, "eval/avg_at_k": 0.2, "eval/aime_2025/avg_at_k": 0.05 * s,
+             **({"eval/math_500/avg_at_k": 0.5} if s == 2 else {})} for s in (0, 1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    assert plot_curves(tmp_path).stat().st_size > 1000
+    accuracy = next(ax for ax in drawn[0].axes if ax.get_title() == "accuracy")
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in accuracy.lines}
+    assert lines["eval/aime_2025/avg_at_k"] == ([0, 1, 2], [0.0, 0.05, 0.1])
+    assert lines["eval/math_500/avg_at_k"] == ([2], [0.5])
+    assert {"rollout/accuracy", "eval/avg_at_k"} <= set(lines)

@@ -156,7 +156,7 @@ def test_llama3_rope_scaling_read_from_both_config_forms():
                 got.rope_scaling_original_max_position_embeddings) == (32.0, 2.0, 8.0, 128)
 
 
-@pytest.mark.slow  # two spawned conversions; the fast learner test covers LLAMA3_SCALING[0]
+@pytest.mark.slow  # spawned conversions; the fast learner test covers LLAMA3_SCALING[0]
 @pytest.mark.parametrize("scaling", LLAMA3_SCALING[1:], ids=["factor32_low2_high8"])
 def test_llama3_rope_scaling_logits_equal_transformers(tmp_path, scaling):
     from transformers import AutoModelForCausalLM
@@ -167,9 +167,16 @@ def test_llama3_rope_scaling_logits_equal_transformers(tmp_path, scaling):
     ids = torch.arange(3, 35).unsqueeze(0)
     with torch.no_grad():
         scaling_effect = (model(ids).logits - AutoModelForCausalLM.from_pretrained(plain)(ids).logits).abs().max()
-    meg = tmp_path / "meg"
+    meg, out = tmp_path / "meg", tmp_path / "hf"
     convert.import_hf_checkpoint(src, meg, progress=False)
     verified = convert.verify_conversion(src, meg, tp=1, tolerance=LOGITS_ATOL)
     assert verified.passed and verified.max_abs_diff < LOGITS_ATOL, verified.lines()
     # Megatron is 100x closer to transformers than the scaling moves the logits: plain RoPE would fail
     assert verified.max_abs_diff < scaling_effect / 100, (verified.max_abs_diff, float(scaling_effect))
+    # the way back keeps every tensor and the scaling: transformers reads the export as the source
+    convert.export_megatron_checkpoint(meg, out, progress=False)
+    _assert_same_tensors(src, out)
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert exported.config.rope_parameters == model.config.rope_parameters
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, model(ids).logits)

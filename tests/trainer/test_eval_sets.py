@@ -23,7 +23,12 @@ def write_set(path: Path, seed: int, count: int) -> Path:
 
 def sets_override(tmp_path: Path) -> str:
     a, b = write_set(tmp_path / "alpha.jsonl", seed=11, count=5), write_set(tmp_path / "beta.jsonl", seed=12, count=6)
-    return f"+eval.sets={{alpha:{{path:'{a}',n_samples:3}},beta:{{path:'{b}',max_problems:4}}}}"
+    return (f"+eval.sets={{alpha:{{path:'{a}',n_samples:3}},"
+            f"beta:{{path:'{b}',max_problems:4,max_response_length:{BETA_LIMIT}}}}}")
+
+
+BETA_LIMIT = 1
+"""beta's own length limit: one token, so (seeded) every one of its samples is cut there."""
 
 
 def hand_avg_at_k(result: dict) -> float:
@@ -85,3 +90,8 @@ def test_eval_command_reports_each_set_and_compares_per_set(tmp_path, capsys):
         assert paired["difference"] == pytest.approx(hand_avg_at_k(b) - hand_avg_at_k(a))
         assert float(cells[7]) == pytest.approx(paired["difference"], abs=1e-4)
         assert paired["problems"] == len(a["problems"]) and f"[{label}]" in printed
+        # each set generates at its own limit: beta's, or the training limit for the others
+        limit = BETA_LIMIT if label == "beta" else cfg.algo.max_response_length
+        assert a["settings"]["max_response_length"] == b["settings"]["max_response_length"] == limit
+        if label == "beta":
+            assert [p["truncated"] for p in a["problems"]] == [a["k"]] * len(a["problems"]), a["problems"]

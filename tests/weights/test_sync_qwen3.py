@@ -6,7 +6,9 @@ transformers' Qwen3ForCausalLM on the same checkpoint. Then learners at TP 2 and
 after one DAPO update, sync into them over gloo (`sync_learner_weights`, the live path of
 the HF <-> Megatron mapping): the engines hold exactly the HF export of the learner
 (`export_learner_to_hf`, the conversion path) and their greedy output equals transformers'
-on that export.
+on that export. The PP 2 case serves a tiny Llama with Llama-3 RoPE scaling instead (all
+three bands of the rescaling inside its frequencies), so the scaled rotary path of the
+engine and of the mapping is held to transformers after a sync too.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ GREEDY_STEPS = 6
 LOGPROB_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return build_qwen3_dir(tmp_path_factory.mktemp("qwen3_sync"), seed=3)
+LLAMA3_SCALING = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _model_dir(kind: str, root):
+    if kind == "qwen3":
+        return build_qwen3_dir(root / "qwen3", seed=3), "Qwen3ForCausalLM", "q_norm"
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    return (build_tiny_model_dir(root / "llama3", seed=3, architecture="llama", rope_scaling=LLAMA3_SCALING),
+            "LlamaForCausalLM", "q_proj")
 
 
 def engine_greedy(url: str) -> list:
@@ -49,23 +58,24 @@ def assert_same_greedy(got: list, want: list, what: str) -> None:
 
 
 @pytest.mark.slow  # ~57 s each on 2 cores
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_qwen3_engines_greedy_equals_transformers_before_and_after_learner_sync(qwen3_dir, tmp_path, tp, pp):
+@pytest.mark.parametrize("kind,tp,pp", [("qwen3", 2, 1), ("llama3_scaled", 1, 2)], ids=["qwen3_tp2", "llama3_scaled_pp2"])
+def test_engines_greedy_equals_transformers_before_and_after_learner_sync(tmp_path, kind, tp, pp):
     from safetensors.torch import load_file
 
-    with EngineFleet(RolloutConfig(), str(qwen3_dir), tmp_path / "logs", num_threads=1) as fleet:
+    model_dir, architecture, some_weight = _model_dir(kind, tmp_path)
+    with EngineFleet(RolloutConfig(), str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
         urls = [e.url for e in fleet.start(2)]
-        at_start = hf_greedy(qwen3_dir, PROMPTS, GREEDY_STEPS)
+        at_start = hf_greedy(model_dir, PROMPTS, GREEDY_STEPS, architecture=architecture)
         for url in urls:
             assert_same_greedy(engine_greedy(url), at_start, f"engine {url} at start")
         export_dir = tmp_path / "export"
-        run_distributed(_learner_sync, 2, args=(tp, pp, str(qwen3_dir), urls, [free_port(), free_port()],
+        run_distributed(_learner_sync, 2, args=(tp, pp, str(model_dir), urls, [free_port(), free_port()],
                                                 str(export_dir)), timeout_s=400)
         exported = {}
         for shard in export_dir.glob("*.safetensors"):
             exported.update(load_file(str(shard)))
-        assert any("q_norm" in name for name in exported)
-        assert_engines_serve_export(urls, qwen3_dir, exported, "7")
-        after = hf_greedy(qwen3_dir, PROMPTS, GREEDY_STEPS, exported)
+        assert any(some_weight in name for name in exported)
+        assert_engines_serve_export(urls, model_dir, exported, "7")
+        after = hf_greedy(model_dir, PROMPTS, GREEDY_STEPS, exported, architecture=architecture)
         for url in urls:
             assert_same_greedy(engine_greedy(url), after, f"engine {url} after the sync")
