@@ -2,6 +2,7 @@
 # Build a virtual environment with the real SGLang 0.5.23 server for CPU (~2 min from wheels).
 #
 #   usage: tools/setup_sglang_cpu.sh VENV_DIR --offline DIR [--from-source]
+#          tools/setup_sglang_cpu.sh VENV_DIR --from-git [URL_OR_CLONE]
 #
 # then start servers with
 #   SGLANG_USE_CPU_ENGINE=1 VENV_DIR/bin/python -m sglang.launch_server --device cpu ...
@@ -14,6 +15,10 @@
 #                                           in tools/sglang_cpu/README.md): built here into a
 #                                           wheel when the wheel for this CPU is missing, or
 #                                           always with --from-source (~10 min on 2 cores)
+# --from-git cuts that source archive from a clone of the fork (default: its GitHub URL; or a
+# local clone) and builds from it: what a person outside this project's machines runs. Any
+# source archive, given or cut, must be the fork's commit (tools/sglang_cpu/source_archive.sh
+# checks its files' git tree) before it is built.
 # Everything else comes from pip's configured index. Elsewhere than this project's machines
 # torch==2.13.0 must resolve to the CPU build: point pip at PyTorch's CPU wheel index with
 # PIP_EXTRA_INDEX_URL. A VENV_DIR that already passes the final import check is left as it is.
@@ -23,20 +28,34 @@ here=$(cd "$(dirname "$0")" && pwd)
 inputs="$here/sglang_cpu"
 TORCH=2.13.0 TORCHVISION=0.28.0 SGLANG=0.5.23 ROUTER=0.3.2
 
-usage() { echo "usage: $0 VENV_DIR --offline DIR [--from-source]" >&2; exit 2; }
+# shellcheck source=tools/sglang_cpu/source_archive.sh
+. "$inputs/source_archive.sh"
+
+usage() { echo "usage: $0 VENV_DIR --offline DIR [--from-source] | $0 VENV_DIR --from-git [URL_OR_CLONE]" >&2; exit 2; }
 die() { echo "setup_sglang_cpu: $*" >&2; exit 1; }
-venv="" offline="" from_source=0
+venv="" offline="" from_source=0 from_git=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --offline) [ $# -ge 2 ] || usage; offline=$2; shift 2 ;;
     --offline=*) offline=${1#--offline=}; shift ;;
     --from-source) from_source=1; shift ;;
+    --from-git)
+      if [ $# -ge 2 ] && [ "${2#-}" = "$2" ] && [ -n "$venv" ]; then from_git=$2; shift 2; else from_git=$FORK; shift; fi ;;
+    --from-git=*) from_git=${1#--from-git=}; shift ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     -*) usage ;;
     *) [ -z "$venv" ] || usage; venv=$1; shift ;;
   esac
 done
-[ -n "$venv" ] && [ -n "$offline" ] || usage
+[ -n "$venv" ] || usage
+if [ -n "$from_git" ]; then
+  [ -z "$offline" ] || die "give --offline DIR or --from-git, not both"
+  offline=$(mktemp -d)  # holds only the archive cut from the fork: the kernel is built from it
+  trap 'rm -rf "$offline"' EXIT
+  from_source=1
+else
+  [ -n "$offline" ] || usage
+fi
 [ -d "$offline" ] || die "offline directory $offline does not exist"
 offline=$(cd "$offline" && pwd)
 
@@ -57,6 +76,10 @@ fi
 # upstream AVX-512/AMX build; everywhere else the baseline build runs (its ops are never reached).
 if grep -qw amx_tile /proc/cpuinfo; then flavour=amx; wheel_dir="$offline/avx512-amx"; else flavour=baseline; wheel_dir="$offline"; fi
 wheel=$(ls "$wheel_dir"/sglang_kernel_cpu-*.whl 2>/dev/null | head -1 || true)
+if [ -n "$from_git" ]; then
+  echo "setup_sglang_cpu: cutting sgl-kernel's source from $from_git at ${COMMIT:0:7}" >&2
+  make_source_archive "$from_git" "$offline" >/dev/null
+fi
 source_archive=$(ls "$offline"/sgl-kernel-cpu-src-*.tar.gz 2>/dev/null | head -1 || true)
 if [ $from_source -eq 1 ] || [ -z "$wheel" ]; then
   [ -n "$source_archive" ] || die "no sgl-kernel for this CPU in $offline: neither the $flavour wheel" \
@@ -85,6 +108,7 @@ build_kernel_from_source() {
       die "building sgl-kernel needs libnuma's headers (Debian: apt-get install libnuma-dev)"
     fi
   fi
+  check_source_archive "$source_archive"
   $pip scikit-build-core cmake wheel
   local work; work=$(mktemp -d)
   tar -xzf "$source_archive" -C "$work"
