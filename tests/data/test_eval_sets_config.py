@@ -10,6 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.training import run_cli
 
 from dapo_mega.config import ConfigError, load_config
 from dapo_mega.data import DAPO_PROMPT_TEMPLATE, build_datasets, build_run_datasets, read_problems
@@ -76,9 +77,8 @@ def test_named_set_config_errors(override, message):
 
 def test_a_missing_set_file_fails_before_any_model_is_built(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={tmp_path}",
-                           f"+eval.sets={{math:{{path:'{missing}'}}}}"], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    proc = run_cli("train", f"trainer.output_dir={tmp_path}", f"+eval.sets={{math:{{path:'{missing}'}}}}",
+                   timeout_s=120)
     assert proc.returncode != 0
     assert f"eval.sets.math.path: {missing} does not exist" in proc.stdout + proc.stderr
     # the run directory (trainer.output_dir / run_name) holds no model and no checkpoint

@@ -9,16 +9,14 @@ data.on_bad_row=skip the same file trains, and the skipped rows are counted.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+from helpers.training import run_cli
 from test_faults_common import TINY_OVERRIDES
 
 
 def _train(tmp_path, *overrides, timeout_s=300):
-    argv = [sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-            *TINY_OVERRIDES, "trainer.total_steps=1", "trainer.save_interval=0", *overrides]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    return run_cli("train", f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *TINY_OVERRIDES,
+                   "trainer.total_steps=1", "trainer.save_interval=0", *overrides, timeout_s=timeout_s)
 
 
 def _snapshot(run_dir):
@@ -61,9 +59,7 @@ def test_bad_rows_stop_the_cli_naming_file_row_field_and_keep_the_run_dir(tmp_pa
 
 # --------------------------------------------------------------------------- config errors
 def _cli_train(tmp_path, *overrides, timeout_s=120):
-    argv = [sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-            *overrides]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    return run_cli("train", f"trainer.output_dir={tmp_path}", "trainer.run_name=run", *overrides, timeout_s=timeout_s)
 
 
 def _assert_config_error_line(proc, *needles):

@@ -53,12 +53,23 @@ LEDGER_FIELDS = ["run_id", "step", "prompt_id", "dataset_revision", "sample_inde
                  "verifier", "verifier_version", "reject_reason"]
 
 
+def cli_command(command: str, *args: str) -> list:
+    """`dapo-mega <command> <args>` as this interpreter runs it."""
+    return [sys.executable, "-m", "dapo_mega.cli", command, *args]
+
+
+def run_cli(command: str, *args: str, timeout_s: float = 300, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`dapo-mega <command> <args>` from the repository, one CPU thread per process, output
+    captured; the caller checks the exit code (config errors are exit 2, by design)."""
+    return subprocess.run(cli_command(command, *args), capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
 def train_command(output_dir: Path, *overrides: str) -> list:
     """SMALL with `overrides` replacing keys it already sets (Hydra rejects a key given twice)."""
     merged = dict(item.split("=", 1) for item in SMALL)
     merged.update(item.split("=", 1) for item in overrides)
-    return [sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={output_dir}",
-            *(f"{k}={v}" for k, v in merged.items())]
+    return cli_command("train", f"trainer.output_dir={output_dir}", *(f"{k}={v}" for k, v in merged.items()))
 
 
 def start_train(cmd: list, log_path: Path) -> subprocess.Popen:

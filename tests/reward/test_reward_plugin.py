@@ -10,12 +10,12 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.training import run_cli
 
 from dapo_mega.config import AlgoConfig, ConfigError
 from dapo_mega.records.ledger import ledger_record, read_records, write_step
@@ -153,12 +153,10 @@ def test_a_plugin_that_fails_its_probe_call_is_refused(plugins, line, message):
 
 def test_dapo_mega_train_refuses_a_bad_plugin_before_building_anything(plugins, tmp_path):
     name = plugins("def score(response, ground_truth, metadata):\n    return RewardResult(score=None, correct=True)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", f"trainer.output_dir={out}",
-                           f"algo.verifier={name}:score", "trainer.total_steps=1", "trainer.sft_warmup_steps=0"],
-                          capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120)
+    proc = run_cli("train", f"trainer.output_dir={out}", f"algo.verifier={name}:score", "trainer.total_steps=1",
+                   "trainer.sft_warmup_steps=0", timeout_s=120,
+                   env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dapo-mega:")]
     assert len(lines) == 1, proc.stderr

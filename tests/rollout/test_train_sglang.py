@@ -19,13 +19,11 @@ the default 16 tokens and a 4-token buffer, ~7% of steps had no gradient at all.
 """
 
 import glob
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.training import cli_command, kill_group, run_cli, start_train
 from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
@@ -39,12 +37,10 @@ def test_train_with_real_sglang(tmp_path, mode, update_path):
     sglang_python = sglang_python_or_skip()
     import pyarrow.parquet as pq
 
-    cmd = [sys.executable, "-m", "dapo_mega.cli", "train", f"cluster.mode={mode}", "rollout.backend=sglang",
-           f"rollout.engine_python={sglang_python}", "trainer.total_steps=2", "trainer.sft_warmup_steps=0",
-           "algo.dynamic_sampling=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-           "rollout.extra_server_args=[--max-total-tokens,4096]"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_cli("train", f"cluster.mode={mode}", "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
+                  "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "algo.dynamic_sampling=false",
+                  f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+                  "rollout.extra_server_args=[--max-total-tokens,4096]", timeout_s=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     run = tmp_path / "run"
     engine_log = (run / "logs" / "engine-0.log").read_text(errors="replace")
@@ -64,13 +60,6 @@ PROMPTS = ([20, 21, 22, 23, 24], [30, 31, 32], [5, 40, 41, 42, 7, 60])
 GREEDY_STEPS = 8
 LOGPROB_ATOL = 1e-3
 """fp32 on both sides: SGLang's CPU kernels and transformers agree to ~1e-5 in log-probs."""
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """The trainer and its torchrun ranks (their own process group)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def _engine_greedy(url: str) -> tuple:
@@ -162,27 +151,25 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
 
     urls, learner_model, engine_logs = two_sglang_engines
     run = tmp_path / "run"
-    base = [sys.executable, "-m", "dapo_mega.cli", "train", "cluster.mode=disaggregated", "rollout.backend=sglang",
+    base = cli_command("train", "cluster.mode=disaggregated", "rollout.backend=sglang",
             f"rollout.engine_python={sglang_python_or_skip()}", f"rollout.engine_urls=[{','.join(urls)}]",
             "rollout.num_engines=2", "cluster.num_learner_processes=2", parallel, f"model.hf_path={learner_model}",
             "trainer.sft_warmup_steps=0", "trainer.eval_interval=0", "algo.dynamic_sampling=false",
             "algo.n_samples_per_prompt=4", "algo.train_batch_size=4", "algo.gen_batch_size=4",
             "algo.mini_batch_size=2", "algo.lr=2e-3",
             "algo.max_response_length=48", "algo.overlong_buffer_length=44", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
-            "trainer.wandb_mode=disabled", "trainer.plot=false"]
+            "trainer.wandb_mode=disabled", "trainer.plot=false")
     exported: dict = {}
     for steps in (1, 2):
         log_path = tmp_path / f"train-{steps}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(base + [f"trainer.total_steps={steps}"], stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        proc = start_train(base + [f"trainer.total_steps={steps}"], log_path)
         try:
             proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
             pass
         finally:
             code = proc.poll()
-            _kill_group(proc)
+            kill_group(proc)  # the trainer and its torchrun ranks (their own process group)
         assert code == 0, f"run to step {steps} exited with {code}:\n" + log_path.read_text(errors="replace")[-6000:]
 
         table = pq.read_table(glob.glob(str(run / "ledger" / f"step_{steps:08d}.parquet"))[0]).to_pydict()

@@ -13,12 +13,8 @@ and the SGLang run's rewards differ through the overlong penalty only (responses
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from helpers.training import RUN_NAME, check_records_of_run, run_train
+from helpers.training import RUN_NAME, check_records_of_run, run_cli, run_train
 from qwen3_dirs import build_qwen3_dir, hf_greedy
 from sglang_venv import sglang_python_or_skip
 
@@ -77,16 +73,14 @@ def test_qwen3_trains_three_steps_with_real_sglang_and_serves_the_export(tmp_pat
         version, got = _engine_greedy(url)
         assert version == "engine-start" and _same_greedy(got, _hf_greedy(engine_model)), got
         assert not _same_greedy(got, _hf_greedy(learner_model))  # the check below tells the weights apart
-        cmd = [sys.executable, "-m", "dapo_mega.cli", "train", "cluster.mode=disaggregated", "rollout.backend=sglang",
-               f"rollout.engine_python={python}", f"rollout.engine_urls=[{url}]", "rollout.num_engines=1",
-               f"model.hf_path={learner_model}", "model.name=tiny-qwen3", "trainer.total_steps=3",
-               "trainer.sft_warmup_steps=0", "trainer.eval_interval=0", "algo.dynamic_sampling=false",
-               "algo.n_samples_per_prompt=4", "algo.train_batch_size=2", "algo.gen_batch_size=2",
-               "algo.mini_batch_size=2", "algo.lr=2e-3", "algo.max_response_length=48",
-               "algo.overlong_buffer_length=44", f"trainer.output_dir={tmp_path}", f"trainer.run_name={RUN_NAME}",
-               "trainer.wandb_mode=disabled", "trainer.plot=false"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = run_cli("train", "cluster.mode=disaggregated", "rollout.backend=sglang", f"rollout.engine_python={python}",
+                      f"rollout.engine_urls=[{url}]", "rollout.num_engines=1", f"model.hf_path={learner_model}",
+                      "model.name=tiny-qwen3", "trainer.total_steps=3", "trainer.sft_warmup_steps=0",
+                      "trainer.eval_interval=0", "algo.dynamic_sampling=false", "algo.n_samples_per_prompt=4",
+                      "algo.train_batch_size=2", "algo.gen_batch_size=2", "algo.mini_batch_size=2", "algo.lr=2e-3",
+                      "algo.max_response_length=48", "algo.overlong_buffer_length=44", f"trainer.output_dir={tmp_path}",
+                      f"trainer.run_name={RUN_NAME}", "trainer.wandb_mode=disabled", "trainer.plot=false",
+                      timeout_s=900)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         export = tmp_path / "hf"
         export_megatron_checkpoint(tmp_path / RUN_NAME, export, hf_config_from=learner_model, progress=False)
