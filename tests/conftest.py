@@ -22,18 +22,41 @@ def pytest_addoption(parser):
                           "ablation ladder, TP 2 / PP 2 learners with SGLang): the README's test command and CI do")
 
 
+import pytest  # noqa: E402
+from helpers.parallel import (  # noqa: E402
+    cpu_turn,
+    longest_units_first,
+    recorded_seconds,
+    running_under_xdist,
+    unit_of,
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Without --slow (or a -m of the caller's own, or tests named by id), the tests marked
-    slow are deselected."""
-    if config.getoption("--slow") or config.getoption("markexpr") or any("::" in a for a in config.args):
+    slow are deselected. Every test gets its xdist group (its file, or `slurm`), and the
+    groups are ordered longest first (helpers/parallel.py)."""
+    if not (config.getoption("--slow") or config.getoption("markexpr") or any("::" in a for a in config.args)):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    if running_under_xdist():
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(unit_of(item)))
+        items[:] = longest_units_first(items, recorded_seconds())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist, each test (with its fixtures' setup and teardown) holds the CPU lock:
+    shared, or alone for `@pytest.mark.exclusive`."""
+    if not running_under_xdist():
+        yield
         return
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
-
-
-import pytest  # noqa: E402
+    with cpu_turn(exclusive=item.get_closest_marker("exclusive") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

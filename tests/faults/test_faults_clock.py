@@ -24,6 +24,8 @@ from test_faults_common import read_metric_rows, run_trainer
 
 from dapo_mega.records.ledger import read_records
 
+pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
+
 DIST_TIMEOUT_S = 3
 OLD_REQUEST_TIMEOUT_S = DIST_TIMEOUT_S / 3  # 600 s of 1800 s, the old defaults' ratio
 DELAY_MS = 300

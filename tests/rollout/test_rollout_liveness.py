@@ -21,6 +21,8 @@ from dapo_mega.config import RolloutConfig
 from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import RolloutError, RolloutManager, chunk_size, run_coroutine
 
+pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
+
 DELAY_MS = 100
 TOKENS = 24
 """A request decodes TOKENS steps of >= DELAY_MS each: >= 2.4 s, 3x LIVENESS_S and more."""

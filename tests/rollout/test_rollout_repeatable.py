@@ -21,6 +21,8 @@ from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import RolloutManager
 
+pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
+
 DELAY_MS = 150
 TOKENS = 10
 """A request on the slow engine decodes TOKENS steps of >= DELAY_MS: >= 1.5 s."""

@@ -1,0 +1,60 @@
+"""The two-worker suite's rules (tests/helpers/parallel.py): files are units handed out
+longest first, the Slurm tests are one unit, and an exclusive test runs alone: it waits for
+the tests already running and holds back any that would start after it asked."""
+
+import threading
+import time
+from pathlib import Path
+
+from helpers import parallel
+
+
+class _Item:
+    def __init__(self, path: str, *markers: str):
+        self.path = parallel.DURATIONS.parent / path
+        self.markers = set(markers)
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+
+def test_units_are_files_or_slurm_and_go_longest_first():
+    a1, a2 = _Item("a/test_a.py"), _Item("a/test_a.py")
+    b, c = _Item("test_b.py"), _Item("test_c.py")
+    s1, s2 = _Item("launch/test_jobs.py", "slurm"), _Item("ablation/test_runs.py", "slurm")
+    new = _Item("test_new.py")
+    items = [a1, b, s1, a2, c, s2, new]
+    seconds = {"a/test_a.py": 100.0, "test_b.py": 5.0, "test_c.py": 300.0, "launch/test_jobs.py": 90.0,
+               "ablation/test_runs.py": 30.0}
+    assert [parallel.unit_of(i) for i in (a1, s1, s2)] == [str(Path("a/test_a.py")), "slurm", "slurm"]
+    # c 300 > slurm 90 + 30 > a 100 > new (unrecorded, 60) > b 5; a unit's tests keep their order
+    assert parallel.longest_units_first(items, seconds) == [c, s1, s2, a1, a2, new, b]
+
+
+def test_an_exclusive_test_waits_for_running_ones_and_holds_back_later_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    inside, release = [], {name: threading.Event() for name in ("shared_a", "exclusive", "shared_b")}
+
+    def hold(name: str, exclusive: bool) -> None:
+        with parallel.cpu_turn(exclusive):
+            inside.append(name)
+            release[name].wait(30)
+
+    def start(name: str, exclusive: bool) -> threading.Thread:
+        t = threading.Thread(target=hold, args=(name, exclusive), daemon=True)
+        t.start()
+        time.sleep(0.3)  # long enough for it to block, or to get in
+        return t
+
+    threads = [start("shared_a", False), start("exclusive", True), start("shared_b", False)]
+    assert inside == ["shared_a"]  # the exclusive one waits; the later shared one waits behind it
+    release["shared_a"].set()
+    time.sleep(0.3)
+    assert inside == ["shared_a", "exclusive"]
+    release["exclusive"].set()
+    time.sleep(0.3)
+    assert inside == ["shared_a", "exclusive", "shared_b"]
+    release["shared_b"].set()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
