@@ -7,6 +7,7 @@ The formulas behind each number are in `dapo_mega.plan`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
@@ -334,6 +335,20 @@ class LearnerEfficiency:
 
 
 # ---------------------------------------------------------------------- the plan
+BLOCKING_WARNINGS = (r"^learner does not fit", r"^learner and engine do not fit", r"^engines have no KV-cache room",
+                     r"engines x \d+ GPUs need", r"^placement: ", r"^clock: ", r"not divisible by tp\*pp\*cp",
+                     r"do not split over TP", r"layers do not split evenly")
+"""The plan's warnings that stop (or silently break) the run: a launcher refuses to submit on
+these; the others (idle GPUs, TP across nodes, uneven data-parallel ranks) are advice."""
+
+
+def blocking_warnings(warnings: List[str], engines_take_gpus: bool = True) -> List[str]:
+    """The warnings among `warnings` that a run cannot start with (`BLOCKING_WARNINGS`); on CPU
+    engines (`engines_take_gpus` False) the engines' GPU count is no limit."""
+    patterns = [p for p in BLOCKING_WARNINGS if engines_take_gpus or "GPUs need" not in p]
+    return [w for w in warnings if any(re.search(p, w) for p in patterns)]
+
+
 @dataclass(frozen=True)
 class Plan:
     """Layout, memory, learner efficiency and warnings of a config on its cluster shape (`plan.compute_plan`)."""
@@ -355,8 +370,14 @@ class Plan:
     """Problems of the layout, the memory and (added by the command) the clock."""
     sync: SyncTopology
 
+    @property
+    def blocking(self) -> List[str]:
+        """The warnings the run cannot start with (`blocking_warnings`)."""
+        return blocking_warnings(self.warnings)
+
     def to_dict(self) -> Dict[str, Any]:
         """The plan as plain JSON-ready values; the model's shape fields sit beside its name and source."""
         out = asdict(self)
         out["model"].update(out["model"].pop("shape"))
+        out["blocking"] = self.blocking
         return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -25,11 +24,6 @@ from typing import List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("data", "import", "verify", "train", "export", "eval")
-REFUSING_WARNINGS = (r"^learner does not fit", r"^learner and engine do not fit", r"^engines have no KV-cache room",
-                     r"engines x \d+ GPUs need", r"^placement: ", r"^clock: ", r"not divisible by tp\*pp\*cp",
-                     r"do not split over TP", r"layers do not split evenly")
-"""Plan warnings that would stop (or silently break) the run: the launcher refuses on these;
-the others (idle GPUs, TP across nodes, ...) are printed and let through."""
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE")
 
@@ -136,9 +130,10 @@ class Pipeline:
         except json.JSONDecodeError:
             tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
             return f"dapo-mega plan failed (exit {out.returncode}): {tail}", [], {}
+        from dapo_mega.plan_types import blocking_warnings
+
         warnings = plan.get("warnings", [])
-        patterns = [p for p in REFUSING_WARNINGS if not (self.cpu and "GPUs need" in p)]  # CPU engines take no GPU
-        refusing = [w for w in warnings if any(re.search(p, w) for p in patterns)]
+        refusing = blocking_warnings(warnings, engines_take_gpus=not self.cpu)  # the plan says which ones block
         if refusing or out.returncode != 0:
             more = f"; and {len(refusing) - 4} more: run the `plan:` command above to see them all" if len(refusing) > 4 else ""
             return "; ".join(refusing[:4]) + more or f"dapo-mega plan exited {out.returncode}", [], plan

@@ -110,10 +110,14 @@ def test_plan_warns_on_cross_node_tp_idle_engines_and_oom():
     cfg = load_config(["+experiment=dapo_qwen2.5_32b", "megatron.tensor_model_parallel_size=16",
                        "megatron.pipeline_model_parallel_size=1", "rollout.num_engines=8",
                        "megatron.recompute_granularity=null", "cluster.gpu_memory_gib=24"])
-    warnings = "\n".join(compute_plan(cfg).warnings)
+    plan = compute_plan(cfg)
+    warnings = "\n".join(plan.warnings)
     assert "TP 16 crosses nodes" in warnings
     assert "engines idle GPUs: 96 of 128" in warnings  # 8 engines x 4 GPUs of 128
     assert "learner does not fit" in warnings
+    # only the memory blocks the run (a launcher refuses on it); crossing nodes and idle GPUs are advice
+    assert [w.split(":")[0] for w in plan.blocking] == ["learner does not fit"]
+    assert plan.to_dict()["blocking"] == plan.blocking
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg", "cluster.max_staleness=0"]))
     assert any("engines idle while learners train" in w for w in disagg.warnings)
     assert disagg.parallel.dp == 4 and disagg.cluster.learner_nodes == 8
