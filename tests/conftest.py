@@ -25,9 +25,9 @@ def pytest_addoption(parser):
 import pytest  # noqa: E402
 from helpers.parallel import (  # noqa: E402
     cpu_turn,
+    is_xdist_worker,
     longest_units_first,
     recorded_seconds,
-    running_under_xdist,
     unit_of,
 )
 
@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
         if slow:
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
-    if running_under_xdist():
+    if is_xdist_worker(config):
         for item in items:
             item.add_marker(pytest.mark.xdist_group(unit_of(item)))
         items[:] = longest_units_first(items, recorded_seconds())
@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, each test (with its fixtures' setup and teardown) holds the CPU lock:
     shared, or alone for `@pytest.mark.exclusive`."""
-    if not running_under_xdist():
+    if not is_xdist_worker(item.config):
         yield
         return
     with cpu_turn(exclusive=item.get_closest_marker("exclusive") is not None):

@@ -74,8 +74,10 @@ def longest_units_first(items: List, seconds: Dict[str, float]) -> List:
     return [item for unit in order for item in units[unit]]
 
 
-def running_under_xdist() -> bool:
-    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+def is_xdist_worker(config) -> bool:
+    """This pytest is a worker of xdist (not a pytest a test started, which inherits a worker's
+    environment: the mutation check's, whose lock would wait on its own parent's)."""
+    return hasattr(config, "workerinput")
 
 
 def _lock_paths() -> tuple:
