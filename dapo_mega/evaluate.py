@@ -63,7 +63,7 @@ class EvalResult:
 
     k: int
     problems: List[ProblemOutcome] = field(default_factory=list)
-    """[{id, ground_truth, correct: int, k, pass_rate, truncated, sample_answers}]"""
+    """[{id, ground_truth, correct: int, k, pass_rate, truncated, sample_answers, response_lengths}]"""
     settings: Dict[str, object] = field(default_factory=dict)
     engines: Dict[str, Dict[str, int]] = field(default_factory=dict)
     """url -> {requests, samples} the engine completed for this evaluation."""
@@ -153,7 +153,8 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
             k += 1
         result.problems.append({"id": g.prompt.id, "ground_truth": g.prompt.ground_truth, "correct": correct,
                                 "k": len(g.samples), "pass_rate": correct / max(len(g.samples), 1),
-                                "truncated": truncated, "sample_answers": answers[:4]})
+                                "truncated": truncated, "sample_answers": answers[:4],
+                                "response_lengths": [len(s.token_ids) for s in g.samples]})
     return result
 
 
