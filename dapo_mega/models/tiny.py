@@ -13,6 +13,8 @@ The tokenizer maps each printable ASCII character to one token, so arithmetic su
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import string
 from pathlib import Path
 from typing import Dict, Optional
@@ -147,9 +149,6 @@ def build_tiny_model_in_place(model_dir: Path, model_cfg: ModelConfig, seed: int
     same time (every learner rank may get here before process groups exist, and the Slurm
     prepare step too): each builds the same deterministic files into its own directory and the
     first rename wins; the others drop theirs. Returns `model_dir`."""
-    import os
-    import shutil
-
     model_dir = Path(model_dir)
     tmp = model_dir.with_name(f"{model_dir.name}.tmp-{os.getpid()}")
     build_tiny_model_dir(tmp, model_cfg, seed=seed)

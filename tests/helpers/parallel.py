@@ -13,7 +13,7 @@ safe and short:
   `--junitxml`), so the last unit to start is a short one and neither worker idles long at
   the end. A file not yet recorded counts as `UNRECORDED_S`.
 * **`@pytest.mark.exclusive` runs alone**: a test whose limits are the point (a 3-second
-  collective timeout at the 32B clock ratios, a peak-memory bound) takes the CPU lock
+  collective timeout at the 32B clock ratios, sub-second liveness timeouts) takes the CPU lock
   exclusively; every other test takes it shared. A turnstile in front of the lock makes an
   exclusive test wait only for the tests already running, not for ones that start later.
 
