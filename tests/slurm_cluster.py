@@ -7,55 +7,95 @@ until `sinfo` shows both nodes idle. `stop()` ends exactly the daemons it starte
 Client commands (`sbatch`, `squeue`, `scontrol`, `scancel`) find the cluster through the
 `SLURM_CONF` in `env()`.
 
-Packages: slurmctld, slurmd, slurm-client, munge (Debian, Slurm 22.05). `ensure_installed()`
-installs them with apt-get when missing and returns a reason string when it cannot, so
-the tests skip with that reason (under CI they fail with it: tests/ci_lane.py).
+Packages: slurmctld, slurmd, slurm-client, munge (Debian, Slurm 22.05; `DEBIAN_PACKAGES`).
+`ensure_installed()` installs them with apt-get (as root) when missing, one process at a time
+(a file lock across the pytest workers), and returns a reason string when it cannot, so the
+tests skip with that reason (under CI they fail with it: tests/ci_lane.py). `.ci/run` installs
+them before pytest starts: `python tests/slurm_cluster.py install`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
+DEBIAN_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+"""What the suite installs from Debian (as root) when the binaries above are missing."""
+INSTALL_LOCK = Path(tempfile.gettempdir()) / "dapo_mega_test_packages.lock"
+"""Held by whoever installs: the pytest workers (and `.ci/run`) install one at a time."""
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 
 
-def _which_all() -> List[str]:
+def missing_binaries(search_dirs: Optional[List[Path]] = None) -> List[str]:
+    """The Slurm and munge binaries not found: in `search_dirs`, else on PATH or in /usr/sbin."""
     missing = []
     for name in SLURM_BINARIES:
-        if shutil.which(name) is None and not Path("/usr/sbin", name).exists():
+        if search_dirs is not None:
+            found = any(Path(d, name).exists() for d in search_dirs)
+        else:
+            found = shutil.which(name) is not None or Path("/usr/sbin", name).exists()
+        if not found:
             missing.append(name)
     return missing
 
 
-def ensure_installed(timeout_s: float = 600.0) -> Optional[str]:
-    """Install Slurm + munge with apt-get if missing. Returns None when usable, else why not."""
-    if not _which_all():
+def ensure_installed(timeout_s: float = 600.0, *, search_dirs: Optional[List[Path]] = None,
+                     apt_get: str = "apt-get", lock_path: Path = INSTALL_LOCK) -> Optional[str]:
+    """Install Slurm + munge with apt-get if missing. Returns None when usable, else why not.
+
+    Safe to call from several processes at once (two pytest workers): the installer holds
+    `lock_path`, and a process that waited for it looks again before installing; apt-get itself
+    waits for dpkg's lock (held by some other apt) instead of failing. Every wait is bounded by
+    `timeout_s`."""
+    if not missing_binaries(search_dirs):
         return None
     if os.geteuid() != 0:
-        return f"Slurm binaries {_which_all()} missing and not root, cannot apt-get install them"
-    if shutil.which("apt-get") is None:
-        return f"Slurm binaries {_which_all()} missing and no apt-get on this machine"
-    cmd = ["apt-get", "install", "-y", "slurmctld", "slurmd", "slurm-client", "munge"]
+        return f"Slurm binaries {missing_binaries(search_dirs)} missing and not root, cannot apt-get install them"
+    if shutil.which(apt_get) is None:
+        return f"Slurm binaries {missing_binaries(search_dirs)} missing and no {apt_get} on this machine"
+    deadline = time.monotonic() + timeout_s
+    with open(lock_path, "a") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return f"another process held {lock_path} (installing Slurm) for over {timeout_s:.0f}s"
+                time.sleep(0.2)
+        try:
+            if not missing_binaries(search_dirs):  # the process we waited for installed them
+                return None
+            return _apt_install(apt_get, max(1.0, deadline - time.monotonic()), search_dirs)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _apt_install(apt_get: str, timeout_s: float, search_dirs: Optional[List[Path]]) -> Optional[str]:
+    wait = ["-o", f"DPkg::Lock::Timeout={int(timeout_s)}"]  # wait for dpkg's lock, do not fail on it
+    cmd = [apt_get, *wait, "install", "-y", *DEBIAN_PACKAGES]
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        if result.returncode != 0:
-            subprocess.run(["apt-get", "update"], capture_output=True, timeout=timeout_s, env=env)
+        if result.returncode != 0:  # a fresh machine has no package lists yet
+            subprocess.run([apt_get, *wait, "update"], capture_output=True, timeout=timeout_s, env=env)
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"apt-get install slurm failed: {exc}"
-    if _which_all():
-        return f"apt-get install slurm did not provide {_which_all()}: {result.stderr[-500:]}"
+    if missing_binaries(search_dirs):
+        return f"apt-get install slurm did not provide {missing_binaries(search_dirs)}: {result.stderr[-500:]}"
     return None
 
 
@@ -309,3 +349,12 @@ def start_or_skip(workdir) -> "LocalSlurmCluster":
         cluster.stop()
         lane_unavailable(f"local Slurm cluster did not start: {exc}")
     return cluster
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["install"]:
+        sys.exit(f"usage: python {sys.argv[0]} install   (apt-get installs {' '.join(DEBIAN_PACKAGES)} if missing)")
+    why_not = ensure_installed()
+    if why_not:
+        sys.exit(f"the test suite's Debian packages ({' '.join(DEBIAN_PACKAGES)}) are not installed: {why_not}")
+    print(f"the test suite's Debian packages are installed: {' '.join(DEBIAN_PACKAGES)}")

@@ -10,9 +10,10 @@ from helpers import parallel
 
 
 class _Item:
-    def __init__(self, path: str, *markers: str):
+    def __init__(self, path: str, *markers: str, fixturenames=()):
         self.path = parallel.DURATIONS.parent / path
         self.markers = set(markers)
+        self.fixturenames = list(fixturenames)
 
     def get_closest_marker(self, name):
         return name if name in self.markers else None
@@ -29,6 +30,8 @@ def test_units_are_files_or_slurm_and_go_longest_first():
     assert [parallel.unit_of(i) for i in (a1, s1, s2)] == [str(Path("a/test_a.py")), "slurm", "slurm"]
     # c 300 > slurm 90 + 30 > a 100 > new (unrecorded, 60) > b 5; a unit's tests keep their order
     assert parallel.longest_units_first(items, seconds) == [c, s1, s2, a1, a2, new, b]
+    # a test that starts the cluster through its fixture, unmarked, still joins the Slurm unit
+    assert parallel.unit_of(_Item("launch/test_other.py", fixturenames=["tmp_path", "slurm_cluster"])) == "slurm"
 
 
 def test_an_exclusive_test_waits_for_running_ones_and_holds_back_later_ones(tmp_path, monkeypatch):

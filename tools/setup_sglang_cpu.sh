@@ -101,8 +101,8 @@ $pip --no-deps "sglang-router==$ROUTER"
 build_kernel_from_source() {
   if [ ! -e /usr/include/numa.h ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -q libnuma-dev >/dev/null \
-        || { apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y -q libnuma-dev >/dev/null; } \
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q libnuma-dev >/dev/null \
+        || { apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q libnuma-dev >/dev/null; } \
         || die "building sgl-kernel needs libnuma-dev; apt-get install libnuma-dev failed"
     else
       die "building sgl-kernel needs libnuma's headers (Debian: apt-get install libnuma-dev)"

@@ -45,8 +45,9 @@ def recorded_seconds() -> Dict[str, float]:
 
 
 def unit_of(item) -> str:
-    """The xdist group of a collected test: `slurm`, or its file relative to tests/."""
-    if item.get_closest_marker("slurm") is not None:
+    """The xdist group of a collected test: `slurm` (marked so, or using the cluster fixture), or
+    its file relative to tests/."""
+    if item.get_closest_marker("slurm") is not None or "slurm_cluster" in getattr(item, "fixturenames", ()):
         return SLURM_GROUP
     return _file_of(item)
 
