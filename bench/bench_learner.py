@@ -315,10 +315,12 @@ def _dp2_rank(rank: int, world_size: int, quick: bool, repeats: int) -> Dict[str
     warnings.filterwarnings("ignore")
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.backends.megatron.model import transformer_engine_import_error
 
     work = build_workload(quick, gpu=torch.cuda.is_available())
     cfg, samples = work.cfg, work.samples
-    cfg.megatron.transformer_impl = "local" if not torch.cuda.is_available() else cfg.megatron.transformer_impl
+    # the local spec on the CPU, and on a GPU whose TE does not import (the dp1 part notes why)
+    cfg.megatron.transformer_impl = "transformer_engine" if transformer_engine_import_error() is None else "local"
     layout = ParallelLayout.from_config(cfg.megatron, world_size, work.hf_config).initialize()
     try:
         learner = MegatronLearner(cfg, work.hf_config, layout)
@@ -420,11 +422,13 @@ def run(quick: bool, dp2: bool = True, reps: int = 0) -> Dict[str, Any]:
                                              ).dp_imbalance for dp in (2, 4) for mode in ("contiguous", "balanced")}}
     impl = "local"
     if gpu:
-        from dapo_mega.backends.megatron.model import transformer_engine_available
+        from dapo_mega.backends.megatron.model import transformer_engine_import_error
 
-        impl = "transformer_engine" if transformer_engine_available() else "local"
-        if impl == "local":
-            result["note"] = "Transformer Engine not installed: megatron ran the local spec in bf16, no FP8 run"
+        te_error = transformer_engine_import_error()
+        impl = "transformer_engine" if te_error is None else "local"
+        if te_error is not None:
+            result["note"] = f"Transformer Engine does not import ({te_error}): megatron ran the local spec in bf16, " \
+                             "no FP8 run"
     dp1 = _bench_dp1(work, impl=impl, fp8=False)
     runs, seconds = dp1.pop("runs"), dp1.pop("seconds")
     result.update(dp1, **runs)

@@ -150,13 +150,14 @@ def part_learner(args, precision: str) -> Dict[str, Any]:
     from bench_learner import _bench_megatron
 
     from dapo_mega.algo.train_sample import TrainSample
-    from dapo_mega.backends.megatron.model import transformer_engine_available
+    from dapo_mega.backends.megatron.model import transformer_engine_import_error
     from dapo_mega.config import DapoConfig
     from dapo_mega.models.tiny import tiny_hf_config
 
-    te = transformer_engine_available()
+    te_error = transformer_engine_import_error()
+    te = te_error is None
     if precision == "fp8" and not te:
-        return {"skipped": "Transformer Engine is not installed: no FP8 run"}
+        return {"skipped": f"Transformer Engine does not import ({te_error}): no FP8 run"}
     shape = replace(QWEN25_7B, num_layers=args.layers)
     cfg = DapoConfig()
     cfg.model = _model_config(shape, args.seq_len)
@@ -348,7 +349,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_node.py needs a CUDA GPU (H100/H200 class); nothing run on this machine.")
         return 2
-    from dapo_mega.backends.megatron.model import transformer_engine_available
+    from dapo_mega.backends.megatron.model import transformer_engine_import_error
 
     report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "shape": {**asdict(QWEN25_7B), "num_layers": args.layers},
@@ -356,10 +357,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                               "peak_tflops": PEAK_TFLOPS, "skipped": {}}
     t0 = time.perf_counter()
     report["learner_bf16"] = _run_part("learner_bf16", argv, 240)
-    if transformer_engine_available():
+    te_error = transformer_engine_import_error()
+    if te_error is None:
         report["learner_fp8"] = _run_part("learner_fp8", argv, 240)
     else:
-        report["skipped"]["learner_fp8"] = "Transformer Engine is not installed (the bf16 run used the local spec)"
+        report["skipped"]["learner_fp8"] = f"Transformer Engine does not import ({te_error}); the bf16 run used " \
+                                           "the local spec"
     report["handover"] = _run_part("handover", argv, 180)  # two processes on one GPU: no NCCL group
     if args.skip_sglang:
         report["skipped"]["sglang"] = "--skip-sglang"

@@ -103,7 +103,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import check_learner_supports
-    from dapo_mega.backends.megatron.model import plan_transformer_config, transformer_engine_available
+    from dapo_mega.backends.megatron.model import plan_transformer_config, transformer_engine_import_error
     from dapo_mega.models.shape import ModelShape
 
     world = learner_world_size(cfg) if world_size is None else world_size
@@ -112,9 +112,10 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     hf_config = model_hf_config(cfg)
     layout = ParallelLayout.from_config(cfg.megatron, world, hf_config=hf_config).validate()
     check_learner_supports(layout)
-    # What the model provider will decide on this machine (layer spec, dtype, FP8), as build_model does.
+    # What the model provider will decide on this machine (layer spec, dtype, FP8), as build_model does;
+    # on a GPU, TE's import error stops the run here.
     plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
-                            transformer_engine_available())
+                            transformer_engine_import_error())
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
     check_resume_layout(cfg, layout)

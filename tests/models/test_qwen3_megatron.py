@@ -113,12 +113,12 @@ def test_qwen3_plan_sets_kv_channels_and_qk_layernorm_on_both_specs():
     from megatron.core.transformer.identity_op import IdentityOp
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.model import LOCAL_SPEC, _layer_spec, plan_transformer_config
+    from dapo_mega.backends.megatron.model import LOCAL_SPEC, NO_GPU, _layer_spec, plan_transformer_config
     from dapo_mega.config import MegatronConfig
 
     shape = ModelShape.from_hf_config(tiny_hf_config(ModelConfig(), architecture="qwen3"))
     plan = plan_transformer_config(shape, MegatronConfig(), ParallelLayout(world_size=1), has_gpu=False,
-                                   te_available=False)
+                                   te_error=NO_GPU)
     kw = plan.config_kwargs
     assert (kw["kv_channels"], kw["qk_layernorm"], kw["add_qkv_bias"]) == (32, True, False)
     assert TransformerConfig(activation_func=F.silu, **kw).kv_channels == 32

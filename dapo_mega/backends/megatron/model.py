@@ -23,10 +23,13 @@ Architecture mapping (HF -> megatron TransformerConfig / GPTModel):
     vocab_size            -> padded to a multiple of 128·TP (the shape keeps both, so
                              conversion can strip the padding rows)
 
-Layer spec: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`) when TE and a
-GPU are present (or forced by `megatron.transformer_impl`), with FP8 settings from
-`megatron.fp8`; the local spec (`get_gpt_layer_local_spec(normalization="RMSNorm")`, its
-core attention through torch's fused SDPA kernel: `attention.py`) otherwise. `plan_transformer_config` is the pure config -> (TransformerConfig kwargs, spec)
+Layer spec: Transformer Engine (`get_gpt_layer_with_transformer_engine_spec`) on a GPU
+(`megatron.transformer_impl: auto` or `transformer_engine`), with FP8 settings from
+`megatron.fp8`; on a GPU where `transformer_engine.pytorch` does not import, the build stops
+with TE's own import error (logged as well) instead of falling back: the local spec would
+fail later on `sequence_parallel` with a message that hides the cause. The local spec (`get_gpt_layer_local_spec(normalization="RMSNorm")`, its
+core attention through torch's fused SDPA kernel: `attention.py`) on the CPU or when asked
+for by name. `plan_transformer_config` is the pure config -> (TransformerConfig kwargs, spec)
 function, unit-testable on the CPU without importing TE.
 
 Dtype policy: on GPU bf16 parameters (`params_dtype=bf16`, `bf16=True`); the learner's
@@ -42,13 +45,16 @@ same function. Real runs overwrite these weights from a HF or Megatron checkpoin
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from dapo_mega import log
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.config import ConfigError, MegatronConfig
 from dapo_mega.models.shape import HfConfigSource, ModelShape
@@ -57,6 +63,13 @@ VOCAB_PAD_MULTIPLE = 128
 INIT_STD = 0.02
 LOCAL_SPEC = "local"
 TE_SPEC = "transformer_engine"
+
+logger = log.get(__name__)
+
+NO_GPU = "no CUDA GPU on this machine"
+"""`transformer_engine_import_error()` without a GPU: TE is not tried there."""
+TE_INSTALL_FIX = ("install the learner side with `pip install -e '.[gpu]' -c constraints-gpu.txt` (Transformer "
+                  "Engine built for the pinned torch; docs/cluster.md section 1)")
 
 _FP8_FORMATS = {"e4m3": "e4m3", "hybrid": "hybrid"}
 _FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise"}
@@ -104,42 +117,73 @@ def pad_vocab_size(vocab_size: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_engine_available() -> bool:
-    """True when transformer_engine.pytorch imports (never on the CPU machines)."""
-    if not torch.cuda.is_available():
-        return False
+def probe_transformer_engine(import_module: Callable[[str], object] = importlib.import_module) -> Optional[str]:
+    """None when `transformer_engine.pytorch` imports, else its error as "Type: message",
+    logged as a warning on every rank (each rank's log says why it has no TE).
+
+    TE fails to import in many ways: ImportError (not installed), OSError (a cuDNN / CUDA
+    library missing), RuntimeError or an undefined symbol (built against another torch).
+    `import_module` is the importer (a test passes one that fails)."""
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE import failures are ImportError, OSError (cudnn), RuntimeError...
-        return False
-    return True
+        import_module("transformer_engine.pytorch")
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, with its type
+        error = f"{type(exc).__name__}: {exc}"
+        logger.warning(f"[model] transformer_engine.pytorch does not import: {error}", extra=log.EVERY_RANK)
+        return error
+    return None
 
 
-def choose_layer_spec(transformer_impl: str, has_gpu: bool, te_available: bool) -> str:
-    """auto -> TE when a GPU and TE are present, local otherwise; explicit choices are checked."""
+@functools.lru_cache(maxsize=1)
+def transformer_engine_import_error() -> Optional[str]:
+    """None when Transformer Engine imports on this machine, NO_GPU without a CUDA GPU (TE is
+    not tried there: the CPU learner takes the local spec), else TE's import error. Tried
+    (and logged) once per process."""
+    if not torch.cuda.is_available():
+        return NO_GPU
+    return probe_transformer_engine()
+
+
+def transformer_engine_available() -> bool:
+    """True when a GPU is present and transformer_engine.pytorch imports."""
+    return transformer_engine_import_error() is None
+
+
+def choose_layer_spec(transformer_impl: str, has_gpu: bool, te_error: Optional[str]) -> str:
+    """The layer spec of `megatron.transformer_impl` on this machine; `te_error` is None when
+    Transformer Engine imports, else why not (`transformer_engine_import_error`).
+
+    auto: local on the CPU; on a GPU, TE, and a ConfigError quoting `te_error` when TE does not
+    import (a fallback to the local spec would hide it behind a later, unrelated failure)."""
     if transformer_impl == "local":
         return LOCAL_SPEC
-    if transformer_impl == "transformer_engine":
-        if not (has_gpu and te_available):
-            raise ConfigError("megatron.transformer_impl: transformer_engine needs a GPU and an importable "
-                              "transformer_engine. Fix: use megatron.transformer_impl=auto or local on this machine")
-        return TE_SPEC
-    if transformer_impl == "auto":
-        return TE_SPEC if (has_gpu and te_available) else LOCAL_SPEC
-    raise ConfigError(f"megatron.transformer_impl: unknown {transformer_impl!r}. Fix: use auto, local or "
-                      "transformer_engine")
+    if transformer_impl not in ("auto", "transformer_engine"):
+        raise ConfigError(f"megatron.transformer_impl: unknown {transformer_impl!r}. Fix: use auto, local or "
+                          "transformer_engine")
+    if not has_gpu:
+        if transformer_impl == "auto":
+            return LOCAL_SPEC
+        raise ConfigError("megatron.transformer_impl: transformer_engine needs a GPU, and this machine has none. "
+                          "Fix: use megatron.transformer_impl=auto or local on this machine")
+    if te_error is not None:
+        raise ConfigError(f"megatron.transformer_impl: {transformer_impl} on a GPU takes the Transformer Engine "
+                          f"layer spec, but transformer_engine.pytorch does not import: {te_error}. Fix: "
+                          f"{TE_INSTALL_FIX}; or set megatron.transformer_impl=local megatron.sequence_parallel=false "
+                          "to train without it (unfused kernels, no FP8)")
+    return TE_SPEC
 
 
 def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: ParallelLayout, has_gpu: bool,
-                            te_available: bool) -> TransformerPlan:
+                            te_error: Optional[str]) -> TransformerPlan:
     """Pure mapping config -> TransformerConfig kwargs + layer spec + dtype (no imports of TE).
+
+    `te_error`: None when Transformer Engine imports, else why not (`choose_layer_spec`).
 
     FP8 (TE only): fp8 = format ("e4m3" | "hybrid"), fp8_recipe = recipe, amax history and
     algorithm for delayed scaling, and `first_last_layers_bf16` with the start/end counts.
     megatron-core rejects bf16 edge layers under *delayed* scaling ("Delayed scaling does not
     support first / last layer in BF16"), so there they are dropped with a note.
     """
-    spec = choose_layer_spec(mcfg.transformer_impl, has_gpu, te_available)
+    spec = choose_layer_spec(mcfg.transformer_impl, has_gpu, te_error)
     if mcfg.params_dtype == "auto":
         params_dtype = "bfloat16" if has_gpu else "float32"
     else:
@@ -264,7 +308,7 @@ def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: Paralle
 
     arch = ModelShape.from_hf_config(hf_config)
     has_gpu = torch.cuda.is_available()
-    plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_available())
+    plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_import_error())
     kwargs = dict(plan.config_kwargs)
     if params_dtype is not None:
         kwargs.update(params_dtype=_dtype_str(params_dtype), pipeline_dtype=_dtype_str(params_dtype),

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from dapo_mega.backends.megatron.layout import ParallelLayout
-from dapo_mega.backends.megatron.model import LOCAL_SPEC, TE_SPEC, pad_vocab_size, plan_transformer_config
+from dapo_mega.backends.megatron.model import (
+    LOCAL_SPEC,
+    NO_GPU,
+    TE_SPEC,
+    choose_layer_spec,
+    pad_vocab_size,
+    plan_transformer_config,
+    probe_transformer_engine,
+)
 from dapo_mega.config import ConfigError, MegatronConfig, ModelConfig
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.models.tiny import tiny_hf_config
@@ -74,7 +82,7 @@ def _layout():
 
 def test_cpu_plan_is_local_spec_fp32_without_fusions():
     arch = ModelShape.from_hf_config(_hf())
-    plan = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=False, te_available=False)
+    plan = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=False, te_error=NO_GPU)
     kw = plan.config_kwargs
     assert plan.layer_spec == LOCAL_SPEC and plan.params_dtype == "float32"
     assert kw["use_cpu_initialization"] and not kw["bf16"] and "fp8" not in kw
@@ -84,21 +92,22 @@ def test_cpu_plan_is_local_spec_fp32_without_fusions():
     with pytest.raises(ConfigError, match="megatron.fp8.enabled"):
         mcfg = MegatronConfig()
         mcfg.fp8.enabled = True
-        plan_transformer_config(arch, mcfg, _layout(), has_gpu=False, te_available=False)
+        plan_transformer_config(arch, mcfg, _layout(), has_gpu=False, te_error=NO_GPU)
 
 
 def test_gpu_plan_te_bf16_and_fp8_recipes():
     arch = ModelShape.from_hf_config(_hf(tiny_num_layers=4))
-    bf16 = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=True, te_available=True)
+    bf16 = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=True, te_error=None)
     assert bf16.layer_spec == TE_SPEC and bf16.params_dtype == "bfloat16" and bf16.config_kwargs["bf16"]
     assert not bf16.config_kwargs["use_cpu_initialization"]
-    no_te = plan_transformer_config(arch, MegatronConfig(), _layout(), has_gpu=True, te_available=False)
-    assert no_te.layer_spec == LOCAL_SPEC and no_te.params_dtype == "bfloat16"
+    local = plan_transformer_config(arch, MegatronConfig(transformer_impl="local"), _layout(), has_gpu=True,
+                                    te_error=TE_ABI_ERROR)
+    assert local.layer_spec == LOCAL_SPEC and local.params_dtype == "bfloat16"  # asked for by name
 
     mcfg = MegatronConfig(transformer_impl="transformer_engine")
     mcfg.fp8.enabled, mcfg.fp8.format, mcfg.fp8.recipe = True, "hybrid", "tensorwise"
     mcfg.fp8.num_layers_at_start_in_bf16, mcfg.fp8.num_layers_at_end_in_bf16 = 1, 1
-    plan = plan_transformer_config(arch, mcfg, _layout(), has_gpu=True, te_available=True)
+    plan = plan_transformer_config(arch, mcfg, _layout(), has_gpu=True, te_error=None)
     kw = plan.config_kwargs
     assert (kw["fp8"], kw["fp8_recipe"], kw["fp8_amax_history_len"]) == ("hybrid", "tensorwise", 1024)
     assert kw["first_last_layers_bf16"] and kw["num_layers_at_start_in_bf16"] == 1
@@ -106,12 +115,47 @@ def test_gpu_plan_te_bf16_and_fp8_recipes():
 
     # megatron-core rejects bf16 edge layers with delayed scaling: dropped with a note.
     mcfg.fp8.recipe = "delayed"
-    plan = plan_transformer_config(arch, mcfg, _layout(), has_gpu=True, te_available=True)
+    plan = plan_transformer_config(arch, mcfg, _layout(), has_gpu=True, te_error=None)
     assert plan.config_kwargs["fp8_recipe"] == "delayed" and "first_last_layers_bf16" not in plan.config_kwargs
     assert plan.notes and "delayed" in plan.notes[0]
 
-    with pytest.raises(ConfigError, match="megatron.transformer_impl"):
-        plan_transformer_config(arch, mcfg, _layout(), has_gpu=True, te_available=False)
+    with pytest.raises(ConfigError, match="megatron.transformer_impl.*undefined symbol"):
+        plan_transformer_config(arch, mcfg, _layout(), has_gpu=True, te_error=TE_ABI_ERROR)
+
+
+TE_ABI_ERROR = "ImportError: transformer_engine_torch.so: undefined symbol: _ZN3c104cuda9SetDeviceEib"
+"""What TE 2.9 built against one torch says when imported under another (a simulated failure)."""
+
+
+def test_auto_on_a_gpu_refuses_with_te_import_error_instead_of_the_local_spec():
+    """The local spec asserts on sequence_parallel (every GPU experiment sets it): a fallback
+    would show that message, never TE's. On the CPU auto keeps the local spec."""
+    arch = ModelShape.from_hf_config(_hf())
+    for impl in ("auto", "transformer_engine"):
+        with pytest.raises(ConfigError) as err:
+            plan_transformer_config(arch, MegatronConfig(transformer_impl=impl), _layout(), has_gpu=True,
+                                    te_error=TE_ABI_ERROR)
+        text = str(err.value)
+        assert text.startswith("megatron.transformer_impl") and TE_ABI_ERROR in text, text
+        assert "constraints-gpu.txt" in text and "megatron.transformer_impl=local" in text, text
+    assert choose_layer_spec("auto", has_gpu=True, te_error=None) == TE_SPEC
+    assert choose_layer_spec("auto", has_gpu=False, te_error=NO_GPU) == LOCAL_SPEC
+    assert choose_layer_spec("local", has_gpu=True, te_error=TE_ABI_ERROR) == LOCAL_SPEC
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        choose_layer_spec("transformer_engine", has_gpu=False, te_error=NO_GPU)
+
+
+def test_te_import_failure_is_logged_and_returned(capsys):
+    """A simulated import failure: its type and message are logged (stderr) and returned."""
+    def failing_import(name):
+        assert name == "transformer_engine.pytorch"
+        raise OSError("libcudnn_engines_precompiled.so.9: cannot open shared object file")
+
+    error = probe_transformer_engine(failing_import)
+    assert error == "OSError: libcudnn_engines_precompiled.so.9: cannot open shared object file"
+    assert error in capsys.readouterr().err
+    assert probe_transformer_engine(lambda name: None) is None
+    assert capsys.readouterr().err == ""
 
 
 def test_plan_kwargs_are_accepted_by_megatron_transformer_config():
@@ -122,7 +166,7 @@ def test_plan_kwargs_are_accepted_by_megatron_transformer_config():
     arch = ModelShape.from_hf_config(_hf(tiny_num_layers=4))
     mcfg = MegatronConfig(transformer_impl="transformer_engine")
     mcfg.fp8.enabled, mcfg.fp8.recipe = True, "tensorwise"
-    plan = plan_transformer_config(arch, mcfg, ParallelLayout(world_size=1), has_gpu=True, te_available=True)
+    plan = plan_transformer_config(arch, mcfg, ParallelLayout(world_size=1), has_gpu=True, te_error=None)
     kw = dict(plan.config_kwargs, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     config = TransformerConfig(activation_func=F.silu, **kw)
     assert config.fp8 == "e4m3" and config.first_last_layers_bf16 and config.num_query_groups == 2
