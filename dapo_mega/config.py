@@ -344,6 +344,11 @@ class RolloutConfig:
     """Times a prompt group is retried on another engine before the step fails."""
     prompts_per_request: int = 4
     """Prompts (groups of n samples) per /generate request. A request is the unit the rollout
+    engine_restarts: int = 3
+    """Times the Slurm engines role (`python -m dapo_mega.launch engines`) restarts one engine
+    that exited, at its port, within one job; the trainer finds it answering again and
+    syncs the current weights into it before it serves. One more exit ends the role
+    non-zero (and with it the job). 0: the first exit ends the job."""
     manager streams, retries and aborts: smaller is finer, larger costs fewer round trips."""
     requests_per_engine: int = 8
     """Requests in flight per engine. prompts_per_request x this x n samples should fill an
@@ -388,6 +393,8 @@ class RolloutConfig:
             raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
         for name in ("prompts_per_request", "requests_per_engine"):
             if getattr(r, name) < 1:
+        if r.engine_restarts < 0:
+            raise err("rollout.engine_restarts", f"must be >= 0, got {r.engine_restarts}", "use 3 (0: no restarts)")
                 raise err(f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}", "use 4 and 8 (SGLang)")
         if r.engine_tp_size < 1:
             raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")

@@ -15,7 +15,9 @@ per node, containers); they call this module once per role with the user's Hydra
         (`dapo_mega.rollout.fleet`: embedded on CPU, SGLang on GPU, command lines from
         `dapo_mega.backends.sglang.commands.build_engine_command`, GPUs from the placement),
         waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
-        (atomically), then watches them; any engine exiting ends the task non-zero. With
+        (atomically), then watches them: an engine that exits is restarted at its port and
+        announced again, at most `rollout.engine_restarts` times each
+        (`dapo_mega.rollout.engine_watch`); one more exit ends the task non-zero. With
         `rollout.use_router` on SGLang, the first engine node also starts sglang-router
         in front of all engines (`build_router_command`) and announces it as
         `<run_dir>/engines/router.json`.
@@ -31,8 +33,9 @@ a container where the package is installed (not only from a source checkout).
 Addresses travel through the shared run directory (engine registry) and the environment
 exported by the sbatch script (MASTER_ADDR from `scontrol show hostnames` + NodeAddr,
 MASTER_PORT, DAPO_MEGA_NODE_ADDRS). Teardown: every srun uses `--kill-on-bad-exit=1`, the
-engines task exits non-zero as soon as one of its engines dies, and the sbatch script's
-wait loop stops the other role when one role ends (slurm/lib.sh).
+engines task restarts an engine that exits (bounded by rollout.engine_restarts) and exits
+non-zero once one is past its restarts, and the sbatch script's wait loop stops the other
+role when one role ends (slurm/lib.sh).
 
 The router: the trainer itself spreads prompt groups over the engines and must address
 every engine for the weight sync, so it always reads the `engine-<i>.json` files; the
@@ -77,6 +80,7 @@ from dapo_mega.rollout.engine_process import (
     log_tail,
     stop_process,
 )
+from dapo_mega.rollout.engine_watch import EngineWatch
 from dapo_mega.rollout.fleet import EngineFleet, wait_for_learners
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
@@ -459,9 +463,11 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
             failed = _start_router(cfg, registry, advertise, bind_host, log_dir, procs, logs, task, api_key=api_key)
             if failed is not None:
                 return failed
-        while True:  # watch: any engine (or the router) ending while the job runs is a failure
-            for engine in fleet.dead():
-                return _role_process_failed(f"engine {engine.index}", engine.proc.returncode, engine.log_path)
+        watch = EngineWatch(fleet, cfg.rollout.engine_restarts, on_healthy=announce, say=_log)
+        while True:  # watch: an engine that exits is restarted at its port (bounded); the router ending fails
+            status = watch.check()
+            if status is not None:
+                return status
             for name, proc in procs.items():
                 rc = proc.poll()
                 if rc is not None:
