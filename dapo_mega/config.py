@@ -773,6 +773,41 @@ class EvalConfig:
 
 
 @dataclass
+class ChecksConfig:
+    """The alarms that say whether the engines serve the learner's weights (driver/weight_probe.py):
+    the per-step log-prob mismatch (always logged as `mismatch/...`) and a probe after every
+    weight sync (`probe/...`). A threshold of null logs without stopping."""
+
+    mismatch_age_buckets: int = 3
+    """Age buckets of the per-step mismatch metrics: `mismatch/age_0/...`, `age_1`, ...; the
+    last holds every older age (`age_2plus` with 3)."""
+    step_max_abs_mean: Optional[float] = 0.5
+    """Stop the run when the age-0 tokens of a step have a mean |log p_learner - log p_engine|
+    above this (nats). A correct bf16 run stays near 0.01-0.05 (fp32 on a CPU: ~1e-6); weights
+    that did not arrive or were converted wrongly give nats. null: log only."""
+    probe: bool = True
+    """After every weight sync, compare each engine's log-probs of a fixed token sequence
+    (/generate with input_ids and logprob_start_len=0) with the learner's, and the weight
+    version each engine reports with the one sent."""
+    probe_tokens: int = 64
+    """Length of the probe's token sequence (fixed pseudo-random ids of the model's vocabulary)."""
+    probe_max_abs_mean: Optional[float] = 0.5
+    """Stop the run when an engine's mean |log p_learner - log p_engine| over the probe exceeds
+    this (nats); a correct bf16 sync stays well below (fp32 on a CPU: ~1e-6). null: log only."""
+
+    def validate(self) -> None:
+        c, err = self, _field_error
+        if c.mismatch_age_buckets < 1:
+            raise err("checks.mismatch_age_buckets", f"must be >= 1, got {c.mismatch_age_buckets}", "use 3")
+        for name in ("step_max_abs_mean", "probe_max_abs_mean"):
+            value = getattr(c, name)
+            if value is not None and not value > 0:
+                raise err(f"checks.{name}", f"must be > 0, got {value}", "use 0.5 (nats), or null to only log")
+        if c.probe_tokens < 2:
+            raise err("checks.probe_tokens", f"must be >= 2, got {c.probe_tokens}", "use 64")
+
+
+@dataclass
 class DapoConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -782,6 +817,7 @@ class DapoConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -953,7 +989,8 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
 
     `world_size` (learner processes) is checked against the parallel layout when given.
     """
-    for component in (cfg.model, cfg.algo, cfg.data, cfg.rollout, cfg.megatron, cfg.cluster, cfg.trainer, cfg.eval):
+    for component in (cfg.model, cfg.algo, cfg.data, cfg.rollout, cfg.megatron, cfg.cluster, cfg.trainer, cfg.eval,
+                      cfg.checks):
         component.validate()
     a, m, err = cfg.algo, cfg.megatron, _field_error
     if m.micro_batch_tokens < a.max_prompt_length + a.max_response_length:

@@ -4,6 +4,7 @@
     compute_policy_loss        Eq. 8/10/12 decoupled clip (+ dual clip), token-level loss
     compute_tis_weights                truncated importance sampling (engine/learner mismatch)
     summarize_tis_weights              its ratio statistics (weight, truncation, mismatch KL)
+    compute_mismatch_stats             engine/learner log-prob mismatch by age (|Δ|, k3 KL), always logged
     compute_overlong_penalty   Eq. 13  soft overlong punishment
     select_informative_groups  Eq. 11  dynamic sampling's group filter
     TrainSample                        what the driver hands the learner: tokens, advantage, masks
@@ -16,6 +17,12 @@ from dapo_mega.algo.group_filter import (
     KEPT,
     GroupSelection,
     select_informative_groups,
+)
+from dapo_mega.algo.mismatch import (
+    compute_mismatch_stats,
+    empty_mismatch_stats,
+    merge_mismatch_stats,
+    summarize_mismatch,
 )
 from dapo_mega.algo.overlong import compute_overlong_penalty
 from dapo_mega.algo.policy_loss import (
@@ -36,9 +43,13 @@ __all__ = [
     "TrainSample",
     "GroupSelection",
     "compute_group_advantages",
+    "compute_mismatch_stats",
     "compute_overlong_penalty",
     "compute_policy_loss",
     "compute_tis_weights",
+    "empty_mismatch_stats",
+    "merge_mismatch_stats",
     "select_informative_groups",
+    "summarize_mismatch",
     "summarize_tis_weights",
 ]

@@ -21,6 +21,9 @@ class TrainSample:
     """Log-probs the rollout engine reported while sampling (for TIS / use_engine_logprobs)."""
     loss_mask: Optional[List[int]] = None
     """Per response token, 1 = carries loss (default all 1; overlong filtering zeroes it)."""
+    age: int = 0
+    """Policy versions between the oldest weights that sampled it and the learner that trains
+    on it (`ScoredSample.age`): the age bucket of its log-prob mismatch (algo/mismatch.py)."""
 
     @property
     def length(self) -> int:

@@ -37,6 +37,7 @@ def build_train_samples(groups: Sequence[Group], algo: AlgoConfig) -> List[Train
         for s in g.samples:
             masked = algo.overlong_filter and s.truncated
             out.append(TrainSample(prompt_ids=prompt_ids, response_ids=list(s.token_ids), advantage=float(adv[k]),
-                                   engine_log_probs=s.logprobs, loss_mask=[0] * len(s.token_ids) if masked else None))
+                                   engine_log_probs=s.logprobs, loss_mask=[0] * len(s.token_ids) if masked else None,
+                                   age=s.age))
             k += 1
     return out

@@ -41,7 +41,17 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from dapo_mega import distributed as D
-from dapo_mega.algo import TIS_METRICS, TrainSample, compute_policy_loss, compute_tis_weights, summarize_tis_weights
+from dapo_mega.algo import (
+    TIS_METRICS,
+    TrainSample,
+    compute_mismatch_stats,
+    compute_policy_loss,
+    compute_tis_weights,
+    empty_mismatch_stats,
+    merge_mismatch_stats,
+    summarize_mismatch,
+    summarize_tis_weights,
+)
 from dapo_mega.backends.megatron.batch import (
     ATTENTION_MASK,
     ATTENTION_THD,
@@ -112,6 +122,7 @@ class MegatronLearner:
         self._thd = self.info.layer_spec == TE_SPEC
         self._tis_active = cfg.algo.tis_cap is not None and not cfg.algo.use_engine_logprobs
         self._metric_keys = _POLICY_METRICS + (TIS_METRICS if self._tis_active else ())
+        self._age_buckets = cfg.checks.mismatch_age_buckets
 
     # ------------------------------------------------------------------ plumbing
     def _is_loss_rank(self) -> bool:
@@ -217,10 +228,13 @@ class MegatronLearner:
         return D.all_reduce_sum(values)
 
     # ------------------------------------------------------------------ log-probs
-    def _forward_log_probs(self, micro_batches: List[MicroBatch]) -> List[torch.Tensor]:
-        """Forward only; [B, S] log-probs (float32, CPU) of each micro-batch's labels, in order,
-        on the last pipeline stage ([] elsewhere)."""
-        temperature, vocab = self.cfg.algo.temperature, self.info.shape.vocab_size
+    def _forward_log_probs(self, micro_batches: List[MicroBatch], temperature: Optional[float] = None
+                           ) -> List[torch.Tensor]:
+        """Forward only; [B, S] log-probs (float32, CPU) of each micro-batch's labels under
+        softmax(z / temperature) (default algo.temperature), in order, on the last pipeline
+        stage ([] elsewhere)."""
+        vocab = self.info.shape.vocab_size
+        temperature = self.cfg.algo.temperature if temperature is None else temperature
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             log_probs, _ = compute_token_log_probs(logits, mb.labels, temperature, vocab, with_entropy=False)
@@ -236,11 +250,12 @@ class MegatronLearner:
             return []
         return [out["log_probs"].float().cpu() for out in outputs]
 
-    def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> Dict[int, torch.Tensor]:
+    def _local_log_probs(self, samples: Sequence[TrainSample], indices: Sequence[int],
+                         temperature: Optional[float] = None) -> Dict[int, torch.Tensor]:
         """Forward only over `indices`; {sample index: [R] log-probs} on loss ranks, {} elsewhere."""
         micro_batches = self._schedule_passes(samples, [indices])[0]
         result: Dict[int, torch.Tensor] = {}
-        for mb, log_probs in zip(micro_batches, self._forward_log_probs(micro_batches)):
+        for mb, log_probs in zip(micro_batches, self._forward_log_probs(micro_batches, temperature)):
             result.update({i: values.clone() for i, values in response_values(log_probs, mb).items()})
         return result
 
@@ -254,10 +269,13 @@ class MegatronLearner:
             old.view(-1)[columns] = log_probs.reshape(-1)[columns]
             mb.old_log_probs = old
 
-    def compute_log_probs(self, samples: Sequence[TrainSample]) -> List[torch.Tensor]:
-        """Per-sample [R] log-probs (float32, CPU) of the response tokens, on every rank."""
+    def compute_log_probs(self, samples: Sequence[TrainSample], temperature: Optional[float] = None
+                          ) -> List[torch.Tensor]:
+        """Per-sample [R] log-probs (float32, CPU) of the response tokens, on every rank, under
+        softmax(z / temperature) (default algo.temperature; 1.0 is what an engine reports for
+        prompt tokens)."""
         indices = self._shard(samples, range(len(samples)))
-        local = self._local_log_probs(samples, indices)
+        local = self._local_log_probs(samples, indices, temperature)
         local = local if self._is_loss_rank() else {}
         gathered: List[Optional[Dict[int, torch.Tensor]]] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, local)
@@ -295,10 +313,14 @@ class MegatronLearner:
                 for k, key in enumerate(keys):
                     local[3 + k] += float(out.get(key, 0.0)) * n
         totals = self._all_reduce_sum(local)
+        mismatch = empty_mismatch_stats(self._age_buckets)
+        for out in outputs if self._is_loss_rank() else ():
+            if "mismatch" in out:
+                mismatch = merge_mismatch_stats(mismatch, out["mismatch"])
         loss, tokens = totals[0], totals[1]
         finite = bool(torch.isfinite(torch.tensor(loss))) and self._grads_finite()
         info: Dict[str, float] = {"loss": loss, "tokens": tokens, "entropy": totals[2] / max(tokens, 1.0),
-                                "finite": finite}
+                                "finite": finite, "mismatch": mismatch}  # this rank's, reduced per step
         for k, key in enumerate(keys):
             info[key] = totals[3 + k] / max(tokens, 1.0)
         if not finite:
@@ -318,7 +340,10 @@ class MegatronLearner:
             self.scheduler.advance()
         return info
 
-    def _policy_loss_func(self, global_tokens: float, global_seqs: float, mb: MicroBatch, logits: torch.Tensor):
+    def _policy_loss_func(self, global_tokens: float, global_seqs: float, mb: MicroBatch, logits: torch.Tensor,
+                          ages: Optional[Sequence[int]] = None):
+        """`ages`: per sample index, its age, or -1 when it has no engine log-probs; None: this
+        mini-batch's mismatch is not measured (`_mismatch_ages`)."""
         algo = self.cfg.algo
         log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.shape.vocab_size)
         entropy_sum = (entropy * mb.response_mask).sum()
@@ -339,6 +364,13 @@ class MegatronLearner:
         num_tokens = mask.sum().to(torch.int)
         reduced = {key: metrics[key] for key in _POLICY_METRICS}
         reduced.update(tis_metrics)
+        if ages is not None and mb.engine_log_probs is not None:
+            # the learner's π_old: `old`, or (engine log-probs as π_old) this first update's own
+            learner_old = gather_responses(log_probs.detach(), mb) if algo.use_engine_logprobs else old
+            row_ages = torch.tensor([ages[i] for i in mb.sample_indices], dtype=torch.long)
+            has_engine = (row_ages >= 0)[:, None].to(mask.device)
+            reduced["mismatch"] = compute_mismatch_stats(learner_old, gather_responses(mb.engine_log_probs, mb),
+                                                         mask * has_engine, row_ages.clamp(min=0), self._age_buckets)
         reduced.update(loss=loss.detach(), num_tokens=num_tokens.detach(), entropy_sum=entropy_sum)
         return loss, num_tokens, reduced
 
@@ -387,16 +419,21 @@ class MegatronLearner:
         applied, tokens_trained = 0, 0.0
         lr = self.scheduler.current_lr
         useful, computed = 0, 0  # this rank's real and computed (rows x columns) tokens
-        for mini_batch, micro_batches in zip(mini_batches, micro_per_update):
+        # the engine/learner log-prob mismatch of every sampled token (algo/mismatch.py); with
+        # the engine's log-probs as π_old, the learner's own are known before the first update only
+        ages = [s.age if s.engine_log_probs is not None else -1 for s in samples]
+        mismatch = empty_mismatch_stats(self._age_buckets)
+        for k_update, (mini_batch, micro_batches) in enumerate(zip(mini_batches, micro_per_update)):
             # Denominators of the whole mini-batch (all micro-batches, all DP ranks):
             # tokens for token-mean, non-empty responses for the seq-mean ablation modes.
             global_tokens = float(count_loss_tokens(samples, mini_batch))
             global_seqs = float(sum(1 for i in mini_batch if any(samples[i].response_loss_mask())))
             useful += sum(mb.real_tokens for mb in micro_batches)
             computed += sum(mb.tokens.numel() for mb in micro_batches)
-            info = self._update(micro_batches,
-                                partial(self._policy_loss_func, max(global_tokens, 1.0), max(global_seqs, 1.0)),
-                                lr=None)
+            measured = ages if (k_update == 0 or not algo.use_engine_logprobs) else None
+            info = self._update(micro_batches, partial(self._policy_loss_func, max(global_tokens, 1.0),
+                                                       max(global_seqs, 1.0), ages=measured), lr=None)
+            mismatch = merge_mismatch_stats(mismatch, info["mismatch"])
             tokens_trained += sum(samples[i].length for i in mini_batch)
             if not info["finite"]:
                 continue
@@ -410,6 +447,7 @@ class MegatronLearner:
         elapsed = time.perf_counter() - start
         metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
         metrics.update(self._layout_metrics(useful, computed))
+        metrics.update(summarize_mismatch(self._reduce_mismatch(mismatch)))
         metrics.update({
             "actor/lr": lr,
             "perf/train_tokens_per_s": tokens_trained / max(elapsed, 1e-9),
@@ -418,6 +456,18 @@ class MegatronLearner:
             "train/skipped_updates": float(len(mini_batches) - applied),
         })
         return metrics
+
+    def _reduce_mismatch(self, local: torch.Tensor) -> torch.Tensor:
+        """Every loss rank's mismatch statistics merged (sums add, the max is the max): the
+        same [K, 4] tensor on every rank. Two all-reduces over all ranks."""
+        if not D.is_active():
+            return local
+        device = D.collective_device()
+        summed, largest = local.to(device), local.to(device).clone()
+        torch.distributed.all_reduce(summed)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+        summed[:, 2] = largest[:, 2]
+        return summed.cpu()
 
     def _layout_metrics(self, useful: int, computed: int) -> Dict[str, float]:
         """perf/padding_efficiency (real / computed tokens, all DP ranks) and perf/dp_imbalance
