@@ -386,7 +386,8 @@ def checkpoint_bytes(cfg: DapoConfig, phi: int) -> CheckpointDisk:
     optimizer's: fp32 master params + Adam m and v under bf16 (12 bytes per parameter), m and v
     only when the params are fp32 (8); RNG and trainer state are negligible. The run directory
     keeps `trainer.keep_last_k` and prunes only after the next one is committed, so the disk
-    peak is keep_last_k + 1 of them. With `trainer.hf_export_interval` > 0 the run also keeps
+    peak is keep_last_k + 1 of them, plus those `trainer.keep_every` keeps for good
+    (`checkpoints_kept_for_good`). With `trainer.hf_export_interval` > 0 the run also keeps
     `trainer.hf_export_keep` HF exports of the weights in `trainer.hf_export_dtype` (each
     smaller than a checkpoint, and written at another time than one: the peak adds the kept
     ones)."""
@@ -395,10 +396,23 @@ def checkpoint_bytes(cfg: DapoConfig, phi: int) -> CheckpointDisk:
     each = model + optimizer
     keep = cfg.trainer.keep_last_k
     t = cfg.trainer
+    kept = checkpoints_kept_for_good(t.total_steps, t.save_interval, t.keep_every, keep)
     export = phi * {"float32": 4}.get(t.hf_export_dtype, 2) if t.hf_export_interval > 0 else 0
     return CheckpointDisk(model_bytes=model, optimizer_bytes=optimizer, bytes=each, keep_last_k=keep,
                           hf_export_bytes=export, hf_export_keep=t.hf_export_keep if export else 0,
-                          disk_peak_bytes=(keep + 1) * each + (t.hf_export_keep * export))
+                          kept_for_good=kept, disk_peak_bytes=(keep + 1 + kept) * each + (t.hf_export_keep * export))
+
+
+def checkpoints_kept_for_good(total_steps: int, save_interval: int, keep_every: int, keep_last_k: int) -> int:
+    """Saved checkpoints at a multiple of `keep_every` other than the newest `keep_last_k`
+    (`run_dir.prune_checkpoints` keeps them all): a run saves every `save_interval` steps and
+    at its last step."""
+    if keep_every <= 0:
+        return 0
+    saved = [s for s in range(1, total_steps + 1) if (save_interval > 0 and s % save_interval == 0)
+             or s == total_steps]
+    newest = set(saved[-keep_last_k:])
+    return sum(1 for s in saved if s % keep_every == 0 and s not in newest)
 
 
 CONVERSION_FIXED_BYTES = 0.4e9
@@ -734,6 +748,7 @@ def _memory_lines(plan: Plan) -> List[str]:
     ck, conv = plan.checkpoint, plan.conversion_host_ram
     lines += [f"checkpoints: {ck.bytes / 1e9:,.1f} GB each (model {ck.model_bytes / 1e9:,.1f} + fp32 optimizer "
               f"{ck.optimizer_bytes / 1e9:,.1f}); keep_last_k {ck.keep_last_k} + the one being written"
+              + (f" + {ck.kept_for_good} kept by keep_every" if ck.kept_for_good else "")
               + (f" + {ck.hf_export_keep} HF exports of {ck.hf_export_bytes / 1e9:,.1f} GB"
                  if ck.hf_export_bytes else "") + f": {ck.disk_peak_bytes / 1e12:,.2f} TB on disk",
               "conversion host RAM (the shard once in bf16 + up to two copies of the embedding + 0.4 GB, "

@@ -258,8 +258,10 @@ class CheckpointDisk:
     """One HF export (0: the run exports none)."""
     hf_export_keep: int
     """HF exports kept (0 when none are written)."""
+    kept_for_good: int
+    """Checkpoints `trainer.keep_every` keeps beside the newest keep_last_k (`plan.checkpoints_kept_for_good`)."""
     disk_peak_bytes: float
-    """(keep_last_k + 1) checkpoints + the kept exports."""
+    """(keep_last_k + 1 + kept_for_good) checkpoints + the kept exports."""
 
 
 @dataclass(frozen=True)

@@ -6,4 +6,4 @@
 #       [--partition P --account A --container IMAGE --mounts SRC:DST] [--dry-run | --wait] [-- overrides]
 # Options given here are defaults: later ones win (--nodes, --chain, --time, ...). launch/README.md
 # lists every option and the stages.
-exec "${PYTHON:-python}" "$(dirname "$0")/pipeline.py" --experiment dapo_qwen2.5_32b --nodes 16 --chain 20 --time 24:00:00 "$@"
+exec "${PYTHON:-python}" "$(dirname "$0")/pipeline.py" --experiment dapo_qwen2.5_32b --nodes 16 --chain 7 --time 24:00:00 "$@"

@@ -17,6 +17,7 @@ learner / engine parallel layout (`dapo-mega plan` checks it against memory inst
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -122,6 +123,46 @@ def test_32b_topology_and_model(configs):
              for field, value, source in TOPOLOGY_32B if _get(cfg, field) != value]
     assert not wrong, "\n".join(wrong)
     assert cfg.model.name == "qwen2.5-32b"  # [paper] §4.1 Qwen2.5-32B base
+
+
+# The paper's length, from its own numbers (notes/dapo-recipe.md "Training setup of the 32B run").
+PAPER_PROMPTS_PER_STEP = 512       # [paper] §4.1 prompt batch 512
+PAPER_RESPONSES_PER_PROMPT = 16    # [paper] §4.1 G = 16
+PAPER_MINI_BATCH_RESPONSES = 512   # [paper] §4.1 mini-batch 512 responses
+PAPER_UPDATES_TO_50 = 5000         # [paper] Figure 1: AIME 50 at ~5,000 steps, an axis of gradient
+                                   # updates (its caption; a verl maintainer in verl issue 1643)
+VERL_TEST_FREQ = 5                 # [verl] trainer.test_freq=5
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS_32B)
+def test_32b_configs_run_the_papers_length_and_evaluate_as_verl(configs, name):
+    """total_steps counts rollout steps: the paper's ~5,000 gradient updates at 16 per step."""
+    from dapo_mega.plan import checkpoints_kept_for_good
+
+    updates_per_step = PAPER_PROMPTS_PER_STEP * PAPER_RESPONSES_PER_PROMPT // PAPER_MINI_BATCH_RESPONSES
+    paper_rollout_steps = math.ceil(PAPER_UPDATES_TO_50 / updates_per_step)
+    assert (updates_per_step, paper_rollout_steps) == (16, 313)
+    t, algo = configs[name].trainer, configs[name].algo
+    assert algo.train_batch_size // algo.mini_batch_size == updates_per_step  # the config's own updates per step
+    assert t.total_steps == paper_rollout_steps, (
+        f"{name}: trainer.total_steps = {t.total_steps} rollout steps = {t.total_steps * updates_per_step:,} "
+        f"gradient updates; the paper ran ~{PAPER_UPDATES_TO_50:,} ({paper_rollout_steps} rollout steps)")
+    assert t.eval_interval == VERL_TEST_FREQ
+    # Earlier checkpoints stay to be scored again on the same hold-out: keep_every falls on saved steps.
+    assert t.keep_every > 0 and t.keep_every % t.save_interval == 0, (t.keep_every, t.save_interval)
+    assert checkpoints_kept_for_good(t.total_steps, t.save_interval, t.keep_every, t.keep_last_k) >= 1
+    text = (config_dir() / "experiment" / "dapo_qwen2.5_32b.yaml").read_text()
+    assert "5,000 / 16" in text and f"{paper_rollout_steps} rollout steps" in text  # the derivation, in the config
+
+
+def test_checkpoints_kept_for_good_counts_saved_multiples_beside_the_newest():
+    from dapo_mega.plan import checkpoints_kept_for_good
+
+    # saves 10, 20, ..., 310 and 313; the newest 3 are 300, 310, 313; keep_every 100 adds 100 and 200
+    assert checkpoints_kept_for_good(313, 10, 100, 3) == 2
+    assert checkpoints_kept_for_good(313, 10, 0, 3) == 0
+    assert checkpoints_kept_for_good(313, 0, 100, 1) == 0       # saved only at the end
+    assert checkpoints_kept_for_good(300, 30, 50, 1) == 1       # 150 and 300 are saved; 300 is the newest
 
 
 def test_no_kl_term_and_no_critic():

@@ -67,7 +67,7 @@ def test_qwen32b_colocated_plan_matches_the_hand_computation_in_docs():
         assert _within(fit.kv_fresh, 25_558_446_899)
         assert _within(fit.training_bytes, 21_265_580_032)
     ck = plan.checkpoint
-    assert _within(ck.bytes, 458_694_268_928) and _within(ck.disk_peak_bytes, 1_834_777_075_712)
+    assert _within(ck.bytes, 458_694_268_928) and _within(ck.disk_peak_bytes, 2_752_165_613_568)
     assert ck.keep_last_k == 3
     ram = plan.conversion_host_ram
     # by hand (docs/cluster.md): 8 x (0.4 + 65.5 / 8 + 2 x 1.56) GB; 0.4 + 65.5 + 1.56 GB
@@ -144,10 +144,12 @@ def test_plan_cli_json_and_exit_status(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["parallel"]["tp"] == 8 and len(out["layout"]) == 16
     checkpoint = out["checkpoint"]  # bf16 model 2 + fp32 master, m, v 12 bytes per parameter; 3 kept + 1 written
-    assert checkpoint["bytes"] == 14 * 32_763_876_352 and checkpoint["disk_peak_bytes"] == 4 * 14 * 32_763_876_352
+    # + steps 100 and 200 of 313 that keep_every: 100 keeps (300 is among the newest 3)
+    assert checkpoint["bytes"] == 14 * 32_763_876_352 and checkpoint["disk_peak_bytes"] == 6 * 14 * 32_763_876_352
+    assert checkpoint["kept_for_good"] == 2
     assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b"]) == 0
     text = capsys.readouterr().out
-    assert "checkpoints: 458.7 GB each" in text and "1.83 TB on disk" in text
+    assert "checkpoints: 458.7 GB each" in text and "2 kept by keep_every: 2.75 TB on disk" in text
     assert "46.8*s*h/t" in text and "colocated stage-1 GPU, rollout:" in text
     assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "cluster.gpu_memory_gib=16"]) == 1
     assert "WARNING: learner does not fit" in capsys.readouterr().out
