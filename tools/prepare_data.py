@@ -9,6 +9,9 @@ in the same schema (one row per problem), each with `<name>.revision.json` besid
 revision of its problems, the run revision (what a run on both files stamps into every ledger
 row: `run_dataset_revision`, as the trainer computes it), the source file's sha256 and the
 counts (rows, duplicates, skipped rows by reason). The revisions are printed at the end.
+A file that yields no problem (empty, another schema, or a training file whose every prompt
+is in the eval set: the AIME file given as --dapo-math) stops it with exit 1, naming the file
+and the columns it expected; nothing is written for it.
 The trainer's configs/data/dapo_math_17k.yaml reads `$DAPO_DATA_DIR` (default `data/`).
 
 Further evaluation sets (for `eval.sets`), from their published files:
@@ -49,6 +52,27 @@ from dapo_mega.run_dir import atomic_path, write_text_atomic
 AIME_2024_PROBLEMS = 30
 PUBLISHED_EVAL_SETS = {"aime_2025": 30, "math_500": 500}
 """Eval sets read from their published files: name (file stem and data_source) -> problems it has."""
+DAPO_COLUMNS = "data_source, prompt (a chat list), ability, reward_model ({ground_truth, style}), extra_info"
+"""The published DAPO-Math-17k / AIME 2024 parquet schema (--dapo-math, --aime)."""
+PUBLISHED_COLUMNS = {"aime_2025": "question (or problem) and answer",
+                     "math_500": "problem, answer (and unique_id, subject, level)"}
+"""What the published files of each of PUBLISHED_EVAL_SETS hold."""
+
+
+def read_or_explain(read, path: Path, expected: str, *args, **kwargs) -> tuple:
+    """`read(path, ...)`, a DataError (a wrong schema, a bad row, no problem at all) naming the
+    columns the file should have held."""
+    try:
+        return read(path, *args, **kwargs)
+    except DataError as exc:
+        raise DataError(f"{exc}; expected the columns {expected}") from None
+
+
+def require_problems(problems: Sequence[Problem], source: str, expected: str, why: str = "") -> None:
+    """No dataset is written without a problem: a zero-row training or eval file is the wrong file."""
+    if not problems:
+        raise DataError(f"{source}: 0 problems to write{why}; expected rows with the columns {expected}. "
+                        "Fix: check which file each option was given")
 
 
 def file_sha256(path: Path) -> str:
@@ -80,10 +104,11 @@ def write_dataset(problems: List[Problem], source: Path | Sequence[Path], report
     file, or the files, read)."""
     import pyarrow.parquet as pq
 
+    sources = [source] if isinstance(source, Path) else list(source)
+    require_problems(problems, ", ".join(map(str, sources)), PUBLISHED_COLUMNS.get(out_path.stem, DAPO_COLUMNS))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out_path) as tmp:
         pq.write_table(problems_to_table(problems, ability, desc=f"writing {out_path.name}"), tmp)
-    sources = [source] if isinstance(source, Path) else list(source)
     record = {"file": out_path.name, "revision": compute_dataset_revision(problems), "num_problems": len(problems),
               "source": ", ".join(map(str, sources)), "source_sha256": ", ".join(map(file_sha256, sources)),
               "source_rows": report.num_rows,
@@ -100,16 +125,19 @@ def prepare(dapo_math: Path, aime: Optional[Path], out_dir: Path, on_bad_row: st
     records: Dict[str, dict] = {}
     eval_prompts = set()
     if aime is not None:
-        eval_problems, eval_report = read_problems(aime, on_bad_row=on_bad_row, dedup=True)
+        eval_problems, eval_report = read_or_explain(read_problems, aime, DAPO_COLUMNS, on_bad_row=on_bad_row,
+                                                     dedup=True)
         if len(eval_problems) != AIME_2024_PROBLEMS:
             print(f"warning: {aime} holds {len(eval_problems)} distinct problems, AIME 2024 has "
                   f"{AIME_2024_PROBLEMS}", file=sys.stderr)
         eval_prompts = {p.prompt for p in eval_problems}
         records["aime_2024"] = write_dataset(eval_problems, aime, eval_report, out_dir / "aime_2024.parquet", "MATH")
-    train, train_report = read_problems(dapo_math, on_bad_row=on_bad_row, dedup=True)
+    train, train_report = read_or_explain(read_problems, dapo_math, DAPO_COLUMNS, on_bad_row=on_bad_row, dedup=True)
     overlap = [p for p in train if p.prompt in eval_prompts]
     if overlap and not keep_eval_overlap:
         train = [p for p in train if p.prompt not in eval_prompts]
+        require_problems(train, str(dapo_math), DAPO_COLUMNS, f" for training: all {len(overlap)} of its problems are "
+                         f"in the eval set {aime} (was the eval file given as --dapo-math?)")
     bad_answers = sum(1 for p in train if not p.ground_truth.strip())
     if bad_answers:
         raise DataError(f"{dapo_math}: {bad_answers} problems with an empty ground truth")
@@ -133,7 +161,8 @@ def read_published_set(paths: Sequence[Path], name: str, on_bad_row: str = "erro
     problems: List[Problem] = []
     total = ReadReport(path=", ".join(map(str, paths)))
     for path in paths:
-        read, report = read_published_problems(path, name, on_bad_row=on_bad_row, dedup=True)
+        read, report = read_or_explain(read_published_problems, path, PUBLISHED_COLUMNS[name], name,
+                                       on_bad_row=on_bad_row, dedup=True)
         problems += read
         for field_name in ("num_rows", "num_skipped", "num_duplicates", "num_conflicting_duplicates"):
             setattr(total, field_name, getattr(total, field_name) + getattr(report, field_name))

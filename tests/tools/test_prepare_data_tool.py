@@ -76,3 +76,34 @@ def test_prepare_reports_a_bad_row_and_exits_nonzero(tmp_path):
     assert result.returncode == 1
     assert "prepare_data: error:" in result.stderr and "row 1" in result.stderr
     assert not (tmp_path / "data" / "dapo_math_17k.parquet").exists()
+
+
+def _prepare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_zero_training_or_eval_problems_exit_nonzero_naming_the_file_and_columns(tmp_path):
+    """The wrong file (the AIME file as --dapo-math, an empty file) is not a 0-problem dataset."""
+    aime = [(f"AIME problem {k}: compute {k} squared.", str(k * k)) for k in range(30)]
+    _write(tmp_path / "aime.parquet", aime, repeats=32, source="aime")
+    _write(tmp_path / "empty.parquet", [], repeats=1, source="math_dapo")  # the schema, no row
+    (tmp_path / "empty.jsonl").write_text("")
+    columns = "data_source, prompt (a chat list), ability, reward_model ({ground_truth, style}), extra_info"
+    cases = [  # (arguments, the file the error names, the columns it names)
+        (["--dapo-math", "aime.parquet", "--aime", "aime.parquet"], "aime.parquet", columns),
+        (["--dapo-math", "empty.parquet", "--aime", "aime.parquet"], "empty.parquet", columns),
+        (["--dapo-math", "aime.parquet", "--aime", "empty.parquet"], "empty.parquet", columns),
+        (["--math-500", "empty.jsonl"], "empty.jsonl", "problem, answer"),
+    ]
+    errors = []
+    for args, culprit, expected in cases:
+        out = tmp_path / "out"
+        result = _prepare(*[str(tmp_path / a) if a.endswith((".parquet", ".jsonl")) else a for a in args],
+                          "--out", str(out))
+        assert result.returncode == 1, (args, result.stdout, result.stderr)
+        error = result.stderr.strip().splitlines()[-1]
+        assert error.startswith(f"prepare_data: error: {tmp_path / culprit}:") and expected in error, (args, error)
+        assert not (out / "dapo_math_17k.parquet").exists() and not (out / "math_500.parquet").exists()
+        errors.append(error)
+    assert "all 30 of its problems are in the eval set" in errors[0]
