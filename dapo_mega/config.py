@@ -152,12 +152,13 @@ class AlgoConfig:
     overlong_filter: bool = False
     """Mask the loss of truncated samples (overlong filtering, the paper's other option)."""
     verifier: str = "dapo"
-    """Answer verifier: dapo (last 300 chars, `Answer:` line, Minerva), math_verify, or a reward
-    plugin's import path `package.module:function` taking (response, ground_truth, metadata)
-    and returning a dapo_mega.reward.RewardResult (docs/rewards.md; its folder on PYTHONPATH,
-    e.g. PYTHONPATH=examples/rewards algo.verifier=boxed_answer:score). A plugin runs in the
-    verifier worker processes, bounded by verifier_timeout_s; `dapo-mega train` imports it and
-    calls it once on a probe before anything is built."""
+    """Answer verifier: dapo (last 300 chars, `Answer:` line, Minerva), math_verify, a reward
+    plugin's import path `package.module:function` or file `path/to/file.py[:function]` (written
+    for dapo-mega, verl's compute_score or slime's custom reward; returning a float, a dict with
+    `score` or a dapo_mega.reward.RewardResult), or a reward server's URL `http://host:port/path`
+    (`slime+http://...` for slime's --rm-url protocol). docs/rewards.md says how each is called.
+    A plugin runs in the verifier worker processes, bounded by verifier_timeout_s (a server's
+    request too); `dapo-mega train` calls it once on a probe before anything is built."""
     verifier_timeout_s: float = 5.0
     """A verification taking longer than this is scored as failed (verifier_error)."""
     # --- optimiser ---
@@ -221,7 +222,8 @@ class AlgoConfig:
             raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
         if a.tis_cap is not None and a.tis_cap <= 0:
             raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
-        if ":" not in a.verifier:  # a plugin's path is imported and probed by preflight (reward.check_verifier)
+        if ":" not in a.verifier and not a.verifier.endswith(".py"):  # a plugin's path or a server's URL is
+            # imported / reached and probed by preflight (reward.check_verifier)
             _check_choice("algo.verifier", a.verifier, Verifier,
                           "use dapo, math_verify, or a reward plugin's package.module:function (docs/rewards.md)")
         if a.lr <= 0:
@@ -342,13 +344,13 @@ class RolloutConfig:
     0 = derived from the model's bytes and the engine count (`dapo_mega.clock.engine_start_timeout_s`)."""
     max_retries: int = 3
     """Times a prompt group is retried on another engine before the step fails."""
-    prompts_per_request: int = 4
-    """Prompts (groups of n samples) per /generate request. A request is the unit the rollout
     engine_restarts: int = 3
     """Times the Slurm engines role (`python -m dapo_mega.launch engines`) restarts one engine
     that exited, at its port, within one job; the trainer finds it answering again and
     syncs the current weights into it before it serves. One more exit ends the role
     non-zero (and with it the job). 0: the first exit ends the job."""
+    prompts_per_request: int = 4
+    """Prompts (groups of n samples) per /generate request. A request is the unit the rollout
     manager streams, retries and aborts: smaller is finer, larger costs fewer round trips."""
     requests_per_engine: int = 8
     """Requests in flight per engine. prompts_per_request x this x n samples should fill an
@@ -391,10 +393,10 @@ class RolloutConfig:
                 raise err(f"rollout.{name}", f"must be >= 0, got {getattr(r, name)}", "use 0 (derived / no limit)")
         if r.weight_sync_bucket_mb < 1:
             raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
-        for name in ("prompts_per_request", "requests_per_engine"):
-            if getattr(r, name) < 1:
         if r.engine_restarts < 0:
             raise err("rollout.engine_restarts", f"must be >= 0, got {r.engine_restarts}", "use 3 (0: no restarts)")
+        for name in ("prompts_per_request", "requests_per_engine"):
+            if getattr(r, name) < 1:
                 raise err(f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}", "use 4 and 8 (SGLang)")
         if r.engine_tp_size < 1:
             raise err("rollout.engine_tp_size", "must be >= 1", "use 1 (or the GPUs one engine spans)")
@@ -776,24 +778,30 @@ class EvalConfig:
 class ChecksConfig:
     """The alarms that say whether the engines serve the learner's weights (driver/weight_probe.py):
     the per-step log-prob mismatch (always logged as `mismatch/...`) and a probe after every
-    weight sync (`probe/...`). A threshold of null logs without stopping."""
+    weight sync (`probe/...`), each with a threshold that stops the run."""
 
     mismatch_age_buckets: int = 3
     """Age buckets of the per-step mismatch metrics: `mismatch/age_0/...`, `age_1`, ...; the
     last holds every older age (`age_2plus` with 3)."""
-    step_max_abs_mean: Optional[float] = 0.5
+    step_max_abs_mean: Optional[float] = None
     """Stop the run when the age-0 tokens of a step have a mean |log p_learner - log p_engine|
-    above this (nats). A correct bf16 run stays near 0.01-0.05 (fp32 on a CPU: ~1e-6); weights
-    that did not arrive or were converted wrongly give nats. null: log only."""
+    above this (nats). null: derived from the dtypes, FP32_MAX_ABS_MEAN (0.01) when the learner
+    and the engines compute in float32 (a correct CPU run: ~1e-7), BF16_MAX_ABS_MEAN (0.5)
+    otherwise (a correct bf16 run: a few hundredths; weights that did not arrive or were
+    converted wrongly: nats)."""
     probe: bool = True
     """After every weight sync, compare each engine's log-probs of a fixed token sequence
     (/generate with input_ids and logprob_start_len=0) with the learner's, and the weight
     version each engine reports with the one sent."""
     probe_tokens: int = 64
-    """Length of the probe's token sequence (fixed pseudo-random ids of the model's vocabulary)."""
-    probe_max_abs_mean: Optional[float] = 0.5
+    """Length of the probe's token sequence: a fixed text in the model's tokenizer, then fixed
+    pseudo-random ids of its vocabulary."""
+    probe_max_abs_mean: Optional[float] = None
     """Stop the run when an engine's mean |log p_learner - log p_engine| over the probe exceeds
-    this (nats); a correct bf16 sync stays well below (fp32 on a CPU: ~1e-6). null: log only."""
+    this (nats). null: derived from the dtypes, as step_max_abs_mean."""
+    stop: bool = True
+    """Stop the run when a check fails (the message names the check, the engine and the likely
+    cause); false: log the message as a warning and go on."""
 
     def validate(self) -> None:
         c, err = self, _field_error
@@ -802,7 +810,7 @@ class ChecksConfig:
         for name in ("step_max_abs_mean", "probe_max_abs_mean"):
             value = getattr(c, name)
             if value is not None and not value > 0:
-                raise err(f"checks.{name}", f"must be > 0, got {value}", "use 0.5 (nats), or null to only log")
+                raise err(f"checks.{name}", f"must be > 0, got {value}", "use null (derived from the dtypes)")
         if c.probe_tokens < 2:
             raise err("checks.probe_tokens", f"must be >= 2, got {c.probe_tokens}", "use 64")
 

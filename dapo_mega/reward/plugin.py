@@ -1,63 +1,63 @@
-"""Reward plugins: `algo.verifier=package.module:function`, a user's reward function.
+"""Reward plugins: `algo.verifier=package.module:function` (or `path/to/file.py[:function]`),
+a user's reward function, written for dapo-mega, for verl or for slime.
 
-    def score(response: str, ground_truth: str, metadata: dict) -> RewardResult
+Three calling conventions, told apart by the function's parameter names:
 
-response: the model's response (with the task's answer prefix, as every verifier sees it);
-ground_truth: the problem's reference answer; metadata: the problem's fields where the
-caller passes them (`problem_metadata`: id, data_source, prompt), else {}. It returns a
-`RewardResult`: `score`, a finite number, is the sample's correctness reward (in place of
-the built-in verifiers' ±1; the overlong penalty is added to it); `correct`, a bool, is the
-verdict accuracy is counted on; `components`, names to finite numbers, are the function's
-own breakdown of `score`, kept in the ledger as `verifier/<name>`.
+    dapo-mega   score(response, ground_truth, metadata)
+    verl        compute_score(data_source, solution_str, ground_truth, extra_info=None)
+                (any function with a `solution_str` parameter, or only `**kwargs`; called by
+                keyword, as verl's reward managers call it)
+    slime       async def custom_rm(args, sample)   (`--custom-rm-path`, per sample)
 
-The module is imported by its path inside each verifier worker process (`VerifierPool`):
-a plugin runs bounded by `algo.verifier_timeout_s` and is killed past it, like math-verify.
-The worker's import path is the trainer's `sys.path`, so a module outside the package is
-found through PYTHONPATH (`PYTHONPATH=examples/rewards dapo-mega train
-algo.verifier=boxed_answer:score`). Its version in the ledger is the one it declares
-(`__version__` or `VERSION` on the function, else on its module), or else the hash of its
-module's source file (`code_version`). docs/rewards.md is the user's page.
+Each may return a float, a dict with `score` (verl's form) or a `RewardResult`
+(returns.py says how each reads). A function may be `async` (slime's always is): the
+worker awaits it. The module is imported by its path inside each verifier worker process
+(`VerifierPool`): a plugin runs bounded by `algo.verifier_timeout_s` and is killed past it.
+A dotted path is imported from the trainer's `sys.path` (its folder on PYTHONPATH); a file
+path, as verl's `custom_reward_function.path` takes, is loaded from that file, relative to
+the working directory, its function `compute_score` when none is named (verl's default).
+Its version in the ledger is the one it declares (`__version__` or `VERSION` on the function,
+else on its module), or else the hash of its module's source file (`code_version`).
+docs/rewards.md is the user's page.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import importlib
+import importlib.util
 import inspect
-import math
-import numbers
+import os
 import re
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Mapping, Optional
+from types import ModuleType
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from dapo_mega.config import ConfigError
+from dapo_mega.reward.returns import MAX_EXTRACTED_CHARS, RewardResult, to_verify_result
 from dapo_mega.reward.types import VerifyResult, code_version
 
 PLUGIN_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-SIGNATURE = "(response: str, ground_truth: str, metadata: dict) -> dapo_mega.reward.RewardResult"
+FILE_PATH = re.compile(r"^(?P<file>[^:]+\.py)(:(?P<function>[A-Za-z_]\w*))?$")
+VERL_DEFAULT_FUNCTION = "compute_score"
+"""The function a file path without `:function` names (verl's `custom_reward_function.name` default)."""
+SIGNATURE = "(response: str, ground_truth: str, metadata: dict) -> float | dict | dapo_mega.reward.RewardResult"
+SIGNATURES = (f"{SIGNATURE}, verl's (data_source, solution_str, ground_truth, extra_info=None) "
+              "or slime's (args, sample)")
 FIELD = "algo.verifier"
-MAX_EXTRACTED_CHARS = 200
 
+NATIVE, VERL, SLIME = "dapo_mega", "verl", "slime"
+"""The calling conventions `calling_convention` tells apart."""
 
-@dataclass(frozen=True)
-class RewardResult:
-    """What a reward plugin returns for one response.
-
-    score: the correctness reward, a finite number (the built-in verifiers give ±1).
-    correct: the verdict (accuracy, all-correct / all-wrong groups are counted on it).
-    components: names to finite numbers, the plugin's breakdown of `score` (ledger:
-        `reward_components["verifier/<name>"]`).
-    extracted: the answer the plugin read, None if none (ledger: `extracted_answer`).
-    """
-
-    score: float
-    correct: bool
-    components: Mapping[str, float] = field(default_factory=dict)
-    extracted: Optional[str] = None
+__all__ = ["MAX_EXTRACTED_CHARS", "PluginVerifier", "RewardResult", "calling_convention", "is_plugin_path",
+           "load_plugin", "problem_metadata", "to_verify_result"]
 
 
 def is_plugin_path(spec: str) -> bool:
-    """`spec` has the form `package.module:function`."""
-    return bool(PLUGIN_PATH.match(spec))
+    """`spec` has the form `package.module:function`, `path/file.py` or `path/file.py:function`."""
+    return bool(PLUGIN_PATH.match(spec) or FILE_PATH.match(spec))
 
 
 def problem_metadata(problem: object) -> Dict[str, str]:
@@ -70,18 +70,30 @@ def _error(path: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(f"{FIELD}: reward plugin {path!r} {problem}. Fix: {fix}")
 
 
-_LOADED: Dict[str, Callable[..., object]] = {}
+_LOADED: Dict[str, Tuple[Callable[..., object], str]] = {}
 
 
-def load_plugin(path: str) -> Callable[..., object]:
-    """The function `path` names, imported and checked against SIGNATURE (cached per process)."""
-    if path in _LOADED:
-        return _LOADED[path]
-    if not is_plugin_path(path):
-        raise _error(path, "is not an import path", "write it as package.module:function")
+def load_plugin(path: str) -> Tuple[Callable[..., object], str]:
+    """The function `path` names and its calling convention, imported and checked (cached per process)."""
+    if path not in _LOADED:
+        module, attr = _import_module(path)
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise _error(path, f"not found: module {module.__name__} has no attribute {attr!r}",
+                         "name a function the module defines")
+        _LOADED[path] = (fn, calling_convention(path, fn))
+    return _LOADED[path]
+
+
+def _import_module(path: str) -> Tuple[ModuleType, str]:
+    file_match = FILE_PATH.match(path)
+    if file_match:
+        return _import_file(path, file_match["file"]), file_match["function"] or VERL_DEFAULT_FUNCTION
+    if not PLUGIN_PATH.match(path):
+        raise _error(path, "is not an import path", "write it as package.module:function or path/to/file.py:function")
     module_name, attr = path.split(":")
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name), attr
     except ModuleNotFoundError as exc:
         raise _error(path, f"cannot be imported ({exc})",
                      "put the folder holding it on PYTHONPATH (e.g. PYTHONPATH=examples/rewards) "
@@ -89,31 +101,61 @@ def load_plugin(path: str) -> Callable[..., object]:
     except Exception as exc:  # noqa: BLE001 - the user's module failed at import; say how
         raise _error(path, f"raised {type(exc).__name__} on import: {str(exc)[:200]}",
                      "make the module importable (python -c 'import " + module_name + "')") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise _error(path, f"not found: module {module_name} has no attribute {attr!r}",
-                     "name a function the module defines")
-    check_signature(path, fn)
-    _LOADED[path] = fn
-    return fn
 
 
-def check_signature(path: str, fn: object) -> None:
-    """`fn` is a plain callable that accepts (response, ground_truth, metadata)."""
+def _import_file(path: str, file: str) -> ModuleType:
+    """The module of a reward file (verl's `custom_reward_function.path`), under a name of its
+    own (so two files both called reward.py do not meet in sys.modules)."""
+    absolute = os.path.abspath(file)
+    if not os.path.isfile(absolute):
+        raise _error(path, f"names the file {absolute}, which does not exist",
+                     "give the reward file's path, absolute or relative to the directory the run starts in")
+    stem = re.sub(r"\W", "_", os.path.basename(absolute)[:-3])
+    name = f"_dapo_mega_reward_{stem}_{hashlib.sha256(absolute.encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, absolute)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:  # noqa: BLE001 - the user's file failed at import; say how
+        del sys.modules[name]
+        raise _error(path, f"raised {type(exc).__name__} on import: {str(exc)[:200]}",
+                     f"make the file importable (python {absolute})") from None
+    return module
+
+
+def calling_convention(path: str, fn: object) -> str:
+    """NATIVE, VERL or SLIME: how `fn` is called, from its parameter names; ConfigError when
+    it fits none of them (or is slime's batch form, which dapo-mega does not call)."""
     if not callable(fn) or inspect.isclass(fn):
-        raise _error(path, f"is an object of type {type(fn).__name__}, not a function",
-                     f"point at a function {SIGNATURE}")
-    if inspect.iscoroutinefunction(fn):
-        raise _error(path, "is async", f"make it a plain function {SIGNATURE}")
+        raise _error(path, f"is an object of type {type(fn).__name__}, not a function", f"point at a function {SIGNATURE}")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         raise _error(path, "has no signature Python can read", f"wrap it in a Python function {SIGNATURE}") from None
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords_only = not names and any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    if "solution_str" in signature.parameters or keywords_only:  # verl calls by keyword
+        try:
+            signature.bind(data_source="", solution_str="", ground_truth="", extra_info={})
+        except TypeError:
+            raise _error(path, f"has verl's solution_str but the signature {signature}, which verl's keyword call "
+                         "(data_source=, solution_str=, ground_truth=, extra_info=) cannot bind",
+                         "define it as (data_source, solution_str, ground_truth, extra_info=None)") from None
+        return VERL
+    if names[:2] == ["args", "samples"]:
+        raise _error(path, "is slime's --group-rm batch form (args, samples), which dapo-mega does not call",
+                     "write slime's per-sample form (args, sample), or serve it (algo.verifier=http://...)")
+    if names[:2] == ["args", "sample"]:
+        return SLIME
     try:
         signature.bind("response", "ground truth", {})
     except TypeError:
         raise _error(path, f"has the signature {signature}, which cannot be called with (response, "
-                     f"ground_truth, metadata)", f"define it as {SIGNATURE}") from None
+                     f"ground_truth, metadata)", f"define it as {SIGNATURES}") from None
+    return NATIVE
 
 
 def plugin_version(path: str, fn: Callable[..., object]) -> str:
@@ -132,29 +174,57 @@ def plugin_version(path: str, fn: Callable[..., object]) -> str:
     return code_version(path, source)
 
 
-def to_verify_result(path: str, value: object) -> VerifyResult:
-    """A plugin's return value as a VerifyResult; TypeError naming the plugin if it is not a
-    RewardResult with a finite score, a bool verdict and finite components."""
-    if not isinstance(value, RewardResult):
-        raise TypeError(f"reward plugin {path} returned {type(value).__name__}, not dapo_mega.reward.RewardResult")
-    if not _finite(value.score):
-        raise TypeError(f"reward plugin {path}: score {value.score!r} is not a finite number")
-    if not isinstance(value.correct, bool):
-        raise TypeError(f"reward plugin {path}: correct {value.correct!r} is not a bool")
-    if not isinstance(value.components, Mapping):
-        raise TypeError(f"reward plugin {path}: components is a {type(value.components).__name__}, not a dict")
-    for name, part in value.components.items():
-        if not isinstance(name, str) or not _finite(part):
-            raise TypeError(f"reward plugin {path}: component {name!r}={part!r} is not a name and a finite number")
-    if value.extracted is not None and not isinstance(value.extracted, str):
-        raise TypeError(f"reward plugin {path}: extracted {value.extracted!r} is not a str or None")
-    extracted = None if value.extracted is None else value.extracted[:MAX_EXTRACTED_CHARS]
-    components = tuple(sorted((name, float(part)) for name, part in value.components.items()))
-    return VerifyResult(correct=value.correct, reward=float(value.score), extracted=extracted, components=components)
+def verl_extra_info(metadata: Mapping[str, object]) -> Dict[str, object]:
+    """verl's `extra_info` for a problem: its metadata, and `index` (the problem id, which
+    the parquet reader took from verl's own extra_info.index)."""
+    info: Dict[str, object] = dict(metadata)
+    if "id" in info:
+        info.setdefault("index", info["id"])
+    return info
 
 
-def _finite(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+class _SlimeArgs:
+    """What a slime reward gets as `args`: slime's argparse namespace has no equivalent here."""
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"dapo-mega passes a slime reward no arguments (args.{name}); "
+                             "read the setting from a module constant or the environment")
+
+
+@dataclass(frozen=True)
+class SlimeSample:
+    """The fields of slime's `Sample` a per-sample reward gets: prompt (the problem text),
+    response, label (the ground truth), metadata (problem_metadata). Other fields (tokens,
+    status, rollout_log_probs, ...) raise AttributeError saying so."""
+
+    prompt: str
+    response: str
+    label: str
+    metadata: Dict[str, object] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"dapo-mega gives a slime reward the Sample fields prompt, response, label and metadata, "
+                             f"not {name!r}")
+
+
+def call_plugin(fn: Callable[..., object], convention: str, response: str, ground_truth: str,
+                metadata: Mapping[str, object]) -> object:
+    """`fn` called as its convention wants, awaited when it is async; what it returned."""
+    if convention == VERL:
+        value = fn(data_source=metadata.get("data_source", ""), solution_str=response, ground_truth=ground_truth,
+                   extra_info=verl_extra_info(metadata))
+    elif convention == SLIME:
+        value = fn(_SlimeArgs(), SlimeSample(prompt=str(metadata.get("prompt", "")), response=response,
+                                             label=ground_truth, metadata=dict(metadata)))
+    else:
+        value = fn(response, ground_truth, dict(metadata))
+    if inspect.isawaitable(value):
+        value = asyncio.run(_awaited(value))  # in a worker's main thread, where no loop runs
+    return value
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 @dataclass(frozen=True)
@@ -176,11 +246,12 @@ class PluginVerifier:
     @classmethod
     def from_path(cls, path: str) -> "PluginVerifier":
         """Import and check `path`; ConfigError naming algo.verifier when it cannot be used."""
-        return cls(name=path, version=plugin_version(path, load_plugin(path)))
+        return cls(name=path, version=plugin_version(path, load_plugin(path)[0]))
 
     def score(self, response: str, ground_truth: str, metadata: Optional[Mapping[str, object]] = None) -> VerifyResult:
-        fn = load_plugin(self.name)
-        return to_verify_result(self.name, fn(response, ground_truth, dict(metadata or {})))
+        fn, convention = load_plugin(self.name)
+        return to_verify_result(f"reward plugin {self.name}",
+                                call_plugin(fn, convention, response, ground_truth, metadata or {}))
 
     def __reduce__(self):
         return (_rebuild, (self.name, self.version))

@@ -13,7 +13,9 @@ input:
    timed, and an item over `timeout_s` is scored as a verifier_error like any other.
    A ground truth longer than `MAX_IN_PROCESS_GROUND_TRUTH_CHARS` is not bounded that way
    and goes to the pool.
-3. Everything else runs in a `VerifierPool` of worker processes, one task at a time per
+3. A verifier that `scores_batches` (a reward server, http_verifier.py) gets the whole
+   batch in this process: it only waits on the network, with its own bounds per request.
+4. Everything else runs in a `VerifierPool` of worker processes, one task at a time per
    worker, each with a deadline; a worker past its deadline is SIGKILLed and replaced.
    Workers are fresh interpreters (`python -m dapo_mega.reward.worker`), not forks of
    the trainer, whose torch/NCCL threads make a fork unsafe, and not multiprocessing
@@ -328,6 +330,12 @@ def score_responses(
             text = coerce_text(answer_prefixes[i] + text, window)
         texts.append(text)
     truths = [coerce_text(gt) for gt in ground_truths]
+
+    if getattr(verifier, "scores_batches", False):  # a reward server: batches, in this process
+        results = verifier.score_batch(texts, truths, metadata, timeout_s, stats)  # type: ignore[attr-defined]
+        stats.num_errors = sum(1 for r in results if r.error is not None)
+        stats.seconds = time.monotonic() - start
+        return results, stats
 
     results: List[Optional[VerifyResult]] = [None] * len(texts)
     pooled: List[int] = []

@@ -103,6 +103,9 @@ class Verifier(Protocol):
         caller's process without a worker it could kill.
     takes_metadata (optional, default False): `score` takes a third argument, the problem's
         metadata dict (a reward plugin does; see `call_verifier`).
+    scores_batches (optional, default False): `score_responses` hands it whole batches,
+        `score_batch(responses, ground_truths, metadata, timeout_s, stats)`, in the caller's
+        process (a reward server, whose only work here is waiting on the network).
     """
 
     name: str
@@ -119,7 +122,8 @@ class VerifyStats:
     """Counts of one `score_responses` call (reported per step; never silently dropped).
 
     num_errors = num_timeouts + num_exceptions (+ responses lost to a crashed worker,
-    counted in num_worker_deaths and num_errors).
+    counted in num_worker_deaths and num_errors). num_retries: requests to a reward server
+    sent again after a failure (an error only once its last attempt failed).
     """
 
     num_responses: int = 0
@@ -129,6 +133,7 @@ class VerifyStats:
     num_timeouts: int = 0
     num_exceptions: int = 0
     num_worker_deaths: int = 0
+    num_retries: int = 0
     seconds: float = 0.0
     max_item_seconds: float = 0.0
 

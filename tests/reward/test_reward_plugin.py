@@ -112,7 +112,12 @@ BAD_PATHS = [
       r"metadata\)\. Fix: define it as \(response: str")),
     ("{m}:score", "def score(response, ground_truth, metadata, extra): pass\n", r"has the signature"),
     ("{m}:score", "score = 3\n", r"is an object of type int, not a function"),
-    ("{m}:score", "async def score(response, ground_truth, metadata): pass\n", r"is async"),
+    ("{m}:score", "async def score(args, samples): pass\n",
+     r"is slime's --group-rm batch form \(args, samples\), which dapo-mega does not call\. Fix: write slime's "
+     r"per-sample form"),
+    ("{m}:score", "def score(solution_str, ground_truth): pass\n",
+     r"has verl's solution_str but the signature \(solution_str, ground_truth\), which verl's keyword call"),
+    ("no/such/reward_file.py", None, r"names the file /\S+/no/such/reward_file\.py, which does not exist"),
     ("{m}:score", "raise RuntimeError('needs a GPU')\n", r"raised RuntimeError on import: needs a GPU"),
 ]
 
@@ -134,7 +139,13 @@ BAD_RESULTS = [
     ("return RewardResult(score=True, correct=True)", r"score True is not a finite number"),
     ("return RewardResult(score=1.0, correct=1)", r"correct 1 is not a bool"),
     ("return RewardResult(score=1.0, correct=True, components={'len': 'x'})", r"component 'len'='x' is not"),
-    ("return {'score': 1.0, 'correct': True}", r"returned dict, not dapo_mega.reward.RewardResult"),
+    ("return {'correct': True}", r"returned a dict without 'score' \(keys \['correct'\]\); accepted: a finite number"),
+    ("return 'yes'", r"returned str 'yes'; accepted: a finite number \(the score; correct when > 0\), a dict"),
+    ("return float('nan')", r"returned float nan; accepted: a finite number"),
+    ("return None", r"returned NoneType None; accepted"),
+    ("return {'score': float('inf'), 'acc': True}", r"'score' inf is not a finite number; accepted"),
+    ("return {'score': 1.0, 'acc': 'yes'}", r"'acc' 'yes' is not a bool or a finite number"),
+    ("return {'score': 1.0, 'len': float('nan')}", r"key 'len'=nan is not a name and a finite number"),
     ("raise KeyError('problem_id')", r"KeyError: 'problem_id'"),
     ("import time; time.sleep(60)", r"timeout after 1s"),
 ]
