@@ -11,6 +11,7 @@ CLI prints it) instead of after the base model was built, or with a traceback.
     check_verifier(cfg.algo)    algo.verifier resolves; a reward plugin imports, has the
                                 signature and returns a valid result on one probe call
     check_eval_set_paths(cfg.eval) the files of eval.sets exist
+    check_engine_python(cfg.rollout, ...) SGLang engines this process starts have a Python with SGLang
     check_eval_inputs(cfg)      `dapo-mega eval`: data files, a held-out set, the checkpoints
 
 Nothing here opens a process group or writes a file; the one process it may start is a
@@ -19,11 +20,22 @@ reward plugin's probe worker (killed at algo.verifier_timeout_s).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from dapo_mega.config import AlgoConfig, ConfigError, DapoConfig, DataConfig, EvalConfig, validate_config
+from dapo_mega.config import (
+    AlgoConfig,
+    ConfigError,
+    DapoConfig,
+    DataConfig,
+    EvalConfig,
+    RolloutConfig,
+    validate_config,
+)
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout
@@ -68,6 +80,24 @@ def check_eval_set_paths(eval_cfg: EvalConfig) -> None:
         if not Path(eval_set.path).is_file():
             raise ConfigError(f"eval.sets.{name}.path: {eval_set.path} does not exist. Fix: point it at a .parquet "
                               "or .jsonl file (tools/prepare_data.py writes AIME 2025 and MATH-500), or drop the set")
+
+
+def check_engine_python(rollout: RolloutConfig, sglang_importable: bool) -> None:
+    """SGLang engines this process starts run `rollout.engine_python`, or this Python when it is
+    empty; on a cluster the learner's environment has no SGLang (its torch pins would replace the
+    learner's) and the engines run from a venv of their own (docs/cluster.md section 1).
+    Engines started by someone else (`engine_urls`, `engine_registry`) are not checked here."""
+    if rollout.backend != "sglang" or rollout.engine_urls or rollout.engine_registry:
+        return
+    if rollout.engine_python:
+        if shutil.which(rollout.engine_python) is None:
+            raise ConfigError(f"rollout.engine_python: {rollout.engine_python} is not an executable Python. Fix: "
+                              "point it at the bin/python of the SGLang venv (docs/cluster.md section 1)")
+        return
+    if not sglang_importable:
+        raise ConfigError(f"rollout.engine_python: empty, so the SGLang engines would start from this Python "
+                          f"({sys.executable}), which cannot import sglang (the learner's environment keeps it out: "
+                          "docs/cluster.md section 1). Fix: set rollout.engine_python=<the SGLang venv>/bin/python")
 
 
 def check_verifier(algo_cfg: AlgoConfig) -> None:
@@ -118,6 +148,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
                             transformer_engine_import_error())
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
+    check_engine_python(cfg.rollout, importlib.util.find_spec("sglang") is not None)
     check_resume_layout(cfg, layout)
 
 

@@ -68,8 +68,8 @@ logger = log.get(__name__)
 
 NO_GPU = "no CUDA GPU on this machine"
 """`transformer_engine_import_error()` without a GPU: TE is not tried there."""
-TE_INSTALL_FIX = ("install the learner side with `pip install -e '.[gpu]' -c constraints-gpu.txt` (Transformer "
-                  "Engine built for the pinned torch; docs/cluster.md section 1)")
+TE_INSTALL_FIX = ("install the learner side as docs/cluster.md section 1 does (`pip install --no-build-isolation -c "
+                  "constraints-gpu.txt -e '.[gpu]'`: Transformer Engine compiled against the pinned torch)")
 
 _FP8_FORMATS = {"e4m3": "e4m3", "hybrid": "hybrid"}
 _FP8_RECIPES = {"delayed": "delayed", "tensorwise": "tensorwise", "blockwise": "blockwise"}
