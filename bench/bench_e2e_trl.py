@@ -342,7 +342,7 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
         return batch.reward.tolist()
 
     fleet = EngineFleet(cfg.rollout, str(hf_dir), work / "trl_engine_logs", num_threads=max(1, os.cpu_count() or 2))
-    engine = fleet.start(1)[0]
+    engine = fleet.start_on_this_node("bench_e2e_trl", 1)[0]
     syncer = WeightSyncer([engine], mode="colocated", bucket_mb=cfg.rollout.weight_sync_bucket_mb)
     curve: List[Dict[str, float]] = []
 

@@ -110,7 +110,7 @@ def run(quick: bool = False, reps: int = 0, sglang: bool = True) -> dict:
         hf = HFGenerate(tmp, prompts, n, new_tokens)
         with EngineFleet(RolloutConfig(max_running_requests=max(256, num_prompts * n)), tmp, Path(tmp) / "logs",
                          num_threads=threads) as fleet:
-            engine = EngineRollout(fleet.start(1)[0], prompts, n, new_tokens)
+            engine = EngineRollout(fleet.start_on_this_node("bench_engine", 1)[0], prompts, n, new_tokens)
             seconds = _timed(engine, hf, reps)
         tokens = engine.tokens
         python = sglang_python()

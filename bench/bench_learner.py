@@ -47,7 +47,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -137,6 +137,15 @@ def _flops_per_token(shape: Dict[str, int], vocab: int, seq: int) -> float:
     attn_params = h * (heads + 2 * kv) * head_dim + heads * head_dim * h
     params = layers * (attn_params + 3 * h * ffn) + 2 * vocab * h
     return 6.0 * params + 6.0 * layers * h * seq
+
+
+def _rank_device(rank: int, ranks: int) -> Optional[int]:
+    """The GPU of this benchmark's rank `rank` of `ranks` by the device rule (None without a GPU)."""
+    from dapo_mega.backends.placement import CPU, CUDA, rank_cuda_index
+
+    device = CUDA if torch.cuda.is_available() else CPU
+    return rank_cuda_index(rank, ranks, device, torch.cuda.device_count() if device == CUDA else 0,
+                           "bench_learner", "run it on a node with that many GPUs")
 
 
 def _sync() -> None:
@@ -242,7 +251,7 @@ def _bench_dp1(work: Workload, impl: str, fp8: bool) -> Dict[str, Any]:
     cfg.megatron.fp8.enabled = fp8
     cfg.megatron.fp8.recipe = "tensorwise" if fp8 else cfg.megatron.fp8.recipe
     layout = ParallelLayout.from_config(cfg.megatron, 1, work.hf_config).initialize(
-        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0)
+        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, cuda_device=_rank_device(0, 1))
     try:
         learner = MegatronLearner(cfg, work.hf_config, layout)
         indices = list(range(len(samples)))
@@ -289,7 +298,7 @@ def _bench_fp8(work: Workload) -> Dict[str, Any]:
     cfg = work.cfg
     cfg.megatron.transformer_impl, cfg.megatron.fp8.enabled, cfg.megatron.fp8.recipe = "transformer_engine", True, "tensorwise"
     layout = ParallelLayout.from_config(cfg.megatron, 1, work.hf_config).initialize(
-        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0)
+        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, cuda_device=_rank_device(0, 1))
     try:
         learner = MegatronLearner(cfg, work.hf_config, layout)
         micro = learner._micro_batches(work.samples, list(range(len(work.samples))))
@@ -321,7 +330,8 @@ def _dp2_rank(rank: int, world_size: int, quick: bool, repeats: int) -> Dict[str
     cfg, samples = work.cfg, work.samples
     # the local spec on the CPU, and on a GPU whose TE does not import (the dp1 part notes why)
     cfg.megatron.transformer_impl = "transformer_engine" if transformer_engine_import_error() is None else "local"
-    layout = ParallelLayout.from_config(cfg.megatron, world_size, work.hf_config).initialize()
+    layout = ParallelLayout.from_config(cfg.megatron, world_size, work.hf_config).initialize(
+        cuda_device=_rank_device(rank, world_size))
     try:
         learner = MegatronLearner(cfg, work.hf_config, layout)
         reached: List[float] = []
@@ -388,10 +398,12 @@ def summarize_dp(ranks: Sequence[Dict[str, Any]], useful_tokens: int) -> Dict[st
 def _bench_dp2(quick: bool, repeats: int, useful_tokens: int) -> Dict[str, Any]:
     import bench_learner  # the spawned ranks import the worker by this name, also under __main__
 
-    from dapo_mega.weights.spawn import spawn_gloo
+    from dapo_mega.backends.placement import CPU, CUDA
+    from dapo_mega.weights.spawn import spawn_ranks
 
     start = time.perf_counter()
-    ranks = spawn_gloo(bench_learner._dp2_rank, 2, args=(quick, repeats), timeout_s=3600)
+    ranks = spawn_ranks(bench_learner._dp2_rank, 2, args=(quick, repeats), timeout_s=3600,
+                        device=CUDA if torch.cuda.is_available() else CPU)
     return {**summarize_dp(ranks, useful_tokens), "seconds": time.perf_counter() - start,
             "threads_per_rank": max(1, (os.cpu_count() or 1) // 2)}
 

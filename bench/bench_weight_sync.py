@@ -67,7 +67,7 @@ def run(quick: bool = False, reps: int = 0) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         fleet = EngineFleet(RolloutConfig(health_timeout_s=300, request_timeout_s=600), tmp, Path(tmp) / "logs",
                             num_threads=1)
-        engines = fleet.start(2)
+        engines = fleet.start_on_this_node("bench_weight_sync", 2)
         syncer = WeightSyncer(engines, bucket_mb=bucket_mb, backend="gloo", timeout_s=600)
         try:
             syncer.init_group(master_port=free_port())

@@ -222,7 +222,7 @@ def part_sglang(args) -> Dict[str, Any]:
         fleet = EngineFleet(rollout_cfg, str(model_dir), Path(tmp), device="cuda")
         try:
             started = time.perf_counter()
-            engine = fleet.start(1)[0]
+            engine = fleet.start_on_this_node("bench/gpu_node.py", 1)[0]  # GPU 0 by the device rule
             url = engine.url
             result["server_start_seconds"] = time.perf_counter() - started
             t = time.perf_counter()
@@ -233,8 +233,11 @@ def part_sglang(args) -> Dict[str, Any]:
                 result["weight_sync"] = {"skipped": "one GPU: a NCCL group with the server on its GPU is refused "
                                                     "(Duplicate GPU detected); part 5 measures the hand-over"}
             else:
+                from dapo_mega.backends.placement import gpu_block
+
                 sync = subprocess.run([sys.executable, str(BENCH_DIR / "gpu_sglang_sync.py"), "--url", url,
-                                       "--model-path", str(model_dir)], capture_output=True, text=True, timeout=600)
+                                       "--model-path", str(model_dir), "--gpu", str(gpu_block(1, 1)[0])],
+                                      capture_output=True, text=True, timeout=600)  # the block after the engine's
             if sync is None:
                 pass
             elif sync.returncode != 0:

@@ -53,10 +53,13 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--engine-tp-size", type=int, default=1)
     ap.add_argument("--master-address", default="127.0.0.1")
+    ap.add_argument("--gpu", type=int, default=0,
+                    help="this process's GPU, one the server does not hold (its caller's device rule)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU and a running SGLang server; see the docstring")
-    state = load_hf_state(args.model_path)
+    torch.cuda.set_device(args.gpu)
+    state = load_hf_state(args.model_path, device=f"cuda:{args.gpu}")
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     engine = EngineEndpoint(args.url, api_key=args.api_key, timeout_s=1800)
     syncer = WeightSyncer([engine], bucket_mb=args.bucket_mb, backend="nccl",

@@ -95,6 +95,22 @@ class ClockAssumptions:
     eval_problems: Optional[int] = None
     """Problems of the held-out set. Null: data.synthetic_num_eval for the synthetic task,
     else 30 (AIME 2024); eval.max_problems > 0 caps it."""
+    conversion_gb_per_s_per_rank: float = 0.03
+    """GB/s of model bytes one rank of a conversion on the CPU (import, export, verify's load)
+    maps and writes, besides reading them from storage. Measured on a loaded 2-core x86
+    machine: a 0.57 GB checkpoint imports in 35 s, exports in 33 s at TP 1, of which the
+    start-up (a tiny model: 14-21 s) is counted in stage_overhead_s."""
+    cpu_tflops: float = 0.1
+    """FLOP rate of `verify`'s two forwards on the CPU (one process)."""
+    stage_overhead_s: float = 600.0
+    """Seconds every launch pipeline stage spends besides its work (start-up, imports, the
+    container), and the least time limit a stage gets."""
+    stage_time_factor: float = 2.0
+    """A pipeline stage's time limit is stage_overhead_s + this many times its estimated work."""
+    training_time_spare: float = 1.25
+    """A training link's time limit when the launcher is given none: stage_overhead_s + an
+    engine start + this many times its share of the run's steps (rounds beyond the first,
+    evaluations, a restart)."""
     lengths: LengthAssumption = field(default_factory=LengthAssumption)
     """Response and prompt lengths (`dapo_mega.plan.LengthAssumption`, shared with the plan's
     learner-efficiency figures): log-normal, median max_response_length / 8, σ 1."""
@@ -185,6 +201,9 @@ class ClockEstimate:
     step_s: float
     """One rollout step with one round: rollout_round + train_step + weight_sync (+ an
     evaluation every eval_interval steps, not included)."""
+    stage_limits_s: Dict[str, float] = field(default_factory=dict)
+    """Time limit of each one-node stage of launch/pipeline.py (data, import, verify, export,
+    eval), from its estimated work (`estimate_stage_limits_s`)."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -388,7 +407,71 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
                          health_timeout_s=float(r.health_timeout_s) if r.health_timeout_s > 0 else derived,
                          driver_gap_s=driver_gap_s(rollout_round,
                                                    evaluation if cfg.trainer.eval_interval > 0 else None),
-                         step_s=rollout_round.duration_s + train_s + sync_s)
+                         step_s=rollout_round.duration_s + train_s + sync_s,
+                         stage_limits_s=estimate_stage_limits_s(cfg, a, params, rates, common, eval_lengths))
+
+
+# ------------------------------------------------------------------ the launch pipeline's stages
+def stage_limit_s(work_s: float, a: ClockAssumptions) -> float:
+    """A pipeline stage's time limit: stage_overhead_s + stage_time_factor · its work."""
+    return a.stage_overhead_s + a.stage_time_factor * work_s
+
+
+def estimate_conversion_s(model_bytes: float, ranks: int, a: ClockAssumptions) -> float:
+    """import / export on the CPU at `ranks` = tp·pp ranks, each converting its share:
+    model bytes / storage_read_gb_per_s + model bytes / (ranks · conversion_gb_per_s_per_rank)."""
+    return model_bytes / (a.storage_read_gb_per_s * GB) + model_bytes / (max(1, ranks) * a.conversion_gb_per_s_per_rank * GB)
+
+
+def estimate_verify_s(model_bytes: float, params: float, tokens: int, a: ClockAssumptions) -> float:
+    """verify on the CPU (one rank, the tool's default --tp 1): the Megatron checkpoint loaded
+    (`estimate_conversion_s`), the HF model read (model bytes / storage_read_gb_per_s), and a
+    forward of each over `tokens` tokens: 2 · 2Φ · tokens / cpu_tflops."""
+    forwards = 2 * 2 * params * tokens / (a.cpu_tflops * 1e12)
+    return estimate_conversion_s(model_bytes, 1, a) + model_bytes / (a.storage_read_gb_per_s * GB) + forwards
+
+
+def eval_stage_engines(cfg: DapoConfig) -> int:
+    """Engines of the pipeline's final evaluation (one node): as many as the node's GPUs hold
+    (`placement.engines_fitting_node`), rollout.num_engines on a CPU run."""
+    from dapo_mega.backends.placement import engines_fitting_node
+
+    if cfg.cluster.device == "cpu":
+        return cfg.rollout.num_engines
+    return engines_fitting_node(cfg.rollout, cfg.cluster.gpus_per_node)
+
+
+VERIFY_TOKENS = 2 * 32
+"""Tokens of `convert_checkpoint.py verify`'s default forward (--batch-size 2 x --num-tokens 32)."""
+
+
+def estimate_stage_limits_s(cfg: DapoConfig, a: ClockAssumptions, params: float, rates: EngineRates,
+                            common: Dict[str, Any], eval_lengths: LengthAssumption) -> Dict[str, float]:
+    """`stage_limit_s` of each one-node stage of launch/pipeline.py: data (its start-up only),
+    import and export (`estimate_conversion_s`), verify (`estimate_verify_s`), eval (its
+    engines' start, each reading the model, + the held-out set's generation on
+    `eval_stage_engines` engines). `common`: estimate_generation's engine arguments."""
+    model_bytes = 2.0 * params
+    ranks = cfg.megatron.tensor_model_parallel_size * cfg.megatron.pipeline_model_parallel_size
+    engines = eval_stage_engines(cfg)
+    eval_length = cfg.eval.max_response_length or cfg.algo.max_response_length
+    evaluation = estimate_generation(eval_problems(cfg, a), cfg.eval.n_samples, eval_length, lengths=eval_lengths,
+                                     **{**common, "num_engines": engines})
+    capture = a.cuda_graph_capture_s if cfg.rollout.backend == "sglang" else 0.0
+    work = {"data": 0.0, "import": estimate_conversion_s(model_bytes, ranks, a),
+            "verify": estimate_verify_s(model_bytes, params, VERIFY_TOKENS, a),
+            "export": estimate_conversion_s(model_bytes, ranks, a),
+            "eval": estimate_engine_start_s(model_bytes, engines, a, capture) + evaluation.duration_s}
+    return {stage: stage_limit_s(seconds, a) for stage, seconds in work.items()}
+
+
+def training_link_limit_s(clock: Dict[str, Any], total_steps: int, chain: int) -> float:
+    """A training link's time limit when the launcher is given none, from the clock's dict
+    (`ClockEstimate.to_dict`, as `dapo-mega plan --json` prints it): stage_overhead_s + an
+    engine start + training_time_spare · its share of the run's steps (total_steps / chain) · step_s."""
+    a = clock["assumptions"]
+    steps = math.ceil(total_steps / max(1, chain))
+    return a["stage_overhead_s"] + clock["engine_start_s"] + a["training_time_spare"] * steps * clock["step_s"]
 
 
 # ------------------------------------------------------------------ warnings and the table
@@ -493,6 +576,9 @@ def format_clock(cfg: DapoConfig, estimates: ClockEstimate) -> str:
     learner = (f"{a.learner_tokens_per_s_per_gpu:,.0f} tokens/s per GPU" if a.learner_tokens_per_s_per_gpu else
                f"MFU {a.learner_mfu:g} of {a.gpu_peak_tflops:g} TFLOP/s x {e.learner_gpus} GPUs, "
                f"{e.train_flops / e.train_tokens / e.params:.1f} x Φ FLOPs per token")
+    if e.stage_limits_s:
+        lines.append("  launch/pipeline.py stage time limits: " + ", ".join(
+            f"{stage} {_s(seconds)}" for stage, seconds in e.stage_limits_s.items()))
     lines += ["assumptions (set one with clock.<field>=<value>; `dapo-mega plan --help` lists them):",
               f"  engine: decode {rates.decode:,.0f} tokens/s at full batch, {rates.sequence:,.0f} tokens/s per "
               f"sequence, prefill {rates.prefill:,.0f} tokens/s (x{rates.scale:.3g} of the 32.8B TP-4 H100 "

@@ -223,7 +223,9 @@ def _hf_dir_of(checkpoint: str, workdir: Path) -> Path:
 
 def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List[EvalResult]:
     """Start `rollout.num_engines` engines of `rollout.backend` serving `checkpoint` (logs in
-    `<run_dir>/logs/eval/`), evaluate every eval set (the unnamed one first), stop them."""
+    `<run_dir>/logs/eval/`; on GPUs each on its own GPUs of this node by the device rule, more
+    than fit refused: `EngineFleet.start_on_this_node`), evaluate every eval set (the unnamed
+    one first), stop them."""
     from dapo_mega.data import PromptEncoder, build_run_datasets
     from dapo_mega.reward import build_verifier
     from dapo_mega.rollout.fleet import EngineFleet
@@ -240,7 +242,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
 
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
-        endpoints = fleet.start()
+        endpoints = fleet.start_on_this_node("dapo-mega eval")  # engine i on its own GPUs of this node
         results = [evaluate_set(endpoints, eval_set, cfg, encoder.encode, verifier,
                                 run_id=run_id_of_path(checkpoint)) for eval_set in eval_sets]
     for result in results:

@@ -16,9 +16,11 @@ verify   Logits of the HF model and the Megatron checkpoint on the same tokens, 
          checkpoint's dtype (--dtype to choose), one model at a time; prints max/mean |Δ|
          and exits 1 when max |Δ| > tolerance·max(1, max |HF logit|).
 
---tp/--pp choose the parallel layout the conversion itself runs at: on a CPU machine the
-tool spawns tp·pp local processes joined by gloo; under torchrun/srun with that many ranks
-it runs on them. The result does not depend on it (distributed checkpoints reshard on load).
+--tp/--pp choose the parallel layout the conversion itself runs at: the tool spawns tp·pp
+local processes. They run on the CPU (gloo, no GPU visible, also on a GPU node) unless
+--device cuda: then rank r runs on GPU r of the node, and more ranks than GPUs are refused.
+The result depends on neither (distributed checkpoints reshard on load; CPU and GPU runs
+read and write the same checkpoints).
 Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5) and LlamaForCausalLM.
 The logic lives in dapo_mega/weights/convert.py; this file is only the command line.
 """
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tp", type=int, default=1, help="tensor parallel size the conversion runs at")
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size the conversion runs at")
     ver.add_argument("--tp", type=int, default=1, help="tensor parallel size of the Megatron forward")
+    for p in (imp, exp, ver):
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="where the ranks run: cpu (default: gloo, GPUs hidden) or cuda (rank r on GPU r; "
+                            "at most as many ranks as the node's GPUs)")
     return parser
 
 
@@ -84,16 +90,16 @@ def main(argv=None) -> int:
     try:
         if args.command == "import":
             summary = convert.import_hf_checkpoint(args.hf_path, args.megatron_path, tp=args.tp, pp=args.pp,
-                                                   dtype=_DTYPES.get(args.dtype))
+                                                   dtype=_DTYPES.get(args.dtype), device=args.device)
         elif args.command == "export":
             summary = convert.export_megatron_checkpoint(
                 args.megatron_path, args.hf_path, hf_config_from=args.hf_config_from, tp=args.tp, pp=args.pp,
-                max_shard_bytes=parse_size(args.max_shard_size), dtype=_DTYPES.get(args.dtype))
+                max_shard_bytes=parse_size(args.max_shard_size), dtype=_DTYPES.get(args.dtype), device=args.device)
         else:
             summary = convert.verify_conversion(args.hf_path, args.megatron_path, tp=args.tp,
                                                 tolerance=args.tolerance, num_tokens=args.num_tokens,
                                                 batch_size=args.batch_size, text=args.text,
-                                                dtype=_DTYPES.get(args.dtype))
+                                                dtype=_DTYPES.get(args.dtype), device=args.device)
     except (WeightMappingError, ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

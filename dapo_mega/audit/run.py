@@ -128,7 +128,7 @@ def roll_out(cfg: DapoConfig, hf_dir: Path, problems: Sequence[Problem], encoder
                                      max_new_tokens=a.max_response_length)
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "audit", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
-        endpoints = fleet.start()
+        endpoints = fleet.start_on_this_node("dapo-mega audit")  # engine i on its own GPUs of this node
         manager = RolloutManager(endpoints, 1, sampling, max_retries=cfg.rollout.max_retries, run_id=run_id or "audit",
                                  return_logprob=False, prompt_to_input=encoder.encode, seed=seed,
                                  prompts_per_request=cfg.rollout.prompts_per_request,

@@ -35,6 +35,16 @@ Layout rules:
 `Placement.problems()` lists every broken rule (two learner ranks or two engines on one
 GPU, a group with two ranks on one device, a colocated engine GPU without a learner rank),
 and the launcher, `dapo-mega plan` and the trainer read their devices from here.
+
+The device rule of one node (`gpu_block`, `node_gpu_blocks`) is the one every process that
+may touch a GPU takes its device from: the k-th task of a node runs on GPUs
+[k·g, (k+1)·g) of it (g = GPUs per task), and a node never holds more tasks than its GPUs.
+`place` follows it for learner ranks and engines; `conversion_cuda_index` for the ranks of
+`tools/convert_checkpoint.py` (on the CPU unless told `--device cuda`), `node_engine_gpus`
+for the engines `dapo-mega eval` and `dapo-mega audit` start on their node. No process
+chooses `LOCAL_RANK` or `CUDA_VISIBLE_DEVICES` itself: a launcher sets LOCAL_RANK (checked
+against the placement, `learner_cuda_index`), the fleet narrows CUDA_VISIBLE_DEVICES to an
+engine's block, and a process the rule puts on the CPU sees no GPU (`CPU_RANK_ENV`).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega.backends.megatron.layout import ParallelLayout
-from dapo_mega.config import DapoConfig
+from dapo_mega.config import ConfigError, DapoConfig, RolloutConfig
 
 #: How weights reach an engine.
 CUDA_IPC = "cuda_ipc"
@@ -337,6 +347,73 @@ def _engine_hosts(shape: ClusterShape, node: int, host: str) -> Tuple[str, str]:
     return address, address
 
 
+# ------------------------------------------------------------------------------ the device rule of a node
+CPU = "cpu"
+"""A process on the CPU: gloo, megatron-core's local spec, no GPU visible (`CPU_RANK_ENV`)."""
+CUDA = "cuda"
+"""A process on its own GPU(s) of the node, by `gpu_block`."""
+
+CPU_RANK_ENV: Mapping[str, str] = {"CUDA_VISIBLE_DEVICES": ""}
+"""The environment of a process the rule puts on the CPU on a node that has GPUs: it sees
+none, so every `torch.cuda.is_available()` of megatron-core and of this package takes the
+CPU path (gloo, the local spec, the CPU substitutions): the path the CPU tests run."""
+
+
+class DeviceRuleError(ConfigError):
+    """More tasks than the node's GPUs hold; one line naming the counts and the fix."""
+
+
+def gpu_block(slot: int, gpus_per_task: int, first_gpu: int = 0) -> Tuple[int, ...]:
+    """GPUs of the `slot`-th task of a node: [first_gpu + slot·g, first_gpu + (slot+1)·g)."""
+    return tuple(range(first_gpu + slot * gpus_per_task, first_gpu + (slot + 1) * gpus_per_task))
+
+
+def node_gpu_blocks(tasks: int, gpus_per_task: int, gpus_on_node: int, who: str, fix: str) -> List[Tuple[int, ...]]:
+    """The GPUs of each of `tasks` tasks of one node (`gpu_block`), all distinct; raises
+    DeviceRuleError when tasks · gpus_per_task exceeds `gpus_on_node` (pure)."""
+    need = tasks * gpus_per_task
+    if need > gpus_on_node:
+        raise DeviceRuleError(f"{who} need {need} GPUs of one node, which has {gpus_on_node}. Fix: {fix}")
+    return [gpu_block(k, gpus_per_task) for k in range(tasks)]
+
+
+def rank_cuda_index(rank: int, ranks_on_node: int, device: str, gpus_on_node: int, who: str, fix: str
+                    ) -> Optional[int]:
+    """The GPU of rank `rank` of `ranks_on_node` processes a command starts on its node (one GPU
+    each): None on the CPU (`device` cpu), else `gpu_block(rank, 1)`; refuses more ranks than GPUs."""
+    if device == CPU:
+        return None
+    if device != CUDA:
+        raise ConfigError(f"{who}: device {device!r} is unknown. Fix: cpu or cuda")
+    return node_gpu_blocks(ranks_on_node, 1, gpus_on_node, f"{who}: {ranks_on_node} ranks, one GPU each,", fix)[rank][0]
+
+
+def conversion_cuda_index(rank: int, ranks_on_node: int, device: str, gpus_on_node: int) -> Optional[int]:
+    """The GPU of conversion rank `rank` of a node (`tools/convert_checkpoint.py`, tp·pp
+    ranks): None on the CPU (`device` cpu, the default), else the rank's own GPU; refuses
+    more ranks than the node has GPUs."""
+    return rank_cuda_index(rank, ranks_on_node, device, gpus_on_node, "conversion --device cuda (--tp x --pp)",
+                           f"--device cpu (the default; the checkpoint is the same), or --tp x --pp <= {gpus_on_node}")
+
+
+def node_engine_gpus(rollout: RolloutConfig, gpus_on_node: int, who: str) -> List[Tuple[int, ...]]:
+    """The GPUs of each of the `rollout.num_engines` engines a command starts on its own node
+    (`dapo-mega eval`, `dapo-mega audit`): engine i on `gpu_block(i, tp·dp)`, none shared;
+    refuses more engines than fit."""
+    per = rollout.engine_tp_size * rollout.engine_dp_size
+    fit = engines_fitting_node(rollout, gpus_on_node)
+    fix = (f"rollout.num_engines={fit}" if per <= gpus_on_node else
+           f"rollout.engine_tp_size <= {gpus_on_node}, or run it where a node has {per} GPUs")
+    return node_gpu_blocks(rollout.num_engines, per, gpus_on_node,
+                           f"{who}: rollout.num_engines={rollout.num_engines} engines of {per} GPUs "
+                           f"(rollout.engine_tp_size={rollout.engine_tp_size})", fix)
+
+
+def engines_fitting_node(rollout: RolloutConfig, gpus_on_node: int) -> int:
+    """Engines of `rollout.engine_tp_size · engine_dp_size` GPUs that one node holds (>= 1)."""
+    return max(1, gpus_on_node // (rollout.engine_tp_size * rollout.engine_dp_size))
+
+
 # ------------------------------------------------------------------------------ the function
 def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
     """Devices of every learner rank and engine, and the weight-sync groups (pure)."""
@@ -351,7 +428,8 @@ def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
     for rank in range(world):
         node, local = divmod(rank, per_node)
         t, c, d, p = layout.coordinates_of(rank)
-        learners.append(LearnerPlacement(rank, Device(node, local if shape.use_gpu else None), local, t, c, d, p))
+        gpu = gpu_block(local, 1)[0] if shape.use_gpu else None
+        learners.append(LearnerPlacement(rank, Device(node, gpu), local, t, c, d, p))
     by_device = {lp.device: lp.rank for lp in learners}
 
     # engines
@@ -367,8 +445,7 @@ def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
     for index in range(r.num_engines):
         slot, local = divmod(index, per_engine_node)
         node = engine_node_list[slot]
-        ids = tuple(range(first_gpu + local * engine_gpus, first_gpu + (local + 1) * engine_gpus)) \
-            if shape.use_gpu else ()
+        ids = gpu_block(local, engine_gpus, first_gpu) if shape.use_gpu else ()
         if colocated and shape.use_gpu:
             transport = CUDA_IPC
             holders = tuple(by_device[Device(node, g)] for g in ids if Device(node, g) in by_device)

@@ -10,7 +10,8 @@ An engine is `python -m dapo_mega.rollout.embedded.server` (the embedded CPU eng
 `python -m sglang.launch_server`, with the argv of `backends.sglang.commands.build_engine_command`,
 run by `rollout.engine_python` (default: this interpreter). The fleet adds what each kind
 needs to run: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses devices
-itself; the placement function does), `--base-gpu-id` when given, and on a machine without a
+itself, and refuses to start an engine on GPUs without them; the placement function gives
+them, `start_on_this_node` for a command's own node), `--base-gpu-id` when given, and on a machine without a
 GPU `--device cpu` with `SGLANG_USE_CPU_ENGINE=1` for SGLang (SGLang's `is_cpu()` reads that
 variable), `--num-threads` and OMP threads for the embedded engine. Each engine writes
 `engine-<i>.log`; an engine that dies before it is healthy raises `EngineStartError` naming
@@ -279,6 +280,10 @@ class EngineFleet:
         (and `--base-gpu-id base_gpu_ids[i]`) when given; wait until all are healthy. Kills
         them all when one fails."""
         count = count or self.rollout.num_engines
+        if self.on_gpu() and len(gpu_ids) < count:
+            raise ValueError(f"EngineFleet.start: {count} engines on GPUs, GPUs given for {len(gpu_ids)}; an engine "
+                             "takes its GPUs from the device rule (backends.placement: place, node_engine_gpus), "
+                             "never SGLang's default GPU 0. Fix: pass gpu_ids, or use start_on_this_node")
         first = len(self.engines)
         if not self.num_threads:  # this machine's CPUs shared by the embedded engines
             self.num_threads = cpu_threads_per_engine(os.cpu_count() or 2, first + count)
@@ -290,6 +295,26 @@ class EngineFleet:
             self.close()
             raise
         return [e.endpoint for e in started]
+
+    def start_on_this_node(self, who: str, count: int = 0,
+                           gpus_on_node: Optional[int] = None) -> List[EngineEndpoint]:
+        """Start `count` engines (default rollout.num_engines) on this node, each on its own GPUs
+        by the device rule (`placement.node_engine_gpus`: engine i on GPUs [i·tp, (i+1)·tp)),
+        none on the CPU: how `dapo-mega eval`, `dapo-mega audit` and the benchmarks start
+        theirs. `gpus_on_node`: default the GPUs this process sees. More engines than fit
+        raise DeviceRuleError (`who` names the command) before any starts."""
+        count = count or self.rollout.num_engines
+        if not self.on_gpu():
+            return self.start(count)
+        import dataclasses
+
+        import torch
+
+        from dapo_mega.backends.placement import node_engine_gpus
+
+        gpus = torch.cuda.device_count() if gpus_on_node is None else gpus_on_node
+        blocks = node_engine_gpus(dataclasses.replace(self.rollout, num_engines=count), gpus, who)
+        return self.start(count, gpu_ids=[list(b) for b in blocks], base_gpu_ids=[0] * count)
 
     def wait_healthy(self, engines: Optional[Sequence[EngineProcess]] = None,
                      on_healthy: Optional[Callable[[EngineProcess], None]] = None) -> None:

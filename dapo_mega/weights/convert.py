@@ -26,9 +26,13 @@ process ≈ the imports + model bytes / (tp·pp) + about one full copy of the la
 tensor; bench/bench_conversion_memory.py measures 1.49-1.52x a 929 MiB bf16 checkpoint at
 TP 1, 0.42x of it the imports). `verify` holds the Megatron model, then the HF one.
 
-The top-level functions run the work in `tp·pp` spawned gloo processes (CPU) unless
-torch.distributed is already initialised with that world size (torchrun / srun), in which
-case they run on the calling ranks.
+The top-level functions run the work in `tp·pp` spawned processes unless torch.distributed
+is already initialised with that world size (torchrun / srun), in which case they run on the
+calling ranks. Spawned ranks run on the CPU (gloo, megatron-core's local spec, no GPU
+visible even on a GPU node) unless `device="cuda"`: then rank r runs on GPU r of the node
+(`backends.placement.conversion_cuda_index`, which refuses more ranks than GPUs). Either
+way the checkpoint is the same: a distributed checkpoint of the same tensors in the same
+dtype, loadable by CPU and GPU runs alike.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from dapo_mega.backends.megatron.checkpoint import (
     resolve_megatron_source,
     save_dist_checkpoint,
 )
+from dapo_mega.backends.placement import CPU, conversion_cuda_index
 from dapo_mega.run_dir import MODEL_META_FILE
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import (
@@ -144,8 +149,12 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch.dtype):
+def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch.dtype, rank: int = 0,
+           device: str = CPU):
     """Initialise the layout on this rank and build the model chunks in `dtype`, uninitialised.
+
+    `device`: cpu, or cuda for rank `rank` on its own GPU of the node by the device rule
+    (when this function starts torch.distributed; ranks of a launcher keep their device).
 
     `dtype` is the checkpoint's (bf16 for a bf16 checkpoint, on the CPU too): the model is
     held once, in the bytes it is stored in. Every tensor is loaded next, so nothing is
@@ -157,7 +166,9 @@ def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch
 
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           params_dtype="float32" if not torch.cuda.is_available() else "auto")
-    layout = ParallelLayout.from_config(mcfg, world_size, hf_cfg).initialize()
+    cuda_device = None if torch.distributed.is_initialized() else \
+        conversion_cuda_index(rank, world_size, device, torch.cuda.device_count() if device != CPU else 0)
+    layout = ParallelLayout.from_config(mcfg, world_size, hf_cfg).initialize(cuda_device=cuda_device)
     chunks, info = build_model(hf_cfg, mcfg, layout, initialize=False, params_dtype=dtype)
     for chunk in chunks:
         chunk.eval()
@@ -180,10 +191,11 @@ _ERROR_TYPES = {cls.__name__: cls for cls in (M.WeightMappingError, M.MissingHFT
                                                 M.UnsupportedArchitectureError, FileNotFoundError)}
 
 
-def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object]) -> List[T]:
+def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object], device: str = CPU) -> List[T]:
     """Run `fn(rank, world_size, *args)` on the current ranks (already distributed) or spawned ones.
 
-    Errors of spawned ranks are re-raised with their original type when it is one of the
+    Spawned ranks run on `device` (cpu: the GPUs hidden; cuda: one GPU each, checked against
+    the node's GPUs here before any rank starts: DeviceRuleError, one line). Errors of spawned ranks are re-raised with their original type when it is one of the
     conversion errors, so callers and tests see e.g. MissingHFTensorError naming the tensor.
     """
     if torch.distributed.is_initialized():
@@ -191,10 +203,12 @@ def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object]) 
             raise ValueError(f"torch.distributed has {torch.distributed.get_world_size()} ranks, conversion "
                              f"needs tp*pp = {world_size}")
         return [fn(torch.distributed.get_rank(), world_size, *args)]
-    from dapo_mega.weights.spawn import SpawnedRankError, spawn_gloo
+    from dapo_mega.weights.spawn import SpawnedRankError, spawn_ranks
 
+    if device != CPU:  # refused here, in one line, before a rank starts
+        conversion_cuda_index(0, world_size, device, torch.cuda.device_count())
     try:
-        return spawn_gloo(fn, world_size, args)
+        return spawn_ranks(fn, world_size, args, device=device)
     except SpawnedRankError as exc:
         cls = _ERROR_TYPES.get(exc.exc_type)
         if cls is None and exc.exc_type == "ConfigError":
@@ -208,26 +222,28 @@ def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object]) 
 
 
 def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, pp: int = 1,
-                         dtype: Optional[str] = None, progress: bool = True) -> ConversionSummary:
-    """HF safetensors directory → Megatron distributed checkpoint (see the module docstring)."""
+                         dtype: Optional[str] = None, progress: bool = True, device: str = CPU) -> ConversionSummary:
+    """HF safetensors directory → Megatron distributed checkpoint (see the module docstring);
+    `device`: cpu (the default) or cuda, where the ranks run."""
     start = time.time()
     read_hf_config_dict(hf_path)  # fail fast on a missing or unreadable config.json
     HFCheckpointReader(hf_path)  # fail fast, in this process, on a missing shard
     out = Path(megatron_path)
     (out / CONVERTED_MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
-    results = run_on_ranks(_import_worker, tp * pp, (str(hf_path), str(out), tp, pp, dtype, progress))
+    results = run_on_ranks(_import_worker, tp * pp, (str(hf_path), str(out), tp, pp, dtype, progress, device),
+                           device)
     summary = results[0]
     summary.seconds = time.time() - start
     return summary
 
 
 def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, pp: int,
-                   dtype_name: Optional[str], progress: bool) -> Optional[ConversionSummary]:
+                   dtype_name: Optional[str], progress: bool, device: str) -> Optional[ConversionSummary]:
     from dapo_mega.weights.stream import load_hf_into_megatron
 
     hf_cfg = read_hf_config_dict(hf_path)
     dtype = _target_dtype(dtype_name, hf_cfg)
-    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, dtype)
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, dtype, rank, device)
     reader = HFCheckpointReader(hf_path)
     used = load_hf_into_megatron(chunks, info, layout, reader)
     all_used = [None] * world_size
@@ -289,8 +305,9 @@ def _bytes_of(reader: HFCheckpointReader, names, dtype: torch.dtype) -> int:
 def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
                                hf_config_from: Optional[Path | str] = None, tp: int = 1, pp: int = 1,
                                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: Optional[str] = None,
-                               progress: bool = True) -> ConversionSummary:
-    """Megatron (converted or training) checkpoint → HF directory loadable by from_pretrained."""
+                               progress: bool = True, device: str = CPU) -> ConversionSummary:
+    """Megatron (converted or training) checkpoint → HF directory loadable by from_pretrained;
+    `device`: cpu (the default) or cuda, where the ranks run."""
     start = time.time()
     src = resolve_megatron_source(megatron_path)
     hf_cfg = (read_hf_config_dict(hf_config_from) if hf_config_from else src["meta"].get("hf_config"))
@@ -306,7 +323,7 @@ def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
     out.mkdir(parents=True, exist_ok=True)
     results = run_on_ranks(_export_worker, tp * pp, (str(src["ckpt_dir"]), str(out), hf_cfg, tp, pp,
                                                       max_shard_bytes, dtype or (stored and _dtype_str(stored)),
-                                                      stored, progress))
+                                                      stored, progress, device), device)
     summary: ConversionSummary = results[0]
     copied = copy_hf_side_files(side_dir, out, include_config=False) if side_dir else []
     _write_hf_config(out, hf_cfg, summary.dtype)
@@ -333,10 +350,10 @@ def _write_generation_config(out: Path, hf_cfg: HfConfigDict) -> None:
 
 def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: HfConfigDict, tp: int, pp: int,
                    max_shard_bytes: int, dtype_name: Optional[str], stored_dtype: Optional[torch.dtype],
-                   progress: bool) -> Optional[ConversionSummary]:
+                   progress: bool, device: str) -> Optional[ConversionSummary]:
     """Build in the dtype the checkpoint stores (so the load casts nothing), write `dtype_name`."""
     dtype = dtype_from_name(dtype_name) or torch.float32
-    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, stored_dtype or dtype)
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, stored_dtype or dtype, rank, device)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)
     summary = export_learner_to_hf(chunks, info, layout, out, max_shard_bytes=max_shard_bytes, dtype=dtype,
                                    progress=progress)
@@ -511,7 +528,7 @@ def _stored_dtype(meta: Dict[str, Any]) -> Optional[torch.dtype]:
 
 def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, tolerance: Optional[float] = None,
                       num_tokens: int = 32, batch_size: int = 2, seed: int = 0,
-                      text: Optional[str] = None, dtype: Optional[str] = None) -> ConversionSummary:
+                      text: Optional[str] = None, dtype: Optional[str] = None, device: str = CPU) -> ConversionSummary:
     """Logits of the HF model and the Megatron checkpoint on the same tokens.
 
     Both run in `dtype` (default: the dtype the Megatron checkpoint stores, so each model
@@ -520,7 +537,8 @@ def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 
     max |Δlogit| ≤ tolerance · max(1, max |HF logit|), tolerance by default from
     DEFAULT_VERIFY_TOLERANCE. Tokens: `text` through the HF tokenizer, else
     `batch_size × num_tokens` ids drawn from `seed`. Pipeline parallelism is not used here
-    (the forward runs on one stage).
+    (the forward runs on one stage). `device`: where the Megatron ranks run (cpu, the
+    default, or cuda); the HF reference runs on the CPU of rank 0.
     """
     start = time.time()
     hf_cfg = read_hf_config_dict(hf_path)
@@ -535,7 +553,7 @@ def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, hf_cfg["vocab_size"], (batch_size, num_tokens), generator=g)
     results = run_on_ranks(_verify_worker, tp, (str(hf_path), str(src["ckpt_dir"]), hf_cfg, tp, ids, tolerance,
-                                                run_dtype))
+                                                run_dtype, device), device)
     summary: ConversionSummary = results[0]
     summary.source, summary.destination = str(hf_path), str(megatron_path)
     summary.seconds = time.time() - start
@@ -544,12 +562,16 @@ def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 
 
 @torch.no_grad()
 def megatron_logits(chunks, info, input_ids: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits [b, s, vocab_size] of a one-stage Megatron model (TP gathered)."""
+    """Full-vocabulary logits [b, s, vocab_size] of a one-stage Megatron model (TP gathered), on
+    the model's device: the ids, positions and mask are moved to it (CPU ids into a model on a
+    GPU would fail in the embedding)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    device = next(chunks[0].parameters()).device
     b, s = input_ids.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    causal_mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+    input_ids = input_ids.to(device)
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    causal_mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]  # True = masked
     logits = chunks[0](input_ids, position_ids, causal_mask)
     logits = gather_from_tensor_model_parallel_region(logits)
     return logits[..., : info.shape.vocab_size].float()
@@ -572,10 +594,11 @@ def _release_freed_memory() -> None:
 
 
 def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, hf_cfg: HfConfigDict, tp: int,
-                   input_ids: torch.Tensor, tolerance: float, dtype: torch.dtype) -> Optional[ConversionSummary]:
-    layout, chunks, info = _build(hf_cfg, tp, 1, world_size, dtype)
+                   input_ids: torch.Tensor, tolerance: float, dtype: torch.dtype,
+                   device: str) -> Optional[ConversionSummary]:
+    layout, chunks, info = _build(hf_cfg, tp, 1, world_size, dtype, rank, device)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)
-    meg = megatron_logits(chunks, info, input_ids)
+    meg = megatron_logits(chunks, info, input_ids).cpu()  # compared with the HF logits on the CPU
     del chunks  # one model at a time: the HF one is loaded once this one is gone
     _release_freed_memory()
     if rank != 0:

@@ -1,18 +1,26 @@
-"""Run a conversion function in N local processes joined by a gloo process group.
+"""Run a function in N local processes joined by one process group (conversion, tests, benchmarks).
 
-`convert_checkpoint.py import/export/verify --tp N --pp M` on a machine without a
-launcher spawns N·M processes here (one per model-parallel rank, CPU, gloo on
-127.0.0.1 at a free port). Under torchrun/srun the tool is already one rank of a job and
-does not spawn (see `convert.run_on_ranks`).
+`convert_checkpoint.py import/export/verify --tp N --pp M` spawns N·M processes here (one
+per model-parallel rank, rendezvous on 127.0.0.1 at a free port). Where they run is the
+caller's choice through the device rule (`backends.placement`): `device="cpu"` (the
+default, `spawn_gloo`) starts each process with the GPUs hidden (`placement.CPU_RANK_ENV`),
+so it runs gloo and megatron-core's CPU path even on a GPU node; `device="cuda"` leaves
+them visible, and each rank selects its own GPU (`placement.conversion_cuda_index`). This
+module sets RANK / WORLD_SIZE / MASTER_* for env://, never LOCAL_RANK: no device is chosen
+here. Under torchrun/srun with torch.distributed already up the tool runs on those ranks
+instead (see `convert.run_on_ranks`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
 import traceback
-from typing import Any, Callable, List, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Mapping, Sequence, TypeVar
+
+from dapo_mega.backends.placement import CPU, CPU_RANK_ENV, CUDA
 
 T = TypeVar("T")
 """What the function run on each spawned rank returns."""
@@ -21,8 +29,7 @@ T = TypeVar("T")
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], args: Sequence[object], queue) -> None:
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         # Tensors in a multiprocessing queue travel as shared-memory handles that need the
@@ -35,6 +42,21 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], ar
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _environment(variables: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with `variables` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _load_result(payload: bytes) -> Any:
@@ -54,24 +76,35 @@ class SpawnedRankError(RuntimeError):
 
 def spawn_gloo(fn: Callable[..., T], world_size: int, args: Sequence[object] = (),
                timeout_s: float = 3600.0) -> List[T]:
+    """`spawn_ranks` on the CPU: gloo, no GPU visible to the processes."""
+    return spawn_ranks(fn, world_size, args, device=CPU, timeout_s=timeout_s)
+
+
+def spawn_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object] = (), device: str = CPU,
+                timeout_s: float = 3600.0) -> List[T]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; results by rank.
 
     The environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE) is set so `fn` initialises
-    torch.distributed with env://. The first failing rank's error is raised as
-    SpawnedRankError; every process is joined or killed before returning.
+    torch.distributed with env://. `device`: cpu (each process sees no GPU) or cuda (each
+    sees this process's GPUs and `fn` selects its own from the device rule). The first
+    failing rank's error is raised as SpawnedRankError; every process is joined or killed
+    before returning.
     """
     import torch.multiprocessing as mp
 
     from dapo_mega.distributed import free_port
 
+    if device not in (CPU, CUDA):
+        raise ValueError(f"spawn_ranks: device {device!r}; one of {CPU!r}, {CUDA!r}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue),
                          daemon=False)  # dist_checkpointing forks writer processes of its own
              for r in range(world_size)]
-    for proc in procs:
-        proc.start()
+    with _environment(CPU_RANK_ENV if device == CPU else {}):  # a spawned child inherits it at its start
+        for proc in procs:
+            proc.start()
     results: List[Any] = [None] * world_size
     received, deadline = 0, time.monotonic() + timeout_s
     try:

@@ -4,9 +4,9 @@
 
 `ParallelLayout.from_config` computes DP from the world size; `validate()` checks every
 rule against the model *before* any process group exists and raises `ConfigError` naming
-the field; `initialize()` starts torch.distributed (gloo on the CPU, NCCL on GPUs) when
-needed and megatron's `parallel_state`. Rank properties read the initialised groups, so
-code that holds a layout never has to reach for module globals itself.
+the field; `initialize()` starts torch.distributed (gloo on the CPU, NCCL on the GPU its
+caller chose) when needed and megatron's `parallel_state`. Rank properties read the
+initialised groups, so code that holds a layout never has to reach for module globals itself.
 """
 
 from __future__ import annotations
@@ -95,11 +95,15 @@ class ParallelLayout:
                    cuda_device: Optional[int] = None) -> "ParallelLayout":
         """Validate, start torch.distributed if needed, then megatron's parallel_state.
 
-        backend: default gloo without CUDA, nccl with it. init_method/rank default to
-        env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), as torchrun and srun set them.
-        On the CPU the megatron CUDA substitutions (`cpu_support`) are installed first.
-        cuda_device: the GPU this rank selects (the trainer passes its placement's,
-        `backends.placement.learner_cuda_index`); default LOCAL_RANK, as torchrun sets it.
+        cuda_device: the GPU this rank runs on, the caller's explicit choice from the device
+        rule (`backends.placement`: the trainer's `learner_cuda_index`, conversion's
+        `conversion_cuda_index`); the rank selects it and the backend defaults to NCCL.
+        None (the default): the CPU with gloo, and then no GPU may be visible (a process the
+        rule puts on the CPU hides them: `placement.CPU_RANK_ENV`), since megatron-core would
+        place the model on one anyway; refused with ConfigError before anything starts.
+        init_method/rank default to env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), as
+        torchrun and srun set them. On the CPU the megatron CUDA substitutions
+        (`cpu_support`) are installed first.
         """
         self.validate()
         from megatron.core import parallel_state
@@ -108,10 +112,14 @@ class ParallelLayout:
 
         enable_cpu_support()
         if not torch.distributed.is_initialized():
-            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            if torch.cuda.is_available():
-                local = int(os.environ.get("LOCAL_RANK", "0"))
-                torch.cuda.set_device(cuda_device if cuda_device is not None else local)
+            if cuda_device is None and torch.cuda.is_available():
+                raise ConfigError(f"ParallelLayout.initialize: {torch.cuda.device_count()} GPU(s) visible but no "
+                                  "cuda_device chosen for this rank. Fix: pass the rank's GPU from the device rule "
+                                  "(dapo_mega.backends.placement), or hide the GPUs from a CPU rank "
+                                  "(CUDA_VISIBLE_DEVICES='', placement.CPU_RANK_ENV)")
+            backend = backend or ("gloo" if cuda_device is None else "nccl")
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
             torch.distributed.init_process_group(
                 backend=backend, init_method=init_method or "env://", world_size=self.world_size,
                 rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
