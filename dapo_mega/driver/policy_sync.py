@@ -138,8 +138,11 @@ class PolicySync:
         from dapo_mega.weights.sync import run_stages_in_turn
 
         dead, revived = self.role.engine_changes()
-        newly = sorted(set(dead) - self.dropped)
-        back = [u for u in revived if u in self.dropped]
+        # lost and answering again before it was dropped (restarted at its address): the groups
+        # it was in went with its old process, so it leaves and rejoins in this one call
+        restarted = [u for u in revived if u not in self.dropped]
+        newly = sorted(set(dead) - self.dropped) + restarted
+        back = [u for u in revived if u in self.dropped] + restarted
         if back and self.handover is not None:  # a hand-over plan is fixed at start
             self.role.say(f"[trainer] engines {back} answer again but stay out: the colocated hand-over "
                           "does not take engines back", error=True)
@@ -152,7 +155,8 @@ class PolicySync:
         drop_dead_posters(self.posters, newly)  # GPU hand-over: the ranks that post for them
         if self.syncer is not None:
             for url in self.syncer.drop_engines(newly):
-                self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: {dead[url]}", error=True)
+                self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: "
+                              f"{dead.get(url, 'restarted since it was found dead')}", error=True)
             self.syncer.add_engines([endpoint_of(u, self.cfg.rollout) for u in back])
         if self.grouped:
             run_stages_in_turn(self.layout.pp, self.layout.pp_rank, self._rejoin, torch.distributed.barrier)
@@ -187,25 +191,40 @@ class PolicySync:
             self.role.resume_engine_memory(self.syncer)
 
     def push(self, learner: "MegatronLearner", version: int) -> Dict[str, float]:
-        """Push the learner's weights into every engine as `version` (collective)."""
-        from dapo_mega.weights.sync import sync_learner_weights
+        """Push the learner's weights into every engine as `version` (collective). An engine
+        lost before or during the sync (its process gone, or restarted without the group) is
+        handled like one the rollout manager found dead: dropped (its group aborted and
+        formed again with the survivors), and the sync done again, at most once per engine."""
+        from dapo_mega.weights.sync import EngineLostError
 
-        self.drop_dead_engines()
-        if self.handover is not None:
-            from dapo_mega.weights.handover import sync_colocated_learner_weights
-
-            stats = sync_colocated_learner_weights(
-                self.syncer, self.posters, learner.model_chunks, learner.info, self.layout, str(version),
-                self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
-                torch.device("cuda", torch.cuda.current_device()))
+        for _attempt in range(self.cfg.rollout.num_engines):
+            self.drop_dead_engines()
+            try:
+                stats = self._sync(learner, version)
+                break
+            except EngineLostError as exc:
+                self.role.engines_lost(exc.lost)  # the driver's dead list: every rank drops them next
         else:
-            stats = sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version))
+            raise RuntimeError(f"the weight sync of version {version} lost an engine on each of "
+                               f"{self.cfg.rollout.num_engines} tries (rollout.num_engines); see the engines' logs")
         rejoined, self.rejoined = self.rejoined, []
         self.role.engines_serve(version, rejoined)
         metrics = stats.as_metrics() if stats is not None else {}
         if self.syncer is not None:
             metrics["sync/engines"] = len(self.syncer.clients)
         return metrics
+
+    def _sync(self, learner: "MegatronLearner", version: int):
+        from dapo_mega.weights.sync import sync_learner_weights
+
+        if self.handover is not None:
+            from dapo_mega.weights.handover import sync_colocated_learner_weights
+
+            return sync_colocated_learner_weights(
+                self.syncer, self.posters, learner.model_chunks, learner.info, self.layout, str(version),
+                self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
+                torch.device("cuda", torch.cuda.current_device()))
+        return sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version))
 
     def close(self) -> None:
         for syncer in [self.syncer, *self.posters.values()]:

@@ -71,6 +71,10 @@ class LearnerRankRole:
         Collective; the driver probes its dead engines first."""
         return self.broadcast()
 
+    def engines_lost(self, lost: Dict[str, str]) -> None:
+        """Engines a weight sync lost (url -> why) join the driver's dead list (every rank
+        holds the same `lost`; the next `engine_changes` hands them to all)."""
+
     def engines_serve(self, version: int, rejoined: Sequence[str] = ()) -> None:
         """The engines (`rejoined` among them, after their first sync back) now serve `version`."""
 
@@ -167,6 +171,9 @@ class DriverRole(LearnerRankRole):
                      error=True)
         return self.broadcast((manager.dead_engines(), revived))
 
+    def engines_lost(self, lost: Dict[str, str]) -> None:
+        self.rollouts.manager.mark_dead({url: f"lost during the weight sync: {why}" for url, why in lost.items()})
+
     def engines_serve(self, version: int, rejoined: Sequence[str] = ()) -> None:
         if rejoined:
             self.rollouts.manager.serve_again(rejoined)
@@ -175,11 +182,25 @@ class DriverRole(LearnerRankRole):
 
     def release_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         if self.cfg.cluster.mode == "colocated" and syncer is not None:
-            syncer.release_engine_memory()
+            self._tolerating_lost(syncer.release_engine_memory)
 
     def resume_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         if self.cfg.cluster.mode == "colocated" and syncer is not None:
-            syncer.resume_engine_memory()
+            self._tolerating_lost(syncer.resume_engine_memory)
+
+    def _tolerating_lost(self, call) -> None:
+        """`call` has reached every engine; one gone meanwhile (killed while the learner
+        trained) is marked dead instead of ending the run: the next sync drops it."""
+        from dapo_mega.weights.sync import EngineLostError
+
+        try:
+            call()
+        except EngineLostError as exc:
+            if exc.others:
+                raise
+            for url, why in exc.lost.items():
+                self.say(f"[trainer] engine {url} lost: {why}", error=True)
+            self.rollouts.manager.mark_dead(exc.lost)
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
         write_ledger(self.run.run_dir, self.run.run_id, step, batch.samples, text=LedgerText.of(self.cfg.trainer),

@@ -70,6 +70,56 @@ class WeightSyncError(RuntimeError):
     """An engine refused or failed a weight update."""
 
 
+class EngineLostError(WeightSyncError):
+    """Engines gone during a sync (their process exited, or a restart no longer holds the
+    weight-update group): handled like engines the rollout manager found dead (dropped, the
+    group formed again with the survivors, the sync done again), not a failed run."""
+
+    def __init__(self, lost: Dict[str, str], others: Sequence[str] = ()):
+        self.lost = dict(lost)
+        """Engine url -> why it counts as lost."""
+        self.others = list(others)
+        """Errors of engines that are still there (refusals, failed loads)."""
+        super().__init__("engines lost during the weight sync: " + "; ".join(f"{u}: {w}" for u, w in self.lost.items())
+                         + ("; other errors: " + "; ".join(others) if others else ""))
+
+
+SURVIVOR_WAIT_S = 30.0
+"""Bounds the waits after an engine is lost mid-sync: the survivors leaving the aborted group,
+the other engines' replies to a bucket whose broadcast failed."""
+
+LOST_GROUP_MARKS = ("Please call `init_weights_update_group` first",)
+"""What SGLang (model_runner) and the embedded engine answer an update into a group they do not
+hold: an engine restarted at its address since the group formed."""
+
+
+def lost_reason(exc: BaseException) -> Optional[str]:
+    """Why `exc` (from one engine's HTTP call) means the engine is gone, or None when it is an
+    answer (a refusal, a failed load) of an engine still there."""
+    import aiohttp
+
+    if isinstance(exc, EngineError):
+        if any(mark in str(exc.body) for mark in LOST_GROUP_MARKS):
+            return f"it no longer holds the weight-update group (restarted since it formed): {exc}"
+        return None
+    if isinstance(exc, (aiohttp.ClientConnectionError, ConnectionError)):
+        return f"its connection failed ({type(exc).__name__}: {exc}): the engine process is gone"
+    return None
+
+
+def raise_for_engines(results: Dict[str, object]) -> None:
+    """Raise for the errors among one call's per-engine results: `EngineLostError` when an
+    engine is gone (with the others' errors), else `WeightSyncError`."""
+    errors = {u: r for u, r in results.items() if isinstance(r, BaseException)}
+    if not errors:
+        return
+    lost = {u: why for u, r in errors.items() if (why := lost_reason(r)) is not None}
+    others = [f"{u}: {r}" for u, r in errors.items() if u not in lost]
+    if lost:
+        raise EngineLostError(lost, others)
+    raise WeightSyncError("; ".join(others))
+
+
 @dataclass
 class SyncStats:
     seconds: float
@@ -134,12 +184,21 @@ class _LoopThread:
 
 @dataclass
 class _Broadcast:
-    """One bucket in flight: its broadcast and the engines' replies to its POST."""
+    """One bucket in flight: its broadcast and each engine's reply to its POST (by url)."""
 
     work: object
-    posts: Future
+    posts: Dict[str, Future]
     first: str
     last: str
+
+    def settle(self, timeout_s: float) -> None:
+        """Wait for every POST (bounded by `timeout_s` each); raise for the failed ones."""
+        for fut in self.posts.values():
+            try:
+                fut.exception(timeout_s)
+            except Exception:  # noqa: BLE001 - not answered in time: left to the caller's check
+                pass
+        raise_for_engines({u: f.exception(0) if f.done() else None for u, f in self.posts.items()})
 
 
 class WeightSyncer:
@@ -230,11 +289,12 @@ class WeightSyncer:
         self.clients += [EngineClient(e) for e in new]
         self.engine_urls = [c.url for c in self.clients]
 
-    async def _all(self, fn):
-        results = await asyncio.gather(*(fn(c) for c in self.clients), return_exceptions=True)
-        errors = [f"{c.url}: {r}" for c, r in zip(self.clients, results) if isinstance(r, BaseException)]
-        if errors:
-            raise WeightSyncError("; ".join(errors))
+    async def _all(self, fn, skip: Sequence[str] = ()):
+        """`fn(client)` on every engine (but `skip`) at once; raises `EngineLostError` when one
+        is gone (the others' calls have run), `WeightSyncError` for other failures."""
+        clients = [c for c in self.clients if c.url not in set(skip)]
+        results = await asyncio.gather(*(fn(c) for c in clients), return_exceptions=True)
+        raise_for_engines({c.url: r for c, r in zip(clients, results)})
         return results
 
     # ---------------------------------------------------------------- group
@@ -281,6 +341,25 @@ class WeightSyncer:
         replies.result(self.timeout_s)
         self.group_name, self.stage = name, stage
 
+    def abort_group(self, lost: Sequence[str] = ()) -> None:
+        """An engine was lost mid-broadcast: abort the group here at once (its broadcast in
+        flight would otherwise wait for the lost member until the group's timeout, under
+        NCCL's watchdog), then ask the survivors to leave it (bounded; `init_group` asks
+        again before it forms the next one). `init_group` forms a new group (`_g<n+1>`)."""
+        if self.group is None:
+            return
+        name, group = self.group_name, self.group
+        self.group = self.group_name = None
+        self.generation += 1
+        transport.abort_custom_process_group(group)
+
+        async def leave(c):
+            await c.destroy_weights_update_group(name)
+        try:
+            self._io.run(self._all(leave, skip=lost), timeout=min(self.timeout_s, SURVIVOR_WAIT_S))
+        except Exception as exc:  # noqa: BLE001 - a survivor still leaving the broadcast; init_group asks again
+            logger.info(f"[weight sync] survivors leaving aborted group {name}: {exc}", extra=log.EVERY_RANK)
+
     def destroy_group(self, timeout_s: Optional[float] = None) -> None:
         if self.group is None:
             return
@@ -302,14 +381,15 @@ class WeightSyncer:
         await c.flush_cache()
         await c.begin_weight_update()
 
-    def continue_engines(self) -> None:
-        """Close the weight-update session and continue generation on every engine."""
+    def continue_engines(self, skip: Sequence[str] = ()) -> None:
+        """Close the weight-update session and continue generation on every engine (but `skip`,
+        engines lost during the sync)."""
         async def _continue(c):
             try:
                 await c.end_weight_update()
             finally:
                 await c.continue_generation()
-        self._io.run(self._all(_continue), timeout=self.timeout_s)
+        self._io.run(self._all(_continue, skip=skip), timeout=self.timeout_s)
 
     def release_engine_memory(self) -> None:
         """Colocated: free engine weights + KV cache before training, once each engine is idle
@@ -349,6 +429,17 @@ class WeightSyncer:
                     count += len(bucket)
                     buckets += 1
             paused()
+        except EngineLostError as exc:
+            if self.mode == "distributed":
+                self.abort_group(list(exc.lost))
+            if pausing is not None:  # the survivors' session is closed, the lost are skipped
+                lost = dict(exc.lost)
+                pause_error = pausing.exception(self.timeout_s)
+                if isinstance(pause_error, EngineLostError):
+                    lost.update(pause_error.lost)
+                self.continue_engines(skip=list(lost))
+                pausing = None
+            raise
         finally:
             # continue only engines this sync paused (a failed pause leaves them as they are)
             if pausing is not None and pausing.exception(self.timeout_s) is None:
@@ -375,18 +466,18 @@ class WeightSyncer:
             if inflight is not None:
                 self._finish(inflight)
             while len(replies) > 1:
-                replies.pop(0).result(self.timeout_s)
+                replies.pop(0).settle(self.timeout_s)
             version = weight_version if (is_last and is_last_stage) else None
             paused()
             inflight = self._start(bucket, flat, version)
-            replies.append(inflight.posts)
+            replies.append(inflight)
             total += flat.numel()
             count += len(bucket)
             index += 1
         if inflight is not None:
             self._finish(inflight)
-        for fut in replies:
-            fut.result(self.timeout_s)
+        for reply in replies:
+            reply.settle(self.timeout_s)
         return total, count, index
 
     def post_tensor_payloads(self, payloads: List[str], load_format: Optional[str],
@@ -413,25 +504,38 @@ class WeightSyncer:
         names = [n for n, _ in bucket]
         dtypes = [transport.dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-        posts = self._io.submit(self._all(lambda c: c.update_weights_from_distributed(
+        posts = {c.url: self._io.submit(c.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self.group_name, weight_version=version,
-            load_format=FLATTENED_BUCKET, flush_cache=False, timeout_s=self.timeout_s)))
+            load_format=FLATTENED_BUCKET, flush_cache=False, timeout_s=self.timeout_s)) for c in self.clients}
         work = torch.distributed.broadcast(flat, src=0, group=self.group, async_op=True)
         return _Broadcast(work, posts, names[0], names[-1])
 
     def _finish(self, b: "_Broadcast") -> None:
-        """Wait for a broadcast to complete. A 400 (bad name/shape) arrives before the
-        engine joins the broadcast: watch for it instead of blocking in work.wait() until
-        the group times out."""
+        """Wait for a broadcast to complete, watching each engine's reply to its POST: a 400
+        (bad name/shape) arrives before the engine joins the broadcast, and an engine that
+        is gone (its POST's connection fails: the process exited) never joins it. Either is
+        raised at once (`EngineLostError` for the second) instead of blocking in work.wait()
+        until the group times out. A broadcast that fails (gloo sees a member's socket close)
+        is put down to the engines whose POST failed, once they answered (bounded)."""
         deadline = time.monotonic() + self.timeout_s
         while not b.work.is_completed():
-            if b.posts.done() and b.posts.exception() is not None:
-                raise WeightSyncError(f"engine refused bucket {b.first}..{b.last}: {b.posts.exception()}; "
-                                      "destroy and re-create the weight-update group before retrying")
+            failed = {u: f.exception() for u, f in b.posts.items() if f.done() and f.exception() is not None}
+            if failed:
+                try:
+                    raise_for_engines(failed)
+                except EngineLostError:
+                    raise
+                except WeightSyncError as exc:
+                    raise WeightSyncError(f"engine refused bucket {b.first}..{b.last}: {exc}; destroy and "
+                                          "re-create the weight-update group before retrying") from None
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"broadcast of bucket {b.first}.. timed out after {self.timeout_s} s")
             time.sleep(0.001)
-        b.work.wait()
+        try:
+            b.work.wait()
+        except Exception as exc:
+            b.settle(min(self.timeout_s, SURVIVOR_WAIT_S))  # raises EngineLostError when one is gone
+            raise WeightSyncError(f"broadcast of bucket {b.first}..{b.last} failed: {exc}") from exc
 
     def _send_bucket_colocated(self, bucket, version: Optional[str]) -> None:
         if bucket[0][1].is_cuda:
@@ -501,6 +605,10 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
     (its TP gathers are collective); only each stage's weight source sends, and the
     stages take turns (`run_stages_in_turn`).
 
+    An engine lost before or during the sync (`EngineLostError` on the rank that saw it)
+    raises `EngineLostError` on every rank, with every rank's lost engines, once the
+    survivors continue: the caller drops them and syncs again (`PolicySync.push`).
+
     Pausing / continuing is done here by the global rank 0 around a barrier on the
     default group so that every stage streams into paused engines.
     """
@@ -508,27 +616,48 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
 
     dist = torch.distributed
     is_rank0 = dist.get_rank() == 0
+    lost: Dict[str, str] = {}
     if is_rank0:
-        syncer.pause_engines()
-    dist.barrier()
+        try:
+            syncer.pause_engines()
+        except EngineLostError as exc:  # gone since the last sync (killed while the learner trained)
+            lost.update(exc.lost)
+    lost = agree_on_lost(lost)
 
-    def send() -> Optional[SyncStats]:
-        if layout.dp_rank != 0:
-            return None
+    def send() -> Tuple[Optional[SyncStats], Dict[str, str]]:
+        if layout.dp_rank != 0 or lost:
+            return None, {}
         stream = iter_megatron_to_hf(model_chunks, info, layout)
         if layout.is_weight_source:
-            return syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False)
+            try:
+                return syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False), {}
+            except EngineLostError as exc:
+                for _ in stream:  # the stage's other TP ranks still gather: drain with them
+                    pass
+                return None, exc.lost
         for _ in stream:
             pass
-        return None
+        return None, {}
 
     try:
         # the last turn's barrier is the one every rank passes before generation continues
-        stats = run_stages_in_turn(layout.pp, layout.pp_rank, send, dist.barrier)
+        stats, mine = run_stages_in_turn(layout.pp, layout.pp_rank, send, dist.barrier) or (None, {})
+        lost = {**lost, **agree_on_lost(mine)}
     except BaseException:
         dist.barrier()
         raise
     finally:
         if is_rank0:
-            syncer.continue_engines()
+            syncer.continue_engines(skip=list(lost))
+    if lost:
+        raise EngineLostError(lost)
     return stats
+
+
+def agree_on_lost(mine: Dict[str, str]) -> Dict[str, str]:
+    """Every learner rank's lost engines, merged, on every rank (collective)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return dict(mine)
+    every: List[Optional[Dict[str, str]]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return {u: why for part in every for u, why in (part or {}).items()}

@@ -103,6 +103,17 @@ def destroy_custom_process_group(pg) -> None:
     torch.distributed.destroy_process_group(pg)
 
 
+def abort_custom_process_group(pg) -> None:
+    """Tear down a group made by `init_custom_process_group` whose collective may still be in
+    flight towards a member that is gone: NCCL aborts its communicator (a destroy would wait
+    for the enqueued broadcast under the watchdog); gloo's failed or pending work ends with
+    its sockets."""
+    try:
+        torch.distributed.distributed_c10d._abort_process_group(pg)
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError):  # gloo: no abort
+        torch.distributed.destroy_process_group(pg)
+
+
 @dataclass
 class TensorMeta:
     """Where one tensor lies inside a flattened bucket: bytes [start, end)."""

@@ -20,6 +20,9 @@ fault hits a deterministic point of a real run without any hook in the product c
                           and whether any process of the engine (SGLang: launch process,
                           scheduler, detokenizer) outlived the fault
     engine:SIG:K:N:inflight-scheduler  the same, sent to SGLang's scheduler process instead
+    engine:KILL:K:N:sync  SIGKILL to engine K in the weight sync after step N, as the learner
+                          POSTs it its first bucket (the engines are paused in the sync's
+                          session, the other engines' POSTs already wait in the broadcast)
     verifier:RAISE:HANG   the verifier raises on ground truths in RAISE and never returns on
                           those in HANG (comma-separated; it runs in the verifier pool)
 
@@ -165,6 +168,9 @@ def _install(fault: str) -> None:
         C.save_dist_checkpoint = save_dist_checkpoint
     elif kind == "engine":
         sig, k, step, *when = rest.split(":")
+        if when == ["sync"]:
+            _install_engine_sync_fault(getattr(signal, f"SIG{sig}"), int(k), int(step))
+            return
         in_flight = when[0].partition("-")[2] if when and when[0].startswith("inflight") else None
         _install_engine_fault(getattr(signal, f"SIG{sig}"), int(k), int(step), in_flight=in_flight)
     elif kind == "verifier":
@@ -276,6 +282,33 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Opt
                     await asyncio.sleep(0.02)
         return await original(self, *args, **kwargs)
     EngineClient.generate = generate
+
+
+def _install_engine_sync_fault(sig: int, engine_index: int, step: int) -> None:
+    from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.rollout.fleet import EngineFleet
+
+    _track_steps()
+    fleets: List = []
+    original_start = EngineFleet.start
+
+    def start(self, *args, **kwargs):
+        fleets.append(self)
+        return original_start(self, *args, **kwargs)
+    EngineFleet.start = start
+    original = EngineClient.update_weights_from_distributed
+    done = [False]
+
+    async def update_weights_from_distributed(self, *args, **kwargs):
+        engine = fleets[0].engines[engine_index]
+        if _current_step[0] == step and not done[0] and self.url == engine.url:
+            done[0] = True
+            print(f"[fault] {signal.Signals(sig).name} to engine {engine_index} ({engine.url}) in the weight sync "
+                  f"of step {step}", flush=True)
+            os.kill(engine.proc.pid, sig)
+            engine.proc.wait(timeout=30)
+        return await original(self, *args, **kwargs)
+    EngineClient.update_weights_from_distributed = update_weights_from_distributed
 
 
 PREFILL_MARKERS = (b"Prefill batch",)

@@ -96,3 +96,33 @@ def test_engine_killed_in_a_disaggregated_run_leaves_the_weight_update_group(tmp
         keys = [(r.prompt_id, r.sample_index) for r in recs]
         assert len(keys) == len(set(keys)) == 72, f"step {step}: a sample lost or repeated"
         assert {r.policy_version_min for r in recs} == {step - 1}  # engine 0 got every sync
+
+
+@pytest.mark.slow  # a 3-step run with two engines: ~60 s here
+def test_engine_killed_in_the_middle_of_a_weight_sync_is_dropped_and_the_sync_done_again(tmp_path):
+    """Disaggregated: engine 1 is SIGKILLed in the weight sync after step 1, as the learner
+    POSTs it the first bucket (engine 0 already waits in the broadcast). The learner names it
+    lost at once (its POST's connection fails), aborts the group, the rollout manager marks it
+    dead, and the sync is done again into engine 0 over a new group (`_g1`): the run
+    completes, and engine 0 serves every later version. (The old code raised WeightSyncError
+    and the run failed.)"""
+    result = run_trainer(tmp_path, "synckill", [
+        "cluster.mode=disaggregated", "cluster.max_staleness=0",
+        "trainer.total_steps=3", "trainer.save_interval=0", "rollout.num_engines=2",
+        f"rollout.liveness_timeout_s={LIVENESS_TIMEOUT_S}", f"rollout.liveness_probe_interval_s={PROBE_S}",
+    ], faults=["engine:KILL:1:1:sync"], timeout_s=400)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    assert "SIGKILL to engine 1" in out and "in the weight sync of step 1" in out
+    dropped = [line for line in out.splitlines() if "dropped from rollouts and weight sync" in line]
+    assert len(dropped) == 1 and "lost during the weight sync" in dropped[0] and "process is gone" in dropped[0], \
+        dropped
+    formed = [line for line in out.splitlines() if "formed again" in line]
+    assert len(formed) == 1 and "1 engine(s)" in formed[0] and "_g1" in formed[0], formed
+    rows = read_metric_rows(tmp_path / "synckill")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["sync/engines"] for r in rows] == [1, 1, 1]
+    for step in (2, 3):
+        recs = read_records(tmp_path / "synckill", steps=[step])
+        assert recs and {r.policy_version_min for r in recs} == {step - 1}  # engine 0 got the redone sync
+        assert len({r.engine_id for r in recs}) == 1
