@@ -126,6 +126,7 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
         from dapo_mega.driver.known_warnings import route_known_warnings
 
         route_known_warnings(cfg.run_dir)  # before the preflight imports megatron-core
+        from dapo_mega.driver.weight_probe import WeightCheckError
         from dapo_mega.preflight import check_before_start
         from dapo_mega.rollout.engine_process import EngineStartError
         from dapo_mega.trainer import run_training
@@ -138,6 +139,9 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
             return 2
         except EngineStartError as exc:  # names the engine's log and quotes its last lines
             print(f"dapo-mega: engine error: {exc}", file=sys.stderr)
+            return 1
+        except WeightCheckError as exc:  # names the check, the engine and the likely cause
+            print(f"dapo-mega: weight check failed: {exc}", file=sys.stderr)
             return 1
     if command == "eval":
         from dapo_mega.evaluate import run_eval_command

@@ -32,6 +32,7 @@ from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
+from dapo_mega.driver.weight_probe import WeightProbe
 from dapo_mega.run_dir import set_aside_after
 from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
 
@@ -59,6 +60,7 @@ class Session:
         self.engines: List[EngineProcess] = []
         self.engine_urls: List[str] = []
         self.policy_sync: Optional[PolicySync] = None
+        self.probe: Optional[WeightProbe] = None
 
     @property
     def state(self):
@@ -113,6 +115,7 @@ class Session:
         if is_driver:
             self.role = self._start_driver()
         self.policy_sync = PolicySync.start(cfg, self.layout, self.role, self.engine_urls)
+        self.probe = WeightProbe(cfg, self.role, self.learner, str(self.model_dir))
 
     def _model_dir(self) -> Path:
         return model_dir_of(self.cfg)
@@ -218,8 +221,13 @@ class Session:
         self.run.state.warm_started = True
 
     def sync_weights(self) -> Dict[str, float]:
-        """Push the learner's weights into every engine as version `state.policy_version`."""
-        return self.policy_sync.push(self.learner, self.run.state.policy_version)
+        """Push the learner's weights into every engine as version `state.policy_version`, then
+        check that they hold it (`driver.weight_probe`: stops the run when one does not)."""
+        version = self.run.state.policy_version
+        metrics = self.policy_sync.push(self.learner, version)
+        metrics.update(self.probe.after_sync(self.learner, self.policy_sync.synced_engine_urls(), self.engine_urls,
+                                             version))
+        return metrics
 
     def save_checkpoint(self, step: int) -> None:
         """Weights, optimizer, RNG and trainer state of `step` (collective)."""

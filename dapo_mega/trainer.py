@@ -63,6 +63,7 @@ def train(cfg: DapoConfig) -> int:
             with meter.phase("train"):
                 with s.policy_sync.engines_released():  # colocated: engines free memory meanwhile
                     train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
+            s.probe.after_step(train_metrics, step)  # the engines' log-probs of their samples vs the learner's
             with meter.phase("sync"):
                 run.state.policy_version += 1
                 sync_metrics = s.sync_weights()  # engines now serve version policy_version

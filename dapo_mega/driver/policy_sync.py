@@ -214,6 +214,10 @@ class PolicySync:
             metrics["sync/engines"] = len(self.syncer.clients)
         return metrics
 
+    def synced_engine_urls(self) -> List[str]:
+        """The engines the last push reached (the driver's syncer's; [] on other ranks)."""
+        return [c.url for c in self.syncer.clients] if self.syncer is not None else []
+
     def _sync(self, learner: "MegatronLearner", version: int):
         from dapo_mega.weights.sync import sync_learner_weights
 

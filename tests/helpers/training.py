@@ -45,6 +45,8 @@ DESIGN_KEYS = [
     "verifier/num_errors", "time/rollout_s", "time/train_s", "time/sync_s", "sync/gbps",
     "rollout/tokens_per_s", "perf/train_tokens_per_s",
     "mem/rollout/rss_peak_gib", "mem/train/rss_peak_gib", "mem/sync/rss_peak_gib",  # the driver's, per phase
+    # whether the engines serve the learner's weights (driver/weight_probe.py): a run gets here only within limits
+    "mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/k3_kl", "probe/logp_abs_mean", "probe/engines",
 ]
 
 LEDGER_FIELDS = ["run_id", "step", "prompt_id", "dataset_revision", "sample_index", "seed", "policy_version_min",

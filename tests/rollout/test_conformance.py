@@ -182,6 +182,24 @@ def test_greedy_output_equals_transformers(server, reference):
     assert torch.allclose(torch.tensor(got.logprobs), want, atol=0.1 if server.dtype == torch.bfloat16 else 1e-3)
 
 
+def test_prompt_logprobs_from_logprob_start_len_zero(server, reference):
+    """What the weight probe reads after a sync (driver/weight_probe.py): with
+    logprob_start_len=0 every prompt token has an input_token_logprobs entry, the first None,
+    the others log_softmax(z) at the token: raw, whatever the request's temperature."""
+    ids = PROMPT + [40, 41, 7, 90]
+    with torch.no_grad():
+        logits = reference(server.dtype)(torch.tensor([ids])).logits[0, :-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    values, version = run(lambda c: c.score_prompt(ids), server)
+    assert version == VERSION and torch.allclose(torch.tensor(values), want, atol=1e-3)
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"temperature": 0.5, "max_new_tokens": 1}}
+    meta = run(lambda c: c._request("POST", "/generate", body), server)["meta_info"]
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids and entries[0][0] is None
+    assert torch.allclose(torch.tensor([e[0] for e in entries[1:]]), want, atol=1e-3)
+
+
 def test_stop_token_and_stop_string(server, reference):
     # a prompt whose greedy continuation holds no special token (pad, EOS, BOS are 0, 1, 2)
     prompt = next(p for p in ([30 + i, 31 + i, 32 + i] for i in range(40))

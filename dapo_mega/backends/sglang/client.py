@@ -221,6 +221,23 @@ class EngineClient:
             r.prompt_index, r.sample_index = k // n, k % n
         return results
 
+    async def score_prompt(self, input_ids: Sequence[int], timeout_s: Optional[float] = None
+                           ) -> Tuple[List[float], str]:
+        """(log p of input_ids[1:], each given the tokens before it; the weight version that
+        scored them) from /generate with `logprob_start_len` 0 and one new token (greedy: nothing
+        random). SGLang 0.5.23 scores prompt tokens with the raw log-softmax, no temperature;
+        its `input_token_logprobs` start with None for the first token."""
+        body = build_generate_body([list(input_ids)], build_sampling_params(temperature=0.0, max_new_tokens=1),
+                                   return_logprob=True)
+        body["logprob_start_len"] = 0
+        reply = await self._request("POST", "/generate", body, timeout_s=timeout_s or self.endpoint.control_timeout_s)
+        meta = (reply[0] if isinstance(reply, list) else reply)["meta_info"]
+        entries = meta.get("input_token_logprobs") or []
+        if len(entries) != len(input_ids) or any(e[0] is None for e in entries[1:]):
+            raise EngineError(self.url, "/generate", 200, f"input_token_logprobs has {len(entries)} entries for "
+                              f"{len(input_ids)} input ids (logprob_start_len=0 should give one per id)")
+        return [float(e[0]) for e in entries[1:]], str(meta.get("weight_version", ""))
+
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:
             await self._request("GET", "/health", timeout_s=timeout_s, expect_json=False)

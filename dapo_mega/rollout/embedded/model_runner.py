@@ -82,6 +82,19 @@ class ModelRunner:
                          position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float(), cache_of(out), mask
 
+    def prompt_logprobs(self, ids: Sequence[int], start: int) -> List[Optional[float]]:
+        """SGLang's `input_token_logprobs` values of `ids[start:]` with logprob_start_len=`start`:
+        None for the first, then log softmax(z)[t] of each later token given the ones before
+        (no temperature: SGLang 0.5.23 scores prompt tokens with the raw log-softmax,
+        `layers/logprob_processor.py`). One forward under `model_lock`: the weights held now."""
+        with self.model_lock, torch.no_grad():
+            if self.weights_released:
+                raise RuntimeError("weights are released; call /resume_memory_occupation first")
+            tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=tokens, use_cache=False).logits[0].float()
+        logp = torch.log_softmax(logits[start:-1], dim=-1).gather(1, tokens[0, start + 1:, None]).squeeze(1)
+        return [None] + [float(v) for v in logp.cpu()]
+
     def forward_decode(self, rows: List[Sequence_], cache, mask: torch.Tensor):
         """One decode step of every row's last token. Returns (logits [B,V], cache, mask [B,T+1])."""
         ids = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long)

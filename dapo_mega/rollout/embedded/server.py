@@ -154,6 +154,7 @@ class EngineServer:
             raise BadGenerateRequest("The parallel_sample_num should be the same for all samples in sample params.")
         rl = body.get("return_logprob") or False
         rl_list = rl if isinstance(rl, list) else [rl] * len(prompts)
+        input_logprobs = await self._input_logprobs(prompts, rl_list, body.get("logprob_start_len"))
         rid = body.get("rid") or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -179,12 +180,39 @@ class EngineServer:
         if not self.engine.submit([s for _, s in seqs]):
             raise BadGenerateRequest("The request queue is full.", status=503)
         await done
-        replies = [self._reply(seq, seq.rid, bool(rl_list[i])) for i, seq in seqs]
+        replies = [self._reply(seq, seq.rid, bool(rl_list[i]), input_logprobs[i]) for i, seq in seqs]
         if is_single and n == 1:
             return web.json_response(replies[0])
         return web.json_response(replies)
 
-    def _reply(self, seq: Sequence_, rid: str, return_logprob: bool) -> dict:
+    async def _input_logprobs(self, prompts: List[List[int]], return_logprob: list, start: object) -> list:
+        """Per prompt, SGLang's `input_token_logprobs` ([logprob, token id, None] from
+        `logprob_start_len` on, the first logprob None), when it asked for log-probs with a
+        logprob_start_len >= 0; else [] (SGLang's default start, -1, scores no prompt token
+        here). Computed before the prompt's generation starts, with the weights held then."""
+        starts = start if isinstance(start, list) else [start] * len(prompts)
+        if len(starts) != len(prompts):
+            raise BadGenerateRequest("logprob_start_len list length differs from the batch size")
+        out = []
+        for prompt, asked, first in zip(prompts, return_logprob, starts):
+            if not asked or first is None or int(first) < 0:
+                out.append([])
+                continue
+            if int(first) > len(prompt):  # SGLang's scheduler aborts the request with this message
+                raise BadGenerateRequest(f"req.logprob_start_len={int(first)} is higher than the number of input "
+                                         f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                                         "logprob_start_len.")
+            if int(first) == len(prompt):
+                out.append([])
+                continue
+            try:
+                values = await asyncio.to_thread(self.runner.prompt_logprobs, prompt, int(first))
+            except RuntimeError as exc:  # weights released
+                raise BadGenerateRequest(str(exc)) from exc
+            out.append([[v, t, None] for v, t in zip(values, prompt[int(first):])])
+        return out
+
+    def _reply(self, seq: Sequence_, rid: str, return_logprob: bool, input_logprobs: list) -> dict:
         reason = seq.finish_reason or {"type": "abort", "message": "unfinished"}
         out_ids = list(seq.output_ids)
         matched = reason.get("matched")
@@ -208,7 +236,7 @@ class EngineServer:
             meta["weight_version"] = seq.spans[-1]["version"]
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = input_logprobs
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
