@@ -222,3 +222,33 @@ def test_the_preflight_refuses_a_server_it_cannot_use(server):
 def test_a_server_verifier_scores_one_response_like_a_batch(server):
     verifier = build_verifier(server.url())
     assert verifier.score("Answer: 7", "7", {}) == VerifyResult(correct=True, reward=1.0, extracted=" 7"[-2:])
+
+
+@pytest.mark.slow
+def test_training_graded_by_a_reward_server_through_its_outage(server, tmp_path):
+    """`dapo-mega train` graded by the server; its first scoring request of the run fails on
+    all three attempts (an outage): that round's responses are verifier errors, counted in
+    step 1's metrics, and the run trains on to the end graded by the server again."""
+    from helpers.training import RUN_NAME, run_train
+
+    from dapo_mega.records.ledger import read_records
+
+    server.max_batch_size = 64
+    server.fail_posts = {2, 3, 4}  # POST 1 is the preflight's probe
+    run_train(tmp_path, f"algo.verifier={server.url()}", "trainer.total_steps=2", "trainer.sft_warmup_steps=5",
+              timeout_s=240)
+    run_dir = tmp_path / RUN_NAME
+    step1, step2 = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                    if "verifier/num_errors" in json.loads(line)]
+    assert step1["verifier/num_errors"] == step1["verifier/num_exceptions"] == step1["verifier/num_responses"] > 0
+    assert step1["verifier/num_retries"] == 2 and step2["verifier/num_errors"] == 0
+    rows = read_records(run_dir)
+    failed = [r for r in rows if r.step == 1]
+    assert failed and all("HTTP 500" in r.verifier_error and r.reward <= -1.0 and not r.correct for r in failed)
+    assert step1["rollout/verifier_errors"] == sum(r.reject_reason == "verifier_error" for r in failed)
+    graded = [r for r in rows if r.step == 2]
+    assert graded and {r.verifier_version for r in rows} == {f"{server.url()}-judge-1"}
+    for r in graded:
+        assert r.verifier_error is None and r.correct == (json.loads(r.reward_components)["correctness"] == 1.0)
+    scored = [len(p["responses"]) for p in server.posts[4:]]
+    assert sum(scored) == len([r for r in rows if r.step == 2])  # every step-2 response went to the server
