@@ -13,7 +13,8 @@ from the run's latest checkpoint) -> `export` (the final checkpoint to HF) -> `e
 (`dapo-mega eval` of that export). Before anything is submitted the launcher runs
 `dapo-mega plan` with the same overrides and refuses, quoting the plan, when the learner or
 the engines do not fit, the placement breaks a rule, or a timeout is shorter than the work
-it bounds (the training jobs' `--time` included).
+it bounds (the training jobs' `--time` included). Every job gets a `--time` (given, or the
+plan's estimate); options requesting GPUs go to the GPU stages only (training, eval).
 
 Each stage is one Slurm job with `--kill-on-invalid-dep=yes`: a stage that fails cancels
 every later one. Dependencies: each stage `afterok` on the one before; chain links 2..N
@@ -41,7 +42,16 @@ import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from pipeline_stages import REPO, STAGES, TERMINAL, Pipeline, Stage, sbatch_line  # beside this file
+from pipeline_stages import (  # beside this file
+    REPO,
+    STAGES,
+    TERMINAL,
+    Pipeline,
+    PipelineError,
+    Stage,
+    requests_gpus,
+    sbatch_line,
+)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -59,14 +69,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--engine-nodes", type=int, help="disaggregated: engine nodes (default: the config's)")
     p.add_argument("--learners-per-node", type=int, help="learner tasks per node (default cluster.gpus_per_node)")
     p.add_argument("--chain", type=int, default=4, help="chained training jobs (each resumes the run)")
-    p.add_argument("--time", help="--time of each training job (e.g. 24:00:00); the plan checks a step fits")
-    p.add_argument("--stage-time", help="--time of the other stages")
+    p.add_argument("--time", help="--time of each training job (e.g. 24:00:00; the plan checks a step fits); "
+                                   "default: the plan's estimate of a link's share of the run")
+    p.add_argument("--stage-time", help="--time of every other stage (default: each its own, from the plan's clock)")
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--container", help="Pyxis/enroot image for every step (CONTAINER)")
     p.add_argument("--mounts", help="container mounts src:dst[,src:dst] (MOUNTS)")
     p.add_argument("--python", default=os.environ.get("PYTHON", "python"), help="interpreter in the jobs (PYTHON)")
-    p.add_argument("--sbatch-opt", action="append", default=[], help="extra option of every job (repeat)")
+    p.add_argument("--sbatch-opt", action="append", default=[],
+                   help="extra option of every job (repeat); those requesting GPUs (--gpus-per-node, --gres=gpu:..) "
+                        "go to the stages that use GPUs only")
     p.add_argument("--from", dest="start", choices=STAGES, default="data", help="skip the stages before this one")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="check and print the sbatch lines; submit nothing")
@@ -213,7 +226,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for w in warnings:
         print(f"plan warning: {w}")
     print("plan: fits" + (f" ({len(warnings)} warning{'s' if len(warnings) > 1 else ''} above)" if warnings else ""))
-    stages = pipeline.stages()
+    try:
+        stages = pipeline.stages(plan)
+    except PipelineError as exc:
+        print(f"pipeline: refused: {exc}", file=sys.stderr)
+        return 1
+    gpu_opts = [o for o in args.sbatch_opt if requests_gpus(o)]
+    if gpu_opts and not args.local:
+        print(f"GPU options {' '.join(gpu_opts)}: only in the stages that use GPUs "
+              f"({', '.join(s.name for s in stages if s.gpu) or 'none: a CPU run'}); the others run on the CPU")
     if args.local:
         return run_local(pipeline, stages)
     job_ids = submit(pipeline, stages, plan, dry_run=args.dry_run)

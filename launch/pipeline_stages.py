@@ -9,6 +9,13 @@ and `afterok` on the stage before training: a cancelled link satisfies `afterany
 it a failed `verify` would cancel link 1 and then start link 2. `export` waits `afterok` on
 the last link. The composed config is read (not validated: `dapo-mega plan` validates the
 run's overrides) for the run directory, the mode, the layout and the step count only.
+
+Devices and time limits: only the stages whose processes use GPUs (the training links and
+the final eval of a GPU run) get the `--sbatch-opt` options that request GPUs
+(`requests_gpus`: --gpus-per-node, --gres=gpu:..., ...); data, import, verify and export run
+on the CPU. Every stage gets a `--time`: `--time` (training links) and `--stage-time` (the
+others) when given, else the plan's clock (`stage_limits_s`, `training_link_limit_s`); a
+plan without it is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class Stage:
     """Stages this one starts after, each COMPLETED."""
     after_any: List[str] = field(default_factory=list)
     """Stages this one starts after, in whatever state they ended (chain links)."""
+    gpu: bool = False
+    """Its processes use GPUs (the training links and the eval of a GPU run): the GPU-requesting
+    --sbatch-opt options go to such stages only."""
 
     @property
     def log(self) -> str:
@@ -154,8 +164,10 @@ class Pipeline:
                 f"{self.args.time} = {have_h:,.0f} h; raise --chain to {math.ceil(self.args.chain * need_h / have_h)}"]
 
     # --- stages -------------------------------------------------------------------------
-    def stages(self) -> List[Stage]:
-        """The jobs from `--from` on, each with its dependencies on the ones before."""
+    def stages(self, plan: dict) -> List[Stage]:
+        """The jobs from `--from` on, each with its dependencies on the ones before and its time
+        limit (`plan`: `dapo-mega plan --json`'s, whose clock gives the limits not given)."""
+        self.clock = plan.get("clock") or {}
         a, py = self.args, self.args.python
         meg, hf = str(self.megatron), str(a.hf_model.resolve())
         steps: List[Stage] = []
@@ -182,7 +194,7 @@ class Pipeline:
         engines = [f"rollout.num_engines={self.eval_engines}"] if self.eval_engines else []
         steps.append(self._stage("eval", [py, "-m", "dapo_mega.cli", "eval", *self.overrides, *engines,
                                           f"eval.checkpoint={_hydra(self.hf_out)}",
-                                          f"eval.output={_hydra(self.eval_out)}"]))
+                                          f"eval.output={_hydra(self.eval_out)}"], gpu=not self.cpu))
         for before, stage in zip(steps, steps[1:]):
             if not stage.after_ok and not stage.after_any:
                 stage.after_ok = [before.name]
@@ -192,24 +204,45 @@ class Pipeline:
         """Name and log: sbatch_line keeps these two (and the dependency) before any ':'."""
         return [f"--job-name={self.run_dir.name}-{name}", f"--output={self.logs}/{name}-%j.log"]
 
-    def _site(self, time_limit: Optional[str]) -> List[str]:
-        """Options every job component takes: time limit, partition, account, the extra --sbatch-opt."""
+    def _site(self, time_limit: str, gpu: bool) -> List[str]:
+        """Options every job component takes: time limit, partition, account, the extra
+        --sbatch-opt (those requesting GPUs only where the stage uses them)."""
         a = self.args
-        return ([f"--time={time_limit}"] if time_limit else []) + (
-            [f"--partition={a.partition}"] if a.partition else []) + (
-            [f"--account={a.account}"] if a.account else []) + list(a.sbatch_opt)
+        return [f"--time={time_limit}"] + ([f"--partition={a.partition}"] if a.partition else []) + (
+            [f"--account={a.account}"] if a.account else []) + [o for o in a.sbatch_opt if gpu or not requests_gpus(o)]
 
-    def _stage(self, name: str, command: List[str]) -> Stage:
+    def _stage(self, name: str, command: List[str], gpu: bool = False) -> Stage:
         return Stage(name, [name, *command], "launch/stage.sbatch",
-                     self._job_wide(name) + self._site(self.args.stage_time))
+                     self._job_wide(name) + self._site(self._stage_time(name), gpu), gpu=gpu)
+
+    def _stage_time(self, name: str) -> str:
+        """--stage-time, else the plan's limit of this stage; refused without either."""
+        if self.args.stage_time:
+            return self.args.stage_time
+        seconds = (self.clock.get("stage_limits_s") or {}).get(name)
+        if not seconds:
+            raise PipelineError(f"the plan gives no time limit for stage '{name}' (clock.stage_limits_s). "
+                                "Fix: pass --stage-time, or rerun with a dapo-mega plan that estimates it")
+        return slurm_time(seconds)
+
+    def _link_time(self) -> str:
+        """--time, else the plan's estimate of one link's share of the run (`training_link_limit_s`)."""
+        if self.args.time:
+            return self.args.time
+        if not {"step_s", "engine_start_s", "assumptions"} <= set(self.clock):
+            raise PipelineError("the plan gives no step time to derive the training jobs' --time from. "
+                                "Fix: pass --time")
+        from dapo_mega.clock import training_link_limit_s
+
+        return slurm_time(training_link_limit_s(self.clock, self.total_steps, self.args.chain))
 
     def _train_link(self, i: int) -> Stage:
-        opts, site = self._job_wide(f"train-{i}"), self._site(self.args.time)
+        opts, site = self._job_wide(f"train-{i}"), self._site(self._link_time(), gpu=not self.cpu)
         if self.mode == "disaggregated":  # heterogeneous: learner nodes : engine nodes
             opts += [f"--nodes={self.nodes}", *site, ":", f"--nodes={self.engine_nodes}", *site]
         else:
             opts += [f"--nodes={self.nodes}", *site]
-        return Stage(f"train-{i}", list(self.overrides), f"slurm/{self.mode}.sbatch", opts)
+        return Stage(f"train-{i}", list(self.overrides), f"slurm/{self.mode}.sbatch", opts, gpu=not self.cpu)
 
     def job_env(self) -> dict:
         """The environment the jobs run with (sbatch exports the submitting one)."""
@@ -217,6 +250,32 @@ class Pipeline:
                "LEARNERS_PER_NODE": str(self.learners_per_node)}
         env.update({k: v for k, v in (("CONTAINER", self.args.container), ("MOUNTS", self.args.mounts)) if v})
         return env
+
+
+class PipelineError(Exception):
+    """The launcher cannot build a stage's job; the message names it and the fix."""
+
+
+GPU_OPTIONS = ("--gpus", "-G", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket", "--cpus-per-gpu",
+               "--mem-per-gpu", "--gpu-bind", "--gpu-freq", "--ntasks-per-gpu")
+"""sbatch options (Slurm 22.05) that request GPUs or only apply to a job that has them."""
+
+
+def requests_gpus(option: str) -> bool:
+    """Whether an sbatch option (`--gpus-per-node=8`, `--gres=gpu:8`, `-G8`, ...) asks for GPUs."""
+    name, value = (option.split("=", 1) + [""])[:2] if option.startswith("--") else (option[:2], option[2:])
+    name, *rest = name.split() or [""]
+    value = value or " ".join(rest)
+    if name in GPU_OPTIONS:
+        return True
+    return name in ("--gres", "--tres-per-task", "--tres-per-node") and "gpu" in value
+
+
+def slurm_time(seconds: float) -> str:
+    """A Slurm --time of at least `seconds`, in whole minutes: HH:MM:00 or D-HH:MM:00."""
+    days, minutes = divmod(math.ceil(seconds / 60), 24 * 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:00" if days else f"{hours:02d}:{minutes:02d}:00"
 
 
 def slurm_minutes(text: str) -> float:

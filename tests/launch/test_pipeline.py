@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "launch" / "pipeline.py"
 # the tiny model's HF directory stands for the published checkpoint, so it starts from
 # random weights: no warm start (its rewards are mostly 0; 3 steps still train and save)
+EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml"))
 TINY = ["--experiment", "tiny_cpu_slurm"]
 TINY_OVERRIDES = ["--", "trainer.sft_warmup_steps=0"]
 BAD_ROW = "bad.parquet: row 1: field reward_model.ground_truth: empty"  # prepare_data's own message
@@ -138,6 +139,99 @@ def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
     out = _pipeline([*TINY, *_files(inputs), "--output-dir", str(tmp_path), "--from", "eval", "--dry-run",
                      *TINY_OVERRIDES])
     assert list(_sbatch_lines(out.stdout)) == ["eval"], out.stdout + out.stderr
+
+
+QWEN25_32B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+                     "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 40,
+                     "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 131072,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+                     "hidden_act": "silu", "torch_dtype": "bfloat16"}
+GPU_OPTS = ["--sbatch-opt=--gpus-per-node=8", "--sbatch-opt=--gres=gpu:8"]
+
+
+def _gpu_stage(name: str) -> bool:
+    return name.startswith("train-") or name == "eval"
+
+
+def test_32b_dry_run_asks_for_gpus_only_in_gpu_stages_and_times_every_stage(tmp_path):
+    """What a GRES site passes (launch/README.md): the GPU options reach the training links and
+    the eval only; conversion, data and export run on the CPU; every stage has a --time."""
+    hf = tmp_path / "Qwen2.5-32B"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(QWEN25_32B_CONFIG))
+    for name in ("dapo.parquet", "aime.parquet"):
+        (tmp_path / name).touch()
+    out = _pipeline(["--hf-model", str(hf), "--dapo-math", str(tmp_path / "dapo.parquet"), "--aime",
+                     str(tmp_path / "aime.parquet"), "--output-dir", str(tmp_path / "runs"), "--dry-run",
+                     *GPU_OPTS, "--sbatch-opt=--mem=0"], entry=REPO / "launch" / "dapo_qwen2.5_32b.sh")
+    assert out.returncode == 0, out.stderr
+    lines = _sbatch_lines(out.stdout)
+    assert [n for n in lines if not n.startswith("train-")] == ["data", "import", "verify", "export", "eval"]
+    for name, ln in lines.items():
+        gpu = [a for a in ln if a in ("--gpus-per-node=8", "--gres=gpu:8")]
+        assert gpu == (["--gpus-per-node=8", "--gres=gpu:8"] if _gpu_stage(name) else []), name
+        assert "--mem=0" in ln and len([a for a in ln if a.startswith("--time=")]) == 1, name
+    assert "--time=24:00:00" in lines["train-1"]  # the entry point's
+    assert "--time=00:10:00" in lines["data"]  # the plan's: its start-up only
+    assert "--device" not in lines["import"]  # the conversion's default: the CPU
+    assert "GPU options --gpus-per-node=8 --gres=gpu:8: only in the stages that use GPUs" in out.stdout
+
+
+def _launcher():
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        import pipeline
+        import pipeline_stages
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    return pipeline, pipeline_stages
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_every_stage_has_a_time_and_gpus_only_where_used(name, tmp_path):
+    """Every shipped experiment's stages from the plan's clock (no --time, no --stage-time):
+    each job and each component of a heterogeneous one has a --time, and the GPU options only
+    the stages whose processes use GPUs (none in a CPU run)."""
+    from dapo_mega.clock import estimate_clock
+    from dapo_mega.config import compose_config, register_configs
+
+    pipeline, stages_module = _launcher()
+    args = pipeline.parse_args(["--experiment", name, "--hf-model", str(tmp_path / "hf"), "--output-dir",
+                                str(tmp_path), "--dapo-math", "d.parquet", "--aime", "a.parquet", "--chain", "3",
+                                *GPU_OPTS, "--sbatch-opt=--mem=0", "--dry-run"])
+    launcher = stages_module.Pipeline(args)
+    register_configs()
+    cfg = compose_config("config", launcher.overrides)
+    stages = launcher.stages({"clock": estimate_clock(cfg).to_dict()})
+    assert [s.name for s in stages] == ["data", "import", "verify", "train-1", "train-2", "train-3", "export",
+                                        "eval"]
+    for stage in stages:
+        components = " ".join(stage.sbatch).split(" : ")
+        assert all(len(re.findall(r"--time=(?:\d+-)?\d\d:\d\d:00\b", c)) == 1 for c in components), stage.sbatch
+        gpu = cfg.cluster.device != "cpu" and _gpu_stage(stage.name)
+        assert stage.gpu == gpu
+        for component in components:
+            assert ("--gpus-per-node=8" in component.split()) == gpu and ("--gres=gpu:8" in component) == gpu
+            assert "--mem=0" in component.split()
+
+
+def test_stage_times_refused_without_the_plan_unless_given():
+    pipeline, stages_module = _launcher()
+    common = ["--experiment", "tiny_cpu_slurm", "--hf-model", "/nowhere", "--output-dir", "/tmp/x", "--dapo-math",
+              "d.parquet", "--aime", "a.parquet", "--dry-run"]
+    with pytest.raises(stages_module.PipelineError, match="no time limit for stage 'data'.*Fix: pass --stage-time"):
+        stages_module.Pipeline(pipeline.parse_args(common)).stages({})
+    with pytest.raises(stages_module.PipelineError, match="no step time .* Fix: pass --time"):
+        stages_module.Pipeline(pipeline.parse_args([*common, "--stage-time", "1:00:00"])).stages({})
+    given = stages_module.Pipeline(pipeline.parse_args([*common, "--stage-time", "1:00:00", "--time", "30"]))
+    assert {next(o for o in s.sbatch if o.startswith("--time=")) for s in given.stages({})} == \
+        {"--time=1:00:00", "--time=30"}
+    assert [stages_module.requests_gpus(o) for o in ("--gpus-per-node=8", "-G8", "--gres=gpu:a100:4",
+                                                     "--gres gpu:8", "--mem-per-gpu=80G", "--gres=nvme:1",
+                                                     "--mem=0", "-pgpu", "--constraint=gpu")] == \
+        [True, True, True, True, True, False, False, False, False]
+    assert [stages_module.slurm_time(s) for s in (1, 600, 5161, 86400 + 61)] == \
+        ["00:01:00", "00:10:00", "01:27:00", "1-00:02:00"]
 
 
 def test_plan_refusals_stop_before_submitting(inputs, tmp_path):
