@@ -52,6 +52,10 @@ class PolicySync:
         """Colocated on GPUs: this rank's part in the hand-over (weights.handover.HandoverPlan)."""
         self.posters: Dict[int, "WeightSyncer"] = {}
         """Colocated on GPUs: engine index -> WeightSyncer on the rank that posts its payloads."""
+        self.handover_endpoints: Dict[int, "EngineEndpoint"] = {}
+        """Colocated on GPUs: engine index -> its endpoint (posters are made again from it)."""
+        self.handover_gpus: Dict[str, List[int]] = {}
+        """Colocated on GPUs: engine url -> its GPUs on its node (named when it hangs)."""
         self.grouped = False
         """Weights travel over weight-update groups (one per stage) that an engine's death re-forms."""
         self.dropped: set = set()
@@ -120,6 +124,8 @@ class PolicySync:
         if problems:
             raise RuntimeError("colocated placement: " + "; ".join(problems))
         self.handover = HandoverPlan.for_rank(self.layout.rank, {e.index: e.ipc_ranks for e in placement.engines})
+        self.handover_endpoints = {e.index: endpoints[e.index] for e in placement.engines}
+        self.handover_gpus = {endpoints[e.index].url: list(e.gpu_ids) for e in placement.engines}
         self.posters = {e: WeightSyncer([endpoints[e]], mode="colocated") for e in self.handover.posts}
         if self.role.is_driver:
             self.syncer = WeightSyncer(endpoints, mode="colocated", engine_tp_size=self.cfg.rollout.engine_tp_size)
@@ -143,16 +149,14 @@ class PolicySync:
         restarted = [u for u in revived if u not in self.dropped]
         newly = sorted(set(dead) - self.dropped) + restarted
         back = [u for u in revived if u in self.dropped] + restarted
-        if back and self.handover is not None:  # a hand-over plan is fixed at start
-            self.role.say(f"[trainer] engines {back} answer again but stay out: the colocated hand-over "
-                          "does not take engines back", error=True)
-            back = []
         if not newly and not back:
             return
         self.dropped.update(newly)
         self.dropped.difference_update(back)
         self.rejoined += back
         drop_dead_posters(self.posters, newly)  # GPU hand-over: the ranks that post for them
+        if self.handover is not None:
+            self._handover_changes(newly, back)
         if self.syncer is not None:
             for url in self.syncer.drop_engines(newly):
                 self.role.say(f"[trainer] engine {url} dropped from rollouts and weight sync: "
@@ -160,6 +164,26 @@ class PolicySync:
             self.syncer.add_engines([endpoint_of(u, self.cfg.rollout) for u in back])
         if self.grouped:
             run_stages_in_turn(self.layout.pp, self.layout.pp_rank, self._rejoin, torch.distributed.barrier)
+
+    def _handover_changes(self, newly: List[str], back: List[str]) -> None:
+        """Colocated on GPUs: payloads only for live engines (`HandoverPlan.drop` / `readmit`,
+        posters again for engines back); an engine dropped that still holds its GPU memory
+        (hung) stops the run, named (the driver probes, every rank raises)."""
+        from dapo_mega.rollout.fleet import endpoint_of
+        from dapo_mega.weights.handover import probe_dropped_engine, require_dropped_engines_released
+        from dapo_mega.weights.sync import WeightSyncer
+
+        index = {endpoint.url: e for e, endpoint in self.handover_endpoints.items()}
+        self.handover.drop([index[u] for u in newly if u in index])
+        self.handover.readmit([index[u] for u in back if u in index])
+        for e in self.handover.live_posts():
+            if e not in self.posters:
+                self.posters[e] = WeightSyncer([self.handover_endpoints[e]], mode="colocated")
+        if newly:
+            timeout = self.cfg.rollout.liveness_probe_interval_s
+            states = self.role.broadcast({u: probe_dropped_engine(endpoint_of(u, self.cfg.rollout), timeout)
+                                          for u in newly} if self.role.is_driver else None)
+            require_dropped_engines_released(states, self.handover_gpus)
 
     def _rejoin(self) -> None:
         syncer = self.syncer

@@ -19,7 +19,12 @@ group of the source rank and the engine ranks) cannot be used. Instead, as slime
           4. a barrier: every engine has copied the bucket, so buffers and files may go.
         The last bucket of the last stage carries the new weight version.
 
-`HandoverPlan.for_rank` reads this rank's part from the placement's `ipc_ranks`.
+`HandoverPlan.for_rank` reads this rank's part from the placement's `ipc_ranks`. Engines found
+dead leave the plan (`drop`) and come back when they answer again (`readmit`): payloads are
+made for live engines only, since a CUDA IPC payload nobody unpickles keeps its block in
+torch's IPC limbo (the sender's reference count stays at 1). A dropped engine that still holds
+its GPU memory (hung, not gone) stops the run, named (`require_dropped_engines_released`):
+the learner's step would run out of memory on its GPUs.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import base64
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -50,6 +55,20 @@ class HandoverPlan:
     """(engine, engine TP rank) whose GPU this rank shares: it makes their payloads."""
     posts: List[int] = field(default_factory=list)
     """Engines whose request this rank sends (it holds their TP rank 0)."""
+    dropped: Set[int] = field(default_factory=set)
+    """Engines found dead: no payloads are made for them until they are readmitted."""
+
+    def drop(self, engines: Sequence[int]) -> None:
+        """Engines found dead leave the hand-over (the same on every rank)."""
+        self.dropped.update(engines)
+
+    def readmit(self, engines: Sequence[int]) -> None:
+        """Dropped engines answering again take part from the next sync on."""
+        self.dropped.difference_update(engines)
+
+    def live_posts(self) -> List[int]:
+        """Engines whose request this rank sends, but those dropped."""
+        return [e for e in self.posts if e not in self.dropped]
 
     @classmethod
     def for_rank(cls, rank: int, ipc_ranks: Mapping[int, Sequence[int]]) -> "HandoverPlan":
@@ -69,6 +88,8 @@ class HandoverPlan:
         two processes breaks the sender's reference counting, as SGLang's tp_worker says)."""
         payloads, cleanups = {}, []
         for engine, tp_rank in self.holds:
+            if engine in self.dropped:  # nobody would unpickle it: its CUDA block would stay in IPC limbo
+                continue
             payloads[(engine, tp_rank)], cleanup = make_payload(views)
             cleanups.append(cleanup)
         return payloads, cleanups
@@ -106,6 +127,56 @@ def drop_dead_posters(posters: Dict[int, WeightSyncer], dead_urls: Sequence[str]
         else:
             poster.drop_engines(gone)
     return dropped
+
+
+GONE, RELEASED, HUNG = "gone", "released", "hung"
+"""What became of a dropped colocated engine's memory (`probe_dropped_engine`)."""
+
+
+class HungEngineError(RuntimeError):
+    """A colocated engine found dead still holds its GPU memory: the run cannot go on."""
+
+
+def require_dropped_engines_released(states: Mapping[str, str], gpus: Mapping[str, Sequence[int]]) -> None:
+    """Colocated on GPUs: every engine dropped as dead must have given its memory back, its
+    process gone (CUDA frees a process's memory when it exits) or its memory released on
+    request. An engine that answers neither (hung) keeps the weights and KV cache it holds on
+    its GPUs, and the learner's step there would run out of memory: raise naming it."""
+    hung = [url for url, state in states.items() if state == HUNG]
+    if hung:
+        named = "; ".join(f"{url} (GPUs {list(gpus.get(url, ()))})" for url in hung)
+        raise HungEngineError(f"colocated engine(s) {named} stopped answering but still hold their GPU memory "
+                              "(neither exited nor released it on request): the learner's step would run out of "
+                              "memory on those GPUs, so the run stops. Fix: kill the engine's processes (under "
+                              "Slurm the engines role restarts it) and resume the run from its last checkpoint")
+
+
+def probe_dropped_engine(endpoint, timeout_s: float) -> str:
+    """GONE when nothing listens at the engine's address any more (its process exited, and
+    its memory with it), RELEASED when it releases its memory on request within `timeout_s`,
+    else HUNG (it accepts the connection and answers nothing: stopped, deadlocked)."""
+    import asyncio
+    import socket
+    from urllib.parse import urlsplit
+
+    from dapo_mega.backends.sglang.client import EngineClient
+
+    parts = urlsplit(endpoint.url)
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return GONE
+    except OSError:
+        return HUNG
+
+    async def release() -> None:
+        async with EngineClient(endpoint) as client:
+            await asyncio.wait_for(client.release_memory_occupation(), timeout_s)
+    try:
+        asyncio.run(release())
+        return RELEASED
+    except Exception:  # noqa: BLE001 - a timeout or a refusal: it keeps its memory
+        return HUNG
 
 
 def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, info, layout, weight_version: str,
@@ -149,7 +220,7 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
             version = weight_version if (is_last and stage == layout.pp - 1) else None
             error = None
             try:
-                for engine in [e for e in plan.posts if e in posters]:  # not those dropped as dead
+                for engine in [e for e in plan.live_posts() if e in posters]:  # not those dropped as dead
                     posters[engine].post_tensor_payloads(plan.request_payloads(gathered, engine), load_format,
                                                          version)
             except Exception as exc:  # every rank must learn of it, or the others wait in the next bucket
