@@ -28,6 +28,7 @@ from helpers.parallel import (  # noqa: E402
     is_xdist_worker,
     longest_units_first,
     recorded_seconds,
+    ungrouped,
     unit_of,
 )
 
@@ -46,6 +47,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             item.add_marker(pytest.mark.xdist_group(unit_of(item)))
         items[:] = longest_units_first(items, recorded_seconds())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """On the xdist controller: every test must carry its group, or the two-worker rules do not hold."""
+    lost = ungrouped(ids) if node.config.getvalue("dist") == "loadgroup" else []
+    if lost:
+        pytest.exit(f"xdist's --dist loadgroup did not group {len(lost)} tests (e.g. {lost[0]}): pytest "
+                    f"{pytest.__version__} with this pytest-xdist loses the group names, so units and the Slurm "
+                    "tests would spread over both workers. Install the dev extra's pytest (pip install -e "
+                    "'.[dev]' -c constraints-cpu.txt) or run with -n 0", returncode=4)
 
 
 @pytest.hookimpl(hookwrapper=True)

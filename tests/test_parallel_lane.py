@@ -61,3 +61,10 @@ def test_an_exclusive_test_waits_for_running_ones_and_holds_back_later_ones(tmp_
     for t in threads:
         t.join(5)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_ids_that_lost_their_group_are_found():
+    """pytest 9.2 drops the `@group` suffix xdist 3.8 gives under loadgroup: caught at collection."""
+    grouped = ["tests/a/test_a.py::test_x@a/test_a.py", "tests/launch/test_jobs.py::test_y[p@q]@slurm"]
+    lost = ["tests/a/test_a.py::test_z", "tests/b/test_b.py::test_w[user@host]"]
+    assert parallel.ungrouped(grouped + lost) == lost
