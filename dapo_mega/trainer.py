@@ -2,7 +2,8 @@
 
     generate -> reward -> dynamic sampling -> advantages -> train (mini-batches)
              -> sync weights (policy_version += 1) -> evaluate -> save -> HF export
-             -> stop early, saved, when another step would not fit trainer.wall_time_minutes
+             -> stop early, saved, when another step would not fit trainer.wall_time_minutes,
+                or on SIGUSR1 / SIGTERM (exit 75: run again to resume; driver/stop_signal.py)
 
 Every learner rank runs `train`. Global rank 0 is also the driver: it owns the rollout
 engines, the verifier, the data cursor, the ledger and the records, and hands each step's
@@ -28,6 +29,7 @@ import sys
 from typing import Dict, Optional
 
 from dapo_mega.config import DapoConfig, check_warm_start, from_yaml
+from dapo_mega.driver.stop_signal import EXIT_STOPPED, WALL_TIME, StopSignals, stop_message
 from dapo_mega.heap import freeze_startup_objects, keep_freed_memory
 from dapo_mega.resources import PhaseMeter
 
@@ -40,7 +42,12 @@ def train(cfg: DapoConfig) -> int:
 
     if not torch.cuda.is_available():
         keep_freed_memory()                     # the learner computes on the CPU (heap.py)
-    s = Session.start(cfg)                      # process groups, learner, engines, resume
+    signals = StopSignals().install()           # SIGUSR1 / SIGTERM: checkpoint at the end of the step, exit 75
+    try:
+        s = Session.start(cfg)                  # process groups, learner, engines, resume
+    except BaseException:
+        signals.restore()
+        raise
     role, run = s.role, s.run                   # this rank's part (driver or not), counters
     try:
         if run.state.step == 0 and cfg.trainer.sft_warmup_steps > 0 and not run.resumed:
@@ -75,8 +82,9 @@ def train(cfg: DapoConfig) -> int:
                 with meter.phase("eval"):
                     eval_metrics = role.evaluate()
             run.clock.record_step(sum(meter.timings().values()))
-            out_of_time = step < cfg.trainer.total_steps and role.out_of_time(run.clock)  # wall-time limit
-            if run.should_save(step) or out_of_time:
+            # a stop signal (the driver's) or the wall-time limit: save this step and stop
+            stop = role.stop_reason(run.clock, signals.received) if step < cfg.trainer.total_steps else ""
+            if run.should_save(step) or stop:
                 with meter.phase("save"):
                     s.save_checkpoint(step)
                 run.clock.record_save(meter.metrics["time/save_s"])
@@ -86,7 +94,11 @@ def train(cfg: DapoConfig) -> int:
                     export_metrics = s.export_hf(step)
             role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics, **export_metrics},
                           meter.metrics)
-            if out_of_time:
+            if stop and stop != WALL_TIME:
+                signals.closing = True          # saved: the ranks close and exit 75 together
+                role.say(stop_message(stop, step, cfg.trainer.total_steps))
+                return EXIT_STOPPED
+            if stop:
                 role.say(f"[trainer] stopped after step {step} of {cfg.trainer.total_steps} to end within "
                          f"trainer.wall_time_minutes={cfg.trainer.wall_time_minutes:g} (running "
                          f"{run.clock.elapsed_s() / 60:.1f} min; a step takes up to {run.clock.longest_step_s:.0f} s, "
@@ -95,6 +107,7 @@ def train(cfg: DapoConfig) -> int:
         return 0
     finally:
         s.close()
+        signals.restore()
 
 
 def run_training(cfg: DapoConfig) -> int:

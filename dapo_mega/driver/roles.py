@@ -18,6 +18,7 @@ from dapo_mega.driver import advantages
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, WallClock, write_ledger
+from dapo_mega.driver.stop_signal import WALL_TIME
 from dapo_mega.records.ledger import LedgerText, prepare_writer
 
 if TYPE_CHECKING:
@@ -100,11 +101,13 @@ class LearnerRankRole:
         """What only the driver adds to a checkpoint's trainer state."""
         return {}
 
-    def out_of_time(self, clock: WallClock) -> bool:
-        """Whether the run stops now to fit its wall-time limit: the driver's clock and limit
-        decide for every rank (under Slurm each rank's limit is its own squeue answer, which
-        can differ or be missing). Collective, limited or not."""
-        return bool(self.broadcast())
+    def stop_reason(self, clock: WallClock, stop_signal: str = "") -> str:
+        """Why the run stops after this step ("" = it goes on): a stop signal the driver received
+        ("SIGUSR1", "SIGTERM": `stop_signal.py`), else WALL_TIME when the next step would not fit
+        the wall-time limit. The driver's clock, limit and signal decide for every rank (under
+        Slurm each rank's limit is its own squeue answer, which can differ or be missing, and
+        ranks receive a signal at slightly different times). Collective, limited or not."""
+        return str(self.broadcast())
 
     def close(self) -> None:
         self.gate.close()
@@ -232,8 +235,8 @@ class DriverRole(LearnerRankRole):
     def log_step(self, step: int, metrics: Dict[str, float], timings: Dict[str, float]) -> None:
         self.recorder.log_step(step, {"policy_version": self.run.state.policy_version, **metrics, **timings})
 
-    def out_of_time(self, clock: WallClock) -> bool:
-        return bool(self.broadcast(clock.next_step_would_overrun()))
+    def stop_reason(self, clock: WallClock, stop_signal: str = "") -> str:
+        return str(self.broadcast(stop_signal or (WALL_TIME if clock.next_step_would_overrun() else "")))
 
     def checkpoint_state(self) -> Dict[str, object]:
         if self.last_batch is None:
