@@ -310,9 +310,11 @@ def test_learner_error_fails_job_promptly_with_error_in_log(cluster, tmp_path):
     assert cluster.run(["squeue", "-h", "-j", str(job)], check=False).stdout.strip() == ""
 
 
-def test_engine_killed_mid_run_fails_job_promptly(cluster, tmp_path):
+def test_engine_killed_mid_run_past_its_restarts_fails_job_promptly(cluster, tmp_path):
+    # rollout.engine_restarts=0: the first exit of an engine ends the engines role, and the job
     run_dir = tmp_path / "engkill"
-    job = _submit(cluster, "colocated.sbatch", tmp_path, "engkill", COLOCATED, ["trainer.total_steps=200"])
+    job = _submit(cluster, "colocated.sbatch", tmp_path, "engkill", COLOCATED,
+                  ["trainer.total_steps=200", "rollout.engine_restarts=0"])
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not _metrics(run_dir) and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -330,6 +332,73 @@ def test_engine_killed_mid_run_fails_job_promptly(cluster, tmp_path):
     # whichever role noticed first (the engines' watcher or the trainer's next request),
     # the job log names it, and the engines' launcher log names the dead engine
     assert re.search(r"role '(engines|learner)' exited with status", log), log
-    assert "engine 1 exited with signal 9" in everything
+    assert re.search(r"engine 1 \(\S+, pid \d+\) exited with signal 9; it was restarted 0 time\(s\) in this job, "
+                     r"the most rollout.engine_restarts=0 allows", everything), everything
     assert len(_metrics(run_dir)) < 200
     assert cluster.run(["squeue", "-h", "-j", str(job)], check=False).stdout.strip() == ""
+
+
+KILL_STEPS = 60
+"""Steps of the engine-kill jobs: a tiny step takes ~0.4 s here and an embedded engine starts in
+~5 s, so the restarted engine answers again with most of the run still to go (and is seen
+back in the ledger) while the job stays short."""
+
+
+def _kill_engine_1_after_step_1(cluster, out_dir: Path, run_dir: Path, job: int) -> dict:
+    """SIGKILL engine 1's process (as an OOM kill would) once step 1 is recorded; its registry record."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not _metrics(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert _metrics(run_dir), _batch_log(out_dir, job) + _job_logs(run_dir, job)
+    record = json.loads((run_dir / "engines" / "engine-1.json").read_text())
+    assert record["job_id"] == str(job)
+    os.kill(record["pid"], signal.SIGKILL)
+    return record
+
+
+def _assert_outlived_engine(cluster, out_dir: Path, run_dir: Path, job: int, record: dict, engines_log: str) -> None:
+    """The job completed every step although engine 1 died: the engines role restarted it at
+    its URL (announced again with a new pid), the trainer dropped it, found it answering again
+    and synced the weights into it before it served; every step's ledger is whole, from
+    engines serving the learner's weights, and shows the gap in engine 1's service."""
+    info = cluster.wait_job(job, JOB_TIMEOUT_S * 2)
+    logs = run_dir / "logs" / f"job-{job}"
+    everything = _batch_log(out_dir, job) + _job_logs(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", everything
+    engines = (logs / engines_log).read_text(errors="replace")
+    assert f"engine 1 ({record['url']}, pid {record['pid']}) exited with signal 9; restarting it at its port" \
+        in engines and "engine 1 restarted" in engines, engines[-3000:]
+    again = json.loads((run_dir / "engines" / "engine-1.json").read_text())
+    assert again["url"] == record["url"] and again["pid"] != record["pid"]  # back where the trainer looks
+    learner0 = (logs / "learner-0.log").read_text(errors="replace")
+    dropped = [line for line in learner0.splitlines() if "dropped from rollouts and weight sync" in line]
+    assert dropped and all(record["url"] in line for line in dropped), learner0[-3000:]
+    assert f"engine {record['url']} answers again" in learner0, learner0[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, KILL_STEPS + 1))
+    ledger = _ledger(run_dir)
+    assert sorted(ledger) == list(range(1, KILL_STEPS + 1)) and all(len(rows) == 32 for rows in ledger.values())
+    _check_engine_versions(ledger, range(1, KILL_STEPS + 1))  # the restarted engine too: weights first
+    # the gap: steps engine 1 served (the ledger's engine_id is its URL): some before the kill,
+    # none for a while after it, and again once it held the weights
+    served = [step for step, rows in sorted(ledger.items()) if any(r["engine_id"] == record["url"] for r in rows)]
+    gap = [s for s in range(1, KILL_STEPS + 1) if s not in served]
+    assert served and served[0] == 1 and gap and served[-1] > gap[0], served
+
+
+@pytest.mark.slow  # one real job of 60 tiny steps with an engine restart: ~1 min on 2 cores
+def test_engine_killed_mid_run_is_restarted_and_the_colocated_job_completes(cluster, tmp_path):
+    run_dir = tmp_path / "coloc_restart"
+    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc_restart", COLOCATED,
+                  [f"trainer.total_steps={KILL_STEPS}", "trainer.save_interval=0"])
+    record = _kill_engine_1_after_step_1(cluster, tmp_path, run_dir, job)
+    _assert_outlived_engine(cluster, tmp_path, run_dir, job, record, "engines-node1.log")
+
+
+@pytest.mark.slow  # one real heterogeneous job of 60 tiny steps with an engine restart: ~1 min on 2 cores
+def test_engine_killed_mid_run_is_restarted_and_the_disaggregated_job_completes(cluster, tmp_path):
+    run_dir = tmp_path / "disagg_restart"
+    job = _submit(cluster, "disaggregated.sbatch", tmp_path, "disagg_restart", DISAGGREGATED,
+                  [*DISAGG_OVERRIDES, f"trainer.total_steps={KILL_STEPS}", "trainer.save_interval=0"])
+    record = _kill_engine_1_after_step_1(cluster, tmp_path, run_dir, job)
+    _assert_outlived_engine(cluster, tmp_path, run_dir, job, record, "engines-node0.log")
