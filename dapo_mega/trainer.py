@@ -9,7 +9,7 @@ Every learner rank runs `train`. Global rank 0 is also the driver: it owns the r
 engines, the verifier, the data cursor, the ledger and the records, and hands each step's
 samples to the other ranks; `role` is that part on each rank (`driver/roles.py`: the driver,
 or a learner rank that receives), so the loop never tests the rank. The components live in
-`dapo_mega/driver/` (see the README's package map); `dapo_mega/session.py` wires them,
+`dapo_mega/driver/` (see docs/architecture.md); `dapo_mega/session.py` wires them,
 and this file is the loop.
 
 How it departs from the textbook: no critic and no KL (DAPO); the loss is token-level
