@@ -1,39 +1,70 @@
-"""One GPU node (H100/H200 class): learner step, weight sync and rollout at 7B shape.
+"""One GPU node (H100/H200 class): the GPU path's checks, then the 7B-shape measurements.
 
-NOT RUNNABLE ON THE CPU (it exits saying so); its pure helpers (parameter count, FLOPs,
-MFU) are tested on the CPU in tests/test_bench_formulas.py. Sized to finish within ~10
-minutes on one H200:
+ONE CALL, on a node with one GPU (Python 3.12, torch 2.11 / CUDA 13, transformers, triton;
+Transformer Engine and SGLang optional). From the repository root, with the megatron-core
+wheel for that Python beside it (none is in this repository: fetch it where the network is
+reachable, `pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.16.1`,
+and carry it to the node):
 
-    python bench/gpu_node.py                       8 of Qwen2.5-7B's 28 layers
-    python bench/gpu_node.py --layers 28           the full depth, if memory allows
-    python bench/gpu_node.py --skip-sglang --out /tmp/gpu_node.json
+    pip install --no-deps megatron_core-0.16.1-cp312-*.whl && pip install -e . --no-deps \
+        && python bench/gpu_node.py
 
-What it measures, each with the seconds it took (`seconds` = wall-clock of that part):
+It assumes: the repository's runtime dependencies already in that Python (hydra-core,
+omegaconf, safetensors, aiohttp, ... as pyproject lists them; `--no-deps` keeps the node's
+torch), `dapo-mega` on the PATH or `python -m dapo_mega.cli` working, nothing else using the
+GPU, /tmp writable (~2 GB), no network. Takes under 10 minutes (`--budget-s`, default 570).
+NOT RUNNABLE ON THE CPU: it exits 2 saying so. Its pure pieces (the part list, the verdicts,
+the table, the budget, FLOPs and MFU) are tested on the CPU in tests/bench/test_gpu_node.py
+and tests/test_bench_formulas.py.
 
-1. learner step, bf16: megatron-core GPTModel of Qwen2.5-7B's shape (hidden 3584, 28 heads,
-   4 KV heads, FFN 18944, vocab 152064; random weights; `--layers` of them) through
-   `MegatronLearner._update` (the trainer's DAPO step: forward, backward, Megatron
-   optimizer), world size 1 on NCCL, on `--samples` variable-length samples up to
-   `--seq-len` tokens. Transformer Engine layer spec when TE is importable, else the local
-   spec (said in the result).
-2. learner step, FP8 (TE only; tensorwise recipe): the same batch.
+The checks (issue 28 item 6), each in its own subprocess with a timeout, so that one failure
+does not stop the others:
+
+a. convert_gpu: `tools/convert_checkpoint.py import --device cuda --dtype bf16` of the tiny
+   HF model (dapo_mega/models/tiny.py, built from its config) and `verify --device cuda`,
+   which must pass.
+b. convert_tp2: the device rule of conversion on one GPU (backends/placement.py
+   `conversion_cuda_index`): `import --tp 2` (the CPU default) works on a GPU node, and
+   `import --tp 2 --device cuda` is refused in one line (`error: ... Fix: ...`, exit 2)
+   when the node has fewer than 2 GPUs (with 2 or more it must work).
+c. eval_two_engines: the device rule of `dapo-mega eval` (`node_engine_gpus`): one TP-1
+   engine gets GPU 0; two need 2 GPUs, so on one GPU both the rule and the fleet's
+   `start_on_this_node("dapo-mega eval", 2)` refuse in one line before any engine starts.
+d. handover_sglang: the colocated CUDA-IPC hand-over (`transport.serialize_cuda_ipc`, what
+   `weights/handover.py` posts) unpickled in a second process on the same GPU through
+   SGLang 0.5.23's own path when sglang imports (`normalize_serialized_named_tensor_payloads`
+   as its tokenizer manager does, then `monkey_patch_torch_reductions` and
+   `MultiprocessingSerializer.deserialize`, SGLang's SafeUnpickler, as
+   `TpModelWorker.deserialize_own_rank` does for update_weights_from_tensor); without
+   sglang, through the project's own patch (and the row says the SGLang half was skipped).
+   Bytes must arrive unchanged on cuda:0.
+e. train_tiny_bf16: `dapo-mega train` of the tiny model, bf16 learner on the GPU
+   (megatron=gpu_bf16), 2 rollout steps, the step-1 checks on (checks.*:
+   driver/weight_probe.py); the run must exit 0 and its metrics.jsonl rows carry
+   `mismatch/age_0/logp_abs_mean` and `probe/logp_abs_mean` under the limits (bf16: 0.5
+   nats, weight_probe.BF16_MAX_ABS_MEAN) with no probe errors. Engine: SGLang colocated
+   when sglang imports, else the embedded engine (`--train-engine`).
+
+Then, while the budget lasts (each skipped, saying so, when its timeout no longer fits):
+the measurements at Qwen2.5-7B's shape (random weights, `--layers` of 28):
+
+1. learner_bf16: megatron-core GPTModel through `MegatronLearner._update` (forward,
+   backward, Megatron optimizer), world size 1 on NCCL, `--samples` variable-length samples
+   up to `--seq-len` tokens; TE layer spec when TE imports, else the local spec.
+2. learner_fp8 (TE only; tensorwise recipe): the same batch.
    MFU = model FLOPs / (seconds x peak); model FLOPs per step = 6·N·tokens + attention,
    N = non-embedding parameters + LM head (Eq. 1 of `train_flops`); peak = 989 TFLOP/s
    dense bf16 and 1979 FP8 (H100/H200 SXM). FP8 MFU is reported against both peaks.
-3. weight sync into a real SGLang server (when `sglang` is importable): a server is
-   started on an HF directory of the same shape, then `bench/gpu_sglang_sync.py` (NCCL
-   group with the server, `WeightSyncer` buckets) syncs it twice; GB/s of the second.
-4. SGLang rollout tokens/s on that server: `--rollout-prompts` prompts x n=`--rollout-n`
-   samples of `--rollout-tokens` tokens (ignore_eos, random weights).
-5. the colocated hand-over on one GPU (`part_handover`): the learner process builds the
-   CUDA-IPC payload of the project's hand-over for the shape's layer weights, a second
-   process on the same GPU (the engine's side) unpickles it with the same UUID patch and
-   copies it out: bytes unchanged (checksum) and GB/s. Needs neither SGLang nor a NCCL
-   group, so it runs on one GPU (a NCCL group of two processes on GPU 0 is refused:
-   "Duplicate GPU detected"; the SGLang sync of part 3 needs a server on its own GPU).
+3. handover: the hand-over of check d at the 7B shape's layer weights: GB/s of the copy-out.
+4. sglang (when sglang imports): a server on an HF directory of the shape, the weight sync of
+   `bench/gpu_sglang_sync.py` (needs a second GPU: a NCCL group of two processes on GPU 0
+   is refused, "Duplicate GPU detected") and rollout tokens/s.
 
-Each part runs in its own subprocess, so GPU memory is free between parts. Whatever is not
-installed is skipped and listed under "skipped" with the reason.
+Output: ONE table (part, pass / fail / skipped, seconds, the reason of each failure or
+skip), the JSON of every part at `--out`, exit 0 when no part failed, else 1.
+
+    python bench/gpu_node.py --checks-only             the five checks
+    python bench/gpu_node.py --layers 28 --budget-s 900  the full depth, more time
 """
 
 from __future__ import annotations
@@ -43,13 +74,14 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan import KNOWN_MODELS
@@ -112,10 +144,149 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--rollout-prompts", type=int, default=64)
     ap.add_argument("--rollout-n", type=int, default=8)
     ap.add_argument("--rollout-tokens", type=int, default=1024)
-    ap.add_argument("--skip-sglang", action="store_true", help="learner only")
+    ap.add_argument("--skip-sglang", action="store_true", help="no SGLang server measurement")
+    ap.add_argument("--checks-only", action="store_true", help="the five checks, no measurement")
+    ap.add_argument("--budget-s", type=float, default=570,
+                    help="wall-clock budget of the whole run: measurements whose timeout no longer fits are skipped")
+    ap.add_argument("--train-engine", default="auto", choices=["auto", "sglang", "embedded"],
+                    help="engine of check e (auto: sglang when it imports, else the embedded engine)")
+    ap.add_argument("--train-timeout-s", type=float, default=330, help=argparse.SUPPRESS)  # set per part
     ap.add_argument("--out", default=str(BENCH_DIR / "results" / "gpu_node.json"))
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # internal: one part per subprocess
     return ap.parse_args(argv)
+
+
+# ============================================================================ the part list, verdicts, table
+@dataclass(frozen=True)
+class Part:
+    """One part of the run: a check (pass / fail) or a measurement (figures)."""
+
+    name: str
+    kind: str
+    """check or measure."""
+    timeout_s: int
+    """Bound of its subprocess (a check gets less when the budget has less left)."""
+    what: str
+
+
+PARTS: Tuple[Part, ...] = (
+    Part("convert_gpu", "check", 200, "a) convert_checkpoint import + verify --device cuda, tiny model, bf16"),
+    Part("convert_tp2", "check", 200, "b) import --tp 2: CPU default works, --device cuda on 1 GPU refused"),
+    Part("eval_two_engines", "check", 60, "c) eval device rule: 1 engine on GPU 0, 2 TP-1 engines need 2 GPUs"),
+    Part("handover_sglang", "check", 120, "d) colocated CUDA-IPC hand-over through SGLang's unpickling"),
+    Part("train_tiny_bf16", "check", 360, "e) dapo-mega train, tiny model, bf16 GPU, 2 steps, step-1 checks"),
+    Part("learner_bf16", "measure", 240, "7B-shape learner step, bf16, MFU"),
+    Part("learner_fp8", "measure", 240, "7B-shape learner step, FP8 (Transformer Engine), MFU"),
+    Part("handover", "measure", 180, "7B-shape layers through the CUDA-IPC hand-over, GB/s"),
+    Part("sglang", "measure", 420, "SGLang server: weight sync GB/s (2 GPUs) and rollout tokens/s"),
+)
+"""Checks first (the issue's item 6), then the measurements while the budget lasts."""
+
+MIN_CHECK_S = 30
+"""A check is not started with less budget than this left (it would only time out)."""
+
+
+def part_timeout(part: Part, remaining_s: float) -> Tuple[Optional[float], str]:
+    """(the timeout to run `part` with, "") or (None, why it is skipped), given the budget left.
+
+    A check runs with min(its timeout, what is left) while at least MIN_CHECK_S is left; a
+    measurement only when its whole timeout fits (a cut-off measurement measures nothing)."""
+    if part.kind == "check":
+        if remaining_s < MIN_CHECK_S:
+            return None, f"time budget: {remaining_s:.0f} s left (< {MIN_CHECK_S} s); raise --budget-s"
+        return min(float(part.timeout_s), remaining_s), ""
+    if remaining_s < part.timeout_s:
+        return None, (f"time budget: {remaining_s:.0f} s left, the part may take {part.timeout_s} s; "
+                      "raise --budget-s")
+    return float(part.timeout_s), ""
+
+
+PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+
+
+def verdict(result: Dict[str, Any]) -> Tuple[str, str]:
+    """(pass | fail | skipped, reason) of one part's result.
+
+    `skipped` (a reason) -> skipped; `error` (the part raised, timed out or exited non-zero)
+    -> fail; a check's `passed` False -> fail with its `reason`; else pass, with its `note`
+    (e.g. the SGLang half of a check skipped). A check without `passed` fails: it decided nothing."""
+    if "skipped" in result:
+        return SKIPPED, str(result["skipped"])
+    if "error" in result:
+        return FAIL, first_line(str(result["error"]))
+    if result.get("passed") is False:
+        return FAIL, str(result.get("reason") or "failed (no reason given)")
+    if result.get("kind") == "check" and result.get("passed") is not True:
+        return FAIL, "the check returned no verdict"
+    return PASS, str(result.get("note", ""))
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """The most telling line of an error text: the last `...Error: ...` line, else the last
+    non-empty line, cut to `limit` characters."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln.split(":", 1)[0] or ln.startswith("error:")]
+    line = (errors or lines or [""])[-1]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def format_table(rows: Sequence[Tuple[str, str, Optional[float], str]]) -> str:
+    """The one table: part, verdict, seconds, reason (each row's reason on its line)."""
+    header = ("part", "verdict", "seconds", "reason")
+    cells = [(name, status.upper(), "-" if seconds is None else f"{seconds:.0f}", reason)
+             for name, status, seconds, reason in rows]
+    widths = [max(len(r[i]) for r in [header, *cells]) for i in range(3)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]  # noqa: E731
+    rule = "-" * (sum(widths) + 6 + max(len("reason"), *(len(r[3]) for r in cells)))
+    return "\n".join([line(header), rule, *(line(r) for r in cells)])
+
+
+def exit_code(rows: Sequence[Tuple[str, str, Optional[float], str]]) -> int:
+    """0 when no part failed (skipped parts say why in the table), else 1."""
+    return 1 if any(status == FAIL for _, status, _, _ in rows) else 0
+
+
+def judge_refusal(returncode: int, stderr: str, must_say: Sequence[str]) -> Tuple[bool, str]:
+    """A command refused by the device rule: exit 2, no traceback, exactly one `error:` line
+    naming the fix and holding every string of `must_say`."""
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    if returncode != 2:
+        return False, f"exit {returncode}, not 2 (the refusal): {first_line(stderr)}"
+    if "Traceback" in stderr:
+        return False, f"a traceback instead of a one-line refusal: {first_line(stderr)}"
+    if len(errors) != 1:
+        return False, f"{len(errors)} 'error:' lines, not one: {stderr[-500:]!r}"
+    missing = [s for s in (*must_say, "Fix:") if s not in errors[0]]
+    if missing:
+        return False, f"the refusal does not say {missing}: {errors[0]}"
+    return True, errors[0]
+
+
+def judge_train_metrics(rows: Sequence[Dict[str, Any]], steps: int, limit: float) -> Tuple[bool, str, Dict[str, float]]:
+    """The step-1 checks of a finished run, from its metrics.jsonl rows: every step 1..steps has
+    `mismatch/age_0/logp_abs_mean` <= limit, some row carries `probe/logp_abs_mean` and every
+    such row is <= limit with `probe/errors` 0. Returns (passed, reason, the worst values)."""
+    worst = {"mismatch/age_0/logp_abs_mean": float("-inf"), "probe/logp_abs_mean": float("-inf")}
+    seen_steps, probes = set(), 0
+    for row in rows:
+        for key in worst:
+            if key in row:
+                value = float(row[key])
+                if not value <= limit:  # NaN fails
+                    return False, f"step {row.get('step')}: {key} = {value:.4g} > {limit:g} nats", {key: value}
+                worst[key] = max(worst[key], value)
+        if "mismatch/age_0/logp_abs_mean" in row and "step" in row:
+            seen_steps.add(int(row["step"]))
+        if "probe/logp_abs_mean" in row:
+            probes += 1
+            if float(row.get("probe/errors", 0.0)) != 0.0:
+                return False, f"step {row.get('step')}: probe/errors = {row['probe/errors']}", {}
+    missing = sorted(set(range(1, steps + 1)) - seen_steps)
+    if missing:
+        return False, f"no mismatch/age_0/logp_abs_mean for steps {missing} in metrics.jsonl", {}
+    if probes == 0:
+        return False, "no probe/logp_abs_mean in metrics.jsonl: the post-sync probe did not run", {}
+    return True, "", worst
 
 
 def sample_lengths(num: int, max_len: int, seed: int = 0) -> List[tuple]:
@@ -270,12 +441,21 @@ def part_sglang(args) -> Dict[str, Any]:
 
 
 HANDOVER_RECEIVER = """
-import base64, json, pickle, sys, time, torch
-from dapo_mega.weights import transport
-transport.patch_torch_reductions()  # the engine's side: the UUID back to this process's index
+import json, sys, time, torch
+via_sglang = sys.argv[1] == "sglang"
 payload = sys.stdin.read()
 t0 = time.perf_counter()
-named = pickle.loads(base64.b64decode(payload))
+if via_sglang:  # SGLang 0.5.23's own path of update_weights_from_tensor
+    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payloads
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    raw = normalize_serialized_named_tensor_payloads([payload])  # the tokenizer manager's step
+    monkey_patch_torch_reductions()  # TpModelWorker.deserialize_own_rank: the UUID back to this index
+    named = MultiprocessingSerializer.deserialize(raw[0])  # its SafeUnpickler
+else:
+    import base64, pickle
+    from dapo_mega.weights import transport
+    transport.patch_torch_reductions()  # the project's copy of SGLang's patch
+    named = pickle.loads(base64.b64decode(payload))
 kept = [(n, t.clone()) for n, t in named]  # what an engine's load does: copy out of the sender's memory
 torch.cuda.synchronize()
 seconds = time.perf_counter() - t0
@@ -285,17 +465,17 @@ print(json.dumps({"seconds": seconds, "tensors": len(kept), "device": str(kept[0
 """
 
 
-def part_handover(args) -> Dict[str, Any]:
+def handover_round_trip(shape: ModelShape, via_sglang: bool) -> Dict[str, Any]:
     """The colocated weight path on one GPU: this process (the learner) builds the CUDA-IPC
     payload of the project's hand-over (`transport.serialize_cuda_ipc`: torch's reductions
-    patched to name the GPU by UUID) for the 7B shape's layer tensors; a second process on
-    the same GPU (the engine's side) unpickles it with the same patch and copies each tensor
-    out; the bytes must arrive unchanged (checksum), and GB/s is what the copy-out sustains."""
+    patched to name the GPU by UUID) for the shape's layer tensors; a second process on the
+    same GPU (the engine's side) unpickles it (through SGLang's own functions when
+    `via_sglang`) and copies each tensor out; the bytes must arrive unchanged (checksum), and
+    GB/s is what the copy-out sustains."""
     import torch
 
     from dapo_mega.weights import transport
 
-    shape = replace(QWEN25_7B, num_layers=args.layers)
     h, ffn = shape.hidden_size, shape.ffn_hidden_size
     kv = shape.num_key_value_heads * (h // shape.num_attention_heads)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -311,41 +491,261 @@ def part_handover(args) -> Dict[str, Any]:
     t0 = time.perf_counter()
     payload = transport.serialize_cuda_ipc(named)
     serialize_s = time.perf_counter() - t0
-    proc = subprocess.run([sys.executable, "-c", HANDOVER_RECEIVER], input=payload, capture_output=True, text=True,
-                          timeout=150, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([sys.executable, "-c", HANDOVER_RECEIVER, "sglang" if via_sglang else "project"],
+                          input=payload, capture_output=True, text=True, timeout=150, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
-        return {"error": f"receiver exit {proc.returncode}: {proc.stderr[-3000:]}"}
+        return {"error": f"receiver ({'sglang' if via_sglang else 'project'}) exit {proc.returncode}: "
+                         f"{proc.stderr[-3000:]}"}
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = float(sum(t.double().sum().item() for _, t in named))
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     return {"tensors": len(named), "bytes": nbytes, "serialize_seconds": serialize_s, "payload_chars": len(payload),
             "receive_seconds": got["seconds"], "gbps": nbytes / got["seconds"] / 1e9,
             "bytes_unchanged": got["bytes"] == nbytes and got["checksum"] == expected,
-            "receiver_device": got["device"]}
+            "receiver_device": got["device"], "unpickled_by": "sglang" if via_sglang else "project"}
+
+
+def part_handover(args) -> Dict[str, Any]:
+    """Measurement: the hand-over of `--layers` layers of the 7B shape."""
+    return handover_round_trip(replace(QWEN25_7B, num_layers=args.layers),
+                               via_sglang=importlib.util.find_spec("sglang") is not None)
+
+
+# ============================================================================ the checks (GPU)
+def _tool(*argv: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
+    """`tools/convert_checkpoint.py ARGV` in a fresh process."""
+    return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), *argv],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _tiny_hf_dir(root: Path) -> Path:
+    from dapo_mega.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(root / "hf", seed=0)
+
+
+def check_convert_gpu(args) -> Dict[str, Any]:
+    """a) import and verify of the tiny model with the ranks on the GPU (bf16)."""
+    with tempfile.TemporaryDirectory(prefix="gpu_node_convert_") as tmp:
+        hf = _tiny_hf_dir(Path(tmp))
+        mg = str(Path(tmp) / "megatron")
+        imp = _tool("import", "--hf-path", str(hf), "--megatron-path", mg, "--device", "cuda", "--dtype", "bf16")
+        if imp.returncode != 0:
+            return {"passed": False, "reason": f"import --device cuda: exit {imp.returncode}: "
+                                               f"{first_line(imp.stderr + imp.stdout)}"}
+        ver = _tool("verify", "--hf-path", str(hf), "--megatron-path", mg, "--device", "cuda")
+        summary = [ln for ln in ver.stdout.splitlines() if ln.strip()][-4:]
+        if ver.returncode != 0:
+            return {"passed": False, "verify": summary,
+                    "reason": f"verify --device cuda: exit {ver.returncode}: {first_line(ver.stderr + ver.stdout)}"}
+        return {"passed": True, "verify": summary}
+
+
+def check_convert_tp2(args) -> Dict[str, Any]:
+    """b) `import --tp 2` on this node: the CPU default works; --device cuda works with >= 2
+    GPUs and is refused in one line with fewer."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory(prefix="gpu_node_tp2_") as tmp:
+        hf = _tiny_hf_dir(Path(tmp))
+        cpu = _tool("import", "--hf-path", str(hf), "--megatron-path", str(Path(tmp) / "cpu"), "--tp", "2")
+        if cpu.returncode != 0:
+            return {"passed": False, "reason": f"import --tp 2 (CPU default) on a GPU node: exit {cpu.returncode}: "
+                                               f"{first_line(cpu.stderr + cpu.stdout)}"}
+        cuda = _tool("import", "--hf-path", str(hf), "--megatron-path", str(Path(tmp) / "cuda"), "--tp", "2",
+                     "--device", "cuda")
+    if gpus >= 2:
+        ok = cuda.returncode == 0
+        return {"passed": ok, "gpus": gpus, "reason": "" if ok else
+                f"import --tp 2 --device cuda on {gpus} GPUs: exit {cuda.returncode}: {first_line(cuda.stderr)}"}
+    ok, said = judge_refusal(cuda.returncode, cuda.stderr, ["need 2 GPUs", f"has {gpus}"])
+    return {"passed": ok, "gpus": gpus, "refusal": said, "reason": "" if ok else f"--device cuda --tp 2: {said}"}
+
+
+def check_eval_two_engines(args) -> Dict[str, Any]:
+    """c) `dapo-mega eval`'s device rule on this node, through the function and the fleet."""
+    import torch
+
+    from dapo_mega.backends.placement import DeviceRuleError, node_engine_gpus
+    from dapo_mega.config import RolloutConfig
+    from dapo_mega.rollout.fleet import EngineFleet
+
+    gpus = torch.cuda.device_count()
+    one = node_engine_gpus(RolloutConfig(backend="sglang", num_engines=1), gpus, "dapo-mega eval")
+    if one != [(0,)]:
+        return {"passed": False, "reason": f"one TP-1 engine got GPUs {one}, not [(0,)]"}
+    two = RolloutConfig(backend="sglang", num_engines=2, engine_tp_size=1)
+    if gpus >= 2:
+        got = node_engine_gpus(two, gpus, "dapo-mega eval")
+        return {"passed": got == [(0,), (1,)], "gpus": gpus, "reason": f"two engines got {got}"}
+    refusals = []
+    try:
+        node_engine_gpus(two, gpus, "dapo-mega eval")
+        return {"passed": False, "reason": "node_engine_gpus placed two TP-1 engines on one GPU"}
+    except DeviceRuleError as exc:
+        refusals.append(str(exc))
+    with tempfile.TemporaryDirectory(prefix="gpu_node_eval_") as tmp:
+        fleet = EngineFleet(two, str(Path(tmp) / "no_model"), Path(tmp), device="cuda")
+        try:
+            fleet.start_on_this_node("dapo-mega eval", 2)
+            started = len(fleet.engines)
+            fleet.close(grace_s=10)
+            return {"passed": False, "reason": f"the fleet started {started} engines for two on one GPU"}
+        except DeviceRuleError as exc:
+            refusals.append(str(exc))
+        started = len(fleet.engines)
+    bad = [r for r in refusals if "\n" in r or "need 2 GPUs" not in r or "Fix:" not in r]
+    ok = not bad and started == 0
+    return {"passed": ok, "gpus": gpus, "refusal": refusals[-1],
+            "reason": "" if ok else f"refusal not one line naming 2 GPUs and the fix ({bad}), or "
+                                    f"{started} engines started"}
+
+
+def check_handover_sglang(args) -> Dict[str, Any]:
+    """d) the colocated hand-over, the receiver unpickling through SGLang's own code."""
+    sglang = importlib.util.find_spec("sglang") is not None
+    out = handover_round_trip(replace(QWEN25_7B, num_layers=1), via_sglang=sglang)
+    if "error" in out:
+        return {"passed": False, "reason": first_line(out["error"]), **out}
+    ok = out["bytes_unchanged"] and out["receiver_device"] == "cuda:0"
+    out.update(passed=ok, reason="" if ok else f"bytes changed ({out['bytes_unchanged']}) or on "
+                                               f"{out['receiver_device']}, not cuda:0")
+    if not sglang:
+        out["note"] = ("SGLang half skipped: sglang does not import here; received through the project's "
+                       "own patch (transport.patch_torch_reductions)")
+    return out
+
+
+TINY_GPU_OVERRIDES = (
+    "trainer.total_steps=2", "trainer.save_interval=0", "trainer.sft_warmup_steps=0", "trainer.eval_interval=0",
+    "trainer.wandb_mode=disabled", "trainer.plot=false", "algo.n_samples_per_prompt=4", "algo.train_batch_size=4",
+    "algo.gen_batch_size=4", "algo.mini_batch_size=2", "algo.dynamic_sampling=false",
+    "algo.max_response_length=12", "algo.overlong_buffer_length=4", "megatron=gpu_bf16",
+    "megatron.micro_batch_tokens=512", "cluster.device=cuda", "cluster.num_learner_processes=1",
+    "checks.probe=true", "checks.stop=true",
+)
+"""A GPU run of the tiny model: 2 rollout steps of 4 prompts x 4 samples, bf16 learner."""
+
+
+def train_overrides(engine: str, te_imports: bool, gpus: int, out_dir: str) -> List[str]:
+    """`dapo-mega train` overrides of check e for `engine` (sglang or embedded)."""
+    engine_args = (["rollout=sglang", "rollout.num_engines=1", "rollout.mem_fraction_static=0.3",
+                    "rollout.extra_server_args=[--max-total-tokens,4096]"] if engine == "sglang"
+                   else ["rollout=embedded", "rollout.num_engines=1"])
+    return [*TINY_GPU_OVERRIDES, f"megatron.transformer_impl={'transformer_engine' if te_imports else 'local'}",
+            f"cluster.gpus_per_node={gpus}", f"trainer.output_dir={out_dir}", "trainer.run_name=gpu_node_tiny",
+            *engine_args]
+
+
+def check_train_tiny(args) -> Dict[str, Any]:
+    """e) two steps of the tiny model in bf16 on the GPU; the run's own checks and the rows."""
+    import torch
+
+    from dapo_mega.backends.megatron.model import transformer_engine_import_error
+    from dapo_mega.driver.weight_probe import BF16_MAX_ABS_MEAN
+
+    engine = args.train_engine
+    if engine == "auto":
+        engine = "sglang" if importlib.util.find_spec("sglang") is not None else "embedded"
+    with tempfile.TemporaryDirectory(prefix="gpu_node_train_") as tmp:
+        overrides = train_overrides(engine, transformer_engine_import_error() is None, torch.cuda.device_count(), tmp)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", *overrides], capture_output=True,
+                                  text=True, timeout=args.train_timeout_s, cwd=REPO,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+        except subprocess.TimeoutExpired as exc:
+            return {"passed": False, "engine": engine, "reason": f"dapo-mega train: no exit within "
+                                                                 f"{args.train_timeout_s} s: {first_line(str(exc.stderr))}"}
+        metrics = Path(tmp) / "gpu_node_tiny" / "metrics.jsonl"
+        rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.exists() else []
+    out: Dict[str, Any] = {"engine": engine, "returncode": proc.returncode, "overrides": overrides,
+                           "metric_rows": len(rows)}
+    if proc.returncode != 0:
+        return {**out, "passed": False, "log_tail": (proc.stdout + proc.stderr)[-3000:],
+                "reason": f"dapo-mega train ({engine} engine): exit {proc.returncode}: "
+                          f"{first_line(proc.stderr + proc.stdout)}"}
+    ok, reason, worst = judge_train_metrics(rows, steps=2, limit=BF16_MAX_ABS_MEAN)
+    return {**out, "passed": ok, "reason": reason, "worst": worst}
 
 
 # ============================================================================ driver
+PART_FUNCTIONS: Dict[str, Callable[[argparse.Namespace], Dict[str, Any]]] = {
+    "convert_gpu": check_convert_gpu, "convert_tp2": check_convert_tp2, "eval_two_engines": check_eval_two_engines,
+    "handover_sglang": check_handover_sglang, "train_tiny_bf16": check_train_tiny,
+    "learner_bf16": lambda a: part_learner(a, "bf16"), "learner_fp8": lambda a: part_learner(a, "fp8"),
+    "handover": part_handover, "sglang": part_sglang,
+}
+
+
 def _run_part(part: str, argv: List[str], timeout_s: float) -> Dict[str, Any]:
-    """One part in a fresh process; its JSON is the last line of its stdout."""
+    """One part in a fresh process (its own session: a timeout kills what it started too,
+    `dapo-mega train` and its engines); its JSON is the last line of its stdout."""
     t0 = time.perf_counter()
+    extra = ["--train-timeout-s", str(max(10, int(timeout_s) - 20))] if part == "train_tiny_bf16" else []
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, *extra, "--part", part],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--part", part],
-                              capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return {"error": f"timed out after {timeout_s:.0f} s", "seconds": time.perf_counter() - t0}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}", "seconds": time.perf_counter() - t0}
-    return json.loads(lines[-1])
+        return {"error": f"exit {proc.returncode}: {stderr[-3000:]}", "seconds": time.perf_counter() - t0}
+    return {**json.loads(lines[-1]), "seconds": time.perf_counter() - t0}
+
+
+def precondition(part: Part, args: argparse.Namespace, te_error: Optional[str], sglang: bool) -> str:
+    """Why `part` cannot run here ("" when it can)."""
+    if part.kind == "measure" and args.checks_only:
+        return "--checks-only"
+    if part.name == "learner_fp8" and te_error is not None:
+        return f"Transformer Engine does not import ({te_error}); learner_bf16 used the local spec"
+    if part.name == "sglang":
+        if args.skip_sglang:
+            return "--skip-sglang"
+        if not sglang:
+            return "sglang does not import: no weight sync into SGLang, no rollout tokens/s"
+    return ""
+
+
+def run_parts(args: argparse.Namespace, argv: List[str], te_error: Optional[str], sglang: bool,
+              clock: Callable[[], float] = time.perf_counter) -> Dict[str, Dict[str, Any]]:
+    """Every part of PARTS in order, each in its subprocess, within `args.budget_s`."""
+    start, results = clock(), {}
+    for part in PARTS:
+        reason = precondition(part, args, te_error, sglang)
+        timeout = None
+        if not reason:
+            timeout, reason = part_timeout(part, args.budget_s - (clock() - start))
+        if reason:
+            results[part.name] = {"kind": part.kind, "skipped": reason}
+            continue
+        print(f"[gpu_node] {part.name}: {part.what} (up to {timeout:.0f} s)", flush=True)
+        results[part.name] = {"kind": part.kind, **_run_part(part.name, argv, timeout)}
+    return results
+
+
+def table_rows(results: Dict[str, Dict[str, Any]]) -> List[Tuple[str, str, Optional[float], str]]:
+    """(part, verdict, seconds, reason) of every part, in run order."""
+    rows = []
+    for name, result in results.items():
+        status, reason = verdict(result)
+        rows.append((name, status, result.get("seconds"), reason))
+    return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.part:
-        part = {"learner_bf16": lambda: part_learner(args, "bf16"), "learner_fp8": lambda: part_learner(args, "fp8"),
-                "sglang": lambda: part_sglang(args), "handover": lambda: part_handover(args)}[args.part]
-        print(json.dumps(part()))
+        out = PART_FUNCTIONS[args.part](args)
+        print(json.dumps(out))
         return 0
     import torch
 
@@ -354,32 +754,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     from dapo_mega.backends.megatron.model import transformer_engine_import_error
 
-    report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    te_error = transformer_engine_import_error()
+    sglang = importlib.util.find_spec("sglang") is not None
+    t0 = time.perf_counter()
+    results = run_parts(args, argv, te_error, sglang)
+    rows = table_rows(results)
+    report: Dict[str, Any] = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
+                              "torch": torch.__version__, "python": sys.version.split()[0],
+                              "transformer_engine": te_error or "imports", "sglang": sglang,
                               "shape": {**asdict(QWEN25_7B), "num_layers": args.layers},
                               "parameters": count_parameters(replace(QWEN25_7B, num_layers=args.layers)),
-                              "peak_tflops": PEAK_TFLOPS, "skipped": {}}
-    t0 = time.perf_counter()
-    report["learner_bf16"] = _run_part("learner_bf16", argv, 240)
-    te_error = transformer_engine_import_error()
-    if te_error is None:
-        report["learner_fp8"] = _run_part("learner_fp8", argv, 240)
-    else:
-        report["skipped"]["learner_fp8"] = f"Transformer Engine does not import ({te_error}); the bf16 run used " \
-                                           "the local spec"
-    report["handover"] = _run_part("handover", argv, 180)  # two processes on one GPU: no NCCL group
-    if args.skip_sglang:
-        report["skipped"]["sglang"] = "--skip-sglang"
-    elif importlib.util.find_spec("sglang") is None:
-        report["skipped"]["sglang"] = "sglang is not installed: no weight sync into SGLang, no rollout tokens/s"
-    else:
-        report["sglang"] = _run_part("sglang", argv, 420)
-    report["total_seconds"] = time.perf_counter() - t0
+                              "peak_tflops": PEAK_TFLOPS, "parts": results,
+                              "verdicts": {name: {"verdict": s, "reason": why} for name, s, _, why in rows},
+                              "total_seconds": time.perf_counter() - t0}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-    for name, reason in report["skipped"].items():
-        print(f"SKIPPED {name}: {reason}")
-    return 0
+    print(format_table(rows))
+    print(f"[gpu_node] {time.perf_counter() - t0:.0f} s; every part's figures: {args.out}")
+    return exit_code(rows)
 
 
 if __name__ == "__main__":
