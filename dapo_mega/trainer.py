@@ -107,7 +107,8 @@ def train(cfg: DapoConfig) -> int:
         return 0
     finally:
         s.close()
-        signals.restore()
+        if not signals.closing:                 # stopped on a signal: a SIGTERM from srun (another rank's 75
+            signals.restore()                   # ended the step) while this process exits stays only logged
 
 
 def run_training(cfg: DapoConfig) -> int:

@@ -88,9 +88,9 @@ def _first_update_run(rank, world):
     def count_forward_passes(learner):
         inner = learner._forward_log_probs
 
-        def counted(micro_batches):
+        def counted(micro_batches, *args, **kwargs):
             old_pass_samples.extend(i for mb in micro_batches for i in mb.sample_indices)
-            return inner(micro_batches)
+            return inner(micro_batches, *args, **kwargs)
         learner._forward_log_probs = counted
 
     a = MegatronLearner(cfg, hf, layout)
