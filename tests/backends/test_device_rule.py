@@ -167,9 +167,8 @@ def test_a_layout_takes_a_gpu_only_when_its_caller_chooses_one(monkeypatch):
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
 
-    if torch.distributed.is_initialized():
-        pytest.skip("torch.distributed already up in this process")
     chosen, started = [], []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # as in a fresh learner process
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(d))
