@@ -95,7 +95,8 @@ def train(cfg: DapoConfig) -> int:
             role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics, **export_metrics},
                           meter.metrics)
             if stop and stop != WALL_TIME:
-                signals.closing = True          # saved: the ranks close and exit 75 together
+                signals.begin_close()           # saved: SIGTERM (srun's, once a rank exits 75) is ignored
+                role.broadcast()                # ... on every rank before any rank leaves
                 role.say(stop_message(stop, step, cfg.trainer.total_steps))
                 return EXIT_STOPPED
             if stop:
@@ -107,8 +108,7 @@ def train(cfg: DapoConfig) -> int:
         return 0
     finally:
         s.close()
-        if not signals.closing:                 # stopped on a signal: a SIGTERM from srun (another rank's 75
-            signals.restore()                   # ended the step) while this process exits stays only logged
+        signals.restore()                       # (a no-op after begin_close: SIGTERM stays ignored)
 
 
 def run_training(cfg: DapoConfig) -> int:

@@ -6,8 +6,10 @@ preemption or a `scancel`. Either one, on any learner rank, is recorded here, an
 record decides for every rank at the end of the step (`roles.stop_reason`: one broadcast), so
 all ranks save the same step and leave. A second SIGTERM ends the process at once (the
 default action), for a user who does not want to wait for the step; once the checkpoint is
-saved (`closing`) a SIGTERM is only logged: srun's `--kill-on-bad-exit` sends it to the ranks
-still closing when the first one exits 75, and they finish with 75 too.
+saved (`begin_close`, then a barrier of the ranks) SIGTERM is ignored by the operating system:
+srun's `--kill-on-bad-exit` sends it to the ranks still closing when the first one exits 75,
+and they finish with 75 too. The ignore is SIG_IGN, not a Python handler: Python resets its own
+handlers to the default action late in interpreter shutdown, where a SIGTERM would still kill.
 
 The trainer exits with EXIT_STOPPED, which says "checkpointed, not finished: run again to
 resume" to the batch script and to a job chain (`slurm/chain.sh`, launch/pipeline.py: the next
@@ -36,7 +38,7 @@ class StopSignals:
         self.received = ""
         """"SIGUSR1" / "SIGTERM" once one arrived, else ""."""
         self.closing = False
-        """Set once the stop's checkpoint is saved: a SIGTERM no longer interrupts the close."""
+        """Set by `begin_close` once the stop's checkpoint is saved."""
         self._previous: Dict[int, object] = {}
 
     def install(self) -> "StopSignals":
@@ -50,6 +52,15 @@ class StopSignals:
         """The handlers from before `install`."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous.clear()
+
+    def begin_close(self) -> None:
+        """The stop's checkpoint is saved: from now on SIGTERM cannot interrupt the close (SIG_IGN
+        outlasts the interpreter's shutdown) and a late SIGUSR1 is only logged; `restore` no longer
+        undoes it. Main thread only, like `install`."""
+        self.closing = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame) -> None:

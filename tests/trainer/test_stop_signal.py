@@ -87,3 +87,18 @@ def test_a_second_sigterm_ends_the_process_at_once():
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
     assert result.returncode == -signal.SIGTERM, (result.returncode, result.stdout, result.stderr)
     assert result.stdout == "first\n" and "SIGTERM received" in result.stderr
+
+
+def test_after_the_checkpoint_sigterm_cannot_end_the_close_even_in_interpreter_shutdown():
+    """srun's --kill-on-bad-exit sends SIGTERM to the ranks still closing once the first exits 75
+    (a CI run lost a whole job's 75 this way): here a sender keeps sending SIGTERM from before
+    `begin_close` returns until the process is gone, through Python's own shutdown, and the
+    process still exits 75."""
+    program = ("import os, signal, subprocess, sys, time\nfrom dapo_mega.driver.stop_signal import StopSignals\n"
+               "s = StopSignals().install()\nos.kill(os.getpid(), signal.SIGUSR1)\ns.begin_close()\n"
+               "subprocess.Popen(['sh', '-c', f'i=0; while [ $i -lt 200000 ] && kill -TERM {os.getpid()} 2>/dev/null; '\n"
+               "                  'do i=$((i+1)); done'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+               "time.sleep(0.5)\ns.restore()\nprint('closed', flush=True)\nsys.exit(75)\n")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_STOPPED, (result.returncode, result.stdout, result.stderr[-2000:])
+    assert result.stdout == "closed\n"
