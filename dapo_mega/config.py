@@ -35,6 +35,7 @@ class ConfigError(ValueError):
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 Verifier = Literal["dapo", "math_verify"]  # the built-in names; algo.verifier also takes a plugin's module:function
 OnNonfinite = Literal["skip", "stop"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop"]
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
 SyntheticTask = Literal["arithmetic", "chain"]
@@ -111,9 +112,29 @@ class AlgoConfig:
     """ε added to the group reward std before dividing."""
     normalize_adv_std: bool = True
     """Divide group-centred rewards by the group std (GRPO/DAPO); false = Dr.GRPO style."""
+    off_policy_correction: Optional[str] = None
+    """Correction of the engine/learner log-prob mismatch (ρ_t = π_old^learner / π_engine of
+    each sampled token; algo/off_policy.py, docs/features.md "Off-policy correction"):
+    none | tis (token weight min(ρ_t, tis_cap)) | mis (sequence weight ρ_seq = Π_t ρ_t, the
+    sequence masked outside [mis_low, mis_high]) | geo_mask (the sequence masked when its
+    geometric-mean ratio leaves [geo_mask_low, geo_mask_high]) | icepop (token weight ρ_t,
+    masked outside [icepop_low, icepop_high]). null = tis when tis_cap is set, else none
+    (the settings before this field). Needs engine log-probs and use_engine_logprobs=false."""
     tis_cap: Optional[float] = None
-    """Truncated importance sampling cap for the train/inference log-prob mismatch;
-    null disables it. Needs engine log-probs."""
+    """C of off_policy_correction=tis: token weights min(ρ_t, C); setting it alone selects tis.
+    null otherwise."""
+    mis_low: float = 0.5
+    """mis: sequences with ρ_seq below this are masked (verl Seq-MIS "0.5_2.0")."""
+    mis_high: float = 2.0
+    """mis: sequences with ρ_seq above this are masked."""
+    geo_mask_low: float = 0.99
+    """geo_mask: sequences whose geometric-mean ratio is below this are masked (SkyRL 0.99)."""
+    geo_mask_high: float = 1.01
+    """geo_mask: sequences whose geometric-mean ratio is above this are masked (SkyRL 1.01)."""
+    icepop_low: float = 0.5
+    """icepop: tokens with ρ_t below this get weight 0 (IcePop α = 0.5)."""
+    icepop_high: float = 5.0
+    """icepop: tokens with ρ_t above this get weight 0 (IcePop β = 5)."""
     use_engine_logprobs: bool = False
     """Take old log-probs from the engine instead of recomputing them on the learner."""
     # --- sampling ---
@@ -220,8 +241,7 @@ class AlgoConfig:
             raise err("algo.temperature", "must be > 0 (greedy RL has no exploration)", "use 1.0")
         if not 0 < a.top_p <= 1:
             raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
-        if a.tis_cap is not None and a.tis_cap <= 0:
-            raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
+        a._validate_off_policy_correction()
         if ":" not in a.verifier and not a.verifier.endswith(".py"):  # a plugin's path or a server's URL is
             # imported / reached and probed by preflight (reward.check_verifier)
             _check_choice("algo.verifier", a.verifier, Verifier,
@@ -233,6 +253,38 @@ class AlgoConfig:
         if a.grad_clip < 0:
             raise err("algo.grad_clip", "must be >= 0", "use 1.0 (0 disables clipping)")
         _check_choice("algo.on_nonfinite", a.on_nonfinite, OnNonfinite)
+
+    def correction_mode(self) -> str:
+        """The off-policy correction in effect: `off_policy_correction`, or (null) tis when
+        `tis_cap` is set, else none."""
+        if self.off_policy_correction is not None:
+            return self.off_policy_correction
+        return "tis" if self.tis_cap is not None else "none"
+
+    def _validate_off_policy_correction(self) -> None:
+        a, err = self, _field_error
+        if a.off_policy_correction is not None:
+            _check_choice("algo.off_policy_correction", a.off_policy_correction, OffPolicyCorrection)
+        if a.tis_cap is not None and a.tis_cap <= 0:
+            raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
+        mode = a.correction_mode()
+        if a.tis_cap is not None and mode != "tis":
+            raise err("algo.tis_cap", f"is {a.tis_cap} but algo.off_policy_correction={mode} does not use it",
+                      f"set algo.tis_cap=null to use {mode}, or algo.off_policy_correction=tis")
+        if mode == "tis" and a.tis_cap is None:
+            raise err("algo.off_policy_correction", "is tis but algo.tis_cap is null", "set algo.tis_cap=2.0")
+        if mode != "none" and a.use_engine_logprobs:
+            raise err("algo.off_policy_correction", f"is {mode} but algo.use_engine_logprobs=true makes the "
+                      "engine's log-probs π_old, so the ratio it corrects is 1 by construction",
+                      "set algo.use_engine_logprobs=false, or algo.off_policy_correction=none "
+                      "(and algo.tis_cap=null)")
+        for name in ("mis", "geo_mask", "icepop"):
+            low, high = getattr(a, f"{name}_low"), getattr(a, f"{name}_high")
+            if not 0 < low <= 1.0 <= high:
+                raise err(f"algo.{name}_low", f"bounds [{low}, {high}] (algo.{name}_low, algo.{name}_high) must "
+                          "satisfy 0 < low <= 1 <= high, or samples the engine and learner agree on are masked",
+                          f"e.g. [{AlgoConfig.__dataclass_fields__[name + '_low'].default}, "
+                          f"{AlgoConfig.__dataclass_fields__[name + '_high'].default}]")
 
 
 @dataclass
@@ -373,6 +425,18 @@ class RolloutConfig:
     """Python interpreter that runs the engine servers (`-m sglang.launch_server` or the
     embedded `-m dapo_mega.rollout.embedded.server`), e.g. the bin/python of a separate SGLang venv;
     empty: the trainer's own interpreter."""
+    partial_rollout: Optional[bool] = None
+    """Partial rollouts (rollout/partial.py): when a streamed step's batch is full, the requests
+    still in flight are aborted and their samples so far (tokens, engine log-probs, weight
+    versions) kept with their prompts, in the checkpoint too; the next step resumes them under
+    its weights (prompt + partial response as the input, the budget left), so the long tail is
+    not generated twice. Resumed tokens are one version old or more, and a sample's age counts
+    its oldest token: null (default) turns it on where that is allowed, the synchronous modes
+    (cluster.max_staleness=0) with cluster.max_sample_age >= 1, and off elsewhere: at age
+    limit 0 every resumed sample would be dropped as stale, and the asynchronous modes abort
+    nothing when a batch fills (whole rounds; weight syncs pause with retract). It also makes
+    what a step trains on depend on timing (how far each aborted request got), so two seeded
+    runs may differ. true outside the synchronous modes with an age limit >= 1 is refused."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
@@ -991,6 +1055,28 @@ def check_warm_start(cfg: DapoConfig) -> None:
                            "trainer.sft_on_pretrained=true to warm-start it on purpose")
 
 
+def partial_rollout_enabled(cfg: DapoConfig) -> bool:
+    """rollout.partial_rollout resolved: as set, or (null) on in the synchronous modes whose age
+    limit lets a sample resumed one step later be trained (cluster.max_sample_age >= 1)."""
+    if cfg.rollout.partial_rollout is not None:
+        return cfg.rollout.partial_rollout
+    return cfg.cluster.max_staleness == 0 and cfg.cluster.age_limit >= 1
+
+
+def _check_partial_rollout(cfg: DapoConfig) -> None:
+    c, err = cfg.cluster, _field_error
+    if not cfg.rollout.partial_rollout:
+        return
+    if c.max_staleness > 0:
+        raise err("rollout.partial_rollout", f"is true with cluster.max_staleness={c.max_staleness}: asynchronous "
+                  "rounds are generated whole and weight syncs retract requests in flight, so nothing is aborted "
+                  "to keep", "set rollout.partial_rollout=null (or false), or cluster.max_staleness=0")
+    if c.age_limit < 1:
+        raise err("rollout.partial_rollout", "is true with an age limit of 0 (cluster.max_sample_age, null = "
+                  "max_staleness): a sample resumed by the next step has tokens one version old, and every one "
+                  "would be dropped as stale", "set cluster.max_sample_age=1, or rollout.partial_rollout=null")
+
+
 def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
     """Every config rule, composed once: each component's own `validate()`, then the rules
     that span components; raises ConfigError naming the field and the fix.
@@ -1001,6 +1087,7 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
                       cfg.checks):
         component.validate()
     a, m, err = cfg.algo, cfg.megatron, _field_error
+    _check_partial_rollout(cfg)
     if m.micro_batch_tokens < a.max_prompt_length + a.max_response_length:
         raise err("megatron.micro_batch_tokens", f"{m.micro_batch_tokens} cannot hold one sample of "
                   f"max_prompt_length + max_response_length = {a.max_prompt_length + a.max_response_length} tokens",

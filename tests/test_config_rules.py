@@ -24,6 +24,15 @@ BAD = [
     (["algo.temperature=0"], "algo.temperature"),
     (["algo.top_p=0"], "algo.top_p"),
     (["algo.tis_cap=0"], "algo.tis_cap"),
+    (["algo.off_policy_correction=seq_tis"], "algo.off_policy_correction"),
+    (["algo.off_policy_correction=mis", "algo.tis_cap=2.0"], "algo.tis_cap"),
+    (["algo.off_policy_correction=none", "algo.tis_cap=2.0"], "algo.tis_cap"),
+    (["algo.off_policy_correction=tis"], "algo.off_policy_correction"),
+    (["algo.off_policy_correction=icepop", "algo.use_engine_logprobs=true"], "algo.off_policy_correction"),
+    (["algo.tis_cap=2.0", "algo.use_engine_logprobs=true"], "algo.off_policy_correction"),
+    (["algo.mis_low=1.5"], "algo.mis_low"),
+    (["algo.geo_mask_high=0.999"], "algo.geo_mask_low"),
+    (["algo.icepop_low=0"], "algo.icepop_low"),
     (["algo.verifier=llm"], "algo.verifier"),
     (["algo.lr=0"], "algo.lr"),
     (["algo.lr_warmup_steps=-1"], "algo.lr_warmup_steps"),
@@ -74,6 +83,20 @@ def test_default_config_is_valid():
     cfg = load_config([])
     assert cfg.algo.clip_ratio_low == 0.2 and cfg.algo.clip_ratio_high == 0.28
     assert cfg.rollout.backend == "embedded" and cfg.megatron.transformer_impl == "local"
+
+
+def test_off_policy_correction_setting_tis_cap_alone_is_tis_and_contradictions_name_both_fields():
+    assert load_config([]).algo.correction_mode() == "none"
+    legacy = load_config(["algo.tis_cap=2.0"]).algo
+    assert legacy.off_policy_correction is None and legacy.correction_mode() == "tis"
+    assert load_config(["algo.off_policy_correction=tis", "algo.tis_cap=1.5"]).algo.correction_mode() == "tis"
+    for mode in ("mis", "geo_mask", "icepop"):
+        assert load_config([f"algo.off_policy_correction={mode}"]).algo.correction_mode() == mode
+    with pytest.raises(ConfigError) as info:
+        load_config(["algo.off_policy_correction=geo_mask", "algo.tis_cap=2.0"])
+    message = str(info.value)
+    assert "algo.tis_cap" in message and "algo.off_policy_correction=geo_mask" in message
+    assert "Fix: set algo.tis_cap=null" in message
 
 
 @pytest.mark.parametrize("overrides,field", BAD, ids=[b[1] + ":" + ",".join(b[0]) for b in BAD])

@@ -16,8 +16,9 @@ Departures from the textbook PPO loss, all from the DAPO recipe:
   *whole* batch, passed in as `global_num_tokens`, so that a caller splitting the batch
   into micro-batches (and data-parallel ranks) and *summing* the per-micro-batch losses
   gets exactly the whole-batch loss. GRPO's sequence-level modes are kept for ablations.
-* Optional truncated importance sampling (TIS) weights correct for the mismatch between
-  the engine's and the learner's log-probs of the same old policy.
+* Optional off-policy correction weights (`tis_weights`, from algo/off_policy.py: TIS, MIS,
+  geometric mask, IcePop) correct for the mismatch between the engine's and the learner's
+  log-probs of the same old policy; a weight of 0 masks the token.
 
 No KL term, no entropy bonus (the DAPO recipe removes both).
 
@@ -27,7 +28,6 @@ denominator); for a clipped token it is 0.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Tuple, Union
 
 import torch
@@ -38,76 +38,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 _LOG_RATIO_CLAMP = 20.0
 
 Number = Union[int, float, torch.Tensor]
-
-
-def compute_tis_weights(
-    train_log_probs: torch.Tensor,
-    engine_log_probs: torch.Tensor,
-    cap: float,
-    response_mask: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Truncated importance-sampling weights for the train/inference mismatch.
-
-        w_t = min( π_old^learner(o_t) / π_old^engine(o_t) , cap )
-            = min( exp(train_old_log_prob − engine_log_prob), cap )
-
-    The samples were drawn by the engine, the loss uses the learner's old log-probs; the
-    ratio re-weights each token to the learner's distribution, truncated at `cap` to bound
-    variance.
-
-    Args:
-        train_log_probs: [B, T] old-policy log-probs recomputed by the learner.
-        engine_log_probs: [B, T] log-probs the rollout engine reported when sampling.
-        cap: truncation (> 0), e.g. 2.0.
-        response_mask: optional [B, T]; masked positions get weight 1.0 (neutral), so that
-            garbage in padding cannot produce inf/NaN.
-
-    Returns:
-        [B, T] float weights, detached (they are constants of the loss).
-    """
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    diff = (train_log_probs - engine_log_probs).detach()
-    # min(exp(d), cap) == exp(min(d, log cap)), without overflowing exp for large d.
-    weights = torch.exp(torch.clamp(diff, max=math.log(cap)))
-    if response_mask is not None:
-        weights = torch.where(response_mask.bool(), weights, torch.ones_like(weights))
-    return weights
-
-
-TIS_METRICS = ("tis/weight_mean", "tis/truncated_frac", "tis/log_ratio_mean", "tis/mismatch_kl")
-
-
-@torch.no_grad()
-def summarize_tis_weights(
-    train_log_probs: torch.Tensor,
-    engine_log_probs: torch.Tensor,
-    cap: float,
-    response_mask: torch.Tensor,
-) -> Dict[str, torch.Tensor]:
-    """Token means of the importance ratio ρ_t = π_old^learner(o_t) / π_old^engine(o_t).
-
-    Shapes as `compute_tis_weights`. Each value is a mean over the response tokens of this
-    call (aggregate micro-batches by weighting each with its response-token count):
-
-        tis/weight_mean     mean min(ρ, cap), the weight the loss applies
-        tis/truncated_frac  fraction with ρ > cap (weight truncated)
-        tis/log_ratio_mean  mean log ρ (> 0: the learner finds the samples likelier)
-        tis/mismatch_kl     mean ρ − 1 − log ρ, the k3 estimate of KL(π_engine ‖ π_learner)
-                            under the engine's samples (0 when the two agree)
-    """
-    mask = response_mask.bool()
-    count = mask.sum().clamp(min=1).to(torch.float32)
-    log_ratio = torch.where(mask, (train_log_probs - engine_log_probs).float(), torch.zeros_like(train_log_probs))
-    log_ratio = torch.clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    weights = torch.clamp(ratio, max=cap)
-
-    def token_mean(values: torch.Tensor) -> torch.Tensor:
-        return torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32)).sum() / count
-
-    return {"tis/weight_mean": token_mean(weights), "tis/truncated_frac": token_mean(ratio > cap),
-            "tis/log_ratio_mean": token_mean(log_ratio), "tis/mismatch_kl": token_mean(ratio - 1.0 - log_ratio)}
 
 
 def _as_denominator(value: Optional[Number], local: torch.Tensor, name: str) -> torch.Tensor:
@@ -164,8 +94,9 @@ def compute_policy_loss(
             (or the local number of rows with ≥ 1 response token when None).
         global_num_tokens: response tokens of the whole batch (all micro-batches, all DP
             ranks). Used by token-mean; ignored by the seq modes.
-        tis_weights: optional [B, T] detached truncated-importance-sampling weights
-            (`compute_tis_weights`) multiplying each token's clipped loss.
+        tis_weights: optional [B, T] detached off-policy correction weights
+            (`off_policy.compute_off_policy_weights`: truncated IS, or 0 where a mode masks
+            the token) multiplying each token's clipped loss.
         global_num_seqs: non-empty responses of the whole batch; used by the seq modes.
 
     Returns:
