@@ -45,6 +45,11 @@ for the engines `dapo-mega eval` and `dapo-mega audit` start on their node. No p
 chooses `LOCAL_RANK` or `CUDA_VISIBLE_DEVICES` itself: a launcher sets LOCAL_RANK (checked
 against the placement, `learner_cuda_index`), the fleet narrows CUDA_VISIBLE_DEVICES to an
 engine's block, and a process the rule puts on the CPU sees no GPU (`CPU_RANK_ENV`).
+
+The embedded engine (`rollout.backend=embedded`) always runs on the CPU, also beside GPU
+learners (`engine_uses_gpu`): it holds no GPU, its weights arrive as shared-memory files
+(colocated, one node) or through a gloo group (`ProcessGroupPlan.backend`), never as CUDA IPC
+handles or NCCL broadcasts it could not receive.
 """
 
 from __future__ import annotations
@@ -214,6 +219,12 @@ class ProcessGroupPlan:
     def world_size(self) -> int:
         return len(self.members)
 
+    @property
+    def backend(self) -> str:
+        """torch.distributed backend of the group: NCCL when every member is on a GPU, else
+        gloo (a CPU member, e.g. the embedded engine beside GPU learners, cannot join NCCL)."""
+        return "nccl" if self.members and all(m.device.gpu is not None for m in self.members) else "gloo"
+
     def duplicate_devices(self) -> List[Device]:
         """GPUs holding two ranks of this group (NCCL refuses them); CPUs never count."""
         seen: Dict[Device, int] = {}
@@ -271,6 +282,8 @@ class Placement:
             engine_owner: Dict[Device, int] = {}
             for e in self.engines:
                 for d in e.devices:
+                    if d.gpu is None:  # the embedded engine beside GPU learners: the node's CPU
+                        continue
                     if d in engine_owner:
                         out.append(f"{d} is shared by engines {engine_owner[d]} and {e.index}")
                     engine_owner[d] = e.index
@@ -329,6 +342,12 @@ def learner_cuda_index(learner: LearnerPlacement, env: Mapping[str, str]) -> int
         raise ValueError(f"learner rank {learner.rank} is placed on GPU {learner.device.gpu} of its node, which "
                          f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} hides")
     return visible.index(str(learner.device.gpu))
+
+
+def engine_uses_gpu(backend: str, use_gpu: bool) -> bool:
+    """Whether an engine of rollout `backend` runs on GPUs: SGLang where the run has GPUs; the
+    embedded engine never (a CPU engine, also beside GPU learners)."""
+    return use_gpu and backend == "sglang"
 
 
 def engines_per_node(num_engines: int, engine_nodes: int) -> int:
@@ -442,11 +461,12 @@ def place(cfg: DapoConfig, shape: ClusterShape) -> Placement:
         first_gpu = 0
     per_engine_node = engines_per_node(r.num_engines, len(engine_node_list))
     engines = []
+    on_gpu = engine_uses_gpu(r.backend, shape.use_gpu)
     for index in range(r.num_engines):
         slot, local = divmod(index, per_engine_node)
         node = engine_node_list[slot]
-        ids = gpu_block(local, engine_gpus, first_gpu) if shape.use_gpu else ()
-        if colocated and shape.use_gpu:
+        ids = gpu_block(local, engine_gpus, first_gpu) if on_gpu else ()
+        if colocated and on_gpu:
             transport = CUDA_IPC
             holders = tuple(by_device[Device(node, g)] for g in ids if Device(node, g) in by_device)
         else:

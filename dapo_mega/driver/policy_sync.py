@@ -87,13 +87,16 @@ class PolicySync:
             # the stages' groups form in turn, as their broadcasts do: each engine serves
             # /init_weights_update_group in arrival order and blocks in the rendezvous, so two
             # stages at once could enter engine A as pp0, engine B as pp1, and wait forever
-            run_stages_in_turn(layout.pp, layout.pp_rank, lambda: sync._start_syncer(endpoints, local, colocated),
+            group = placement.weight_update_group(layout.pp_rank)
+            backend = group.backend if group is not None else "gloo"
+            run_stages_in_turn(layout.pp, layout.pp_rank,
+                               lambda: sync._start_syncer(endpoints, local, colocated, backend),
                                torch.distributed.barrier)
         else:
-            sync._start_syncer(endpoints, local, colocated)
+            sync._start_syncer(endpoints, local, colocated, "gloo")
         return sync
 
-    def _start_syncer(self, endpoints: List["EngineEndpoint"], local: bool, colocated: bool) -> None:
+    def _start_syncer(self, endpoints: List["EngineEndpoint"], local: bool, colocated: bool, backend: str) -> None:
         """The syncer of a stage's weight source (which joins its group with the engines), or
         of the driver (pause, resume, memory); nothing on other ranks."""
         from dapo_mega.weights.sync import WeightSyncer
@@ -103,14 +106,14 @@ class PolicySync:
             return
         self.syncer = WeightSyncer(endpoints, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
                                    mode="colocated" if colocated else "distributed",
-                                   backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   backend=backend,  # the placement's: gloo when an engine is on the CPU
                                    # DAPO_MEGA_SYNC_ADDR: this node's Slurm NodeAddr (dapo_mega.launch);
                                    # the hostname can resolve to a loopback alias
                                    master_address="127.0.0.1" if local else (os.environ.get("DAPO_MEGA_SYNC_ADDR")
                                                                              or socket.gethostbyname(socket.gethostname())),
                                    engine_tp_size=cfg.rollout.engine_tp_size,
-                                   # CPU hand-over: SGLang loads its own serializer's format, the
-                                   # embedded engine only shared-memory JSON (it never unpickles)
+                                   # colocated hand-over: SGLang loads its own serializer's format,
+                                   # the embedded engine only shared-memory JSON (it never unpickles)
                                    cpu_tensor_format="sglang" if cfg.rollout.backend == "sglang"
                                    else "shared_memory_json")
         if not colocated and layout.is_weight_source:

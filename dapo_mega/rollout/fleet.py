@@ -209,11 +209,14 @@ class EngineFleet:
 
     # ---------------------------------------------------------------- start
     def on_gpu(self) -> bool:
+        """Whether the engines run on GPUs (`placement.engine_uses_gpu`: never the embedded engine)."""
+        from dapo_mega.backends.placement import engine_uses_gpu
+
         if self.device in ("cpu", "cuda"):
-            return self.device == "cuda"
+            return engine_uses_gpu(self.rollout.backend, self.device == "cuda")
         import torch
 
-        return torch.cuda.is_available()
+        return engine_uses_gpu(self.rollout.backend, torch.cuda.is_available())
 
     def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
         """argv of one engine on `port`: the shared command line plus what this machine needs."""
@@ -240,6 +243,8 @@ class EngineFleet:
             from dapo_mega.backends.placement import visible_devices
 
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, parent_env.get("CUDA_VISIBLE_DEVICES"))
+        elif not self.on_gpu():  # a CPU engine (the embedded one beside GPU learners) sees no GPU
+            env["CUDA_VISIBLE_DEVICES"] = ""
         if self.rollout.backend == "sglang":
             if not self.on_gpu():
                 env["SGLANG_USE_CPU_ENGINE"] = "1"

@@ -209,9 +209,11 @@ class WeightSyncer:
                  group_prefix: str = "dapo_weight_sync", pause_mode: str = "retract",
                  timeout_s: Optional[float] = None, engine_tp_size: int = 1,
                  cpu_tensor_format: str = SHM_LOAD_FORMAT):
-        """`cpu_tensor_format`: how colocated mode hands CPU tensors over: "shared_memory_json"
-        (the embedded engine, which never unpickles) or "sglang" (SGLang's own serializer,
-        torch's reductions over shared-memory files, what a real SGLang server on a CPU loads)."""
+        """`cpu_tensor_format`: how colocated mode hands tensors over: "shared_memory_json"
+        (the embedded engine, which never unpickles and runs on the CPU: GPU tensors are copied
+        to the host file too) or "sglang" (SGLang's own serializer: CUDA IPC handles for GPU
+        tensors, torch's reductions over shared-memory files for CPU ones). `backend`: the
+        group's (`placement.ProcessGroupPlan.backend`); gloo flattens each bucket on the host."""
         if mode not in ("distributed", "colocated"):
             raise ValueError(f"mode must be distributed or colocated, got {mode!r}")
         if cpu_tensor_format not in (SHM_LOAD_FORMAT, "sglang"):
@@ -493,11 +495,11 @@ class WeightSyncer:
         bucket), on the parameters' device (NCCL broadcasts GPU tensors; SGLang receives on
         its own device)."""
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        device = bucket[0][1].device
+        device = bucket[0][1].device if self.backend == "nccl" else torch.device("cpu")  # gloo: the host's copy
         buf = self._flats[slot]
         if buf is None or buf.numel() < nbytes or buf.device != device:
             buf = self._flats[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return transport.flatten_bucket([t for _, t in bucket], out=buf)
+        return transport.flatten_bucket([t.to(device) for _, t in bucket], out=buf)
 
     def _start(self, bucket, flat: torch.Tensor, version: Optional[str]) -> "_Broadcast":
         """POST the bucket's names/dtypes/shapes to every engine and start its broadcast."""
@@ -538,7 +540,7 @@ class WeightSyncer:
             raise WeightSyncError(f"broadcast of bucket {b.first}..{b.last} failed: {exc}") from exc
 
     def _send_bucket_colocated(self, bucket, version: Optional[str]) -> None:
-        if bucket[0][1].is_cuda:
+        if bucket[0][1].is_cuda and self.cpu_tensor_format == "sglang":
             # SGLang's TP rank r reads payload r, handles to memory on its own GPU: one
             # process can only serve a TP-1 engine on its own GPU; the rest goes through
             # weights.handover (the learner rank on each engine GPU makes that rank's payload)

@@ -169,7 +169,7 @@ def write_shm_bucket(named_tensors: Sequence[Tuple[str, torch.Tensor]],
     metas, nbytes = bucket_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
     path = Path(shm_dir) / f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex}.bin"
     # tmpfs and read at once by the engines: a crash loses nothing an fsync would have kept
-    write_bytes_atomic(path, flatten_bucket(tensors).numpy().tobytes(), durable=False)
+    write_bytes_atomic(path, flatten_bucket(tensors).cpu().numpy().tobytes(), durable=False)
     return {"path": str(path), "nbytes": nbytes,
             "tensors": [{"name": m.name, "dtype": dtype_name(m.dtype), "shape": list(m.shape),
                          "start": m.start, "end": m.end} for m in metas]}

@@ -256,3 +256,25 @@ def test_no_process_chooses_its_device_variables_on_its_own():
             if lines and rel not in SETS_DEVICE_VARIABLES:
                 found[rel] = lines
     assert found == {}, f"set LOCAL_RANK / CUDA_VISIBLE_DEVICES outside the device rule: {found}"
+
+
+def test_the_embedded_engine_stays_on_the_cpu_beside_gpu_learners(monkeypatch):
+    """The embedded engine has no GPU path: beside GPU learners it holds no GPU, sees none,
+    and its weights come as shared-memory files (colocated) or through a gloo group
+    (disaggregated), never as CUDA IPC handles or a NCCL broadcast it cannot receive."""
+    from dapo_mega.backends.placement import CUDA_IPC, DISTRIBUTED, SHARED_MEMORY, ClusterShape, place
+
+    for backend, colocated_transport, group_backend in (("embedded", SHARED_MEMORY, "gloo"),
+                                                        ("sglang", CUDA_IPC, "nccl")):
+        cfg = load_config([f"rollout={backend}", "cluster.mode=colocated", "rollout.num_engines=2"])
+        on_one_node = place(cfg, ClusterShape(1, 8, "colocated", 1, 2, use_gpu=True))
+        assert on_one_node.problems() == [] and on_one_node.transport == colocated_transport
+        assert all(bool(e.gpu_ids) == (backend == "sglang") for e in on_one_node.engines)
+        cfg = load_config([f"rollout={backend}", "cluster.mode=disaggregated", "rollout.num_engines=2"])
+        two_nodes = place(cfg, ClusterShape(2, 8, "disaggregated", 1, 8, use_gpu=True))
+        assert two_nodes.problems() == [] and two_nodes.transport == DISTRIBUTED
+        assert two_nodes.weight_update_group(0).backend == group_backend
+        fleet = EngineFleet(cfg.rollout, "model", device="cuda")
+        assert fleet.on_gpu() == (backend == "sglang")
+        env = fleet.child_env(0, parent_env={})
+        assert ("CUDA_VISIBLE_DEVICES" in env) == (backend == "embedded") and env.get("CUDA_VISIBLE_DEVICES", "") == ""

@@ -90,7 +90,12 @@ def test_every_experiment_places_without_breaking_a_rule(name, label, overrides,
     for group in placement.groups:
         gpus = [m.device for m in group.members if m.device.gpu is not None]
         assert len(gpus) == len(set(gpus)), group.name
-    if use_gpu:
+    engines_on_gpu = use_gpu and r.backend == "sglang"  # the embedded engine runs on the CPU, beside GPU learners
+    if not engines_on_gpu:
+        assert all(e.gpu_ids == () for e in placement.engines)
+        assert all(g.backend == "gloo" for g in placement.groups if g.kind == "weight_update")
+    else:
+        assert all(g.backend == "nccl" for g in placement.groups if g.kind == "weight_update")
         # no two engines share a GPU, and every engine has its own CUDA_VISIBLE_DEVICES
         devices = [d for e in placement.engines for d in e.devices]
         assert len(devices) == len(set(devices)) == r.num_engines * r.engine_tp_size
@@ -98,11 +103,13 @@ def test_every_experiment_places_without_breaking_a_rule(name, label, overrides,
             visible = [e.cuda_visible_devices() for e in placement.engines_on_node(node)]
             assert all(visible) and len(visible) == len(set(visible))
             assert all(len(v.split(",")) == r.engine_tp_size for v in visible)
+        assert all(0 <= d.gpu < cfg.cluster.gpus_per_node for d in devices)
+    if use_gpu:
         learner_devices = [lp.device for lp in placement.learners]
         assert len(learner_devices) == len(set(learner_devices))
-        assert all(0 <= d.gpu < cfg.cluster.gpus_per_node for d in learner_devices + devices)
+        assert all(0 <= lp.device.gpu < cfg.cluster.gpus_per_node for lp in placement.learners)
     # colocated GPU engines get their weights by CUDA IPC, never through a NCCL group
-    if cfg.cluster.mode == "colocated" and use_gpu:
+    if cfg.cluster.mode == "colocated" and engines_on_gpu:
         assert placement.transport == CUDA_IPC
         assert not [g for g in placement.groups if g.kind == "weight_update"]
         for e in placement.engines:
@@ -218,7 +225,8 @@ def test_colocated_engines_start_with_the_memory_saver_on_their_own_gpus():
     assert "--enable-memory-saver" not in argv  # disaggregated engines keep their memory
     tiny = load_config(["+experiment=tiny_cpu_slurm"])
     argv, env = engine_command_and_env(tiny, engine_rollout_config(tiny, ""), EngineSlot(0), "/m", 1, "127.0.0.1", {})
-    assert "--enable-memory-saver" in argv and "--base-gpu-id" not in argv and "CUDA_VISIBLE_DEVICES" not in env
+    # the embedded engine: a CPU engine that sees no GPU, wherever it runs
+    assert "--enable-memory-saver" in argv and "--base-gpu-id" not in argv and env["CUDA_VISIBLE_DEVICES"] == ""
     from dapo_mega.rollout.embedded.server import build_arg_parser
 
     build_arg_parser().parse_args(argv[3:])  # the embedded engine accepts the same command line
