@@ -43,7 +43,9 @@ e. train_tiny_bf16: `dapo-mega train` of the tiny model, bf16 learner on the GPU
    driver/weight_probe.py); the run must exit 0 and its metrics.jsonl rows carry
    `mismatch/age_0/logp_abs_mean` and `probe/logp_abs_mean` under the limits (bf16: 0.5
    nats, weight_probe.BF16_MAX_ABS_MEAN) with no probe errors. Engine: SGLang colocated
-   when sglang imports, else the embedded engine (`--train-engine`).
+   when sglang imports, else the embedded engine (`--train-engine`), which runs on the CPU
+   beside the GPU learner and gets its weights as shared-memory files
+   (`placement.engine_uses_gpu`).
 
 Then, while the budget lasts (each skipped, saying so, when its timeout no longer fits):
 the measurements at Qwen2.5-7B's shape (random weights, `--layers` of 28):
