@@ -44,11 +44,14 @@ from dapo_mega import distributed as D
 from dapo_mega.algo import (
     TIS_METRICS,
     TrainSample,
+    compute_correction_stats,
     compute_mismatch_stats,
+    compute_off_policy_weights,
     compute_policy_loss,
-    compute_tis_weights,
+    empty_correction_stats,
     empty_mismatch_stats,
     merge_mismatch_stats,
+    summarize_correction,
     summarize_mismatch,
     summarize_tis_weights,
 )
@@ -120,8 +123,9 @@ class MegatronLearner:
         fp8 = cfg.megatron.fp8
         self._seq_multiple = token_multiple(layout.tp, layout.sequence_parallel, fp8.enabled, fp8.recipe)
         self._thd = self.info.layer_spec == TE_SPEC
-        self._tis_active = cfg.algo.tis_cap is not None and not cfg.algo.use_engine_logprobs
-        self._metric_keys = _POLICY_METRICS + (TIS_METRICS if self._tis_active else ())
+        # with the engine's log-probs as π_old the ratio is 1: nothing to correct (config.py refuses it)
+        self._correction = "none" if cfg.algo.use_engine_logprobs else cfg.algo.correction_mode()
+        self._metric_keys = _POLICY_METRICS + (TIS_METRICS if self._correction == "tis" else ())
         self._age_buckets = cfg.checks.mismatch_age_buckets
 
     # ------------------------------------------------------------------ plumbing
@@ -314,13 +318,17 @@ class MegatronLearner:
                     local[3 + k] += float(out.get(key, 0.0)) * n
         totals = self._all_reduce_sum(local)
         mismatch = empty_mismatch_stats(self._age_buckets)
+        correction = empty_correction_stats(self._age_buckets)
         for out in outputs if self._is_loss_rank() else ():
             if "mismatch" in out:
                 mismatch = merge_mismatch_stats(mismatch, out["mismatch"])
+            if "off_policy" in out:
+                correction = correction + out["off_policy"]
         loss, tokens = totals[0], totals[1]
         finite = bool(torch.isfinite(torch.tensor(loss))) and self._grads_finite()
         info: Dict[str, float] = {"loss": loss, "tokens": tokens, "entropy": totals[2] / max(tokens, 1.0),
-                                "finite": finite, "mismatch": mismatch}  # this rank's, reduced per step
+                                "finite": finite, "mismatch": mismatch,  # this rank's, reduced per step
+                                "off_policy": correction}
         for k, key in enumerate(keys):
             info[key] = totals[3 + k] / max(tokens, 1.0)
         if not finite:
@@ -340,10 +348,31 @@ class MegatronLearner:
             self.scheduler.advance()
         return info
 
+    def _off_policy_weights(self, old: torch.Tensor, mb: MicroBatch, mask: torch.Tensor,
+                            ages: Optional[Sequence[int]]) -> tuple:
+        """The correction's [samples, tokens] weights of this micro-batch (None: none applies)
+        and its metrics: `off_policy` statistics by age (algo/off_policy.py), plus tis/* for
+        tis. Samples without engine log-probs (age -1) keep weight 1 and are not counted."""
+        if self._correction == "none" or mb.engine_log_probs is None:
+            return None, {}
+        algo = self.cfg.algo
+        row_ages = torch.tensor([0 if ages is None else ages[i] for i in mb.sample_indices], dtype=torch.long)
+        engine_mask = mask * (row_ages >= 0)[:, None].to(mask.device)
+        engine = gather_responses(mb.engine_log_probs, mb)
+        mode = self._correction
+        low, high = (getattr(algo, f"{mode}_low"), getattr(algo, f"{mode}_high")) if mode != "tis" else (None, None)
+        weights = compute_off_policy_weights(mode, old, engine, engine_mask, tis_cap=algo.tis_cap, low=low, high=high)
+        metrics = {"off_policy": compute_correction_stats(weights, engine_mask, row_ages.clamp(min=0),
+                                                          self._age_buckets)}
+        if mode == "tis":
+            metrics.update(summarize_tis_weights(old, engine, algo.tis_cap, engine_mask))
+        return weights, metrics
+
     def _policy_loss_func(self, global_tokens: float, global_seqs: float, mb: MicroBatch, logits: torch.Tensor,
-                          ages: Optional[Sequence[int]] = None):
-        """`ages`: per sample index, its age, or -1 when it has no engine log-probs; None: this
-        mini-batch's mismatch is not measured (`_mismatch_ages`)."""
+                          ages: Optional[Sequence[int]] = None, measure_mismatch: bool = True):
+        """`ages`: per sample index, its age, or -1 when it has no engine log-probs (None: all
+        0); `measure_mismatch` false: this mini-batch's mismatch is not measured (the learner's
+        own π_old is unknown after the first update when the engine's log-probs are π_old)."""
         algo = self.cfg.algo
         log_probs, entropy = compute_token_log_probs(logits, mb.labels, algo.temperature, self.info.shape.vocab_size)
         entropy_sum = (entropy * mb.response_mask).sum()
@@ -351,20 +380,16 @@ class MegatronLearner:
         # the seq-mean modes aggregate per sample, and a packed row holds several.
         mask = gather_responses(mb.response_mask, mb)
         old = gather_responses(log_probs.detach() if mb.old_log_probs is None else mb.old_log_probs, mb)
-        tis, tis_metrics = None, {}
-        if self._tis_active and mb.engine_log_probs is not None:
-            engine = gather_responses(mb.engine_log_probs, mb)
-            tis = compute_tis_weights(old, engine, algo.tis_cap, mask)
-            tis_metrics = summarize_tis_weights(old, engine, algo.tis_cap, mask)
+        weights, correction_metrics = self._off_policy_weights(old, mb, mask, ages)
         loss, metrics = compute_policy_loss(
             gather_responses(log_probs, mb), old, gather_responses(mb.advantages, mb), mask,
             clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c,
             loss_agg_mode=algo.loss_agg_mode, global_num_tokens=global_tokens, global_num_seqs=global_seqs,
-            tis_weights=tis)
+            tis_weights=weights)
         num_tokens = mask.sum().to(torch.int)
         reduced = {key: metrics[key] for key in _POLICY_METRICS}
-        reduced.update(tis_metrics)
-        if ages is not None and mb.engine_log_probs is not None:
+        reduced.update(correction_metrics)
+        if measure_mismatch and ages is not None and mb.engine_log_probs is not None:
             # the learner's π_old: `old`, or (engine log-probs as π_old) this first update's own
             learner_old = gather_responses(log_probs.detach(), mb) if algo.use_engine_logprobs else old
             row_ages = torch.tensor([ages[i] for i in mb.sample_indices], dtype=torch.long)
@@ -423,6 +448,7 @@ class MegatronLearner:
         # the engine's log-probs as π_old, the learner's own are known before the first update only
         ages = [s.age if s.engine_log_probs is not None else -1 for s in samples]
         mismatch = empty_mismatch_stats(self._age_buckets)
+        correction = empty_correction_stats(self._age_buckets)
         for k_update, (mini_batch, micro_batches) in enumerate(zip(mini_batches, micro_per_update)):
             # Denominators of the whole mini-batch (all micro-batches, all DP ranks):
             # tokens for token-mean, non-empty responses for the seq-mean ablation modes.
@@ -430,10 +456,12 @@ class MegatronLearner:
             global_seqs = float(sum(1 for i in mini_batch if any(samples[i].response_loss_mask())))
             useful += sum(mb.real_tokens for mb in micro_batches)
             computed += sum(mb.tokens.numel() for mb in micro_batches)
-            measured = ages if (k_update == 0 or not algo.use_engine_logprobs) else None
+            measured = k_update == 0 or not algo.use_engine_logprobs
             info = self._update(micro_batches, partial(self._policy_loss_func, max(global_tokens, 1.0),
-                                                       max(global_seqs, 1.0), ages=measured), lr=None)
+                                                       max(global_seqs, 1.0), ages=ages, measure_mismatch=measured),
+                                lr=None)
             mismatch = merge_mismatch_stats(mismatch, info["mismatch"])
+            correction = correction + info["off_policy"]
             tokens_trained += sum(samples[i].length for i in mini_batch)
             if not info["finite"]:
                 continue
@@ -447,7 +475,9 @@ class MegatronLearner:
         elapsed = time.perf_counter() - start
         metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
         metrics.update(self._layout_metrics(useful, computed))
-        metrics.update(summarize_mismatch(self._reduce_mismatch(mismatch)))
+        metrics.update(summarize_mismatch(self._reduce_stats(mismatch, max_column=2)))
+        if self._correction != "none":
+            metrics.update(summarize_correction(self._reduce_stats(correction)))
         metrics.update({
             "actor/lr": lr,
             "perf/train_tokens_per_s": tokens_trained / max(elapsed, 1e-9),
@@ -457,16 +487,19 @@ class MegatronLearner:
         })
         return metrics
 
-    def _reduce_mismatch(self, local: torch.Tensor) -> torch.Tensor:
-        """Every loss rank's mismatch statistics merged (sums add, the max is the max): the
-        same [K, 4] tensor on every rank. Two all-reduces over all ranks."""
+    def _reduce_stats(self, local: torch.Tensor, max_column: Optional[int] = None) -> torch.Tensor:
+        """Every loss rank's [K, C] statistics (mismatch, off-policy correction) merged: sums
+        add, column `max_column` (the mismatch's max |Δ|) takes the max; the same tensor on
+        every rank. One all-reduce over all ranks, two with a max column."""
         if not D.is_active():
             return local
         device = D.collective_device()
-        summed, largest = local.to(device), local.to(device).clone()
+        summed = local.to(device)
         torch.distributed.all_reduce(summed)
-        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
-        summed[:, 2] = largest[:, 2]
+        if max_column is not None:
+            largest = local.to(device).clone()
+            torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+            summed[:, max_column] = largest[:, max_column]
         return summed.cpu()
 
     def _layout_metrics(self, useful: int, computed: int) -> Dict[str, float]:

@@ -273,9 +273,11 @@ def test_async_32b_config_turns_on_tis_with_engine_log_probs():
 
     for name in ("dapo_qwen2.5_32b_disagg", "dapo_qwen2.5_32b_disagg_fp8"):
         cfg = load_config([f"+experiment={name}"])
-        assert cfg.algo.tis_cap == 2.0 and not cfg.algo.use_engine_logprobs, name
-        assert cfg.cluster.max_staleness == 1
-    assert load_config(["+experiment=dapo_qwen2.5_32b"]).algo.tis_cap is None  # on-policy: the paper's run
+        assert cfg.algo.correction_mode() == "tis" and cfg.algo.tis_cap == 2.0, name
+        assert not cfg.algo.use_engine_logprobs and cfg.cluster.max_staleness == 1, name
+    fp8 = load_config(["+experiment=dapo_qwen2.5_32b_fp8"]).algo  # synchronous: FP8 numerics only
+    assert (fp8.correction_mode(), fp8.geo_mask_low, fp8.geo_mask_high, fp8.tis_cap) == ("geo_mask", 0.99, 1.01, None)
+    assert load_config(["+experiment=dapo_qwen2.5_32b"]).algo.correction_mode() == "none"  # the paper's run
 
 
 def _train_step_tis(rank, world):
