@@ -9,8 +9,10 @@ bound and checks the run directory and the job's exit state. Nothing is stubbed:
 ledger shards and checkpoints are the trainer's own, and the policy versions the engines
 report in the ledger show that the learner's weights reached engine processes started by
 another srun step (another "node", another heterogeneous component). The disaggregated job
-runs once more with two real SGLang servers as its engines (`rollout.backend=sglang`, the
-SGLang venv's interpreter; skipped without one, tests/sglang_venv.py).
+with two learner tasks runs with two real SGLang servers as its engines
+(`rollout.backend=sglang`, the SGLang venv's interpreter; skipped without one,
+tests/sglang_venv.py); with embedded engines it runs in the engine-kill test, which checks the
+same records over 60 steps.
 """
 
 from __future__ import annotations
@@ -196,21 +198,6 @@ def _disaggregated_job(cluster, tmp_path, name, overrides, timeout_s, learners=1
     return run_dir, metrics, logs, info
 
 
-@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
-def test_disaggregated_heterogeneous_job_syncs_weights_across_components(cluster, tmp_path):
-    # two learner tasks on the learner component's node (one before the fix, as colocated)
-    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "disagg", DISAGG_OVERRIDES, JOB_TIMEOUT_S,
-                                                      learners=2)
-    # component 1's single node runs both engines; component 0's node the learners
-    engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
-    learner_node = info.get("NodeList")
-    assert len(engine_nodes) == 1 and engine_nodes != {learner_node}, (engine_nodes, learner_node)
-    # distributed-mode sync (a gloo group of learner rank 0 + both engine processes) moved
-    # the whole tiny model every step: same byte count each step, nonzero
-    sync_bytes = {m["sync/bytes"] for m in metrics}
-    assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
-
-
 @pytest.fixture
 def sglang_python():
     """The SGLang venv's interpreter (skips before the cluster starts when there is none)."""
@@ -223,19 +210,26 @@ SGLANG_JOB_TIMEOUT_S = 900  # two SGLang servers start on the engine node: about
 @pytest.mark.slow
 @pytest.mark.sglang
 def test_disaggregated_job_with_sglang_engines(sglang_python, cluster, tmp_path):
-    # the same job with two real SGLang 0.5.23 servers (CPU) on the engine component, run by
-    # the SGLang venv's interpreter (the local nodes share this filesystem)
+    # two learner tasks on the learner component's node (one before the fix, as colocated),
+    # two real SGLang 0.5.23 servers (CPU) on the engine component, run by the SGLang venv's
+    # interpreter (the local nodes share this filesystem). The heterogeneous job with embedded
+    # engines: test_engine_killed_mid_run_is_restarted_and_the_disaggregated_job_completes.
     overrides = [*DISAGG_OVERRIDES, "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
                  "rollout.extra_server_args=[--max-total-tokens,4096]", "rollout.health_timeout_s=600"]
-    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "sgl", overrides, SGLANG_JOB_TIMEOUT_S)
+    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "sgl", overrides, SGLANG_JOB_TIMEOUT_S,
+                                                      learners=2)
     assert f"{sglang_python} -m sglang.launch_server" in (logs / "engines-node0.log").read_text()
     for i in (0, 1):  # each server took the first push and one sync per step inside a weight-update session
         engine_log = (logs / f"engine-{i}.log").read_text(errors="replace")
         assert engine_log.count("POST /update_weights_from_distributed ") >= TOTAL_STEPS + 1, engine_log[-3000:]
         assert engine_log.count("POST /begin_weight_update ") == engine_log.count("POST /end_weight_update ") \
             >= TOTAL_STEPS + 1
+    # component 1's single node runs both engines; component 0's node the learners
     engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
-    assert len(engine_nodes) == 1 and engine_nodes != {info.get("NodeList")}
+    learner_node = info.get("NodeList")
+    assert len(engine_nodes) == 1 and engine_nodes != {learner_node}, (engine_nodes, learner_node)
+    # distributed-mode sync (a gloo group of learner rank 0 + both engine processes) moved
+    # the whole tiny model every step: same byte count each step, nonzero
     sync_bytes = {m["sync/bytes"] for m in metrics}
     assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
 
@@ -358,11 +352,12 @@ def _kill_engine_1_after_step_1(cluster, out_dir: Path, run_dir: Path, job: int)
     return record
 
 
-def _assert_outlived_engine(cluster, out_dir: Path, run_dir: Path, job: int, record: dict, engines_log: str) -> None:
+def _assert_outlived_engine(cluster, out_dir: Path, run_dir: Path, job: int, record: dict, engines_log: str) -> dict:
     """The job completed every step although engine 1 died: the engines role restarted it at
     its URL (announced again with a new pid), the trainer dropped it, found it answering again
     and synced the weights into it before it served; every step's ledger is whole, from
-    engines serving the learner's weights, and shows the gap in engine 1's service."""
+    engines serving the learner's weights, and shows the gap in engine 1's service. The job's
+    info."""
     info = cluster.wait_job(job, JOB_TIMEOUT_S * 2)
     logs = run_dir / "logs" / f"job-{job}"
     everything = _batch_log(out_dir, job) + _job_logs(run_dir, job)
@@ -386,6 +381,7 @@ def _assert_outlived_engine(cluster, out_dir: Path, run_dir: Path, job: int, rec
     served = [step for step, rows in sorted(ledger.items()) if any(r["engine_id"] == record["url"] for r in rows)]
     gap = [s for s in range(1, KILL_STEPS + 1) if s not in served]
     assert served and served[0] == 1 and gap and served[-1] > gap[0], served
+    return info
 
 
 @pytest.mark.slow  # one real job of 60 tiny steps with an engine restart: ~1 min on 2 cores
@@ -403,4 +399,7 @@ def test_engine_killed_mid_run_is_restarted_and_the_disaggregated_job_completes(
     job = _submit(cluster, "disaggregated.sbatch", tmp_path, "disagg_restart", DISAGGREGATED,
                   [*DISAGG_OVERRIDES, f"trainer.total_steps={KILL_STEPS}", "trainer.save_interval=0"])
     record = _kill_engine_1_after_step_1(cluster, tmp_path, run_dir, job)
-    _assert_outlived_engine(cluster, tmp_path, run_dir, job, record, "engines-node0.log")
+    info = _assert_outlived_engine(cluster, tmp_path, run_dir, job, record, "engines-node0.log")
+    # the embedded engines ran on component 1's node, the learner on component 0's
+    engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
+    assert len(engine_nodes) == 1 and engine_nodes != {info.get("NodeList")}, (engine_nodes, info.get("NodeList"))

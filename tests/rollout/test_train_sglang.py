@@ -1,13 +1,16 @@
 """`dapo-mega train rollout.backend=sglang` with the real SGLang 0.5.23 server on a CPU, colocated
-(update from tensor in SGLang's own format, engine memory released while the learner trains)
-and disaggregated (update from distributed over a gloo group): two steps each, and the
-ledger's policy versions, read from SGLang's replies, equal the learner's versions.
+(update from tensor in SGLang's own format, engine memory released while the learner trains),
+the engine started by the trainer: two steps, and the ledger's policy versions, read from
+SGLang's replies, equal the learner's versions.
 
-Then disaggregated with two learner processes (TP 2, and PP 2) and two SGLang engines that
-the test starts through the fleet and the runs attach to by URL, so the engines outlive each
-run: one step, then resumed to a second; after each run every engine serves the learner's
-version, and its greedy output (tokens and log-probs) equals transformers' on the HF export
-of the checkpoint the run saved.
+Then disaggregated (update from distributed over a gloo group) with two learner processes
+(TP 2, and PP 2) and two SGLang engines that the test starts through the fleet and the runs
+attach to by URL, so the engines outlive each run: one step, then resumed to a second; after
+each run every engine took the run's pushes inside weight-update sessions, serves the
+learner's version, and its greedy output (tokens and log-probs) equals transformers' on the
+HF export of the checkpoint the run saved. A disaggregated run whose trainer starts the SGLang
+engines itself: tests/faults/test_faults_engines_sglang.py (one engine killed there) and the
+Slurm job with SGLang engines (tests/launch/test_slurm_jobs.py).
 
 Needs the SGLang venv (`tools/setup_sglang_cpu.sh`, see test_conformance.py); skips
 without it (fails under CI=true). The model is random (no warm start), so dynamic sampling is off: every group
@@ -31,13 +34,14 @@ from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("mode,update_path", [("colocated", "/update_weights_from_tensor"),
-                                              ("disaggregated", "/update_weights_from_distributed")])
-def test_train_with_real_sglang(tmp_path, mode, update_path):
+def test_train_colocated_with_real_sglang(tmp_path):
+    """Colocated: the trainer starts the engine itself; disaggregated (update from distributed)
+    is the TP 2 / PP 2 test below, whose engine logs are checked the same way."""
     sglang_python = sglang_python_or_skip()
     import pyarrow.parquet as pq
 
-    out = run_cli("train", f"cluster.mode={mode}", "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
+    update_path = "/update_weights_from_tensor"
+    out = run_cli("train", "cluster.mode=colocated", "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
                   "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "algo.dynamic_sampling=false",
                   f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
                   "rollout.extra_server_args=[--max-total-tokens,4096]", timeout_s=900)
@@ -104,6 +108,17 @@ def _differs(a: list, b: list) -> bool:
     return any(x[0] != y[0] or max(abs(p - q) for p, q in zip(x[1], y[1])) > 10 * LOGPROB_ATOL for x, y in zip(a, b))
 
 
+def _update_counts(logs: Path) -> dict:
+    """engine log name -> (POST /update_weights_from_distributed, /begin_weight_update,
+    /end_weight_update) counts so far."""
+    counts = {}
+    for log in sorted(logs.glob("engine-*.log")):
+        text = log.read_text(errors="replace")
+        counts[log.name] = tuple(text.count(f"POST {path} ") for path in (
+            "/update_weights_from_distributed", "/begin_weight_update", "/end_weight_update"))
+    return counts
+
+
 @pytest.fixture(scope="module")
 def two_sglang_engines(tmp_path_factory):
     """Two real SGLang engines (fp32, CPU) serving a tiny model of another seed than the
@@ -160,6 +175,7 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
             "algo.max_response_length=48", "algo.overlong_buffer_length=44", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
             "trainer.wandb_mode=disabled", "trainer.plot=false")
     exported: dict = {}
+    engine_logs_before = _update_counts(engine_logs)
     for steps in (1, 2):
         log_path = tmp_path / f"train-{steps}.log"
         proc = start_train(base + [f"trainer.total_steps={steps}"], log_path)
@@ -176,6 +192,13 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
         assert set(map(int, table["learner_version"])) == {steps - 1}
         assert set(map(int, table["policy_version_min"])) == set(map(int, table["policy_version_max"])) == {steps - 1}
         assert len(table["learner_version"]) == 4 * 4 and set(table["engine_id"]) <= set(urls)
+        # each engine took this run's first push and its step's sync from distributed, inside
+        # weight-update sessions that all ended
+        counts = _update_counts(engine_logs)
+        for log, (updates, begins, ends) in counts.items():
+            updates_before, begins_before, _ = engine_logs_before.get(log, (0, 0, 0))
+            assert updates - updates_before >= 2 and begins == ends and begins - begins_before >= 2, (log, counts)
+        engine_logs_before = counts
 
         export = tmp_path / f"hf-{steps}"
         export_megatron_checkpoint(run, export, hf_config_from=learner_model, progress=False)
