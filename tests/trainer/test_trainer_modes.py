@@ -77,7 +77,10 @@ def test_disaggregated_sync_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_disaggregated_async_staleness_one(tmp_path):
-    run_train(tmp_path, "cluster.mode=disaggregated", "cluster.max_staleness=1", "algo.gen_batch_size=4")
+    # with a sequence-level off-policy correction (algo/off_policy.py), as the async recipe's
+    # stale samples call for; wide bounds, so what it masks is the tiny model's business
+    run_train(tmp_path, "cluster.mode=disaggregated", "cluster.max_staleness=1", "algo.gen_batch_size=4",
+              "algo.off_policy_correction=mis", "algo.mis_low=0.01", "algo.mis_high=100")
     run_dir = tmp_path / RUN_NAME
     check_records_of_run(run_dir, total_steps=3, max_staleness=1)
     by_step = records_by_step(run_dir)
@@ -88,6 +91,8 @@ def test_disaggregated_async_staleness_one(tmp_path):
     for step in (1, 2, 3):
         kept = [r for r in by_step[step] if r.reject_reason in ("kept", "verifier_error", "stale")]
         assert rows[step]["rollout/age_max"] == max(r.age for r in kept)
+        assert 0.0 <= rows[step]["off_policy/masked_seq_frac"] <= 1.0 and math.isfinite(rows[step]["loss/pg"])
+        assert rows[step]["off_policy/weight_mean"] > 0.0  # mis weights the kept sequences by their ratio
         ages = {}
         for r in kept:
             ages.setdefault(min(r.age, 3), []).append(r)
