@@ -12,7 +12,9 @@ DAPO_MEGA_TEST_CLOCK=1) and the limits shrunk so that the ratios hold or exceed 
 
 with two learner processes (the second waits for the driver's rollouts and evals on the
 store, `driver/gate.py`, not inside a gloo broadcast that would time out) and two engines
-(every request and eval reaches both; neither is marked dead for being slow).
+(every request and eval reaches both; neither is marked dead for being slow). One step is
+enough: the evaluation before it, its round and the evaluation after it each outlast the
+timeout, and the weight sync between them is the one every later step repeats.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ DELAY_MS = 300
 def test_rollouts_and_evals_outlast_the_collective_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("DAPO_MEGA_TEST_CLOCK", "1")
     result = run_trainer(tmp_path, "clock", [
-        "trainer.total_steps=2", "trainer.save_interval=0", "trainer.eval_interval=2",
+        "trainer.total_steps=1", "trainer.save_interval=0", "trainer.eval_interval=1",
         "eval.max_problems=10", "eval.n_samples=4", "eval.max_response_length=12",
         f"cluster.dist_timeout_s={DIST_TIMEOUT_S}", "rollout.num_engines=2",
         # two sequences at a time per engine: a request of 2 prompts x 4 samples decodes in 4 waves
@@ -47,7 +49,7 @@ def test_rollouts_and_evals_outlast_the_collective_timeout(tmp_path, monkeypatch
     run_dir = tmp_path / "clock"
     rows = read_metric_rows(run_dir)
     steps = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1]
     rollout_s = [r["time/rollout_s"] for r in steps]
     # the ratios of the 32B run hold (else the test proves nothing: slow the engines more)
     assert min(rollout_s) >= 3 * DIST_TIMEOUT_S, rollout_s
@@ -58,7 +60,7 @@ def test_rollouts_and_evals_outlast_the_collective_timeout(tmp_path, monkeypatch
     # slow engines are not dead ones; both serve training and both serve every evaluation
     assert all(r["rollout/dead_engines"] == 0 for r in steps)
     assert len({r.engine_id for r in records}) == 2
-    for name in ("step_000000.json", "step_000002.json"):
+    for name in ("step_000000.json", "step_000001.json"):
         engines = json.loads((run_dir / "eval" / name).read_text())["engines"]
         assert len(engines) == 2 and all(v["requests"] > 0 for v in engines.values()), (name, engines)
     assert "requests/samples per engine: e0 " in out
