@@ -49,6 +49,7 @@ TransformerImpl = Literal["auto", "local", "transformer_engine"]
 RecomputeGranularity = Literal["full", "selective"]
 OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
 ClusterMode = Literal["colocated", "disaggregated"]
+EvalOverlap = Literal["auto", "beside", "inline"]
 Device = Literal["auto", "cpu", "cuda"]
 WandbMode = Literal["offline", "online", "disabled"]
 LedgerTextMode = Literal["full", "head_tail", "none"]
@@ -826,10 +827,18 @@ class EvalConfig:
     """Named held-out sets besides data.eval_path (which stays the unnamed set, `eval/avg_at_k`):
     name -> {path, n_samples, max_response_length, max_problems}, each evaluated every
     trainer.eval_interval steps and by `dapo-mega eval`, reported as `eval/<name>/avg_at_k`."""
+    overlap: str = "auto"
+    """Where the training run's evaluation spends its time (driver/eval_beside.py): `beside`
+    starts it right after the eval step's weight sync, in a thread, while the next step's
+    rollout and training go on; the next sync waits for it (`time/eval_s` is that wait) and the
+    eval step's metrics row is written when it ends. `inline` stops the loop while it runs.
+    `auto`: beside when cluster.mode=disaggregated (the engines idle while the learner
+    trains), inline when colocated (the engines give their memory to the learner meanwhile)."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
         e, err = self, _field_error
+        _check_choice("eval.overlap", e.overlap, EvalOverlap)
         if e.n_samples < 1:
             raise err("eval.n_samples", "must be >= 1", "use 32 (AIME protocol)")
         if not 0 < e.top_p <= 1:
@@ -1077,6 +1086,13 @@ def _check_partial_rollout(cfg: DapoConfig) -> None:
                   "would be dropped as stale", "set cluster.max_sample_age=1, or rollout.partial_rollout=null")
 
 
+def eval_beside(cfg: DapoConfig) -> bool:
+    """Whether the run evaluates beside the next step (`eval.overlap`; auto: disaggregated)."""
+    if cfg.eval.overlap == "auto":
+        return cfg.cluster.mode == "disaggregated"
+    return cfg.eval.overlap == "beside"
+
+
 def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
     """Every config rule, composed once: each component's own `validate()`, then the rules
     that span components; raises ConfigError naming the field and the fix.
@@ -1088,6 +1104,10 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
         component.validate()
     a, m, err = cfg.algo, cfg.megatron, _field_error
     _check_partial_rollout(cfg)
+    if cfg.eval.overlap == "beside" and cfg.cluster.mode == "colocated":
+        raise err("eval.overlap", "is beside with cluster.mode=colocated: the engines release their memory to "
+                  "the learner while it trains, so an evaluation cannot run beside the next step",
+                  "set eval.overlap=auto (inline when colocated) or cluster.mode=disaggregated")
     if m.micro_batch_tokens < a.max_prompt_length + a.max_response_length:
         raise err("megatron.micro_batch_tokens", f"{m.micro_batch_tokens} cannot hold one sample of "
                   f"max_prompt_length + max_response_length = {a.max_prompt_length + a.max_response_length} tokens",

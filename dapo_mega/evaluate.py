@@ -137,7 +137,12 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
                                                  "verifier_version": verifier.version, "run_id": run_id,
                                                  "seed": e.seed, "num_problems": len(problems),
                                                  "eval_set_revision": compute_dataset_revision(list(problems)),
-                                                 "engine": engine_identity(cfg)},
+                                                 "engine": engine_identity(cfg),
+                                                 # the weight versions that produced its tokens (one,
+                                                 # unless weights changed during the evaluation)
+                                                 "weight_versions": sorted(
+                                                     {v for g in groups for s in g.samples
+                                                      for v in (s.policy_version_min, s.policy_version_max)})},
                         engines={url: {"requests": manager.requests_by_engine.get(url, 0),
                                        "samples": manager.samples_by_engine.get(url, 0)}
                                  for url in manager.engine_urls},

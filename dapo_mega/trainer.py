@@ -16,7 +16,8 @@ How it departs from the textbook: no critic and no KL (DAPO); the loss is token-
 over the whole mini-batch; groups with uniform rewards are dropped and refilled; in
 disaggregated mode with `cluster.max_staleness = k > 0` generation of step s+1.. runs on a
 background thread while step s trains, and a sample more than k versions older than the
-learner is dropped as `stale`.
+learner is dropped as `stale`; disaggregated, the held-out evaluation of step s runs beside
+step s+1 (`eval.overlap`, driver/eval_beside.py) and its row is written when it ends.
 
 Run it with no arguments for the embedded CPU default; `python -m dapo_mega.trainer
 --config RUN_DIR/config.yaml` is how spawned learner ranks start.
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
-from dapo_mega.config import DapoConfig, check_warm_start, from_yaml
+from dapo_mega.config import DapoConfig, check_warm_start, eval_beside, from_yaml
 from dapo_mega.driver.stop_signal import EXIT_STOPPED, WALL_TIME, StopSignals, stop_message
 from dapo_mega.heap import freeze_startup_objects, keep_freed_memory
 from dapo_mega.resources import PhaseMeter
@@ -59,8 +60,14 @@ def train(cfg: DapoConfig) -> int:
                 s.save_checkpoint(0)
         s.sync_weights()                        # engines serve the learner's weights at v
         freeze_startup_objects()                # no full GC pass walks start-up's objects (heap.py)
-        if run.state.step == 0 and cfg.trainer.eval_interval > 0:
-            role.log_step(0, role.evaluate(), {})  # held-out accuracy before any RL step
+        beside = eval_beside(cfg)               # eval.overlap: the evaluation runs beside the next step
+        deferred: Optional[DeferredRow] = None  # the eval step's row, written once its evaluation ends
+        if run.state.step == 0 and cfg.trainer.eval_interval > 0:  # held-out accuracy before any RL step
+            if beside:
+                role.begin_eval()
+                deferred = (0, {}, {})
+            else:
+                role.log_step(0, role.evaluate(), {})
         role.start_rollouts(run.state.step + 1)  # a thread, when disaggregated with staleness > 0
         for step in range(run.state.step + 1, cfg.trainer.total_steps + 1):
             meter = PhaseMeter()                # seconds and peak memory of each phase (resources.py)
@@ -71,6 +78,9 @@ def train(cfg: DapoConfig) -> int:
                 with s.policy_sync.engines_released():  # colocated: engines free memory meanwhile
                     train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
             s.probe.after_step(train_metrics, step)  # the engines' log-probs of their samples vs the learner's
+            if deferred is not None:
+                with meter.phase("eval"):       # the evaluation beside this step ends before the weights change
+                    deferred = _write_deferred(role, deferred, wait=True)  # None
             with meter.phase("sync"):
                 run.state.policy_version += 1
                 sync_metrics = s.sync_weights()  # engines now serve version policy_version
@@ -78,7 +88,10 @@ def train(cfg: DapoConfig) -> int:
             run.state.step = step
             role.write_ledger(step, batch)      # one row per sample, kept or rejected
             eval_metrics: Dict[str, float] = {}
-            if run.should_eval(step):
+            evaluating_beside = beside and run.should_eval(step) and step < cfg.trainer.total_steps
+            if evaluating_beside:
+                role.begin_eval()               # against the engines that now serve version `step`
+            elif run.should_eval(step):
                 with meter.phase("eval"):
                     eval_metrics = role.evaluate()
             run.clock.record_step(sum(meter.timings().values()))
@@ -92,8 +105,13 @@ def train(cfg: DapoConfig) -> int:
             if run.should_export_hf(step):      # <run_dir>/hf/step_<N>/ (trainer.hf_export_interval)
                 with meter.phase("hf_export"):
                     export_metrics = s.export_hf(step)
-            role.log_step(step, {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics, **export_metrics},
-                          meter.metrics)
+            row = {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics, **export_metrics}
+            if evaluating_beside:
+                deferred = (step, row, meter.metrics)
+            else:
+                role.log_step(step, row, meter.metrics)
+            if stop and deferred is not None:   # a stopping run does not wait for the evaluation
+                deferred = _write_deferred(role, deferred, wait=False)  # None
             if stop and stop != WALL_TIME:
                 signals.begin_close()           # saved: SIGTERM (srun's, once a rank exits 75) is ignored
                 role.broadcast()                # ... on every rank before any rank leaves
@@ -105,10 +123,24 @@ def train(cfg: DapoConfig) -> int:
                          f"{run.clock.elapsed_s() / 60:.1f} min; a step takes up to {run.clock.longest_step_s:.0f} s, "
                          f"a save {run.clock.last_save_s:.0f} s); checkpoint step {step} saved, run again to resume")
                 break
+        if deferred is not None:                # step 0's, of a run with no step left to take
+            _write_deferred(role, deferred, wait=True)
         return 0
     finally:
         s.close()
         signals.restore()                       # (a no-op after begin_close: SIGTERM stays ignored)
+
+
+DeferredRow = Tuple[int, Dict[str, float], Dict[str, float]]
+"""(step, metrics, timings) of an eval step whose evaluation runs beside the next step."""
+
+
+def _write_deferred(role, deferred: DeferredRow, wait: bool) -> None:
+    """The eval step's row with its evaluation's figures (`role.finish_eval`; a hand-over);
+    None, the deferred row that is left."""
+    step, row, timings = deferred
+    role.log_step(step, {**row, **role.finish_eval(wait)}, timings)
+    return None
 
 
 def run_training(cfg: DapoConfig) -> int:

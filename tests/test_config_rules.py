@@ -34,6 +34,8 @@ BAD = [
     (["algo.geo_mask_high=0.999"], "algo.geo_mask_low"),
     (["algo.icepop_low=0"], "algo.icepop_low"),
     (["algo.verifier=llm"], "algo.verifier"),
+    (["eval.overlap=sometimes"], "eval.overlap"),
+    (["eval.overlap=beside", "cluster.mode=colocated"], "eval.overlap"),
     (["algo.lr=0"], "algo.lr"),
     (["algo.lr_warmup_steps=-1"], "algo.lr_warmup_steps"),
     (["algo.grad_clip=-1"], "algo.grad_clip"),
@@ -285,3 +287,11 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
     check_before_start(tp2, world_size=2)
     with pytest.raises(ConfigError, match=r"^megatron.optimizer_sharding: unknown 'zero3'"):
         load_config(base + ["megatron.optimizer_sharding=zero3"]).validate()
+
+
+def test_eval_runs_beside_the_next_step_by_default_only_when_disaggregated():
+    from dapo_mega.config import eval_beside
+
+    assert not eval_beside(load_config(["cluster.mode=colocated"]))
+    assert eval_beside(load_config(["cluster.mode=disaggregated"]))
+    assert not eval_beside(load_config(["cluster.mode=disaggregated", "eval.overlap=inline"]))

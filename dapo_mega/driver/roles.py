@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
     from dapo_mega.data import PromptIterator
     from dapo_mega.data.build import EvalSet
+    from dapo_mega.driver.eval_beside import EvalBeside
+    from dapo_mega.evaluate import EvalResult
     from dapo_mega.records.recorder import RunRecorder
     from dapo_mega.weights.sync import WeightSyncer
 
@@ -94,6 +96,15 @@ class LearnerRankRole:
         self.gate.handover()
         return {}
 
+    def begin_eval(self) -> None:
+        """The driver starts the held-out evaluation beside the next step (`eval_beside.py`)."""
+
+    def finish_eval(self, wait: bool = True) -> Dict[str, float]:
+        """After the driver has ended the evaluation begun by `begin_eval` (a hand-over: the
+        collective that follows must not start before it ends); {} here."""
+        self.gate.handover()
+        return {}
+
     def log_step(self, step: int, metrics: Dict[str, float], timings: Dict[str, float]) -> None:
         pass
 
@@ -130,6 +141,8 @@ class DriverRole(LearnerRankRole):
         """The held-out sets (data/build.py EvalSet), the unnamed one first."""
         self.recorder = recorder
         self.producer: Optional[AsyncRollouts] = None
+        self.eval_beside: Optional["EvalBeside"] = None
+        """The evaluation running beside the next step, if any (`begin_eval`)."""
         self.last_batch: Optional[RolloutBatch] = None
         """The last batch whose ledger shard was written: its cursor and carry go into the checkpoint."""
         prepare_writer()
@@ -217,20 +230,53 @@ class DriverRole(LearnerRankRole):
             self.gate.handover()  # the other ranks wait for the evaluation's end
 
     def _evaluate(self) -> Dict[str, float]:
-        from dapo_mega.driver.run_state import eval_result_path
         from dapo_mega.evaluate import evaluate_set
 
-        step, metrics = self.run.state.step, {}
+        results = []
         manager = self.rollouts.manager
         for eval_set in self.eval_sets:
-            result = evaluate_set(manager.alive_engines(), eval_set, self.cfg, self.rollouts.encoder.encode,
-                                  self.rollouts.verifier, run_id=self.run.run_id)
-            manager.mark_dead(result.dead_engines)  # they leave the weight sync and the rollouts too
-            result.write(eval_result_path(self.run.run_dir, step, eval_set.name))
+            results.append(evaluate_set(manager.alive_engines(), eval_set, self.cfg, self.rollouts.encoder.encode,
+                                        self.rollouts.verifier, run_id=self.run.run_id))
+            manager.mark_dead(results[-1].dead_engines)  # the next set goes to the engines left
+        return self._record_eval(self.run.state.step, results)
+
+    def _record_eval(self, step: int, results: List["EvalResult"], how: str = "") -> Dict[str, float]:
+        """Each set's result file, console line and metrics."""
+        from dapo_mega.driver.run_state import eval_result_path
+
+        metrics: Dict[str, float] = {}
+        for result in results:
+            result.write(eval_result_path(self.run.run_dir, step, result.name))
             self.say(f"[eval] step {step}: {result.label} avg@{result.k} = {result.avg_at_k:.4f} on "
-                     f"{len(result.problems)} problems; {result.engine_line()}")
+                     f"{len(result.problems)} problems{how}; {result.engine_line()}")
             metrics.update(result.metrics())
         return metrics
+
+    def begin_eval(self) -> None:
+        from dapo_mega.driver.eval_beside import EvalBeside
+
+        self.eval_beside = EvalBeside.start(self.run.state.step, self.rollouts.manager.alive_engines(),
+                                            self.eval_sets, self.cfg, self.rollouts.encoder.encode,
+                                            self.rollouts.verifier, self.run.run_id)
+
+    def finish_eval(self, wait: bool = True) -> Dict[str, float]:
+        """The evaluation begun by `begin_eval`, recorded under its step once it has ended; with
+        `wait` False (a run stopping on a signal or its time limit) {} unless it already has."""
+        job, self.eval_beside = self.eval_beside, None
+        try:
+            if job is None:
+                return {}
+            if not wait and not job.done:
+                self.say(f"[eval] step {job.step}: not waited for (the run stops); its row has no eval figures",
+                         error=True)
+                return {}
+            results = job.join()
+            for result in results:  # engines it found dead leave the weight sync and the rollouts too
+                self.rollouts.manager.mark_dead(result.dead_engines)
+            metrics = self._record_eval(job.step, results, f" (beside the next step, {job.seconds:.0f} s)")
+            return {**metrics, "eval/beside_s": round(job.seconds or 0.0, 3)}
+        finally:
+            self.gate.handover()  # the other ranks wait for the evaluation's end
 
     def log_step(self, step: int, metrics: Dict[str, float], timings: Dict[str, float]) -> None:
         self.recorder.log_step(step, {"policy_version": self.run.state.policy_version, **metrics, **timings})

@@ -70,9 +70,25 @@ def test_colocated_sync_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_disaggregated_sync_end_to_end(tmp_path):
-    run_train(tmp_path, "cluster.mode=disaggregated", "cluster.max_staleness=0")
-    check_records_of_run(tmp_path / RUN_NAME, total_steps=3, max_staleness=0)
+def test_disaggregated_sync_end_to_end_evaluating_beside_the_next_step(tmp_path):
+    """Disaggregated, eval.overlap=auto evaluates beside the next step (driver/eval_beside.py):
+    step 0's and step 2's evaluations run while steps 1 and 3 generate and train, each on the
+    weights of its own step only (the next sync waits for it), and each lands in its step's row;
+    the last step's is inline."""
+    output = run_train(tmp_path, "cluster.mode=disaggregated", "cluster.max_staleness=0", "trainer.eval_interval=2")
+    run_dir = tmp_path / RUN_NAME
+    check_records_of_run(run_dir, total_steps=3, max_staleness=0)
+    rows = read_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for step in (0, 2, 3):
+        result = json.loads((run_dir / "eval" / f"step_{step:06d}.json").read_text())
+        assert result["settings"]["weight_versions"] == [step]  # not one token from the next step's weights
+        assert rows[step]["eval/avg_at_k"] == pytest.approx(
+            sum(p["pass_rate"] for p in result["problems"]) / len(result["problems"]))
+    assert "eval/beside_s" in rows[0] and "eval/beside_s" in rows[2] and "eval/beside_s" not in rows[3]
+    assert "time/eval_s" in rows[1] and "time/eval_s" in rows[3]  # the wait before step 1's sync; step 3 inline
+    assert "eval/avg_at_k" not in rows[1]
+    assert output.count("(beside the next step, ") == 2
 
 
 @pytest.mark.slow
