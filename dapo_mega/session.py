@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig, validate_config
+from dapo_mega.config import DapoConfig, partial_rollout_enabled, validate_config
 from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
@@ -177,7 +177,8 @@ class Session:
                                  requests_per_engine=cfg.rollout.requests_per_engine,
                                  prompt_to_input=encoder.encode, seed=cfg.trainer.seed,
                                  liveness_timeout_s=cfg.rollout.liveness_timeout_s,
-                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision)
+                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision,
+                                 partial_rollout=partial_rollout_enabled(cfg))
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
@@ -192,7 +193,8 @@ class Session:
             prune_records_after(self.run_dir, state.step)
         recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, {**config_dict(cfg), "run_id": self.run.run_id},
                                state.step, wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,
-                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot, run_id=self.run.run_id)
+                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot, run_id=self.run.run_id,
+                               restore_row=state.metrics_row if self.run.resumed else None)
         state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)
         return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_sets, recorder, self.role.gate)
@@ -229,9 +231,14 @@ class Session:
                                              version))
         return metrics
 
-    def save_checkpoint(self, step: int) -> None:
-        """Weights, optimizer, RNG and trainer state of `step` (collective)."""
-        self.run.save(self.learner, step, self.role.checkpoint_state())
+    def save_checkpoint(self, step: int, row: Optional[Dict[str, float]] = None) -> None:
+        """Weights, optimizer, RNG and trainer state of `step` (collective); `row`, the step's
+        metrics row as it stands, goes in too (the driver's): a resume writes it if the run
+        ended before it did (killed right after the save, or an evaluation beside the next step)."""
+        state = self.role.checkpoint_state()
+        if row is not None and self.role.is_driver:
+            state = {**state, "metrics_row": row}
+        self.run.save(self.learner, step, state)
 
     def export_hf(self, step: int) -> Dict[str, float]:
         """The learner's weights as the HF checkpoint `<run_dir>/hf/step_<N>/` (collective), with

@@ -99,6 +99,10 @@ class LedgerRecord:
     encoder: str = ""
     """What the model was given (`PromptEncoder.fingerprint`: prompt template, chat-template
     hash, tokenizer): a template change shows here, prompt_text being the problem before it."""
+    weight_versions: str = ""
+    """The sample's `weight_versions` as JSON: spans {"version", "start", "end"}, response tokens
+    [start, end) came from weight `version` (a partial rollout resumed under newer weights has
+    several)."""
 
     def __post_init__(self):
         # Rows of shards written before these columns existed read back as nulls: whole texts.
@@ -109,6 +113,7 @@ class LedgerRecord:
         self.response_text_elided = bool(self.response_text_elided)
         self.run_name = self.run_name or ""
         self.encoder = self.encoder or ""
+        self.weight_versions = self.weight_versions or ""
         self.prompt_text_elided = bool(self.prompt_text_elided)
 
 
@@ -179,7 +184,9 @@ def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEX
         response_text_chars=len(sample.response_text), response_text_elided=response_elided,
         prompt_text_chars=len(sample.prompt_text), prompt_text_elided=prompt_elided, run_name=run_name,
         extracted_answer=sample.score.extracted, answer_found=sample.score.extracted is not None,
-        verifier_error=sample.score.verifier_error, encoder=encoder)
+        verifier_error=sample.score.verifier_error, encoder=encoder,
+        weight_versions=json.dumps([{"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
+                                    for s in sample.weight_versions]))
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:

@@ -15,6 +15,7 @@ from typing import Callable, List, Sequence
 import torch
 
 from dapo_mega.reward.types import SampleReward
+from dapo_mega.rollout.partial import PARTIAL_COUNTS
 from dapo_mega.rollout.samples import TRAINED_REASONS, Group, PromptItem, ScoredSample
 
 __all__ = ["BatchFill", "SET_ASIDE_COUNTS", "select_groups"]
@@ -61,7 +62,7 @@ class BatchFill:
         self.samples: List[ScoredSample] = []
         """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""
         self.counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0,
-                       **{k: 0 for k in SET_ASIDE_COUNTS}}
+                       **{k: 0 for k in SET_ASIDE_COUNTS + PARTIAL_COUNTS}}
         self.round_prompts: Sequence[PromptItem] = ()
         self.decided = 0
         """Groups of the current round decided: always its first `decided` prompts."""

@@ -21,7 +21,17 @@ import aiohttp
 
 from dapo_mega.backends.sglang.client import EngineClient, EngineError, PromptInput, RequestSamplingParams, SampleResult
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
-from dapo_mega.rollout.samples import Group, PromptItem, ScoredSample
+from dapo_mega.rollout.liveness import EngineLiveness, Hung
+from dapo_mega.rollout.partial import (
+    GroupOrigin,
+    PartialGroup,
+    ResumeRequest,
+    cut_chunks,
+    per_prompt,
+    reply_groups,
+    resume_request,
+)
+from dapo_mega.rollout.samples import Group, PromptItem, scored_sample
 
 __all__ = ["IN_FLIGHT_MARGIN", "RolloutError", "RoundDispatcher", "RoundOutcome", "abort_in_flight", "chunk_size",
            "finished_requests", "scored_sample"]
@@ -59,15 +69,14 @@ class RoundOutcome:
     aborted_samples: int = 0
     """Samples of the aborted requests (never completed: no ledger rows)."""
     aborted_tokens: int = 0
-    """Tokens those samples had generated when aborted."""
+    """Tokens those samples had generated when aborted (and thrown away: not kept as partials)."""
+    partials: Dict[int, PartialGroup] = field(default_factory=dict)
+    """prompt index -> its samples so far, of requests aborted in flight (with the manager's
+    `partial_rollout`; rollout/partial.py)."""
 
 
 class _Retry(Exception):
     """The engine aborted the request itself (not our stop): the chunk is sent again."""
-
-
-class _Hung(Exception):
-    """The liveness watchdog gave the engine up while this request was in flight."""
 
 
 def chunk_size(num_prompts: int, num_engines: int, prompts_per_request: int) -> int:
@@ -78,7 +87,7 @@ def chunk_size(num_prompts: int, num_engines: int, prompts_per_request: int) -> 
     return max(1, min(prompts_per_request, math.ceil(num_prompts / max(1, num_engines))))
 
 
-class RoundDispatcher:
+class RoundDispatcher(EngineLiveness):
     """One round of `prompts` over the manager's live engines (module docstring).
 
     `manager` is the RolloutManager that owns the engines: its endpoints, dead-engine book,
@@ -87,20 +96,23 @@ class RoundDispatcher:
     requests in flight are aborted and their prompts, with those never sent, end in
     `RoundOutcome.unsent`. With `want` (groups still needed) and a `keep_rate` estimate, a
     request is sent only while the prompts in flight are expected to keep fewer than
-    want() x IN_FLIGHT_MARGIN groups.
+    want() x IN_FLIGHT_MARGIN groups. `partials` (prompt index -> its carried PartialGroup):
+    those prompts' chunks resume their open samples instead (rollout/partial.py).
     """
 
     def __init__(self, manager, prompts: Sequence[PromptItem], gen_round: int,
                  on_groups: Optional[Callable[[List[Group]], bool]] = None,
                  want: Optional[Callable[[], int]] = None,
-                 keep_rate: Optional[Callable[[], Optional[float]]] = None):
+                 keep_rate: Optional[Callable[[], Optional[float]]] = None,
+                 partials: Optional[Dict[int, PartialGroup]] = None):
         self.m = manager
+        self.partials = partials or {}
         self.prompts, self.gen_round = prompts, gen_round
         self.on_groups, self.want, self.keep_rate = on_groups, want, keep_rate
         self.out = RoundOutcome()
         self.live = [e.url for e in manager.alive_engines()]
         size = chunk_size(len(prompts), len(self.live), manager.prompts_per_request) if self.live else 1
-        self.chunks = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+        self.chunks = cut_chunks(len(prompts), size, self.partials)
         self.attempts = [0] * len(self.chunks)
         self.remaining = len(self.chunks)
         self.finished: Dict[int, List[Group]] = {}
@@ -236,45 +248,6 @@ class RoundDispatcher:
             self.out.failures.append(message)
             self.queue.put_nowait(c)
 
-    # ---------------------------------------------------------------- liveness
-    async def _until_hung(self, url: str, request):
-        """The reply of `request`, or _Hung once the watchdog gives the engine up."""
-        task = asyncio.ensure_future(request)
-        gone = asyncio.ensure_future(self.hung[url].wait())
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise _Hung(self.m.dead.get(url, f"{url}: hung"))
-
-    async def _watch(self, url: str) -> None:
-        """Probe `url` while it has requests in flight; mark it hung after liveness_timeout_s
-        without an answer or a finished request."""
-        m = self.m
-        async with EngineClient(m.endpoints[url]) as probe:
-            while not self.done.is_set() and url not in m.dead:
-                if self.in_flight.get(url, 0) <= 0:
-                    self.last_progress[url] = time.monotonic()
-                    await self._wait_for_change(m.probe_interval_s)
-                    continue
-                t0 = time.monotonic()
-                if await probe.health(timeout_s=m.probe_interval_s):
-                    self.last_progress[url] = time.monotonic()
-                    await m._observe_loads(url, probe)
-                elif time.monotonic() - self.last_progress[url] > m.liveness_timeout_s:
-                    silent = time.monotonic() - self.last_progress[url]
-                    m._mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
-                                      f"{silent:.0f} s with {self.in_flight.get(url, 0)} request(s) in flight "
-                                      f"(rollout.liveness_timeout_s={m.liveness_timeout_s:g})")
-                    self.hung[url].set()
-                    self._notify()
-                    return
-                await asyncio.sleep(max(0.0, m.probe_interval_s - (time.monotonic() - t0)))
-
     # ---------------------------------------------------------------- workers
     async def _worker(self, url: str, client: EngineClient) -> None:
         try:
@@ -310,24 +283,20 @@ class RoundDispatcher:
         """One request for chunk `c` on `url`; False when this worker should stop (its engine
         died or hung)."""
         m, idx = self.m, self.chunks[c]
-        inputs = [m.prompt_to_input(self.prompts[i]) for i in idx]
-        params = m._params_for([self.prompts[i] for i in idx], self.gen_round)
+        inputs, params, resume = self._request(idx)
         t0 = time.monotonic()
         self.in_flight[url] = self.in_flight.get(url, 0) + 1
         self.open_prompts += len(idx)
         failed = True
-        try:
-            samples = await self._until_hung(url, client.generate(inputs, params, return_logprob=m.return_logprob))
+        try:  # a resumed chunk with nothing open (every sample had finished) needs no request
+            samples = await self._until_hung(url, client.generate(inputs, params, return_logprob=m.return_logprob)) \
+                if inputs else []
             if any(s.aborted for s in samples):
-                if self.stop.is_set():  # our own abort: the prompts go back unsent
-                    self.out.aborted_requests += 1
-                    self.out.aborted_samples += len(samples)
-                    self.out.aborted_tokens += sum(len(s.token_ids) for s in samples)
-                    self.out.unsent_chunks.append(c)
-                    self._settle(c)  # failed stays True: no longer open
-                    return True
+                if self.stop.is_set():  # our own abort: the prompts go back unsent (their partials kept)
+                    self._set_aside(url, c, inputs, params, resume, samples, t0)
+                    return True  # failed stays True: no longer open
                 raise _Retry(f"{url}: request aborted by the engine")
-        except _Hung as exc:
+        except Hung as exc:
             self._requeue(c, str(exc), False)
             return False
         except (_Retry, EngineError) as exc:
@@ -346,30 +315,51 @@ class RoundDispatcher:
             self.in_flight[url] -= 1
             if failed:  # aborted, requeued or fatal: no longer open
                 self.open_prompts -= len(idx)
-        self._finish(url, c, inputs, params, samples, t0)
+        self._finish(url, c, inputs, params, resume, samples, t0)
         return True
 
+    def _request(self, idx: List[int]):
+        """(inputs, sampling params, ResumeRequest or None) of the chunk of prompts `idx`."""
+        params = self.m._params_for([self.prompts[i] for i in idx], self.gen_round)
+        if idx[0] not in self.partials:
+            return [self.m.prompt_to_input(self.prompts[i]) for i in idx], params, None
+        resume = resume_request([self.partials[i] for i in idx], per_prompt(params, len(idx)))
+        return resume.inputs, resume.params, resume
+
+    def _groups(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
+                resume: Optional[ResumeRequest], samples: List[SampleResult], t0: float) -> List[PartialGroup]:
+        """The chunk's groups from a reply (complete or aborted), each with its samples still open."""
+        latency, delay = time.monotonic() - t0, t0 - self.start
+        return reply_groups([self.prompts[i] for i in self.chunks[c]], inputs, params, resume, samples,
+                            [self.partials.get(i) for i in self.chunks[c]], self.m.n_samples,
+                            GroupOrigin(url, delay, latency, self.gen_round, self.m.dataset_revision))
+
+    def _set_aside(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
+                   resume: Optional[ResumeRequest], samples: List[SampleResult], t0: float) -> None:
+        """A request of chunk `c` aborted by our stop: its prompts go back unsent; with the
+        manager's partial_rollout their samples so far are kept (`RoundOutcome.partials`)."""
+        out = self.out
+        out.aborted_requests += 1
+        out.aborted_samples += len(samples)
+        if self.m.partial_rollout and not any(isinstance(x, str) for x in inputs):
+            out.partials.update(zip(self.chunks[c], self._groups(url, c, inputs, params, resume, samples, t0)))
+        else:
+            out.aborted_tokens += sum(len(s.token_ids) for s in samples)
+        out.unsent_chunks.append(c)
+        self._settle(c)
+
     def _finish(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
-                samples: List[SampleResult], t0: float) -> None:
+                resume: Optional[ResumeRequest], samples: List[SampleResult], t0: float) -> None:
         """A complete reply: its groups, the engine's progress and counters."""
         global _finished_requests
         m = self.m
-        latency = time.monotonic() - t0
         self.last_progress[url] = time.monotonic()
         _finished_requests += 1
         m.requests_by_engine[url] = m.requests_by_engine.get(url, 0) + 1
         m.samples_by_engine[url] = m.samples_by_engine.get(url, 0) + len(samples)
-        c_groups = []
-        for k, i in enumerate(self.chunks[c]):
-            seed = (params[k] if isinstance(params, list) else params).get("sampling_seed")
-            replies = samples[k * m.n_samples:(k + 1) * m.n_samples]
-            delay = t0 - self.start
-            group = Group(prompt=self.prompts[i], prompt_input=inputs[k], engine_id=url, queue_delay_s=delay,
-                          latency_s=latency, gen_round=self.gen_round,
-                          samples=[scored_sample(r, self.prompts[i], seed, url, delay, latency, self.gen_round,
-                                                 m.dataset_revision) for r in replies])
+        c_groups = [pg.group for pg in self._groups(url, c, inputs, params, resume, samples, t0)]
+        for i, group in zip(self.chunks[c], c_groups):
             self.out.groups[i] = group
-            c_groups.append(group)
         self.finished[c] = c_groups
         self._settle(c)
 
@@ -384,16 +374,3 @@ async def abort_in_flight(endpoints: Dict[str, EngineEndpoint], urls: Sequence[s
             failures.append(f"{url}: abort_request failed: {type(exc).__name__}: {exc}")
 
     await asyncio.gather(*(one(u) for u in urls))
-
-
-def scored_sample(reply: SampleResult, prompt: PromptItem, seed: Optional[int], engine_id: str, queue_delay_s: float,
-                  latency_s: float, gen_round: int, dataset_revision: str = "") -> ScoredSample:
-    """A ScoredSample (not scored yet) from one sample of an engine's reply."""
-    text = getattr(prompt, "prompt", None)
-    return ScoredSample(
-        prompt_id=str(getattr(prompt, "id", "")), sample_index=reply.sample_index, token_ids=list(reply.token_ids),
-        logprobs=reply.logprobs, weight_versions=list(reply.weight_versions), response_text=reply.text,
-        truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
-        generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
-        dataset_revision=str(getattr(prompt, "dataset_revision", "") or dataset_revision),
-        prompt_text=text if isinstance(text, str) else "")

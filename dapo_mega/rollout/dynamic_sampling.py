@@ -29,6 +29,12 @@
   (`rollout/carried_groups` = 0). With a seed, the same prompts then give the same tokens
   (rollout/manager.py), so two runs with one seed write the same ledger. Asynchronous modes
   generate whole rounds of gen_batch_size, decide every group and carry the surplus.
+* Partial rollouts (`partial_rollout`, rollout/partial.py) trade that independence from timing
+  for generation: the prompts put back keep what was generated for them (the samples of
+  requests aborted in flight, and the groups that had finished), in `partials` and the
+  checkpoint; when such a prompt is drawn again its open samples are resumed, under the
+  weights of then. Its oldest token counts for its age: one older than the age limit for the
+  step that draws it is dropped (prompt kept, generated afresh) and counted.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Protocol, Seq
 from dapo_mega.reward.types import SampleReward
 from dapo_mega.rollout.batch_fill import BatchFill
 from dapo_mega.rollout.dispatch import RolloutError, RoundOutcome
+from dapo_mega.rollout.partial import PartialGroup
 from dapo_mega.rollout.samples import (
     Group,
     PromptFactory,
@@ -82,8 +89,11 @@ engines (`RolloutManager._generate`)."""
 class DynamicSampler:
     """One run's dynamic sampling state (carry, pending prompts, keep rate) and its steps."""
 
-    def __init__(self, prompt_to_input: PromptToInput):
+    def __init__(self, prompt_to_input: PromptToInput, partial_rollout: bool = False):
         self.prompt_to_input = prompt_to_input
+        self.partial_rollout = partial_rollout
+        self.partials: Dict[int, PartialGroup] = {}
+        """id(prompt item in `pending`) -> what was generated for it so far (partial rollouts)."""
         self.carry: List[Group] = []
         """Kept groups beyond a step's batch, offered to the next step (asynchronous modes)."""
         self.pending: List[PromptItem] = []
@@ -97,13 +107,20 @@ class DynamicSampler:
     def state_dict(self) -> Dict[str, object]:
         """Carried groups, pending prompts (plain data) and the keep-rate estimate for checkpoints."""
         return {"carry": [g.to_dict() for g in self.carry], "pending": [plain_prompt(p) for p in self.pending],
-                "keep_counts": list(self.keep_counts)}
+                "keep_counts": list(self.keep_counts),
+                "partials": [{"at": i, **self.partials[id(p)].to_dict()} for i, p in enumerate(self.pending)
+                             if id(p) in self.partials]}
 
     def load_state_dict(self, state: Dict[str, Any], prompt_factory: PromptFactory) -> None:
         """What `state_dict` wrote (checkpoints from before streaming have only `carry`)."""
         self.carry = [Group.from_dict(d, prompt_factory, self.prompt_to_input) for d in state["carry"]]
         self.pending = [prompt_factory(d) for d in state.get("pending", [])]
         self.keep_counts = [float(x) for x in state.get("keep_counts", (0.0, 0.0))]
+        self.partials = {}
+        for d in state.get("partials", []):
+            pg = PartialGroup.from_dict(d, prompt_factory)
+            self.pending[int(d["at"])] = pg.prompt  # the same object: partials are found by identity
+            self.partials[id(pg.prompt)] = pg
 
     # ---------------------------------------------------------------- keep rate
     @property
@@ -151,23 +168,26 @@ class DynamicSampler:
             rounds = counts["rounds"]
             if max_num_gen_batches and rounds >= max_num_gen_batches:
                 raise DynamicSamplingExhausted(_exhausted(step, fill, train_batch_size, max_num_gen_batches))
-            prompts = self._draw(inputs, self.round_size(fill.need(), gen_batch_size) if stream else gen_batch_size)
+            prompts, partials = self._draw(inputs, self.round_size(fill.need(), gen_batch_size) if stream
+                                           else gen_batch_size, learner_version, max_staleness, counts)
             counts["requested"] += len(prompts)
             counts["rounds"] += 1
             fill.start_round(prompts)
             if stream:
                 out = run_coroutine(generate(prompts, rounds, fill.take, want=fill.need,
-                                             keep_rate=lambda: self.keep_rate))
+                                             keep_rate=lambda: self.keep_rate, partials=partials))
                 if not out.stopped and len(out.groups) != len(prompts):
                     raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
                                        f"failures: {out.failures[-5:]}")
-                self._set_aside_undecided(prompts, fill, out)
+                self._set_aside_undecided(prompts, fill, out, partials)
             else:
-                out = run_coroutine(generate(prompts, rounds))
+                out = run_coroutine(generate(prompts, rounds, partials=partials))
                 if len(out.groups) != len(prompts):
                     raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
                                        f"failures: {out.failures[-5:]}")
                 fill.take([out.groups[i] for i in range(len(prompts))])
+        counts["partial_groups"] = len(self.partials)
+        counts["partial_tokens"] = sum(pg.tokens for pg in self.partials.values())
         self.carry = fill.kept[train_batch_size:]
         kept = fill.kept[:train_batch_size]
         samples = fill.samples
@@ -175,17 +195,43 @@ class DynamicSampler:
             samples += g.stamp(step, learner_version)
         return kept, samples
 
-    def _draw(self, inputs: StepInputs, n: int) -> List[PromptItem]:
-        """n prompts: those returned unsent by an earlier round first, then fresh ones."""
+    def _draw(self, inputs: StepInputs, n: int, learner_version: int, age_limit: Optional[int],
+              counts: Dict[str, int]) -> Tuple[List[PromptItem], Dict[int, PartialGroup]]:
+        """n prompts: those returned unsent by an earlier round first, then fresh ones; and
+        (round index -> PartialGroup) of those whose generation is to be resumed. A carried
+        group whose oldest token is older than `age_limit` for `learner_version` is dropped
+        (counted), its prompt generated afresh; with partial rollouts off none is resumed."""
         taken, self.pending = self.pending[:n], self.pending[n:]
-        return taken + (list(inputs.draw(n - len(taken))) if n > len(taken) else [])
+        partials: Dict[int, PartialGroup] = {}
+        for i, p in enumerate(taken):
+            pg = self.partials.pop(id(p), None)
+            if pg is None or not self.partial_rollout:
+                continue
+            if pg.too_old(learner_version, age_limit):
+                counts["partial_stale_groups"] += 1
+                counts["partial_stale_tokens"] += pg.tokens
+                continue
+            partials[i] = pg
+            counts["resumed_groups"] += 1
+            counts["resumed_tokens"] += pg.tokens
+        return taken + (list(inputs.draw(n - len(taken))) if n > len(taken) else []), partials
 
-    def _set_aside_undecided(self, prompts: Sequence[PromptItem], fill: BatchFill, out: RoundOutcome) -> None:
+    def _set_aside_undecided(self, prompts: Sequence[PromptItem], fill: BatchFill, out: RoundOutcome,
+                             partials: Dict[int, PartialGroup]) -> None:
         """After a streamed round: its prompts after the last one decided go back to `pending`
         (in prompt order, before the older pending ones), whether their request was never sent,
-        aborted, or finished; the samples of those that finished are discarded (counted)."""
+        aborted, or finished; the samples of those that finished are discarded (counted). With
+        partial rollouts, what each had so far is kept instead (`partials`): an aborted
+        request's samples, a finished group, or the carried group a request never resumed."""
         self.pending = list(prompts[fill.decided:]) + self.pending
-        discarded = [g for i, g in out.groups.items() if i >= fill.decided]
+        for i in range(fill.decided, len(prompts)):
+            if i in out.groups:  # finished, undecided
+                kept = PartialGroup(out.groups[i]) if self.partial_rollout else None
+            else:  # aborted in flight, or a carried group never sent
+                kept = out.partials.get(i) or partials.get(i)
+            if kept is not None:
+                self.partials[id(prompts[i])] = kept
+        discarded = [g for i, g in out.groups.items() if i >= fill.decided and id(prompts[i]) not in self.partials]
         counts = fill.counts
         counts["discarded_groups"] += len(discarded)
         counts["discarded_samples"] += sum(len(g.samples) for g in discarded)

@@ -21,7 +21,8 @@
   they hold the new weights (`serve_again`), the rollouts.
 * Dynamic sampling (DAPO §3.2), its rounds, keep-rate estimate, carry-over and streamed
   steps are rollout/dynamic_sampling.py's (`DynamicSampler`, the manager's `sampling`);
-  `collect_step` runs it on these engines.
+  `collect_step` runs it on these engines. With `partial_rollout`, the samples of requests
+  aborted once a streamed batch is full are kept and resumed later (rollout/partial.py).
 * With `seed` (the trainer passes `trainer.seed`), each prompt's request carries a
   `sampling_seed` made from (seed, step, round, prompt id): on the embedded engine a step
   redone after a resume, or a chunk retried on another engine, samples the same tokens;
@@ -47,6 +48,7 @@ from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS
 from dapo_mega.rollout.dispatch import RolloutError, RoundDispatcher, RoundOutcome, chunk_size
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs
+from dapo_mega.rollout.partial import PARTIAL_COUNTS, PartialGroup
 from dapo_mega.rollout.samples import (
     Group,
     PromptFactory,
@@ -69,7 +71,8 @@ class RolloutManager:
                  prompts_per_request: int = 4, run_id: str = "run", return_logprob: bool = True,
                  requests_per_engine: int = 8,
                  prompt_to_input: Optional[PromptToInput] = None, seed: Optional[int] = None,
-                 liveness_timeout_s: float = 300.0, probe_interval_s: float = 10.0, dataset_revision: str = ""):
+                 liveness_timeout_s: float = 300.0, probe_interval_s: float = 10.0, dataset_revision: str = "",
+                 partial_rollout: bool = False):
         self.endpoints = {e.url: e for e in map(as_endpoint, engines)}
         self.engine_urls = list(self.endpoints)
         self.n_samples = n_samples
@@ -104,7 +107,10 @@ class RolloutManager:
         self.engine_loads: Dict[str, Dict[str, float]] = {}
         """url -> peaks of the engine's /v1/loads seen by the watchdog since the last step
         (KV tokens used and held at most, requests running): `engine_load_metrics`."""
-        self.sampling = DynamicSampler(self.prompt_to_input)
+        self.partial_rollout = partial_rollout
+        """Keep the samples of requests aborted once a streamed batch is full, and resume them
+        later (rollout.partial_rollout; rollout/partial.py)."""
+        self.sampling = DynamicSampler(self.prompt_to_input, partial_rollout)
         """Dynamic sampling's state across steps: carry, pending prompts, keep rate."""
         self.metrics: Dict[str, float] = {}
 
@@ -182,9 +188,11 @@ class RolloutManager:
     async def _generate(self, prompts: Sequence[PromptItem], gen_round: int,
                         on_groups: Optional[Callable[[List[Group]], bool]] = None,
                         want: Optional[Callable[[], int]] = None,
-                        keep_rate: Optional[Callable[[], Optional[float]]] = None) -> RoundOutcome:
-        """Generate `prompts` in chunks over the live engines (rollout/dispatch.py)."""
-        return await RoundDispatcher(self, prompts, gen_round, on_groups, want, keep_rate).run()
+                        keep_rate: Optional[Callable[[], Optional[float]]] = None,
+                        partials: Optional[Dict[int, PartialGroup]] = None) -> RoundOutcome:
+        """Generate `prompts` in chunks over the live engines (rollout/dispatch.py); those in
+        `partials` (prompt index -> carried PartialGroup) resume their open samples."""
+        return await RoundDispatcher(self, prompts, gen_round, on_groups, want, keep_rate, partials).run()
 
     # ---------------------------------------------------------------- dynamic sampling
     def collect_step(self, step: int, learner_version: int, inputs: StepInputs, train_batch_size: int,
@@ -216,7 +224,7 @@ class RolloutManager:
                         "rollout/carried_groups": len(sampling.carry), "rollout/dead_engines": len(self.dead),
                         "rollout/prompts_requested": counts["requested"],
                         "rollout/pending_prompts": len(sampling.pending),
-                        **{f"rollout/{k}": counts[k] for k in SET_ASIDE_COUNTS}}
+                        **{f"rollout/{k}": counts[k] for k in SET_ASIDE_COUNTS + PARTIAL_COUNTS}}
         if sampling.keep_rate is not None:
             self.metrics["rollout/keep_rate_estimate"] = sampling.keep_rate
         self.metrics.update(self.engine_load_metrics())

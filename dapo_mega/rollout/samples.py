@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 from dapo_mega.reward.types import UNSCORED, SampleReward
 
 if TYPE_CHECKING:  # annotations only: the client brings aiohttp, which a ledger reader does not need
-    from dapo_mega.backends.sglang.client import PromptInput, WeightVersionSpan
+    from dapo_mega.backends.sglang.client import PromptInput, SampleResult, WeightVersionSpan
 
 
 class PromptItem(Protocol):
@@ -213,3 +213,16 @@ def drop_stale_groups(groups: Sequence[Group], learner_version: int, max_stalene
     for g in stale:
         g.set_reasons(["stale"] * len(g.samples))
     return fresh, stale
+
+
+def scored_sample(reply: "SampleResult", prompt: PromptItem, seed: Optional[int], engine_id: str, queue_delay_s: float,
+                  latency_s: float, gen_round: int, dataset_revision: str = "") -> ScoredSample:
+    """A ScoredSample (not scored yet) from one sample of an engine's reply."""
+    text = getattr(prompt, "prompt", None)
+    return ScoredSample(
+        prompt_id=str(getattr(prompt, "id", "")), sample_index=reply.sample_index, token_ids=list(reply.token_ids),
+        logprobs=reply.logprobs, weight_versions=list(reply.weight_versions), response_text=reply.text,
+        truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
+        generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
+        dataset_revision=str(getattr(prompt, "dataset_revision", "") or dataset_revision),
+        prompt_text=text if isinstance(text, str) else "")
