@@ -408,6 +408,39 @@ def test_a_release_asked_for_while_a_request_runs_waits_for_its_end(server):
     assert run(lambda c: c.resume_memory_occupation(["kv_cache"]), server) is None
 
 
+def hf_token_logprobs(model, prefix, tokens):
+    """log_softmax(z) of each of `tokens` after `prefix` and the tokens before it (temperature 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prefix) + list(tokens)])).logits[0, len(prefix) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def test_an_aborted_sample_returns_its_partial_response_and_resuming_it_continues_it(server, reference):
+    """What partial rollouts rely on (rollout/partial.py): a sample cut by /abort_request comes
+    back with its tokens so far, their log-probs and weight-version spans; sent again as prompt +
+    those tokens with the budget left, it continues from them: the new tokens' log-probs are the
+    model's given prompt + partial response (a fresh start would be conditioned on less)."""
+    result, budget = {}, 240
+    t = start_long_generation(server, result, max_new_tokens=budget)
+    run(lambda c: c.abort_request(abort_all=True), server)
+    t.join(timeout=120)
+    assert_some_aborted(result, budget)
+    cut = [r for r in result["reply"] if r.aborted and 0 < r.completion_tokens < budget]
+    assert cut, [r.completion_tokens for r in result["reply"]]
+    model, r = reference(server.dtype), cut[0]
+    m = len(r.token_ids)
+    assert r.output_ids == r.token_ids and r.completion_tokens == m and len(r.logprobs) == m
+    assert r.weight_versions == [{"version": VERSION, "start": 0, "end": m}]
+    assert torch.allclose(torch.tensor(r.logprobs), hf_token_logprobs(model, PROMPT, r.token_ids), atol=1e-3)
+    more = run(lambda c: c.generate([PROMPT + r.token_ids], {"n": 1, "temperature": 1.0, "ignore_eos": True,
+                                                              "max_new_tokens": budget - m}), server)[0]
+    assert more.finish_reason["type"] == "length" and more.completion_tokens == len(more.token_ids) == budget - m
+    assert more.prompt_tokens == len(PROMPT) + m
+    assert more.weight_versions == [{"version": VERSION, "start": 0, "end": budget - m}]
+    assert torch.allclose(torch.tensor(more.logprobs), hf_token_logprobs(model, PROMPT + r.token_ids, more.token_ids),
+                          atol=1e-3)
+
+
 def test_release_and_resume_kv_cache(server, reference):
     before = greedy(server, PROMPT, 6).token_ids
     assert run(lambda c: c.release_memory_occupation(["kv_cache"]), server) is None
