@@ -178,3 +178,83 @@ def test_engine_greedy_equals_transformers(backend, smollm2_dir, reference, tmp_
         assert result.token_ids == new, (result.text, new)
         assert result.finish_reason.get("type") == "stop", result.finish_reason
         assert max(abs(a - b) for a, b in zip(result.logprobs, logprobs)) < LOGPROB_ATOL, (result.logprobs, logprobs)
+
+
+WORD_PROBLEMS = [("Tom has 3 apples and buys 4 more. How many apples does he have now?", "7"),
+                 ("A box holds 6 eggs. How many eggs are in 2 boxes?", "12"),
+                 ("Sara had 10 stickers and gave 3 to her friend. How many stickers does she have left?", "7"),
+                 ("Ben reads 5 pages a day. How many pages does he read in 3 days?", "15")]
+"""The audit's prompts, in the DAPO template (step by step, then an `Answer:` line)."""
+SHORT_QUESTIONS = [("What is 3+4?", "7"), ("What is 6*2?", "12"), ("What is 10-3?", "7"), ("What is 5*3?", "15")]
+"""The training prompts, raw + " Reply with the number only.": replies of a few tokens, so two
+steps fit in about a minute and a half on 2 cores."""
+
+
+def _jsonl(path: Path, rows, suffix: str = "") -> Path:
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p + suffix, "answer": a}) + "\n"
+                            for i, (p, a) in enumerate(rows)))
+    return path
+
+
+@pytest.mark.slow
+def test_audit_on_dapo_prompts_with_the_chat_template(smollm2_dir, tmp_path):
+    """`dapo-mega audit` on chat-templated DAPO prompts: the sheet accounts for every response,
+    says the chat template was applied, and shows the prompts as the model saw them."""
+    from helpers.training import run_cli
+
+    out = tmp_path / "audit"
+    proc = run_cli("audit", "--n", str(len(WORD_PROBLEMS)), "--out", str(out), f"trainer.output_dir={tmp_path}",
+                   f"model.hf_path={smollm2_dir}", "model.name=smollm2-135m-instruct", "trainer.sft_warmup_steps=0",
+                   f"data.train_path={_jsonl(tmp_path / 'word.jsonl', WORD_PROBLEMS)}", "data.prompt_template=dapo",
+                   "data.apply_chat_template=true", "algo.max_prompt_length=192", "algo.max_response_length=32",
+                   "rollout.health_timeout_s=300", timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    audit = json.loads((out / "audit.json").read_text())
+    counts = audit["counts"]
+    assert audit["num_prompts"] == len(audit["responses"]) == len(WORD_PROBLEMS)
+    assert sum(counts[v] for v in ("correct", "wrong", "no_answer", "verifier_error")) == len(WORD_PROBLEMS)
+    assert audit["settings"]["policy"] == f"initial policy: {smollm2_dir}"
+    assert audit["settings"]["chat template"].startswith("applied"), audit["settings"]
+    picks = [p for stratum in audit["picks"].values() for p in stratum]
+    assert picks and all(p["prompt"].startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+                         and p["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")
+                         and 'after "Answer:".' in p["prompt"] for p in picks), picks[0]["prompt"]
+
+
+@pytest.mark.slow
+def test_two_dapo_steps_with_the_chat_template(smollm2_dir, tmp_path):
+    """Two DAPO steps (embedded engine, learner at TP 1, fp32): both rows, the chat template in
+    every ledger row's encoder, the whole model synced each step, the engine's log-probs those
+    of the learner (the trainer's own checks, read back), and a gradient: length shaping
+    (responses past 4 tokens are penalised) gives the group's samples different rewards.
+    The tiny model's learning rate (2e-4, not the paper's 1e-6) moves the policy far beyond
+    the checks' 0.01 nats in one step, so step 2's check sees synced weights, not v0's."""
+    from helpers.training import DESIGN_KEYS, read_rows, records_by_step, run_train
+
+    groups, samples = 2, 4
+    run_train(tmp_path, f"model.hf_path={smollm2_dir}", "model.name=smollm2-135m-instruct",
+              f"data.train_path={_jsonl(tmp_path / 'short.jsonl', SHORT_QUESTIONS, ' Reply with the number only.')}",
+              "data.prompt_template=raw", "data.apply_chat_template=true", "trainer.sft_warmup_steps=0",
+              "trainer.total_steps=2", f"algo.train_batch_size={groups}", f"algo.gen_batch_size={groups}",
+              "algo.mini_batch_size=2", f"algo.n_samples_per_prompt={samples}", "algo.max_prompt_length=64",
+              "algo.max_response_length=16", "algo.overlong_buffer_length=12", timeout_s=600)
+    run_dir = tmp_path / "run"
+    rows = [r for r in read_rows(run_dir) if r["step"] >= 1]
+    assert [(r["step"], r["policy_version"]) for r in rows] == [(1, 1), (2, 2)]
+    assert not [k for k in DESIGN_KEYS if k not in rows[0]]
+    from safetensors import safe_open
+
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as f:
+        model_bytes = sum(f.get_tensor(k).nbytes for k in f.keys())  # the tied embedding once
+    assert all(r["sync/bytes"] == model_bytes for r in rows)
+    assert all(r["mismatch/logp_abs_max"] < 1e-3 and r["probe/logp_abs_max"] < 1e-3 for r in rows), rows
+    by_step = records_by_step(run_dir)
+    assert sorted(by_step) == [1, 2] and all(len(recs) == groups * samples for recs in by_step.values())
+    encoders = {r.encoder for recs in by_step.values() for r in recs}
+    assert len(encoders) == 1 and next(iter(encoders)).startswith("template=raw;chat=") and "chat=off" not in \
+        next(iter(encoders)), encoders
+    rewards = {}
+    for r in by_step[1]:
+        rewards.setdefault(r.prompt_id, set()).add(r.reward)
+    assert any(len(group) > 1 for group in rewards.values()), rewards
+    assert rows[0]["actor/grad_norm"] > 0
