@@ -231,12 +231,12 @@ def test_two_dapo_steps_with_the_chat_template(smollm2_dir, tmp_path):
     the checks' 0.01 nats in one step, so step 2's check sees synced weights, not v0's."""
     from helpers.training import DESIGN_KEYS, read_rows, records_by_step, run_train
 
-    groups, samples = 2, 4
+    groups, samples = 1, 4
     run_train(tmp_path, f"model.hf_path={smollm2_dir}", "model.name=smollm2-135m-instruct",
               f"data.train_path={_jsonl(tmp_path / 'short.jsonl', SHORT_QUESTIONS, ' Reply with the number only.')}",
               "data.prompt_template=raw", "data.apply_chat_template=true", "trainer.sft_warmup_steps=0",
               "trainer.total_steps=2", f"algo.train_batch_size={groups}", f"algo.gen_batch_size={groups}",
-              "algo.mini_batch_size=2", f"algo.n_samples_per_prompt={samples}", "algo.max_prompt_length=64",
+              "algo.mini_batch_size=1", f"algo.n_samples_per_prompt={samples}", "algo.max_prompt_length=64",
               "algo.max_response_length=16", "algo.overlong_buffer_length=12", timeout_s=600)
     run_dir = tmp_path / "run"
     rows = [r for r in read_rows(run_dir) if r["step"] >= 1]
@@ -253,6 +253,9 @@ def test_two_dapo_steps_with_the_chat_template(smollm2_dir, tmp_path):
     encoders = {r.encoder for recs in by_step.values() for r in recs}
     assert len(encoders) == 1 and next(iter(encoders)).startswith("template=raw;chat=") and "chat=off" not in \
         next(iter(encoders)), encoders
+    prompts = {r.prompt_text for recs in by_step.values() for r in recs}  # what the engine was given
+    assert all(p.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+               and p.endswith(" Reply with the number only.<|im_end|>\n<|im_start|>assistant\n") for p in prompts), prompts
     rewards = {}
     for r in by_step[1]:
         rewards.setdefault(r.prompt_id, set()).add(r.reward)
