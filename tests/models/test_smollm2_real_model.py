@@ -20,6 +20,7 @@ command; under CI=true they fail instead (tests/ci_lane.py).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -223,8 +224,8 @@ def test_audit_on_dapo_prompts_with_the_chat_template(smollm2_dir, tmp_path):
 
 @pytest.mark.slow
 def test_two_dapo_steps_with_the_chat_template(smollm2_dir, tmp_path):
-    """Two DAPO steps (embedded engine, learner at TP 1, fp32): both rows, the chat template in
-    every ledger row's encoder, the whole model synced each step, the engine's log-probs those
+    """Two DAPO steps (embedded engine, learner at TP 1, fp32): both rows, SmolLM2's chat template
+    in every ledger row's encoder, the whole model synced each step, the engine's log-probs those
     of the learner (the trainer's own checks, read back), and a gradient: length shaping
     (responses past 4 tokens are penalised) gives the group's samples different rewards.
     The tiny model's learning rate (2e-4, not the paper's 1e-6) moves the policy far beyond
@@ -250,12 +251,11 @@ def test_two_dapo_steps_with_the_chat_template(smollm2_dir, tmp_path):
     assert all(r["mismatch/logp_abs_max"] < 1e-3 and r["probe/logp_abs_max"] < 1e-3 for r in rows), rows
     by_step = records_by_step(run_dir)
     assert sorted(by_step) == [1, 2] and all(len(recs) == groups * samples for recs in by_step.values())
-    encoders = {r.encoder for recs in by_step.values() for r in recs}
-    assert len(encoders) == 1 and next(iter(encoders)).startswith("template=raw;chat=") and "chat=off" not in \
-        next(iter(encoders)), encoders
-    prompts = {r.prompt_text for recs in by_step.values() for r in recs}  # what the engine was given
-    assert all(p.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-               and p.endswith(" Reply with the number only.<|im_end|>\n<|im_start|>assistant\n") for p in prompts), prompts
+    # the encoder of every row applied SmolLM2's own chat template (the rendering itself, the
+    # same PromptEncoder, is checked on the prompts the audit and the reference show)
+    template = (smollm2_dir / "chat_template.jinja").read_text()
+    chat = f"template=raw;chat={hashlib.sha256(template.encode()).hexdigest()[:12]};"
+    assert {r.encoder[:len(chat)] for recs in by_step.values() for r in recs} == {chat}
     rewards = {}
     for r in by_step[1]:
         rewards.setdefault(r.prompt_id, set()).add(r.reward)
