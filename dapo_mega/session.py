@@ -237,7 +237,7 @@ class Session:
         ended before it did (killed right after the save, or an evaluation beside the next step)."""
         state = self.role.checkpoint_state()
         if row is not None and self.role.is_driver:
-            state = {**state, "metrics_row": row}
+            state = {**state, "metrics_row": {"policy_version": self.run.state.policy_version, **row}}
         self.run.save(self.learner, step, state)
 
     def export_hf(self, step: int) -> Dict[str, float]:

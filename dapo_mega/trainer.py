@@ -97,15 +97,14 @@ def train(cfg: DapoConfig) -> int:
             run.clock.record_step(sum(meter.timings().values()))
             # a stop signal (the driver's) or the wall-time limit: save this step and stop
             stop = role.stop_reason(run.clock, signals.received) if step < cfg.trainer.total_steps else ""
+            row = {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics}
             if run.should_save(step) or stop:
-                with meter.phase("save"):
-                    s.save_checkpoint(step)
+                with meter.phase("save"):       # the row so far goes in: a resume writes it if this run cannot
+                    s.save_checkpoint(step, row={**row, **meter.metrics})
                 run.clock.record_save(meter.metrics["time/save_s"])
-            export_metrics: Dict[str, float] = {}
             if run.should_export_hf(step):      # <run_dir>/hf/step_<N>/ (trainer.hf_export_interval)
                 with meter.phase("hf_export"):
-                    export_metrics = s.export_hf(step)
-            row = {**batch.metrics, **train_metrics, **sync_metrics, **eval_metrics, **export_metrics}
+                    row.update(s.export_hf(step))
             if evaluating_beside:
                 deferred = (step, row, meter.metrics)
             else:

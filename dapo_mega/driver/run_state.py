@@ -42,6 +42,9 @@ class TrainerState:
     """Groups dynamic sampling kept for the next step (driver)."""
     wandb_run_id: Optional[str] = None
     warm_started: bool = False
+    metrics_row: Optional[Dict[str, Any]] = None
+    """The saved step's metrics row as it stood at the save (driver): a resume writes it when
+    the process ended between the save and the row (`records.recorder.RunRecorder`)."""
 
 
 def would_overrun(elapsed_s: float, longest_step_s: float, last_save_s: float, limit_s: float,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 from dapo_mega import log
 from dapo_mega.records.console import format_console_line
 from dapo_mega.records.curves import plot_curves
-from dapo_mega.records.metrics import finite_or_none, truncate_metrics
+from dapo_mega.records.metrics import finite_or_none, read_metrics, truncate_metrics
 
 if TYPE_CHECKING:
     from dapo_mega.run_identity import ConfigTree
@@ -26,12 +26,20 @@ if TYPE_CHECKING:
 logger = log.get(__name__)
 
 
+RESTORED_KEY = "records/restored_from_checkpoint"
+"""Marks a metrics row written on resume from the checkpoint's copy (`RunRecorder`)."""
+
+
 class RunRecorder:
     """metrics.jsonl + one console line per step + wandb (offline by default) + curves.png."""
 
     def __init__(self, run_dir: Path, run_name: str, config_dict: ConfigTree, resume_step: int,
                  wandb_mode: str = "offline", wandb_project: str = "dapo-mega",
-                 wandb_run_id: Optional[str] = None, plot: bool = True, run_id: str = ""):
+                 wandb_run_id: Optional[str] = None, plot: bool = True, run_id: str = "",
+                 restore_row: Optional[Dict[str, float]] = None):
+        """`restore_row`: the resumed checkpoint's own metrics row (`TrainerState.metrics_row`),
+        written when metrics.jsonl lacks step `resume_step` (the run ended between its save and
+        its row)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.plot = plot
@@ -46,6 +54,11 @@ class RunRecorder:
         self.wandb_run_id = wandb_run_id
         if wandb_mode != "disabled":
             self._wandb = self._start_wandb(run_name, config_dict, wandb_mode, wandb_project, wandb_run_id)
+        if restore_row is not None and resume_step > 0 and not any(
+                int(r.get("step", -1)) == resume_step for r in read_metrics(self.run_dir)):
+            logger.info(f"[records] step {resume_step}'s row was not written before the run ended: written from "
+                        f"its checkpoint ({RESTORED_KEY}=1; figures that came after the save are not in it)")
+            self.log_step(resume_step, {**restore_row, RESTORED_KEY: 1})
 
     def _start_wandb(self, run_name, config_dict, mode, project, run_id):
         try:

@@ -9,6 +9,7 @@ fault hits a deterministic point of a real run without any hook in the product c
     kill:train:N          SIGKILL after the first optimizer update of step N (half-trained)
     kill:save:N           SIGKILL after checkpoint step N's model/optimizer files are written,
                           before the checkpoint is renamed into place
+    kill:saved:N          SIGKILL once checkpoint step N is in place, before step N's metrics row
     nan:N                 every advantage of step N is NaN (NaN loss and gradients)
     enospc:N              checkpoint step N's writer raises OSError(ENOSPC)
     engine:SIG:K:N        send SIG (KILL or STOP) to engine K just before its first /generate
@@ -236,6 +237,17 @@ def _install_kill(phase: str, step: int) -> None:
                 print(f"[fault] SIGKILL while saving checkpoint step {step}", flush=True)
                 _die()
         C.save_dist_checkpoint = save_dist_checkpoint
+    elif phase == "saved":
+        from dapo_mega.session import Session
+
+        original_save = Session.save_checkpoint
+
+        def save_checkpoint(self, at_step, *args, **kwargs):
+            original_save(self, at_step, *args, **kwargs)
+            if at_step == step:
+                print(f"[fault] SIGKILL once checkpoint step {step} is in place", flush=True)
+                _die()
+        Session.save_checkpoint = save_checkpoint
     else:
         raise SystemExit(f"unknown phase {phase!r}")
 

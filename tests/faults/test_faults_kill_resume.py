@@ -1,6 +1,7 @@
-"""SIGKILL of `dapo-mega train` in generation, in training and in a checkpoint save; restart.
+"""SIGKILL of `dapo-mega train` in generation, in training, in a checkpoint save and right
+after one (before the step's metrics row: the resume writes it from the checkpoint); restart.
 
-One run is killed three times at deterministic points (see test_faults_common.py) and
+One run is killed four times at deterministic points (see test_faults_common.py) and
 restarted after each kill; a second run of the same config goes straight through. The
 restarted run must resume from the last complete checkpoint each time, end with every step
 once in metrics.jsonl and in the ledger, and end with the same rollouts, losses, weights
@@ -63,9 +64,14 @@ def test_sigkill_in_each_phase_resumes_to_the_straight_run(tmp_path):
     assert leftovers and leftovers[0].startswith("step_000003"), "the kill must hit step 3's save in progress"
     assert _latest(chain) == "step_000002" and _steps(chain) == [1, 2]
 
+    fourth = run_trainer(tmp_path, "chain", RUN, faults=["kill:saved:3"])
+    assert "at step 2, policy version 2" in fourth.stdout  # the half-written step 3 was ignored
+    _killed(fourth, "after-save")
+    assert _latest(chain) == "step_000003" and _steps(chain) == [1, 2]  # step 3 saved, its row not written
+
     last = run_trainer(tmp_path, "chain", RUN)
     assert last.returncode == 0, last.stdout[-3000:]
-    assert "at step 2, policy version 2" in last.stdout  # the half-written step 3 was ignored
+    assert "at step 3, policy version 3" in last.stdout and "step 3's row was not written" in last.stdout
 
     straight = tmp_path / "straight"
     ref = run_trainer(tmp_path, "straight", RUN)
@@ -74,6 +80,7 @@ def test_sigkill_in_each_phase_resumes_to_the_straight_run(tmp_path):
     # Every step once, in order, with its version, in metrics and ledger.
     rows, ref_rows = read_metric_rows(chain), read_metric_rows(straight)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert [r.get("records/restored_from_checkpoint") for r in rows] == [None, None, 1, None]
     ledger, ref_ledger = _ledger_by_step(chain), _ledger_by_step(straight)
     assert sorted(ledger) == [1, 2, 3, 4]
     for step, recs in ledger.items():
