@@ -80,7 +80,8 @@ def train(cfg: DapoConfig) -> int:
             s.probe.after_step(train_metrics, step)  # the engines' log-probs of their samples vs the learner's
             if deferred is not None:
                 with meter.phase("eval"):       # the evaluation beside this step ends before the weights change
-                    deferred = _write_deferred(role, deferred, wait=True)  # None
+                    _write_deferred(role, deferred, wait=True)
+                deferred = None
             with meter.phase("sync"):
                 run.state.policy_version += 1
                 sync_metrics = s.sync_weights()  # engines now serve version policy_version
@@ -110,7 +111,8 @@ def train(cfg: DapoConfig) -> int:
             else:
                 role.log_step(step, row, meter.metrics)
             if stop and deferred is not None:   # a stopping run does not wait for the evaluation
-                deferred = _write_deferred(role, deferred, wait=False)  # None
+                _write_deferred(role, deferred, wait=False)
+                deferred = None
             if stop and stop != WALL_TIME:
                 signals.begin_close()           # saved: SIGTERM (srun's, once a rank exits 75) is ignored
                 role.broadcast()                # ... on every rank before any rank leaves
@@ -135,11 +137,9 @@ DeferredRow = Tuple[int, Dict[str, float], Dict[str, float]]
 
 
 def _write_deferred(role, deferred: DeferredRow, wait: bool) -> None:
-    """The eval step's row with its evaluation's figures (`role.finish_eval`; a hand-over);
-    None, the deferred row that is left."""
+    """The eval step's row with its evaluation's figures (`role.finish_eval`; a hand-over)."""
     step, row, timings = deferred
     role.log_step(step, {**row, **role.finish_eval(wait)}, timings)
-    return None
 
 
 def run_training(cfg: DapoConfig) -> int:
