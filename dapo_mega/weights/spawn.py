@@ -22,6 +22,10 @@ from typing import Any, Callable, Iterator, List, Mapping, Sequence, TypeVar
 
 from dapo_mega.backends.placement import CPU, CPU_RANK_ENV, CUDA
 
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+"""env:// on every rank connects to a store hosted by the parent (torch's agent-store
+convention, as torchrun's agent does), so no rank binds the port itself."""
+
 T = TypeVar("T")
 """What the function run on each spawned rank returns."""
 
@@ -29,7 +33,8 @@ T = TypeVar("T")
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], args: Sequence[object], queue) -> None:
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      **AGENT_STORE_ENV)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         # Tensors in a multiprocessing queue travel as shared-memory handles that need the
@@ -84,21 +89,23 @@ def spawn_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object] = 
                 timeout_s: float = 3600.0) -> List[T]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; results by rank.
 
-    The environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE) is set so `fn` initialises
-    torch.distributed with env://. `device`: cpu (each process sees no GPU) or cuda (each
+    The environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE, `AGENT_STORE_ENV`) is set so `fn`
+    initialises torch.distributed with env://, against a store this process hosts. `device`: cpu (each process sees no GPU) or cuda (each
     sees this process's GPUs and `fn` selects its own from the device rule). The first
     failing rank's error is raised as SpawnedRankError; every process is joined or killed
     before returning.
     """
+    import torch
     import torch.multiprocessing as mp
-
-    from dapo_mega.distributed import free_port
 
     if device not in (CPU, CUDA):
         raise ValueError(f"spawn_ranks: device {device!r}; one of {CPU!r}, {CUDA!r}")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # the rendezvous store is hosted here, on a port the OS gives it while it is bound: a port
+    # picked free and bound later by rank 0 can be taken meanwhile (EADDRINUSE, seen in CI)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue),
                          daemon=False)  # dist_checkpointing forks writer processes of its own
              for r in range(world_size)]
@@ -130,4 +137,5 @@ def spawn_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object] = 
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        del store
     return results

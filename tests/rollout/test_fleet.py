@@ -81,7 +81,7 @@ def test_started_engines_run_the_shared_command_and_answer(fleet, model_dir):
         expected = build_engine_command(fleet.rollout, str(model_dir), e.port, weight_version="4",
                                         python=sys.executable) + ["--num-threads", "1"]
         assert e.argv == expected
-        assert e.env["OMP_NUM_THREADS"] == "1" and "CUDA_VISIBLE_DEVICES" not in e.env
+        assert e.env["OMP_NUM_THREADS"] == "1" and e.env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU engine sees no GPU
         assert e.log_path.name == f"engine-{e.index}.log" and e.log_path.exists()
         assert e.endpoint == EngineEndpoint(f"http://127.0.0.1:{e.port}", API_KEY, 77.0)
         assert is_healthy(e.endpoint)

@@ -39,7 +39,8 @@ def test_flat_broadcast_buffer_is_on_the_parameters_device(monkeypatch):
         return _DoneWork()
 
     monkeypatch.setattr(sync_module.torch.distributed, "broadcast", fake_broadcast)
-    syncer = WeightSyncer(["http://127.0.0.1:9"], mode="distributed", timeout_s=5)
+    # NCCL broadcasts the parameters' own device (meta stands in for a GPU here)
+    syncer = WeightSyncer(["http://127.0.0.1:9"], mode="distributed", backend="nccl", timeout_s=5)
     try:
         syncer.group, syncer.group_name = object(), "g"
         _accept_posts(syncer)
@@ -52,6 +53,32 @@ def test_flat_broadcast_buffer_is_on_the_parameters_device(monkeypatch):
         syncer.close()
     assert sent[0].device.type == "meta" and sent[0].dtype == torch.uint8 and sent[0].numel() == 4 * 8 * 4 + 3 * 2
     assert sent[1].device.type == "cpu" and torch.equal(sent[1].view(torch.float32), torch.ones(4))
+
+
+def test_gloo_group_broadcasts_a_host_copy_of_gpu_parameters(monkeypatch):
+    """A gloo group (the embedded CPU engine beside GPU learners) broadcasts host memory:
+    the bucket is flattened on the CPU whatever device the parameters live on (meta stands
+    in for a GPU; its host copy reads as zeros)."""
+    sent = []
+    monkeypatch.setattr(sync_module.torch.distributed, "broadcast",
+                        lambda tensor, src, group=None, async_op=False: sent.append(tensor) or _DoneWork())
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if self.is_meta and torch.device(target).type == "cpu":
+            return torch.zeros(self.shape, dtype=self.dtype)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    syncer = WeightSyncer(["http://127.0.0.1:9"], mode="distributed", backend="gloo", timeout_s=5)
+    try:
+        syncer.group, syncer.group_name = object(), "g"
+        _accept_posts(syncer)
+        syncer.sync(iter([("a.weight", torch.empty(4, 8, device="meta"))]), None, pause=False)
+    finally:
+        syncer.close()
+    assert sent[0].device.type == "cpu" and sent[0].numel() == 4 * 8 * 4 and not sent[0].any()
 
 
 class _SlowWork:

@@ -185,14 +185,14 @@ def test_one_process_sync_pickles_for_each_engine(monkeypatch, reductions_patche
 
     monkeypatch.setattr(EngineClient, "update_weights_from_tensor", update_weights_from_tensor)
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    syncer = WeightSyncer(urls, mode="colocated")
+    syncer = WeightSyncer(urls, mode="colocated", cpu_tensor_format="sglang")
     try:
         syncer.sync([("model.norm.weight", torch.ones(2))], "1", pause=False)
     finally:
         syncer.close()
     assert sorted(posted) == urls and all(len(p) == 1 for p in posted.values())
     assert posted[urls[0]] != posted[urls[1]], "one pickle posted to both engines"
-    tp2 = WeightSyncer(urls, mode="colocated", engine_tp_size=2)
+    tp2 = WeightSyncer(urls, mode="colocated", engine_tp_size=2, cpu_tensor_format="sglang")
     try:
         with pytest.raises(WeightSyncError, match="use weights.handover"):
             tp2.sync([("model.norm.weight", torch.ones(2))], "1", pause=False)
