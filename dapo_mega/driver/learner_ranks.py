@@ -15,7 +15,6 @@ from typing import Optional
 
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, validate_config
-from dapo_mega.distributed import free_port
 from dapo_mega.run_identity import CONFIG_FILE, RUN_ID_ENV, settle_run_dir
 
 logger = log.get(__name__)
@@ -41,8 +40,12 @@ def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
 
 
 def init_world_env() -> int:
-    """A single process started by hand: make env:// work. Returns the world size."""
+    """A single process started by hand: make env:// work. Returns the world size.
+
+    MASTER_PORT 0: the only rank hosts the store on a port the OS gives it as it binds (a port
+    found free first can be taken by another process before the bind: EADDRINUSE, seen in CI).
+    """
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
     return int(os.environ["WORLD_SIZE"])

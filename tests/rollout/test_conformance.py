@@ -348,7 +348,20 @@ def test_pause_abort_continue_flush(server):
     run(lambda c: c.continue_generation(), server)
 
 
-def test_release_right_after_an_abort_waits_until_the_engine_is_idle(server):
+def restore_original_weights(server, reference) -> None:
+    """Hand the checkpoint's weights back (colocated path): released weights are undefined
+    after a resume (SGLang on a GPU; the embedded engine zeroes them), and later tests compare
+    the server with the checkpoint."""
+    fmt = "sglang" if server.kind == "sglang" else SHM_LOAD_FORMAT
+    syncer = WeightSyncer([server.endpoint], bucket_mb=1, mode="colocated", timeout_s=120, cpu_tensor_format=fmt)
+    try:
+        syncer.sync(iter(reference(server.dtype).state_dict().items()), weight_version=VERSION)
+    finally:
+        syncer.close()
+    assert greedy(server, PROMPT, 8).token_ids == hf_greedy(reference(server.dtype), PROMPT, 8)
+
+
+def test_release_right_after_an_abort_waits_until_the_engine_is_idle(server, reference):
     """The rollout aborts the requests still in flight once its batch is full and the
     colocated learner then releases engine memory. SGLang 0.5.23 asserts that its scheduler is
     idle on release (and dies otherwise); aborted requests leave its running batch a step after
@@ -369,6 +382,7 @@ def test_release_right_after_an_abort_waits_until_the_engine_is_idle(server):
     assert run(lambda c: c.health(), server)  # the scheduler survived the release
     assert run(lambda c: c.release_memory_occupation(["kv_cache"]), server) is None
     assert run(lambda c: c.resume_memory_occupation(["kv_cache"]), server) is None
+    restore_original_weights(server, reference)
 
 
 def test_a_running_request_is_in_the_loads_and_the_embedded_engine_refuses_a_release(server):
