@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 
 CONVERTED_MODEL_SUBDIR = "model"
 """The distributed checkpoint of a converted (`convert_checkpoint.py import`) checkpoint."""
+EXTRA_STATE = "_extra_state"
+"""How Transformer Engine modules' sharded extra state (FP8 metadata, no weights) is keyed."""
 CONVERTED_HF_CONFIG_SUBDIR = "hf_config"
 """HF config and tokenizer files kept beside a converted checkpoint."""
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
@@ -134,6 +136,7 @@ def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_di
     `optimizer.reload_model_params()` afterwards when an optimizer already exists.
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 
     if not (Path(ckpt_dir) / "metadata.json").is_file():
         ckpt_dir = Path(resolve_megatron_source(ckpt_dir)["ckpt_dir"])
@@ -141,7 +144,15 @@ def load_model_from_dist_checkpoint(model_chunks: List[torch.nn.Module], ckpt_di
     state = model_sharded_state_dict(model_chunks)
     verify_checkpoint_fits(state, ckpt_dir)
     merge_factories_in_place(state)
-    loaded = dist_checkpointing.load(state, str(ckpt_dir))
+    # RETURN_UNEXPECTED: what this model asks for and the checkpoint lacks is left out of the
+    # load and returned. Tensors were checked above; of the objects only Transformer Engine's
+    # `_extra_state` (FP8 scaling metadata, no weights) may be absent: a checkpoint written
+    # with the local spec (conversion on the CPU) has none, and a TE learner starts it afresh.
+    loaded, _, absent = dist_checkpointing.load(state, str(ckpt_dir), strict=StrictHandling.RETURN_UNEXPECTED)
+    refused = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
+    if refused:
+        raise CheckpointCorruptError(f"{ckpt_dir} lacks {len(refused)} object(s) the model needs, e.g. "
+                                     f"{', '.join(refused[:3])} (a checkpoint of another architecture?)")
     load_model_state(model_chunks, loaded)
 
 

@@ -45,12 +45,13 @@ same function. Real runs overwrite these weights from a HF or Megatron checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -280,6 +281,43 @@ def _layer_spec(spec: str, qk_layernorm: bool = False):
     return local
 
 
+@contextlib.contextmanager
+def _block_norm_of(layer_spec, spec_name: str) -> Iterator[None]:
+    """Build the decoder's final norm from the layer spec's own norm.
+
+    megatron-core's TransformerBlock, handed a layer spec, takes its final norm from the
+    module global `transformer_block.LayerNormImpl`: TE's TENorm whenever transformer_engine
+    imports, whatever the spec. In a GPU cluster's learner environment (TE installed) a CPU
+    build (conversion, verify, the CPU learner) would get a TE norm in an otherwise local
+    model: CUDA-only kernels on the CPU, and an `_extra_state` no other local build has. With
+    the local spec the global is the spec's `input_layernorm` while the model is built.
+    """
+    if spec_name == TE_SPEC:
+        yield
+        return
+    from megatron.core.transformer import transformer_block
+
+    saved = transformer_block.LayerNormImpl
+    transformer_block.LayerNormImpl = layer_spec.submodules.input_layernorm
+    try:
+        yield
+    finally:
+        transformer_block.LayerNormImpl = saved
+
+
+def _require_spec_norm(model: torch.nn.Module, spec_name: str) -> None:
+    """A local-spec model's final norm is the kind its layers use (no Transformer Engine module)."""
+    norm, layers = getattr(model.decoder, "final_layernorm", None), model.decoder.layers
+    if spec_name == TE_SPEC or norm is None or not len(layers):
+        return
+    expected = type(layers[0].input_layernorm)
+    if type(norm) is not expected:
+        raise ConfigError(f"the local layer spec's decoder got final norm {type(norm).__module__}."
+                          f"{type(norm).__name__}, not {expected.__name__} as its layers: this megatron-core "
+                          "chooses it otherwise (transformer_block.LayerNormImpl, see "
+                          "backends/megatron/model.py _block_norm_of)")
+
+
 def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: ParallelLayout,
                 device: Optional[torch.device] = None, initialize: bool = True,
                 params_dtype: Optional[torch.dtype] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
@@ -328,11 +366,13 @@ def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: Paralle
         vp = vp_stage if layout.vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
-            max_sequence_length=arch.max_position_embeddings, pre_process=pre, post_process=post,
-            parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=arch.rope_theta, vp_stage=vp)
+        with _block_norm_of(layer_spec, plan.layer_spec):
+            model = GPTModel(
+                config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
+                max_sequence_length=arch.max_position_embeddings, pre_process=pre, post_process=post,
+                parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                position_embedding_type="rope", rotary_base=arch.rope_theta, vp_stage=vp)
+        _require_spec_norm(model, plan.layer_spec)
         apply_rope_scaling(model, arch)
         if has_gpu:
             model = model.to(device or torch.device("cuda", torch.cuda.current_device()))
