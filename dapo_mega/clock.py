@@ -97,7 +97,8 @@ class ClockAssumptions:
     else 30 (AIME 2024); eval.max_problems > 0 caps it."""
     conversion_gb_per_s_per_rank: float = 0.03
     """GB/s of model bytes one rank of a conversion on the CPU (import, export, verify's load)
-    maps and writes, besides reading them from storage. Measured on a loaded 2-core x86
+    maps and writes, besides reading them from storage, on a core of its own (launch/pipeline.py
+    gives a conversion stage --cpus-per-task = tp·pp). Measured on a loaded 2-core x86
     machine: a 0.57 GB checkpoint imports in 35 s, exports in 33 s at TP 1, of which the
     start-up (a tiny model: 14-21 s) is counted in stage_overhead_s."""
     cpu_tflops: float = 0.1
@@ -111,6 +112,13 @@ class ClockAssumptions:
     """A training link's time limit when the launcher is given none: stage_overhead_s + an
     engine start + this many times its share of the run's steps (rounds beyond the first,
     evaluations, a restart)."""
+    checkpoint_write_gb_per_s: float = 2.0
+    """GB/s the learners write one training checkpoint at, all ranks together (model +
+    optimizer: `plan.checkpoint_bytes`, ~460 GB for 32B); the slow end of a shared file system."""
+    stop_signal_spare: float = 1.5
+    """The training jobs' stop signal (`--signal=B:USR1@lead`, `stop_signal_lead_s`) comes this
+    many times (a step, its evaluation when the run evaluates, and a checkpoint save) before
+    the time limit: a second round of dynamic sampling, a slow save."""
     lengths: LengthAssumption = field(default_factory=LengthAssumption)
     """Response and prompt lengths (`dapo_mega.plan.LengthAssumption`, shared with the plan's
     learner-efficiency figures): log-normal, median max_response_length / 8, σ 1."""
@@ -204,6 +212,11 @@ class ClockEstimate:
     stage_limits_s: Dict[str, float] = field(default_factory=dict)
     """Time limit of each one-node stage of launch/pipeline.py (data, import, verify, export,
     eval), from its estimated work (`estimate_stage_limits_s`)."""
+    checkpoint_save_s: float = 0.0
+    """One training checkpoint written (`plan.checkpoint_bytes` / checkpoint_write_gb_per_s)."""
+    stop_signal_lead_s: float = 0.0
+    """How long before a training job's time limit its stop signal must come for the learners
+    to finish their step and save (`stop_signal_lead_s`)."""
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -399,6 +412,7 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
     sync_s = estimate_weight_sync_s(params, a.weight_sync_gb_per_s)
     readers, capture_s, start_s = _engine_start(cfg, a, plan, params)
     derived = derive_start_timeout_s(start_s, a)
+    save_s = plan.checkpoint.bytes / (a.checkpoint_write_gb_per_s * GB)
     return ClockEstimate(assumptions=a, rates=rates, params=params, rollout_round=rollout_round,
                          evaluation=evaluation, train_tokens=tokens, train_flops=flops, learner_gpus=learner_gpus,
                          train_step_s=train_s,
@@ -408,7 +422,11 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
                          driver_gap_s=driver_gap_s(rollout_round,
                                                    evaluation if cfg.trainer.eval_interval > 0 else None),
                          step_s=rollout_round.duration_s + train_s + sync_s,
-                         stage_limits_s=estimate_stage_limits_s(cfg, a, params, rates, common, eval_lengths))
+                         stage_limits_s=estimate_stage_limits_s(cfg, a, params, rates, common, eval_lengths),
+                         checkpoint_save_s=save_s,
+                         stop_signal_lead_s=stop_signal_lead_s(rollout_round.duration_s + train_s + sync_s,
+                                                               evaluation.duration_s if cfg.trainer.eval_interval > 0
+                                                               else 0.0, save_s, a))
 
 
 # ------------------------------------------------------------------ the launch pipeline's stages
@@ -463,6 +481,20 @@ def estimate_stage_limits_s(cfg: DapoConfig, a: ClockAssumptions, params: float,
             "export": estimate_conversion_s(model_bytes, ranks, a),
             "eval": estimate_engine_start_s(model_bytes, engines, a, capture) + evaluation.duration_s}
     return {stage: stage_limit_s(seconds, a) for stage, seconds in work.items()}
+
+
+STOP_SIGNAL_FLOOR_S = 600.0
+"""The least stop-signal lead: slurm/*.sbatch's own `#SBATCH --signal=B:USR1@600` (jobs
+submitted by hand)."""
+STOP_SIGNAL_MAX_S = 65535.0
+"""Slurm's largest --signal lead (its field is 16 bits)."""
+
+
+def stop_signal_lead_s(step_s: float, evaluation_s: float, save_s: float, a: ClockAssumptions) -> float:
+    """Seconds before a training job's time limit its stop signal must arrive: the learners
+    finish the step in progress (its evaluation too, when the run evaluates) and save a
+    checkpoint, times stop_signal_spare; never less than STOP_SIGNAL_FLOOR_S."""
+    return max(STOP_SIGNAL_FLOOR_S, a.stop_signal_spare * (step_s + evaluation_s + save_s))
 
 
 def training_link_limit_s(clock: Dict[str, Any], total_steps: int, chain: int) -> float:
@@ -565,6 +597,10 @@ def format_clock(cfg: DapoConfig, estimates: ClockEstimate) -> str:
         ("engine start", e.engine_start_s, health, _start_words(e)),
         ("one step: round + training + sync", e.step_s,
          f"up to algo.max_num_gen_batches={algo.max_num_gen_batches} rounds" if algo.dynamic_sampling else "", ""),
+        ("checkpoint save", e.checkpoint_save_s, f"the stop signal, {_s(e.stop_signal_lead_s)} before a training "
+         "job's time limit (launch/pipeline.py --signal)",
+         f"at {a.checkpoint_write_gb_per_s:g} GB/s; the lead is {a.stop_signal_spare:g} x (a step, its evaluation, "
+         "a save)"),
     ]
     width = max(len(row[0]) for row in rows)
     lines = [f"clock (estimates, assumptions below){' ' * max(0, width - 34)}  {'estimate':>9}  bounded by"]

@@ -5,6 +5,8 @@
     any_rank_true(flag, group)           True on every rank when any rank passed True
     all_reduce_sum(values, group)        element-wise sum of a list of floats over the group
     free_port(host)                      a TCP port for a rendezvous (or an engine) to bind
+    learner_process_env(env)             the environment a learner rank starts with (OMP threads,
+                                         NCCL's error handling named)
 
 A collective moves tensors on the device its backend serves: NCCL refuses CPU tensors
 ("No backend type associated with device type cpu") and gloo serves only CPU ones. The one
@@ -20,7 +22,7 @@ the group has one rank, so single-process runs and unit tests call them uncondit
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -118,3 +120,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""What ProcessGroupNCCL's watchdog does on a timeout or an asynchronous NCCL error, read by
+each group's constructor (torch 2.13 `ProcessGroupNCCL.cpp`): 0 nothing, 1 abort the
+communicators and end the process, 2 abort them only, 3 (torch's default) end the process
+without aborting them."""
+LEARNER_NCCL_ERROR_HANDLING = "3"
+"""The learner's groups (TP, PP, DP) keep torch's default: a collective that times out or a
+peer that dies ends the rank, Slurm's --kill-on-bad-exit the job, and the next link of the
+chain resumes. The weight-update group is built with 0 instead
+(`transport.init_custom_process_group`); named in every learner's environment from its start
+so that switch replaces a value and never grows the environment while threads read it."""
+
+
+def learner_process_env(env: Mapping[str, str]) -> Dict[str, str]:
+    """`env` with what every learner rank starts with unless the user set it: OMP_NUM_THREADS=1
+    (as torchrun does: several ranks share a node's cores) and NCCL's error handling
+    (`LEARNER_NCCL_ERROR_HANDLING`)."""
+    out = dict(env)
+    out.setdefault("OMP_NUM_THREADS", "1")
+    out.setdefault(NCCL_ERROR_HANDLING_ENV, LEARNER_NCCL_ERROR_HANDLING)
+    return out

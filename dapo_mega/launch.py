@@ -4,7 +4,8 @@
 per node, containers); they call this module once per role with the user's Hydra overrides:
 
     python -m dapo_mega.launch prepare  --mode M --engine-nodes N -- [overrides]
-        one task, before the roles start: compose + validate the config, create the run
+        one task, before the roles start: compose + validate the config, check that the
+        SGLang engines' Python (`rollout.engine_python`) has SGLang, create the run
         directory and this job's log directory, clear the engine registry of the previous
         job, build the tiny model if the engines need it; prints shell assignments
         (RUN_DIR, LOG_DIR, NUM_ENGINES, RUN_COMPLETE, ...) for the sbatch script to `eval`.
@@ -71,6 +72,7 @@ from dapo_mega.config import (
     require_api_key,
     validate_config,
 )
+from dapo_mega.distributed import learner_process_env
 from dapo_mega.rollout.engine_process import (
     EngineProcess,
     EngineStartError,
@@ -349,8 +351,10 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
                            "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
             print(f"{key}={shlex.quote(value)}")
         return 0
+    from dapo_mega.preflight import check_engine_python
     from dapo_mega.run_identity import settle_run_dir
 
+    check_engine_python(cfg.rollout, starts_engines=True)  # the engines role starts them: before any role
     settle_run_dir(cfg, write=False)  # a refused resume (a guarded field changed) stops the job before any role
     log_dir = run_dir / "logs" / f"job-{job_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -417,6 +421,9 @@ class _Terminated(Exception):
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
     """Start (through the engine fleet), health-check, announce and watch this node's engines
     (and the router on the first engine node when `router_wanted`). Returns the exit status."""
+    from dapo_mega.preflight import check_engine_python
+
+    check_engine_python(cfg.rollout, starts_engines=True)  # prepare checked it too; this role may run alone
     use_gpu = _use_gpu(cfg)
     slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu, env)
     bind_host, advertise = engine_addresses(cfg, engine_nodes, use_gpu, env, task.node_name)
@@ -549,14 +556,13 @@ def build_learner_command(overrides: Sequence[str], python: str = sys.executable
 def learner_env(rank: LearnerRank, task: SlurmTask, env: Mapping[str, str]) -> Dict[str, str]:
     """The trainer's environment: the Slurm task's, plus its torch.distributed identity,
     the address engines reach this node's weight-sync rendezvous at (its NodeAddr; the
-    hostname's address can be a loopback alias on some images), and OMP_NUM_THREADS=1
-    unless set (as torchrun does: several ranks share a node's cores)."""
-    out = dict(env)
+    hostname's address can be a loopback alias on some images), and what every learner starts
+    with unless set (`distributed.learner_process_env`: OMP_NUM_THREADS=1, NCCL's error handling)."""
+    out = learner_process_env(env)
     out.update(rank.env())
     node_addr = parse_node_addrs(env.get(NODE_ADDRS_ENV, "")).get(task.node_name)
     if node_addr and SYNC_ADDR_ENV not in env:
         out[SYNC_ADDR_ENV] = node_addr
-    out.setdefault("OMP_NUM_THREADS", "1")
     return out
 
 

@@ -11,11 +11,12 @@ CLI prints it) instead of after the base model was built, or with a traceback.
     check_verifier(cfg.algo)    algo.verifier resolves; a reward plugin imports, has the
                                 signature and returns a valid result on one probe call
     check_eval_set_paths(cfg.eval) the files of eval.sets exist
-    check_engine_python(cfg.rollout, ...) SGLang engines this process starts have a Python with SGLang
+    check_engine_python(cfg.rollout) SGLang engines this process starts have a Python with SGLang
     check_eval_inputs(cfg)      `dapo-mega eval`: data files, a held-out set, the checkpoints
 
-Nothing here opens a process group or writes a file; the one process it may start is a
-reward plugin's probe worker (killed at algo.verifier_timeout_s).
+Nothing here opens a process group or writes a file; the processes it may start are a
+reward plugin's probe worker (killed at algo.verifier_timeout_s) and `rollout.engine_python`
+asked whether it finds sglang (`python_has_sglang`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -82,22 +84,43 @@ def check_eval_set_paths(eval_cfg: EvalConfig) -> None:
                               "or .jsonl file (tools/prepare_data.py writes AIME 2025 and MATH-500), or drop the set")
 
 
-def check_engine_python(rollout: RolloutConfig, sglang_importable: bool) -> None:
-    """SGLang engines this process starts run `rollout.engine_python`, or this Python when it is
-    empty; on a cluster the learner's environment has no SGLang (its torch pins would replace the
-    learner's) and the engines run from a venv of their own (docs/cluster.md section 1).
-    Engines started by someone else (`engine_urls`, `engine_registry`) are not checked here."""
-    if rollout.backend != "sglang" or rollout.engine_urls or rollout.engine_registry:
+SGLANG_PROBE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang') else 3)"
+"""What `python_has_sglang` runs in another interpreter: finds the package without importing it
+(a second, not SGLang's start-up)."""
+
+
+def python_has_sglang(python: str) -> bool:
+    """Whether the interpreter `python` (a path or a name on PATH) finds the sglang package."""
+    if python == sys.executable:
+        return importlib.util.find_spec("sglang") is not None
+    try:
+        return subprocess.run([python, "-c", SGLANG_PROBE], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def check_engine_python(rollout: RolloutConfig, starts_engines: bool = False) -> None:
+    """The SGLang engines start from `rollout.engine_python`, or this Python when it is empty; on a
+    cluster the learner's environment has no SGLang (its torch pins would replace the learner's)
+    and the engines run from a venv of their own (docs/cluster.md section 1). Every command that
+    starts engines calls this before it allocates or starts anything: `dapo-mega train`, eval and
+    audit, the Slurm job's prepare and engines roles (`starts_engines=True` where the engines
+    are started whatever `engine_urls` / `engine_registry` say; the trainer with either set
+    attaches to engines someone else started, which are not checked here)."""
+    if rollout.backend != "sglang" or (not starts_engines and (rollout.engine_urls or rollout.engine_registry)):
+        return
+    if rollout.engine_python and shutil.which(rollout.engine_python) is None:
+        raise ConfigError(f"rollout.engine_python: {rollout.engine_python} is not an executable Python. Fix: "
+                          "point it at the bin/python of the SGLang venv (docs/cluster.md section 1)")
+    if python_has_sglang(rollout.engine_python or sys.executable):
         return
     if rollout.engine_python:
-        if shutil.which(rollout.engine_python) is None:
-            raise ConfigError(f"rollout.engine_python: {rollout.engine_python} is not an executable Python. Fix: "
-                              "point it at the bin/python of the SGLang venv (docs/cluster.md section 1)")
-        return
-    if not sglang_importable:
-        raise ConfigError(f"rollout.engine_python: empty, so the SGLang engines would start from this Python "
-                          f"({sys.executable}), which cannot import sglang (the learner's environment keeps it out: "
-                          "docs/cluster.md section 1). Fix: set rollout.engine_python=<the SGLang venv>/bin/python")
+        raise ConfigError(f"rollout.engine_python: {rollout.engine_python} cannot import sglang, so no SGLang "
+                          "engine can start. Fix: point it at the bin/python of the SGLang venv (docs/cluster.md "
+                          "section 1: python -m venv /opt/sglang && /opt/sglang/bin/pip install sglang==0.5.23)")
+    raise ConfigError(f"rollout.engine_python: empty, so the SGLang engines would start from this Python "
+                      f"({sys.executable}), which cannot import sglang (the learner's environment keeps it out: "
+                      "docs/cluster.md section 1). Fix: set rollout.engine_python=<the SGLang venv>/bin/python")
 
 
 def check_verifier(algo_cfg: AlgoConfig) -> None:
@@ -111,8 +134,10 @@ def check_verifier(algo_cfg: AlgoConfig) -> None:
 
 def check_eval_inputs(cfg: DapoConfig) -> None:
     """What `dapo-mega eval` needs before it starts engines: the data files, a held-out set
-    (the synthetic task has one; a training file needs data.eval_path) and the checkpoints
-    (eval.checkpoint empty is answered by the command's own usage line)."""
+    (the synthetic task has one; a training file needs data.eval_path), the checkpoints
+    (eval.checkpoint empty is answered by the command's own usage line) and a Python its
+    SGLang engines can start from (it starts its own, whatever rollout.engine_urls says)."""
+    check_engine_python(cfg.rollout, starts_engines=True)
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
     check_verifier(cfg.algo)
@@ -148,7 +173,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
                             transformer_engine_import_error())
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
-    check_engine_python(cfg.rollout, importlib.util.find_spec("sglang") is not None)
+    check_engine_python(cfg.rollout)
     check_resume_layout(cfg, layout)
 
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Qwen2.5-32B DAPO, disaggregated: 8 learner nodes : 8 engine nodes (a heterogeneous job); the
-# plan estimates ~37 min a step, ~623 h for 1000 steps: 32 jobs of 24 h.
+# plan estimates ~37 min a step, ~196 h for the recipe's 313 rollout steps: 11 jobs of 24 h.
 # Topology of this reproduction only; the recipe is configs/experiment/dapo_qwen2.5_32b_disagg.yaml.
 #   launch/dapo_qwen2.5_32b_disagg.sh --hf-model DIR --dapo-math FILE --aime FILE --output-dir DIR \
 #       [--partition P --account A --container IMAGE --mounts SRC:DST] [--dry-run | --wait] [-- overrides]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Qwen2.5-32B DAPO with FP8 learners, colocated on 16 nodes x 8 GPUs: 20 jobs of 24 h, as the
+# Qwen2.5-32B DAPO with FP8 learners, colocated on 16 nodes x 8 GPUs: 7 jobs of 24 h, as the
 # bf16 run (the plan estimates its step alike).
 # Topology of this reproduction only; the recipe is configs/experiment/dapo_qwen2.5_32b_fp8.yaml.
 #   launch/dapo_qwen2.5_32b_fp8.sh --hf-model DIR --dapo-math FILE --aime FILE --output-dir DIR \

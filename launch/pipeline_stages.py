@@ -13,9 +13,13 @@ run's overrides) for the run directory, the mode, the layout and the step count 
 Devices and time limits: only the stages whose processes use GPUs (the training links and
 the final eval of a GPU run) get the `--sbatch-opt` options that request GPUs
 (`requests_gpus`: --gpus-per-node, --gres=gpu:..., ...); data, import, verify and export run
-on the CPU. Every stage gets a `--time`: `--time` (training links) and `--stage-time` (the
-others) when given, else the plan's clock (`stage_limits_s`, `training_link_limit_s`); a
-plan without it is refused.
+on the CPU, the conversion stages (import, verify, export) with `--cpus-per-task` = the
+layout's tp·pp ranks (`conversion_cpus`: the clock's conversion estimate counts a core per
+rank; one CPU would run the 32B import's 16 gloo ranks one at a time). Every stage gets a
+`--time`: `--time` (training links) and `--stage-time` (the others) when given, else the
+plan's clock (`stage_limits_s`, `training_link_limit_s`); a plan without it is refused. The training links also get `--signal=B:USR1@<lead>` from the
+plan's clock (`stop_signal_lead_s`: a step, its evaluation and a checkpoint save, with a
+margin), over the sbatch scripts' 600 s, which a 32B step (~22 min) and its save outlast.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("data", "import", "verify", "train", "export", "eval")
@@ -85,6 +89,7 @@ class Pipeline:
             base.append(f"trainer.output_dir={_hydra(REPO / cfg.trainer.output_dir)}")
             cfg = compose_config("config", base + list(args.overrides))
         self.run_dir = cfg.run_dir.resolve()
+        self.rollout = cfg.rollout
         self.mode = cfg.cluster.mode
         self.tp, self.pp = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size
         self.total_steps = cfg.trainer.total_steps
@@ -127,6 +132,35 @@ class Pipeline:
                             f"--from import with --data-dir holding the prepared files")
         if a.chain < 1:
             return f"--chain {a.chain}: must be >= 1. Fix: give the number of chained training jobs"
+        return self.engine_python_problem()
+
+    def engine_python_problem(self) -> Optional[str]:
+        """SGLang engines (the training jobs' engines role, the final eval) start from
+        `rollout.engine_python`; empty means the jobs' Python, which the GPU install of
+        docs/cluster.md section 1 keeps SGLang out of. Refused here, at submit time, unless it
+        is named (the jobs' Python too, when that one has SGLang); a named one visible here
+        (no container) is asked whether it finds sglang; in the jobs the prepare role asks."""
+        from dapo_mega.config import ConfigError
+        from dapo_mega.preflight import check_engine_python, python_has_sglang
+
+        python = self.rollout.engine_python
+        if self.rollout.backend != "sglang":
+            return None
+        if self.args.local:  # the jobs run here: the check they would make
+            try:
+                check_engine_python(self.rollout, starts_engines=True)
+            except ConfigError as exc:
+                return str(exc)
+            return None
+        if not python:
+            return (f"rollout.engine_python: empty, so the SGLang engines of the training jobs and the eval would "
+                    f"start from the jobs' Python ({self.args.python}), which the GPU install keeps SGLang out of "
+                    "(docs/cluster.md section 1). Fix: add -- rollout.engine_python=/opt/sglang/bin/python (the "
+                    f"SGLang venv's), or rollout.engine_python={self.args.python} if the jobs' Python has SGLang")
+        if not self.args.container and Path(python).is_absolute() and Path(python).exists() and \
+                not python_has_sglang(python):
+            return (f"rollout.engine_python: {python} cannot import sglang. Fix: point it at the bin/python of the "
+                    "SGLang venv (docs/cluster.md section 1)")
         return None
 
     def plan(self) -> tuple:
@@ -176,10 +210,11 @@ class Pipeline:
                                               "--aime", str(a.aime.resolve()), "--out", str(self.data_dir)]))
         if STAGES.index(a.start) <= STAGES.index("import"):
             steps.append(self._stage("import", [py, "tools/convert_checkpoint.py", "import", "--hf-path", hf,
-                                                "--megatron-path", meg, "--tp", str(self.tp), "--pp", str(self.pp)]))
+                                                "--megatron-path", meg, "--tp", str(self.tp), "--pp", str(self.pp)],
+                                     cpus=self.conversion_cpus))
         if STAGES.index(a.start) <= STAGES.index("verify"):
             steps.append(self._stage("verify", [py, "tools/convert_checkpoint.py", "verify", "--hf-path", hf,
-                                                "--megatron-path", meg]))
+                                                "--megatron-path", meg], cpus=self.conversion_cpus))
         before_train = [steps[-1].name] if steps else []
         if STAGES.index(a.start) <= STAGES.index("train"):
             for i in range(1, a.chain + 1):
@@ -190,7 +225,7 @@ class Pipeline:
         if STAGES.index(a.start) <= STAGES.index("export"):
             steps.append(self._stage("export", ["bash", "launch/export_final.sh", str(self.run_dir),
                                                 str(self.total_steps), str(self.hf_out), "--tp", str(self.tp),
-                                                "--pp", str(self.pp)]))
+                                                "--pp", str(self.pp)], cpus=self.conversion_cpus))
         engines = [f"rollout.num_engines={self.eval_engines}"] if self.eval_engines else []
         steps.append(self._stage("eval", [py, "-m", "dapo_mega.cli", "eval", *self.overrides, *engines,
                                           f"eval.checkpoint={_hydra(self.hf_out)}",
@@ -204,16 +239,26 @@ class Pipeline:
         """Name and log: sbatch_line keeps these two (and the dependency) before any ':'."""
         return [f"--job-name={self.run_dir.name}-{name}", f"--output={self.logs}/{name}-%j.log"]
 
-    def _site(self, time_limit: str, gpu: bool) -> List[str]:
-        """Options every job component takes: time limit, partition, account, the extra
-        --sbatch-opt (those requesting GPUs only where the stage uses them)."""
+    def _site(self, time_limit: str, gpu: bool, before: Sequence[str] = ()) -> List[str]:
+        """Options every job component takes: time limit, partition, account, the stage's own
+        (`before`), the extra --sbatch-opt (those requesting GPUs only where the stage uses them)."""
         a = self.args
         return [f"--time={time_limit}"] + ([f"--partition={a.partition}"] if a.partition else []) + (
-            [f"--account={a.account}"] if a.account else []) + [o for o in a.sbatch_opt if gpu or not requests_gpus(o)]
+            [f"--account={a.account}"] if a.account else []) + list(before) + [
+            o for o in a.sbatch_opt if gpu or not requests_gpus(o)]
 
-    def _stage(self, name: str, command: List[str], gpu: bool = False) -> Stage:
+    @property
+    def conversion_cpus(self) -> int:
+        """CPUs of a conversion stage: one per rank of the layout (import and export spawn tp·pp
+        gloo ranks; verify's one rank takes them all as torch threads, `spawn.torch_threads_per_rank`)."""
+        return self.tp * self.pp
+
+    def _stage(self, name: str, command: List[str], gpu: bool = False, cpus: int = 0) -> Stage:
+        """A one-node stage; `cpus` > 0: `--cpus-per-task` (stage.sbatch passes it on to its srun),
+        before the site options so an --sbatch-opt=--cpus-per-task=N wins."""
+        own = [f"--cpus-per-task={cpus}"] if cpus else []
         return Stage(name, [name, *command], "launch/stage.sbatch",
-                     self._job_wide(name) + self._site(self._stage_time(name), gpu), gpu=gpu)
+                     self._job_wide(name) + self._site(self._stage_time(name), gpu, before=own), gpu=gpu)
 
     def _stage_time(self, name: str) -> str:
         """--stage-time, else the plan's limit of this stage; refused without either."""
@@ -236,12 +281,30 @@ class Pipeline:
 
         return slurm_time(training_link_limit_s(self.clock, self.total_steps, self.args.chain))
 
+    def _stop_signal(self, link_time: str) -> str:
+        """`--signal=B:USR1@<lead>`: the plan's `stop_signal_lead_s` (a step, its evaluation and a
+        save, with a margin) before the time limit, so the learners save before Slurm kills them;
+        the sbatch scripts' own 600 s without a clock. Refused when it leaves the job no time."""
+        from dapo_mega.clock import STOP_SIGNAL_FLOOR_S, STOP_SIGNAL_MAX_S
+        from dapo_mega.launch import parse_slurm_duration
+
+        lead = math.ceil(max(STOP_SIGNAL_FLOOR_S, self.clock.get("stop_signal_lead_s") or 0.0))
+        limit = parse_slurm_duration(link_time)  # None: UNLIMITED
+        if lead > STOP_SIGNAL_MAX_S or (limit is not None and lead >= limit):
+            raise PipelineError(f"--time {link_time}: the learners need their stop signal {lead} s before the limit "
+                                "(the plan's clock.stop_signal_lead_s: a step, its evaluation and a checkpoint save), "
+                                f"which leaves the job no time to train. Fix: pass a --time well over {lead} s")
+        return f"--signal=B:USR1@{lead}"
+
     def _train_link(self, i: int) -> Stage:
-        opts, site = self._job_wide(f"train-{i}"), self._site(self._link_time(), gpu=not self.cpu)
+        link_time = self._link_time()
+        opts, site = self._job_wide(f"train-{i}"), self._site(link_time, gpu=not self.cpu)
+        # the batch script (component 0 of a heterogeneous job) gets the signal and passes it on
+        signal = self._stop_signal(link_time)
         if self.mode == "disaggregated":  # heterogeneous: learner nodes : engine nodes
-            opts += [f"--nodes={self.nodes}", *site, ":", f"--nodes={self.engine_nodes}", *site]
+            opts += [f"--nodes={self.nodes}", signal, *site, ":", f"--nodes={self.engine_nodes}", *site]
         else:
-            opts += [f"--nodes={self.nodes}", *site]
+            opts += [f"--nodes={self.nodes}", signal, *site]
         return Stage(f"train-{i}", list(self.overrides), f"slurm/{self.mode}.sbatch", opts, gpu=not self.cpu)
 
     def job_env(self) -> dict:

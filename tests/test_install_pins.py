@@ -1,19 +1,15 @@
 """The GPU install, checked where no GPU is needed: the learner's extra keeps SGLang out, its
-constraints file pins what docs/cluster.md installs and what pyproject.toml allows, and a
-SGLang run names a Python that has SGLang (`preflight.check_engine_python`)."""
+constraints file pins what docs/cluster.md installs and what pyproject.toml allows (that a
+SGLang run names a Python that has SGLang: tests/test_engine_python.py)."""
 
 from __future__ import annotations
 
 import re
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-
-from dapo_mega.config import ConfigError, RolloutConfig
-from dapo_mega.preflight import check_engine_python
 
 REPO = Path(__file__).resolve().parents[1]
 LEARNER_PINS = {"torch", "megatron-core", "transformer-engine"}
@@ -87,17 +83,3 @@ def test_the_install_doc_uses_the_constraints_and_a_separate_sglang_venv(gpu_pin
     for name, version in re.findall(r"([A-Za-z][\w.-]*)==([\w.]+)", section):
         if _name(name) not in ENGINE_ONLY:
             assert gpu_pins.get(_name(name)) == version, (name, version, gpu_pins)
-
-
-def test_a_sglang_run_names_a_python_with_sglang(tmp_path):
-    with pytest.raises(ConfigError, match=r"^rollout.engine_python: empty.*cannot import sglang.*Fix: set "):
-        check_engine_python(RolloutConfig(backend="sglang"), sglang_importable=False)
-    with pytest.raises(ConfigError, match=r"^rollout.engine_python: .*/nowhere/bin/python is not an executable"):
-        check_engine_python(RolloutConfig(backend="sglang", engine_python=str(tmp_path / "nowhere/bin/python")),
-                            sglang_importable=False)
-    check_engine_python(RolloutConfig(backend="sglang", engine_python=sys.executable), sglang_importable=False)
-    check_engine_python(RolloutConfig(backend="sglang"), sglang_importable=True)  # one environment, as before
-    check_engine_python(RolloutConfig(backend="embedded"), sglang_importable=False)
-    for attached in (RolloutConfig(backend="sglang", engine_registry=str(tmp_path)),  # the Slurm engines role
-                     RolloutConfig(backend="sglang", engine_urls=["http://127.0.0.1:1"])):
-        check_engine_python(attached, sglang_importable=False)

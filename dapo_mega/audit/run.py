@@ -208,10 +208,11 @@ def describe_settings(cfg: DapoConfig, policy: str, run_id: str, encoder: Prompt
 def run_audit(cfg: DapoConfig, options: AuditOptions) -> Tuple[AuditSheet, Path]:
     """Roll out, score, pick and write; returns the sheet and its directory."""
     from dapo_mega.data import PromptEncoder, build_datasets
-    from dapo_mega.preflight import check_data_paths
+    from dapo_mega.preflight import check_data_paths, check_engine_python
     from dapo_mega.reward import close_verifier_pools
     from dapo_mega.run_identity import run_id_of_path
 
+    check_engine_python(cfg.rollout, starts_engines=True)  # before a checkpoint is exported for its engines
     check_data_paths(cfg.data)
     if options.checkpoint and not Path(options.checkpoint).exists():
         raise ConfigError(f"--checkpoint: {options.checkpoint} does not exist. Fix: point it at an HF directory, a "

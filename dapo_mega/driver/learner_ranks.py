@@ -15,6 +15,7 @@ from typing import Optional
 
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, validate_config
+from dapo_mega.distributed import learner_process_env
 from dapo_mega.run_identity import CONFIG_FILE, RUN_ID_ENV, settle_run_dir
 
 logger = log.get(__name__)
@@ -35,7 +36,7 @@ def maybe_spawn_learners(cfg: DapoConfig) -> Optional[int]:
         logger.info(identity.start_line(cfg.run_dir))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
             "-m", "dapo_mega.trainer", "--config", str(cfg.run_dir / CONFIG_FILE)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ID_ENV: identity.run_id}
+    env = {**learner_process_env(os.environ), RUN_ID_ENV: identity.run_id}  # torchrun passes them on
     return subprocess.call(argv, env=env)
 
 

@@ -30,12 +30,27 @@ T = TypeVar("T")
 """What the function run on each spawned rank returns."""
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity (what Slurm's --cpus-per-task, taskset or a
+    cgroup cpuset leave it), not the machine's count (`os.cpu_count()` on a 224-core node
+    with a 16-CPU allocation would start 14 threads per rank on one CPU each)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call (macOS)
+        return os.cpu_count() or 1
+
+
+def torch_threads_per_rank(cpus: int, world_size: int) -> int:
+    """Torch threads of each of `world_size` ranks sharing `cpus` CPUs: an even share, at least one."""
+    return max(1, cpus // max(1, world_size))
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], args: Sequence[object], queue) -> None:
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       **AGENT_STORE_ENV)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(torch_threads_per_rank(usable_cpus(), world_size))
     try:
         # Tensors in a multiprocessing queue travel as shared-memory handles that need the
         # sender alive; this process exits right after, so send plain bytes instead.

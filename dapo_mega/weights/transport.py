@@ -5,7 +5,8 @@
   rendezvous, a `PrefixStore(group_name, store)` and torch's `_new_process_group_helper`.
   The learner's source rank and every engine call this one function with the same
   address, world size and group name, so both sides build the identical group (NCCL on
-  GPU, gloo on CPU). One difference: rank 0 here always hosts the rendezvous store.
+  GPU, gloo on CPU), with NCCL's watchdog told to leave it alone
+  (`WEIGHT_SYNC_NCCL_ERROR_HANDLING`): a member lost mid-broadcast is aborted by the trainer. One difference: rank 0 here always hosts the rendezvous store.
   torch's `tcp://` rendezvous does not under torchrun (TORCHELASTIC_USE_AGENT_STORE=True
   makes every rank a client of a store it expects torchrun's agent to host), and a
   learner rank started by torchrun is rank 0 of the weight-update group: nobody would
@@ -20,16 +21,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dapo_mega.distributed import NCCL_ERROR_HANDLING_ENV
 from dapo_mega.run_dir import write_bytes_atomic
 
 DTYPES: Dict[str, torch.dtype] = {
@@ -91,11 +94,36 @@ def init_custom_process_group(
     # rank 0 hosts the store itself, also under torchrun (see the module docstring)
     store = TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name,
-        backend_options=None, timeout=timeout)
+    with _nccl_error_handling(WEIGHT_SYNC_NCCL_ERROR_HANDLING):  # read by ProcessGroupNCCL's constructor
+        pg, _ = _new_process_group_helper(
+            world_size, rank, [], Backend(backend), store, group_name=group_name,
+            backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+WEIGHT_SYNC_NCCL_ERROR_HANDLING = "0"
+"""NCCL_ERROR_HANDLING_ENV of a weight-update group: torch 2.13's `_abort_process_group`
+(`abort_custom_process_group`, an engine lost mid-sync) "should be used with
+TORCH_NCCL_ASYNC_ERROR_HANDLING turned off (i.e. set to 0). Otherwise, ProcessGroupNCCL's
+watchdog may automatically handle errors or timeouts for you including aborting the
+ProcessGroup"; at torch's default (3) that handling ends the learner process, which the
+trainer would otherwise outlive by dropping the engine. Only this group: the learner's own
+keep `distributed.LEARNER_NCCL_ERROR_HANDLING`."""
+
+
+@contextlib.contextmanager
+def _nccl_error_handling(value: str) -> Iterator[None]:
+    """NCCL_ERROR_HANDLING_ENV = `value` while a group is built, the process's own afterwards."""
+    saved = os.environ.get(NCCL_ERROR_HANDLING_ENV)
+    os.environ[NCCL_ERROR_HANDLING_ENV] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(NCCL_ERROR_HANDLING_ENV, None)
+        else:
+            os.environ[NCCL_ERROR_HANDLING_ENV] = saved
 
 
 def destroy_custom_process_group(pg) -> None:

@@ -80,6 +80,21 @@ def test_learner_env_sync_address_is_the_nodes_slurm_address():
     assert out["OMP_NUM_THREADS"] == "4" and out["DAPO_MEGA_SYNC_ADDR"] == "192.168.1.5"  # the user's wins
 
 
+def test_learners_start_with_nccl_error_handling_named_in_their_environment():
+    """Slurm's learner tasks and torchrun's ranks (`learner_ranks`) start with torch's default
+    named, so the weight-update group's switch to 0 (`transport.init_custom_process_group`)
+    replaces a value; a user's setting wins."""
+    from dapo_mega.distributed import learner_process_env
+
+    rank = LearnerRank(rank=0, world_size=8, local_rank=0, local_world_size=8, node_rank=0,
+                       master_addr="10.0.0.1", master_port=29500)
+    assert learner_env(rank, _task("n1", 0), {})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert learner_env(rank, _task("n1", 0), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})[
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert learner_process_env({"PATH": "/bin"}) == {"PATH": "/bin", "OMP_NUM_THREADS": "1",
+                                                     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+
 def _fake_checkpoint(run_dir: Path, step: int) -> None:
     """The two files `is_complete_checkpoint` requires of a finished save."""
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"

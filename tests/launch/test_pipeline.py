@@ -16,6 +16,7 @@ the trainer, the embedded engines and `dapo-mega eval` run as a user would run t
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -101,7 +102,7 @@ def test_dry_run_prints_every_stage_with_its_dependency(inputs, tmp_path):
         assert all(a.startswith("--") for a in ln[2:script])  # every option before the script, none after
     train = lines["train-2"]
     assert train[train.index("--nodes=2"):train.index("slurm/colocated.sbatch")] == \
-        ["--nodes=2", "--time=30", "--partition=cpu", "--mem=4000"]
+        ["--nodes=2", "--signal=B:USR1@600", "--time=30", "--partition=cpu", "--mem=4000"]  # a tiny step: the floor
     overrides = train[train.index("slurm/colocated.sbatch") + 1:]
     assert overrides[0] == "+experiment=tiny_cpu_slurm" and "trainer.sft_warmup_steps=0" in overrides
     assert f"model.hf_path={inputs / 'hf'}" in overrides and "cluster.num_nodes=2" in overrides
@@ -116,7 +117,7 @@ def test_dry_run_prints_every_stage_with_its_dependency(inputs, tmp_path):
 def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
     # the recipe's TP 8 does not split the tiny model's heads: the plan refuses before any line
     out = _pipeline(["--experiment", "dapo_qwen2.5_32b_disagg", *_files(inputs), "--output-dir", str(tmp_path),
-                     "--dry-run"])
+                     "--dry-run", "--", ENGINE_PYTHON])
     assert out.returncode == 1 and not _sbatch_lines(out.stdout)
     assert "refused, the plan says: 4 heads / 2 KV heads do not split over TP 8" in out.stderr
     # the tiny experiment, disaggregated: learner nodes : engine nodes, job-wide options before ':'
@@ -132,7 +133,9 @@ def test_dry_run_disaggregated_heterogeneous_links_and_from(inputs, tmp_path):
     assert link[2:6] == ["--job-name=" + link[2].split("=", 1)[1], link[3], "--dependency=afterany:<train-1>",
                          "--kill-on-invalid-dep=yes"]
     # each component its own time limit and site options (a component without --time gets the partition's)
-    assert link[6:script] == ["--nodes=1", "--time=20", "--mem=4000", ":", "--nodes=1", "--time=20", "--mem=4000"]
+    # the stop signal goes to the component that runs the batch script
+    assert link[6:script] == ["--nodes=1", "--signal=B:USR1@600", "--time=20", "--mem=4000", ":", "--nodes=1",
+                              "--time=20", "--mem=4000"]
     assert "cluster.num_nodes=2" in link and "cluster.engine_nodes=1" in link
     assert not any(a.startswith("--dependency") for a in lines["train-1"])
     # --from eval: only the evaluation of the export already made
@@ -147,6 +150,8 @@ QWEN25_32B_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2
                      "rope_theta": 1000000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
                      "hidden_act": "silu", "torch_dtype": "bfloat16"}
 GPU_OPTS = ["--sbatch-opt=--gpus-per-node=8", "--sbatch-opt=--gres=gpu:8"]
+ENGINE_PYTHON = "rollout.engine_python=/opt/sglang/bin/python"  # docs/cluster.md section 1's SGLang venv
+CONVERSION = ("import", "verify", "export")
 
 
 def _gpu_stage(name: str) -> bool:
@@ -161,9 +166,16 @@ def test_32b_dry_run_asks_for_gpus_only_in_gpu_stages_and_times_every_stage(tmp_
     (hf / "config.json").write_text(json.dumps(QWEN25_32B_CONFIG))
     for name in ("dapo.parquet", "aime.parquet"):
         (tmp_path / name).touch()
-    out = _pipeline(["--hf-model", str(hf), "--dapo-math", str(tmp_path / "dapo.parquet"), "--aime",
-                     str(tmp_path / "aime.parquet"), "--output-dir", str(tmp_path / "runs"), "--dry-run",
-                     *GPU_OPTS, "--sbatch-opt=--mem=0"], entry=REPO / "launch" / "dapo_qwen2.5_32b.sh")
+    args = ["--hf-model", str(hf), "--dapo-math", str(tmp_path / "dapo.parquet"), "--aime",
+            str(tmp_path / "aime.parquet"), "--output-dir", str(tmp_path / "runs"), "--dry-run", *GPU_OPTS,
+            "--sbatch-opt=--mem=0"]
+    # the recipe's SGLang engines would start from the jobs' Python, which the GPU install keeps SGLang out of
+    out = _pipeline(args, entry=REPO / "launch" / "dapo_qwen2.5_32b.sh")
+    assert out.returncode == 2 and not _sbatch_lines(out.stdout)
+    assert out.stderr.strip().startswith("pipeline: error: rollout.engine_python: empty, so the SGLang engines of "
+                                         "the training jobs and the eval would start from the jobs' Python")
+    assert "Fix: add -- rollout.engine_python=" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    out = _pipeline([*args, "--", ENGINE_PYTHON], entry=REPO / "launch" / "dapo_qwen2.5_32b.sh")
     assert out.returncode == 0, out.stderr
     lines = _sbatch_lines(out.stdout)
     assert [n for n in lines if not n.startswith("train-")] == ["data", "import", "verify", "export", "eval"]
@@ -174,6 +186,14 @@ def test_32b_dry_run_asks_for_gpus_only_in_gpu_stages_and_times_every_stage(tmp_
     assert "--time=24:00:00" in lines["train-1"]  # the entry point's
     assert "--time=00:10:00" in lines["data"]  # the plan's: its start-up only
     assert "--device" not in lines["import"]  # the conversion's default: the CPU
+    # import/export spawn tp 8 x pp 2 gloo ranks, a CPU each (verify's one rank: as threads)
+    cpus = {name: [a for a in ln if a.startswith("--cpus-per-task")] for name, ln in lines.items()}
+    assert cpus == {name: ["--cpus-per-task=16"] if name in CONVERSION else [] for name in lines}
+    # a 32B step (~22 min), its evaluation and a checkpoint save outlast the sbatch scripts' 600 s
+    signals = {name: [a for a in ln if a.startswith("--signal=")] for name, ln in lines.items()}
+    lead = int(signals["train-1"][0].rsplit("@", 1)[1])
+    assert signals == {name: [f"--signal=B:USR1@{lead}"] if name.startswith("train-") else [] for name in lines}
+    assert 1.5 * (22 * 60 + 229) < lead < 24 * 3600
     assert "GPU options --gpus-per-node=8 --gres=gpu:8: only in the stages that use GPUs" in out.stdout
 
 
@@ -205,9 +225,16 @@ def test_every_experiment_every_stage_has_a_time_and_gpus_only_where_used(name, 
     stages = launcher.stages({"clock": estimate_clock(cfg).to_dict()})
     assert [s.name for s in stages] == ["data", "import", "verify", "train-1", "train-2", "train-3", "export",
                                         "eval"]
+    clock = estimate_clock(cfg)
+    lead = math.ceil(max(600, clock.stop_signal_lead_s))
+    ranks = cfg.megatron.tensor_model_parallel_size * cfg.megatron.pipeline_model_parallel_size
     for stage in stages:
         components = " ".join(stage.sbatch).split(" : ")
         assert all(len(re.findall(r"--time=(?:\d+-)?\d\d:\d\d:00\b", c)) == 1 for c in components), stage.sbatch
+        cpus = [o for o in stage.sbatch if o.startswith("--cpus-per-task=")]
+        assert cpus == ([f"--cpus-per-task={ranks}"] if stage.name in CONVERSION else []), stage.sbatch
+        signal = [c for c in components if f"--signal=B:USR1@{lead}" in c.split()]
+        assert signal == (components[:1] if stage.name.startswith("train-") else []), stage.sbatch
         gpu = cfg.cluster.device != "cpu" and _gpu_stage(stage.name)
         assert stage.gpu == gpu
         for component in components:
@@ -226,12 +253,43 @@ def test_stage_times_refused_without_the_plan_unless_given():
     given = stages_module.Pipeline(pipeline.parse_args([*common, "--stage-time", "1:00:00", "--time", "30"]))
     assert {next(o for o in s.sbatch if o.startswith("--time=")) for s in given.stages({})} == \
         {"--time=1:00:00", "--time=30"}
+    # the stop signal (600 s without a clock) must leave the link time to train
+    short = stages_module.Pipeline(pipeline.parse_args([*common, "--stage-time", "1:00:00", "--time", "10"]))
+    with pytest.raises(stages_module.PipelineError, match=r"--time 10: the learners need their stop signal 600 s "
+                                                          r"before the limit.*Fix: pass a --time well over 600 s"):
+        short.stages({})
     assert [stages_module.requests_gpus(o) for o in ("--gpus-per-node=8", "-G8", "--gres=gpu:a100:4",
                                                      "--gres gpu:8", "--mem-per-gpu=80G", "--gres=nvme:1",
                                                      "--mem=0", "-pgpu", "--constraint=gpu")] == \
         [True, True, True, True, True, False, False, False, False]
     assert [stages_module.slurm_time(s) for s in (1, 600, 5161, 86400 + 61)] == \
         ["00:01:00", "00:10:00", "01:27:00", "1-00:02:00"]
+
+
+def test_sglang_engines_need_a_python_with_sglang_before_anything_is_submitted(tmp_path):
+    """Slurm: an empty rollout.engine_python is refused (the jobs' Python may be inside a
+    container; naming it is the user's say-so), a named one visible here is asked; --local:
+    the jobs run here, so the engines' Python is asked as `dapo-mega train` would."""
+    from helpers.interpreters import stand_in_python
+
+    pipeline, stages_module = _launcher()
+    lacking, having = stand_in_python(tmp_path, False), stand_in_python(tmp_path, True)
+
+    def problem(*extra: str, overrides=()) -> str:
+        mode = [] if "--local" in extra else ["--dry-run"]  # the two exclude each other
+        args = pipeline.parse_args(["--experiment", "tiny_cpu_slurm", "--hf-model", "/nowhere", "--output-dir",
+                                    str(tmp_path), *mode, *extra, "rollout.backend=sglang", *overrides])
+        return stages_module.Pipeline(args).engine_python_problem() or ""
+
+    assert problem().startswith("rollout.engine_python: empty, so the SGLang engines of the training jobs")
+    assert problem(overrides=["rollout.engine_python=/opt/sglang/bin/python"]) == ""  # not here: the job checks
+    assert problem(overrides=[f"rollout.engine_python={lacking}"]).startswith(
+        f"rollout.engine_python: {lacking} cannot import sglang. Fix: point it at the bin/python of the SGLang venv")
+    assert problem(overrides=[f"rollout.engine_python={having}"]) == ""
+    assert problem("--container", "img.sqsh", overrides=[f"rollout.engine_python={lacking}"]) == ""  # its own
+    assert problem("--local", overrides=[f"rollout.engine_python={lacking}"]).startswith(
+        f"rollout.engine_python: {lacking} cannot import sglang, so no SGLang engine can start")
+    assert problem("--local", overrides=[f"rollout.engine_python={having}"]) == ""
 
 
 def test_plan_refusals_stop_before_submitting(inputs, tmp_path):

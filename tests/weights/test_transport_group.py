@@ -7,7 +7,10 @@ A group still referenced by a module global is freed only at interpreter shutdow
 torch's native teardown has begun; CI once saw the store's host abort there ("terminate
 called without an active exception", exit -6) after a good broadcast. The trainer and the
 engine free their groups while running (`WeightSyncer.destroy_group`, the server's
-`destroy_group`), and so does this test."""
+`destroy_group`), and so does this test.
+
+The group is built with NCCL's watchdog told to leave it alone (TORCH_NCCL_ASYNC_ERROR_HANDLING=0,
+torch's `_abort_process_group` note), and the process's own setting is back afterwards."""
 
 import os
 import subprocess
@@ -45,3 +48,22 @@ def test_group_forms_when_the_learner_rank_runs_under_torchrun():
     outs = [p.communicate(timeout=120)[0] for p in (learner, engine)]
     assert [p.returncode for p in (learner, engine)] == [0, 0], outs
     assert all("got [0.0, 1.0, 2.0, 3.0]" in out for out in outs), outs
+
+
+def test_the_group_is_built_with_nccl_error_handling_off_and_the_learners_back(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    from dapo_mega.weights import transport
+
+    seen = []
+    build = distributed_c10d._new_process_group_helper
+
+    def watched(*args, **kwargs):  # the real constructor, with the value it reads recorded
+        seen.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(distributed_c10d, "_new_process_group_helper", watched)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the learner's (distributed.learner_process_env)
+    pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{free_port()}", 1, 0, "dapo_weight_sync_t")
+    transport.destroy_custom_process_group(pg)
+    assert seen == ["0"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
