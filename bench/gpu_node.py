@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.models.shape import ModelShape
-from dapo_mega.plan import KNOWN_MODELS
+from dapo_mega.plan.memory import KNOWN_MODELS
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print("Audit flags (besides the overrides):\n" + USAGE)
         if command == "plan":
-            from dapo_mega.clock import ClockAssumptions
+            from dapo_mega.plan.clock import ClockAssumptions
 
             print("Clock assumptions (clock.key=value; null rates follow the engine's size):")
             print("\n".join("  " + line for line in describe_fields(ClockAssumptions, prefix="clock.")))
@@ -127,7 +127,7 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
 
         route_known_warnings(cfg.run_dir)  # before the preflight imports megatron-core
         from dapo_mega.driver.weight_probe import WeightCheckError
-        from dapo_mega.preflight import check_before_start
+        from dapo_mega.plan.preflight import check_before_start
         from dapo_mega.rollout.engine_process import EngineStartError
         from dapo_mega.trainer import run_training
 
@@ -145,7 +145,7 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
             return 1
     if command == "eval":
         from dapo_mega.evaluate import run_eval_command
-        from dapo_mega.preflight import check_eval_inputs
+        from dapo_mega.plan.preflight import check_eval_inputs
         from dapo_mega.rollout.engine_process import EngineStartError
 
         check_eval_inputs(cfg)  # data files, a held-out set, the checkpoints: before engines start
@@ -163,8 +163,8 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
     beside a colocated engine."""
     import json
 
-    from dapo_mega.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
-    from dapo_mega.plan import compute_plan, format_plan
+    from dapo_mega.plan.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
+    from dapo_mega.plan.memory import compute_plan, format_plan
     from dapo_mega.records.ledger import ledger_bytes_per_step_of
 
     assumptions = assumptions_from_overrides(clock_overrides)

@@ -7,7 +7,7 @@ documented by the docstring-style comment under it (`dapo-mega train --help` pri
 
 Each config checks its own rules in `validate()`; `validate_config` composes them once and
 adds the rules that span components (and the world size when known). They run before any
-process group, model or engine is created (`dapo_mega.preflight` adds the model's shape and
+process group, model or engine is created (`dapo_mega.plan.preflight` adds the model's shape and
 the data files), and every error names the field and the fix.
 
 Fields that take one of a few values are typed `str`: OmegaConf 2.3 (Hydra's structured
@@ -394,7 +394,7 @@ class RolloutConfig:
     at most this long); a dead engine is probed before each weight sync and rejoins when it answers."""
     health_timeout_s: float = 0.0
     """Bounds an engine's start (load weights, capture graphs) until its first healthy answer.
-    0 = derived from the model's bytes and the engine count (`dapo_mega.clock.engine_start_timeout_s`)."""
+    0 = derived from the model's bytes and the engine count (`dapo_mega.plan.clock.engine_start_timeout_s`)."""
     max_retries: int = 3
     """Times a prompt group is retried on another engine before the step fails."""
     engine_restarts: int = 3

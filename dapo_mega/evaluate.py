@@ -243,7 +243,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
     verifier = build_verifier(cfg.algo.verifier)
 
-    from dapo_mega.clock import resolve_health_timeout_s
+    from dapo_mega.plan.clock import resolve_health_timeout_s
 
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:

@@ -394,7 +394,7 @@ def engine_fleet(cfg: DapoConfig, rollout: RolloutConfig, model_path: str, bind_
                  log_dir: Optional[Path] = None, num_threads: int = 0) -> EngineFleet:
     """The fleet that starts this node's engines: `--enable-memory-saver` when colocated
     (else releasing their memory frees nothing), SGLang on the CPU unless this job uses GPUs."""
-    from dapo_mega.clock import resolve_health_timeout_s
+    from dapo_mega.plan.clock import resolve_health_timeout_s
 
     return EngineFleet(rollout, model_path, log_dir, device="cuda" if _use_gpu(cfg) else "cpu", bind_host=bind_host,
                        advertise_host=advertise, num_threads=num_threads, weight_version="default",
@@ -490,7 +490,7 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     `build_router_command`; `api_key` (the engines' key) goes to sglang-router's
     `--api-key`, which it sends to its workers. The trainer never depends on the router."""
     from dapo_mega.backends.sglang.commands import build_router_command
-    from dapo_mega.clock import resolve_health_timeout_s
+    from dapo_mega.plan.clock import resolve_health_timeout_s
 
     limit = resolve_health_timeout_s(cfg)
     deadline = time.monotonic() + limit

@@ -201,7 +201,7 @@ class Session:
 
     def _start_engines(self) -> List[str]:
         """Engines given by URL, announced in a registry directory, or started here (the fleet)."""
-        from dapo_mega.clock import resolve_health_timeout_s
+        from dapo_mega.plan.clock import resolve_health_timeout_s
         from dapo_mega.rollout.fleet import open_fleet
 
         self.fleet = open_fleet(self.cfg, self.cfg.rollout.model_path or str(self.model_dir), self.run_dir / "logs",

@@ -140,7 +140,7 @@ class Pipeline:
         except json.JSONDecodeError:
             tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
             return f"dapo-mega plan failed (exit {out.returncode}): {tail}", [], {}
-        from dapo_mega.plan_types import blocking_warnings
+        from dapo_mega.plan.types import blocking_warnings
 
         warnings = plan.get("warnings", [])
         refusing = blocking_warnings(warnings, engines_take_gpus=not self.cpu)  # the plan says which ones block
@@ -232,7 +232,7 @@ class Pipeline:
         if not {"step_s", "engine_start_s", "assumptions"} <= set(self.clock):
             raise PipelineError("the plan gives no step time to derive the training jobs' --time from. "
                                 "Fix: pass --time")
-        from dapo_mega.clock import training_link_limit_s
+        from dapo_mega.plan.clock import training_link_limit_s
 
         return slurm_time(training_link_limit_s(self.clock, self.total_steps, self.args.chain))
 

@@ -13,7 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from dapo_mega.config import ConfigError, RolloutConfig
-from dapo_mega.preflight import check_engine_python
+from dapo_mega.plan.preflight import check_engine_python
 
 REPO = Path(__file__).resolve().parents[1]
 LEARNER_PINS = {"torch", "megatron-core", "transformer-engine"}

@@ -71,7 +71,7 @@ class PolicySync:
         from dapo_mega.weights.sync import run_stages_in_turn
 
         sync = cls(cfg, layout, role)
-        from dapo_mega.clock import resolve_health_timeout_s
+        from dapo_mega.plan.clock import resolve_health_timeout_s
 
         # the driver starts the engines meanwhile: their start bound comes on top
         urls = role.broadcast(engine_urls, resolve_health_timeout_s(cfg) + cfg.cluster.driver_stall_timeout_s)

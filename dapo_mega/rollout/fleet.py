@@ -88,7 +88,7 @@ def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: 
     each on its own GPUs from the placement (`backends.placement.trainer_placement`; the
     trainer's `learner_ranks` hold the first GPUs when disaggregated on one node).
     `start_timeout_s`: the engines' start bound when rollout.health_timeout_s is 0 (the
-    caller derives it: `dapo_mega.clock.resolve_health_timeout_s`)."""
+    caller derives it: `dapo_mega.plan.clock.resolve_health_timeout_s`)."""
     from dapo_mega.backends.placement import trainer_placement
 
     r = cfg.rollout

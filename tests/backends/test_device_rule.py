@@ -82,7 +82,7 @@ def test_eval_engines_refused_past_the_node_with_the_count_that_fits():
 def test_every_experiment_conversion_and_eval_engines_follow_the_rule(name):
     """Conversion ranks of the recipe's TP x PP, and the pipeline's final-eval engines, on one
     node of the experiment's GPUs."""
-    from dapo_mega.clock import eval_stage_engines
+    from dapo_mega.plan.clock import eval_stage_engines
 
     cfg = load_config([f"+experiment={name}"])
     gpus = cfg.cluster.gpus_per_node

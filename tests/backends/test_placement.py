@@ -233,7 +233,7 @@ def test_colocated_engines_start_with_the_memory_saver_on_their_own_gpus():
 
 
 def test_plan_reports_the_placements_sync_groups():
-    from dapo_mega.plan import compute_plan, format_plan
+    from dapo_mega.plan.memory import compute_plan, format_plan
 
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
     assert disagg.sync.transport == DISTRIBUTED

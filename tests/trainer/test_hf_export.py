@@ -51,7 +51,7 @@ def test_plan_counts_the_kept_exports_on_disk():
     """Qwen2.5-32B (32,763,876,352 parameters): 3 + 1 checkpoints of 14 bytes per parameter
     (docs/cluster.md) and the 2 that keep_every=100 keeps for good (saved every 10 steps up to 313:
     steps 100 and 200; 300 is among the newest 3), plus 2 kept bf16 exports of 2 bytes per parameter."""
-    from dapo_mega.plan import compute_plan
+    from dapo_mega.plan.memory import compute_plan
 
     phi = 32_763_876_352
     off = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"])).checkpoint

@@ -3,7 +3,7 @@
     dapo-mega plan +experiment=dapo_qwen2.5_32b                       prints it (with the plan)
     dapo-mega plan +experiment=dapo_qwen2.5_32b clock.learner_mfu=0.3  with another assumption
 
-Every estimate is a pure function of the config, the model's size (`dapo_mega.plan`), the
+Every estimate is a pure function of the config, the model's size (`dapo_mega.plan.memory`), the
 response lengths (`plan.LengthAssumption`, the same distribution the plan's learner figures
 use) and throughput assumptions (`ClockAssumptions`), each formula written in its docstring.
 `clock_warnings` names each timeout of the config that is shorter than what it bounds, and
@@ -16,7 +16,7 @@ average sequence 3,206 tokens under a 4,096 cap, generation TP 4 = 8 engines, tr
 / PP 4): 8 reference engines decoding 4,000 tokens/s each generate the 6.2 M response tokens
 in ~195 s; the 2,048 x 3.2k tokens train in ~175 s at 40% MFU (10 passes of 2 FLOPs per
 parameter per token: forward + backward, full recompute, the log-prob pass); the weights
-sync in ~7 s: 378 s in all (`tests/test_clock.py` checks it against the published range). A
+sync in ~7 s: 378 s in all (`tests/plan/test_clock.py` checks it against the published range). A
 run on other GPUs, or with measured rates, sets the assumptions (`clock.<field>=<value>`);
 `dapo-mega train` logs the measured `time/*_s` of every phase to compare with.
 
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from dapo_mega.config import ConfigError, DapoConfig
-from dapo_mega.plan import LengthAssumption, compute_plan, resolve_model_shape, total_params
-from dapo_mega.plan_types import Plan
+from dapo_mega.plan.memory import LengthAssumption, compute_plan, resolve_model_shape, total_params
+from dapo_mega.plan.types import Plan
 
 GB = 1e9
 GIB = 1024 ** 3
@@ -112,7 +112,7 @@ class ClockAssumptions:
     engine start + this many times its share of the run's steps (rounds beyond the first,
     evaluations, a restart)."""
     lengths: LengthAssumption = field(default_factory=LengthAssumption)
-    """Response and prompt lengths (`dapo_mega.plan.LengthAssumption`, shared with the plan's
+    """Response and prompt lengths (`dapo_mega.plan.memory.LengthAssumption`, shared with the plan's
     learner-efficiency figures): log-normal, median max_response_length / 8, σ 1."""
 
 

@@ -1,4 +1,4 @@
-"""`dapo_mega.clock`: every estimate against a hand computation, the timeout warnings, the
+"""`dapo_mega.plan.clock`: every estimate against a hand computation, the timeout warnings, the
 printed plan, and the warm start that belongs to the tiny model only."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from dapo_mega.cli import main as cli_main
-from dapo_mega.clock import (
+from dapo_mega.config import ConfigError, check_warm_start, load_config
+from dapo_mega.plan.clock import (
     ClockAssumptions,
     EngineRates,
     clock_warnings,
@@ -23,10 +24,9 @@ from dapo_mega.clock import (
     resolve_health_timeout_s,
     train_flops_per_step,
 )
-from dapo_mega.config import ConfigError, check_warm_start, load_config
-from dapo_mega.plan import KNOWN_MODELS, LengthAssumption, compute_plan, total_params
+from dapo_mega.plan.memory import KNOWN_MODELS, LengthAssumption, compute_plan, total_params
 
-PHI_32B = 32_763_876_352  # tests/trainer/test_plan_memory.py counts it parameter by parameter
+PHI_32B = 32_763_876_352  # tests/plan/test_plan_memory.py counts it parameter by parameter
 SHIPPED = ["dapo_qwen2.5_32b", "dapo_qwen2.5_32b_fp8", "dapo_qwen2.5_32b_disagg", "dapo_qwen2.5_32b_disagg_fp8",
            "dapo_qwen2.5_7b"]
 REFERENCE_RATES = EngineRates(decode=4000.0, sequence=50.0, prefill=20000.0, scale=1.0)
@@ -141,7 +141,7 @@ def test_the_32b_clock_by_hand(cfg32):
     mean2 = capped_lognormal_moment(2560, 1.0, 20480, 2)
     kv = compute_plan(cfg32).engines.kv_tokens
     slots = min(512, int(kv // (150 + mean)))
-    # 371,237 KV tokens per engine by SGLang's formula (tests/trainer/test_plan_memory.py) // (150 + mean)
+    # 371,237 KV tokens per engine by SGLang's formula (tests/plan/test_plan_memory.py) // (150 + mean)
     assert e.rollout_round.slots_per_engine == slots == 89
     # round: 12 requests of 64 per engine, 512 in flight, 4000 tokens/s
     tp = 768 * mean / 4000 + 768 * 150 / 20000

@@ -8,7 +8,7 @@ import pytest
 
 from dapo_mega.cli import main as cli_main
 from dapo_mega.config import load_config
-from dapo_mega.plan import compute_plan
+from dapo_mega.plan.memory import compute_plan
 
 GIB = 1024 ** 3
 

@@ -3,7 +3,7 @@
     dapo-mega plan +experiment=dapo_qwen2.5_32b            a table
     dapo-mega plan +experiment=dapo_qwen2.5_32b --json     the same as JSON
 
-The clock of the run (durations beside the timeouts that bound them) is `dapo_mega.clock`,
+The clock of the run (durations beside the timeouts that bound them) is `dapo_mega.plan.clock`,
 which builds on this module; the command (`dapo_mega.cli`) prints both.
 
 Memory per learner GPU (bytes), for TP=t, PP=p, CP=c (must be 1: the learner refuses
@@ -68,7 +68,7 @@ from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, Placement, place
 from dapo_mega.config import DapoConfig
 from dapo_mega.models.shape import ModelShape
-from dapo_mega.plan_types import (
+from dapo_mega.plan.types import (
     AssumedBatch,
     CheckpointDisk,
     ClusterSummary,
@@ -189,7 +189,7 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
     sequence parallelism (the norms' side of the layer), tokens otherwise; TP splits heads
     and the FFN. Derived from what each op saves in megatron-core 0.16 / TE 2.x (docs/cluster.md,
     "Memory by hand"); the local spec's figure is checked against torch's saved-tensor hooks
-    (tests/trainer/test_plan_activations.py).
+    (tests/plan/test_plan_activations.py).
 
     Both specs: the two RMSNorm inputs and outputs (the outputs are the QKV and FC1 GEMM
     inputs; under SP the sequence shard is kept and all-gathered again in backward), RoPE's
@@ -204,7 +204,7 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
     recompute_modules=["core_attn"]) keeps the attention's inputs instead of its internals.
     Qwen3's q/k norms (`qk_layernorm`) add their inputs (the query as a copy, the key as a
     view that keeps the whole QKV output alive), 1/rms per head and, unfused, x·(1/rms)
-    (measured: tests/trainer/test_plan_activations_qwen3.py).
+    (measured: tests/plan/test_plan_activations_qwen3.py).
     """
     h, d, f, s, e = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size, float(tokens), element_bytes
     s_n = s / tp if sequence_parallel else s
@@ -460,7 +460,7 @@ class LengthAssumption:
             E[min(X, c)^r] = e^(rμ + r²σ²/2) · Φ((ln c − μ − rσ²) / σ)
                            + c^r · (1 − Φ((ln c − μ) / σ))
 
-        r = 1 is the mean length, r = 2 what attention's cost grows with (`dapo_mega.clock`)."""
+        r = 1 is the mean length, r = 2 what attention's cost grows with (`dapo_mega.plan.clock`)."""
         mu, sigma, cap, r = math.log(int(self.response_median)), self.response_sigma, max_response_length, power
         z = (math.log(cap) - mu) / sigma
         return math.exp(r * mu + r * r * sigma * sigma / 2) * _normal_cdf(z - r * sigma) + cap ** r * (1 - _normal_cdf(z))
@@ -517,7 +517,7 @@ def learner_efficiency(cfg: DapoConfig, dp: int, lengths: Optional[LengthAssumpt
 
 def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) -> Plan:
     """The layout, memory, learner efficiency and warnings of `cfg` on its cluster.* shape, as
-    a `Plan` (`dapo_mega.plan_types`; `Plan.to_dict()` is its JSON).
+    a `Plan` (`dapo_mega.plan.types`; `Plan.to_dict()` is its JSON).
 
     Pure (no I/O but config.json); `lengths` is the response-length assumption of the
     efficiency figures (default `LengthAssumption()`). ConfigError where the learner would
@@ -680,7 +680,7 @@ def _node_layout(cfg: DapoConfig, placement: Placement) -> List[NodeRoles]:
 
 
 def format_plan(plan: Plan, sections: Sequence[str] = ()) -> str:
-    """The plan as a fixed-width table; `sections` (e.g. the clock of `dapo_mega.clock`) are
+    """The plan as a fixed-width table; `sections` (e.g. the clock of `dapo_mega.plan.clock`) are
     printed before the warnings."""
     p, mdl, cl = plan.parallel, plan.model, plan.cluster
     lines = [f"model {mdl.name} ({mdl.source}): {plan.total_params / 1e9:.2f} B params, "

@@ -1,8 +1,8 @@
-"""The records `dapo_mega.plan` hands out: a `Plan` of typed sections, each number named with its unit.
+"""The records `dapo_mega.plan.memory` hands out: a `Plan` of typed sections, each number named with its unit.
 
 `compute_plan` builds a `Plan`; `format_plan` prints it; `Plan.to_dict()` is its JSON
 (`dapo-mega plan --json`, the launcher's plan.json), keyed by the field names below.
-The formulas behind each number are in `dapo_mega.plan`.
+The formulas behind each number are in `dapo_mega.plan.memory`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def test_plan_layer_activations_meet_a_tiny_qwen3():
     from dapo_mega.config import ModelConfig
     from dapo_mega.models.shape import ModelShape
     from dapo_mega.models.tiny import tiny_hf_config
-    from dapo_mega.plan import layer_saved_bytes
+    from dapo_mega.plan.memory import layer_saved_bytes
 
     got = run_distributed(_measure_qwen3, 1, timeout_s=240)[0]
     shape = ModelShape.from_hf_config(tiny_hf_config(ModelConfig(**SHAPE), architecture="qwen3"))

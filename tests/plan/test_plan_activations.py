@@ -1,6 +1,6 @@
 """`dapo-mega plan`'s memory formulas against a tiny megatron-core model on the CPU.
 
-The formulas (dapo_mega/plan.py) are derived tensor by tensor from what each op keeps for
+The formulas (dapo_mega/plan/memory.py) are derived tensor by tensor from what each op keeps for
 backward; here they meet what torch actually keeps, measured by means they did not compute:
 
 * activations: every tensor autograd saves (`torch.autograd.graph.saved_tensors_hooks`),
@@ -177,7 +177,7 @@ def _step_peak(model, tokens, position_ids, mask, labels, vocab):
 def test_plan_memory_meets_a_tiny_model_on_the_cpu():
     from dapo_mega.models.shape import ModelShape
     from dapo_mega.models.tiny import tiny_hf_config
-    from dapo_mega.plan import layer_saved_bytes, learner_stages, logits_peak_bytes, stage_activation_bytes
+    from dapo_mega.plan.memory import layer_saved_bytes, learner_stages, logits_peak_bytes, stage_activation_bytes
 
     got = run_distributed(_measure, 1, timeout_s=240)[0]
     cfg, full_cfg = _config(recompute=False), _config(recompute=True)
