@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, get_args
 
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -686,7 +686,7 @@ class TrainerConfig:
     """Resume from the latest complete checkpoint of the run directory when there is one."""
     allow_changes: List[str] = field(default_factory=list)
     """Fields (dotted, or a group such as `data`) a resume may change although they shape the
-    data or the update (`dapo_mega.run_identity.GUARDED_FIELDS`: algo, data, model, seed, ...),
+    data or the update (`dapo_mega.run_files.identity.GUARDED_FIELDS`: algo, data, model, seed, ...),
     e.g. `[algo.verifier]`. A resume that changes any other such field stops before anything
     is built, naming each field and its two values; an allowed change is kept in
     `<run_dir>/config_history.jsonl` with the step it took effect."""

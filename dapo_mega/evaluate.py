@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict
 
 from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import ConfigError, DapoConfig
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 if TYPE_CHECKING:
     from dapo_mega.data import EvalSet, Problem
@@ -234,7 +234,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
     from dapo_mega.data import PromptEncoder, build_run_datasets
     from dapo_mega.reward import build_verifier
     from dapo_mega.rollout.fleet import EngineFleet
-    from dapo_mega.run_identity import run_id_of_path
+    from dapo_mega.run_files.identity import run_id_of_path
 
     hf_dir = _hf_dir_of(checkpoint, workdir)
     _, eval_sets, _ = build_run_datasets(cfg.data, cfg.eval)

@@ -323,14 +323,14 @@ def completed_steps(cfg: DapoConfig) -> int:
     """Step of the checkpoint a resumed job would start from (0: none, or resume off)."""
     if not cfg.trainer.resume:
         return 0
-    from dapo_mega.run_dir import resume_checkpoint
+    from dapo_mega.run_files.checkpoints import resume_checkpoint
 
     latest = resume_checkpoint(cfg.run_dir.resolve(), True, cfg.trainer.resume_step)
     return int(latest.name.split("_")[-1]) if latest is not None else 0
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    from dapo_mega.run_dir import find_latest_checkpoint
+    from dapo_mega.run_files.checkpoints import find_latest_checkpoint
 
     return find_latest_checkpoint(run_dir) is not None
 
@@ -349,7 +349,7 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
                            "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
             print(f"{key}={shlex.quote(value)}")
         return 0
-    from dapo_mega.run_identity import settle_run_dir
+    from dapo_mega.run_files.identity import settle_run_dir
 
     settle_run_dir(cfg, write=False)  # a refused resume (a guarded field changed) stops the job before any role
     log_dir = run_dir / "logs" / f"job-{job_id}"

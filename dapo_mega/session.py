@@ -1,7 +1,7 @@
 """Wiring: the components of one run on one learner rank, built once.
 
 `Session.start(cfg)` on every learner rank: process groups and the parallel layout, the
-run directory (its run id, and a resume's config changes checked: `run_identity`), the
+run directory (its run id, and a resume's config changes checked: `run_files.identity`), the
 Megatron learner with its initial weights (latest checkpoint of the run via
 `RunState.resume`, else `model.megatron_path`, else the HF weights), the rank's role
 (`driver.roles`: on global rank 0 the `DriverRole` with the data, the verifier, the engines
@@ -33,8 +33,8 @@ from dapo_mega.driver.policy_sync import PolicySync
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
 from dapo_mega.driver.weight_probe import WeightProbe
-from dapo_mega.run_dir import set_aside_after
-from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
+from dapo_mega.run_files.checkpoints import set_aside_after
+from dapo_mega.run_files.identity import RUN_ID_ENV, config_dict, settle_run_dir
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout

@@ -32,10 +32,8 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.config": 0,
     "dapo_mega.models": 0,
     "dapo_mega.distributed": 0,
-    "dapo_mega.run_dir": 0,
-    "dapo_mega.run_identity": 0,
+    "dapo_mega.run_files": 0,  # the run directory's files: checkpoint directories, run id, config history
     "dapo_mega.heap": 0,
-    "dapo_mega.resources": 0,
     "dapo_mega.tether": 0,
     "dapo_mega.log": 0,
     # 1: backends: Megatron (model, layout, train step, sharded state) and SGLang (launch, client).

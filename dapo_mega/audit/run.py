@@ -210,7 +210,7 @@ def run_audit(cfg: DapoConfig, options: AuditOptions) -> Tuple[AuditSheet, Path]
     from dapo_mega.data import PromptEncoder, build_datasets
     from dapo_mega.plan.preflight import check_data_paths
     from dapo_mega.reward import close_verifier_pools
-    from dapo_mega.run_identity import run_id_of_path
+    from dapo_mega.run_files.identity import run_id_of_path
 
     check_data_paths(cfg.data)
     if options.checkpoint and not Path(options.checkpoint).exists():

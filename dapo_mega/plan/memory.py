@@ -405,7 +405,7 @@ def checkpoint_bytes(cfg: DapoConfig, phi: int) -> CheckpointDisk:
 
 def checkpoints_kept_for_good(total_steps: int, save_interval: int, keep_every: int, keep_last_k: int) -> int:
     """Saved checkpoints at a multiple of `keep_every` other than the newest `keep_last_k`
-    (`run_dir.prune_checkpoints` keeps them all): a run saves every `save_interval` steps and
+    (`run_files.checkpoints.prune_checkpoints` keeps them all): a run saves every `save_interval` steps and
     at its last step."""
     if keep_every <= 0:
         return 0

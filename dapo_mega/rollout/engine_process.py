@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.distributed import free_port
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 __all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "log_tail",
            "lost_port_race", "resume_process", "stop_process"]
@@ -68,7 +68,7 @@ def lost_port_race(log_text: str) -> bool:
 
 
 def announce_engine(registry: Path, index: int, record: dict) -> Path:
-    """Write `engine-<index>.json` whole (`run_dir.write_text_atomic`): readers never see half a file."""
+    """Write `engine-<index>.json` whole (`run_files.checkpoints.write_text_atomic`): readers never see half a file."""
     registry.mkdir(parents=True, exist_ok=True)
     return write_text_atomic(registry / f"engine-{index}.json", json.dumps(record), durable=False)
 

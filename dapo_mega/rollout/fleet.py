@@ -47,7 +47,7 @@ from dapo_mega.rollout.engine_process import (
     resume_process,
     stop_process,
 )
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 from dapo_mega.tether import popen_tethered
 
 logger = log.get(__name__)

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dapo_mega.run_dir import write_bytes_atomic
+from dapo_mega.run_files.checkpoints import write_bytes_atomic
 
 DTYPES: Dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -157,7 +157,7 @@ def _install(fault: str) -> None:
         DriverRole.advantage_step = advantage_step
     elif kind == "enospc":
         from dapo_mega.backends.megatron import checkpoint as C
-        from dapo_mega.run_dir import step_dir_name
+        from dapo_mega.run_files.checkpoints import step_dir_name
 
         step = int(rest)
         original = C.save_dist_checkpoint
@@ -227,7 +227,7 @@ def _install_kill(phase: str, step: int) -> None:
         MegatronLearner._update = _update
     elif phase == "save":
         from dapo_mega.backends.megatron import checkpoint as C
-        from dapo_mega.run_dir import step_dir_name
+        from dapo_mega.run_files.checkpoints import step_dir_name
 
         original = C.save_dist_checkpoint
 

@@ -101,7 +101,7 @@ def _trainer_state(run_dir: Path, step: int) -> dict:
 
 
 def _checkpoint_steps(run_dir: Path) -> list:
-    from dapo_mega.run_dir import list_complete_checkpoints
+    from dapo_mega.run_files.checkpoints import list_complete_checkpoints
 
     return [int(p.name.split("_")[1]) for p in list_complete_checkpoints(run_dir)]
 

@@ -17,7 +17,7 @@ from dist_helpers import make_config, run_distributed
 from helpers.training import RUN_NAME, read_rows, run_train
 
 from dapo_mega.config import ConfigError, load_config
-from dapo_mega.run_dir import (
+from dapo_mega.run_files.checkpoints import (
     HF_INDEX_FILE,
     begin_hf_export_dir,
     directory_bytes,
@@ -102,7 +102,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import MegatronLearner
-    from dapo_mega.run_dir import HFExportError
+    from dapo_mega.run_files.checkpoints import HFExportError
     from dapo_mega.weights import hf_io
     from dapo_mega.weights.convert import export_hf_step, read_hf_config_dict
 
@@ -130,7 +130,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
 
     with mock.patch.object(hf_io.ShardedSafetensorsWriter, "add", add_until_full if rank == 1 else real_add):
         seen.append(export(2))
-    with mock.patch("dapo_mega.run_dir.commit_hf_export_dir", side_effect=OSError(errno.EIO, "I/O error")):
+    with mock.patch("dapo_mega.run_files.checkpoints.commit_hf_export_dir", side_effect=OSError(errno.EIO, "I/O error")):
         seen.append(export(3))
     seen.append(export(4))
     # what a process killed now would leave: mid-stream, and with every file written just before the rename
@@ -153,7 +153,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
         return real_commit(tmp)
 
     with mock.patch.object(hf_io.ShardedSafetensorsWriter, "add", add_and_look), \
-            mock.patch("dapo_mega.run_dir.commit_hf_export_dir", look_and_commit):
+            mock.patch("dapo_mega.run_files.checkpoints.commit_hf_export_dir", look_and_commit):
         seen.append(export(5))
     return seen, sorted(p.name for p in hf_exports_root(run_dir).iterdir()), snapshots
 

@@ -1,4 +1,4 @@
-"""`run_dir.atomic_path` is the one temp-then-rename of a file: whole or untouched, no leftovers.
+"""`run_files.checkpoints.atomic_path` is the one temp-then-rename of a file: whole or untouched, no leftovers.
 
 The files are read back with the libraries that read them in a run (pyarrow, matplotlib's
 PNG reader, json); a last test walks the package's source and names any other
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.run_dir import atomic_path, write_bytes_atomic, write_text_atomic
+from dapo_mega.run_files.checkpoints import atomic_path, write_bytes_atomic, write_text_atomic
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dapo_mega"
+PACKAGE = Path(__file__).resolve().parents[2] / "dapo_mega"
 
 RENAMES_OF_OTHER_THINGS = {
-    "run_dir.py": "the owner, and step directories renamed into place",
+    "run_files/checkpoints.py": "the owner, and step directories renamed into place",
     "weights/hf_io.py": "safetensors shards renamed to their final count",
     "models/tiny.py": "a built model directory",
-    "run_identity.py": "an old config.yaml moved aside, not written",
+    "run_files/identity.py": "an old config.yaml moved aside, not written",
 }
 
 
@@ -83,5 +83,5 @@ def _renames(path: Path):
 def test_no_other_module_renames_a_temp_file_into_place():
     found = [f"dapo_mega/{path.relative_to(PACKAGE)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
              if str(path.relative_to(PACKAGE)) not in RENAMES_OF_OTHER_THINGS for line in _renames(path)]
-    assert not found, ("write files through dapo_mega.run_dir.atomic_path / write_text_atomic / "
+    assert not found, ("write files through dapo_mega.run_files.checkpoints.atomic_path / write_text_atomic / "
                        f"write_bytes_atomic, not a rename of your own: {found}")

@@ -3,7 +3,7 @@ between phases, so a small phase after a large one reports its own size)."""
 
 import torch
 
-from dapo_mega.resources import GIB, PhaseMeter
+from dapo_mega.records.resources import GIB, PhaseMeter
 
 
 def test_each_phase_reports_its_own_rss_peak():

@@ -12,7 +12,7 @@ from helpers.checkpoints import fake_checkpoint
 from dapo_mega.config import AlgoConfig, ConfigError, DapoConfig, TrainerConfig
 from dapo_mega.records.curves import plot_curves
 from dapo_mega.records.ledger_report import config_changes_line
-from dapo_mega.run_identity import (
+from dapo_mega.run_files.identity import (
     ABSENT,
     ConfigChange,
     ConfigChangeRefused,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TypedDict
 
 from dapo_mega.config import ConfigError, DapoConfig, from_yaml, save_config
-from dapo_mega.run_dir import read_trainer_state, resume_checkpoint, write_text_atomic
+from dapo_mega.run_files.checkpoints import read_trainer_state, resume_checkpoint, write_text_atomic
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
