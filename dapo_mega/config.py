@@ -424,7 +424,7 @@ class RolloutConfig:
     `engine-<i>.json` with `url` each); the trainer waits for `num_engines` of them."""
     engine_python: str = ""
     """Python interpreter that runs the engine servers (`-m sglang.launch_server` or the
-    embedded `-m dapo_mega.rollout.embedded.server`), e.g. the bin/python of a separate SGLang venv;
+    embedded `-m dapo_mega.engines.embedded.server`), e.g. the bin/python of a separate SGLang venv;
     empty: the trainer's own interpreter."""
     partial_rollout: Optional[bool] = None
     """Partial rollouts (rollout/partial.py): when a streamed step's batch is full, the requests

@@ -12,12 +12,12 @@ per node, containers); they call this module once per role with the user's Hydra
         sbatch script then exits 0 without starting any role (the tail of a job chain).
     python -m dapo_mega.launch engines  --engine-nodes N -- [overrides]
         one task per engine node: starts this node's engines through the engine fleet
-        (`dapo_mega.rollout.fleet`: embedded on CPU, SGLang on GPU, command lines from
-        `dapo_mega.backends.sglang.commands.build_engine_command`, GPUs from the placement),
+        (`dapo_mega.engines.fleet`: embedded on CPU, SGLang on GPU, command lines from
+        `dapo_mega.engines.sglang.commands.build_engine_command`, GPUs from the placement),
         waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
         (atomically), then watches them: an engine that exits is restarted at its port and
         announced again, at most `rollout.engine_restarts` times each
-        (`dapo_mega.rollout.engine_watch`); one more exit ends the task non-zero. With
+        (`dapo_mega.engines.watch`); one more exit ends the task non-zero. With
         `rollout.use_router` on SGLang, the first engine node also starts sglang-router
         in front of all engines (`build_router_command`) and announces it as
         `<run_dir>/engines/router.json`.
@@ -62,7 +62,6 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega import log as logs
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import (
     DapoConfig,
     RolloutConfig,
@@ -71,7 +70,8 @@ from dapo_mega.config import (
     require_api_key,
     validate_config,
 )
-from dapo_mega.rollout.engine_process import (
+from dapo_mega.engines.fleet import EngineFleet, wait_for_learners
+from dapo_mega.engines.process import (
     EngineProcess,
     EngineStartError,
     announce_engine,
@@ -80,8 +80,8 @@ from dapo_mega.rollout.engine_process import (
     log_tail,
     stop_process,
 )
-from dapo_mega.rollout.engine_watch import EngineWatch
-from dapo_mega.rollout.fleet import EngineFleet, wait_for_learners
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
+from dapo_mega.engines.watch import EngineWatch
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
 API_KEY_ENV = "DAPO_MEGA_ENGINE_API_KEY"
@@ -489,7 +489,7 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     failure status, or None when the router runs. Its flags are the pinned ones of
     `build_router_command`; `api_key` (the engines' key) goes to sglang-router's
     `--api-key`, which it sends to its workers. The trainer never depends on the router."""
-    from dapo_mega.backends.sglang.commands import build_router_command
+    from dapo_mega.engines.sglang.commands import build_router_command
     from dapo_mega.plan.clock import resolve_health_timeout_s
 
     limit = resolve_health_timeout_s(cfg)

@@ -275,8 +275,8 @@ def test_an_export_holds_the_learner_weights_of_its_step(export_run):
 def _engine_greedy(url, prompts, steps):
     import asyncio
 
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.engines.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 
     async def main():
         async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
@@ -310,7 +310,7 @@ def test_real_sglang_serves_an_export(export_run, tmp_path):
     from sglang_venv import sglang_python_or_skip
 
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
 
     python = sglang_python_or_skip()
     export = export_run / "hf" / step_dir_name(5)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.distributed import free_port
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.run_files.checkpoints import write_text_atomic
 
 __all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "log_tail",

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_mega.backends.sglang.commands import build_engine_command
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import (
+from dapo_mega.engines.fleet import (
     MAX_PORT_RETRIES,
     EngineEndpoint,
     EngineFleet,
@@ -31,6 +30,7 @@ from dapo_mega.rollout.fleet import (
     free_port,
     is_healthy,
 )
+from dapo_mega.engines.sglang.commands import build_engine_command
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "fleet-key"
@@ -131,7 +131,7 @@ def test_a_failing_engine_names_its_log(tmp_path):
     message = str(err.value)
     assert str(tmp_path / "logs" / "engine-0.log") in message and "exited with code 3" in message
     assert "stand-in engine: recorded argv" in message  # the log's tail is quoted
-    assert json.loads(recorded.read_text().splitlines()[0])["argv"][:2] == ["-m", "dapo_mega.rollout.embedded.server"]
+    assert json.loads(recorded.read_text().splitlines()[0])["argv"][:2] == ["-m", "dapo_mega.engines.embedded.server"]
 
 
 def test_an_engine_that_lost_its_port_is_started_again(tmp_path, model_dir):
@@ -246,7 +246,7 @@ def test_health_probe_waits_for_a_health_check_that_takes_over_a_second():
 
 
 def test_engine_threads_leave_a_cpu_to_the_trainer():
-    from dapo_mega.rollout.fleet import cpu_threads_per_engine
+    from dapo_mega.engines.fleet import cpu_threads_per_engine
 
     assert cpu_threads_per_engine(2, 1) == 1       # this machine: the driver scores on the other core
     assert cpu_threads_per_engine(16, 1) == 15
@@ -257,7 +257,7 @@ def test_engine_threads_leave_a_cpu_to_the_trainer():
 TRAINER_THAT_STARTS_AN_ENGINE = """
 import json, sys, threading, time
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
 
 backend, python, model, logs = sys.argv[1:5]
 extra = ["--max-total-tokens", "4096"] if backend == "sglang" else []

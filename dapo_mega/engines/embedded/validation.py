@@ -1,5 +1,5 @@
 """What the embedded engine accepts: every request body checked against SGLang 0.5.23's
-structs (the pinned tables in `dapo_mega.backends.sglang.api`) and its limits, with its
+structs (the pinned tables in `dapo_mega.engines.sglang.api`) and its limits, with its
 messages, before the engine sees it.
 
 A refused request raises `BadRequest` (a control endpoint's 400, `{"success": false,
@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Tuple
 
 from aiohttp import web
 
-from dapo_mega.backends.sglang.api import (
+from dapo_mega.engines.embedded.sampling import SamplingSpec
+from dapo_mega.engines.sglang.api import (
     GENERATE_FIELDS,
     GENERATE_FIELDS_OTHER,
     REQUEST_DEFAULTS,
@@ -25,7 +26,6 @@ from dapo_mega.backends.sglang.api import (
     SAMPLING_FIELDS,
     SAMPLING_NEUTRAL,
 )
-from dapo_mega.rollout.embedded.sampling import SamplingSpec
 
 
 class BadRequest(Exception):

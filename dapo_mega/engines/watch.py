@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from dapo_mega import log
-from dapo_mega.rollout.engine_process import EngineProcess, EngineStartError
-from dapo_mega.rollout.fleet import MAX_PORT_RETRIES
+from dapo_mega.engines.fleet import MAX_PORT_RETRIES
+from dapo_mega.engines.process import EngineProcess, EngineStartError
 
 logger = log.get(__name__)
 
@@ -73,7 +73,7 @@ class EngineWatch:
 
     def __init__(self, fleet, max_restarts: int, on_healthy: Optional[Callable[[EngineProcess], None]] = None,
                  say: Optional[Callable[[str], None]] = None):
-        """`fleet`: the `rollout.fleet.EngineFleet` that started them. `on_healthy`: called with
+        """`fleet`: the `engines.fleet.EngineFleet` that started them. `on_healthy`: called with
         each restarted engine once it answers /health (the role announces it again). `say`: a
         line of the role's log (default: this module's logger, on every rank)."""
         self.fleet = fleet

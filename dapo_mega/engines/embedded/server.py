@@ -1,16 +1,16 @@
 """The embedded rollout engine: SGLang's HTTP API subset over a HF transformers model.
 
-    python -m dapo_mega.rollout.embedded.server --model-path DIR --host 127.0.0.1 --port 30000 \
+    python -m dapo_mega.engines.embedded.server --model-path DIR --host 127.0.0.1 --port 30000 \
         [--api-key KEY] [--weight-version v0] [--tp-size 1] [--dtype float32] ...
 
 It serves the paths, JSON fields and replies of `sglang.launch_server` (0.5.23; the pinned
-tables are in `dapo_mega.backends.sglang.api`) for what an RL trainer uses: /generate,
+tables are in `dapo_mega.engines.sglang.api`) for what an RL trainer uses: /generate,
 /health, /model_info, /server_info, /v1/loads and /abort_request here; /pause_generation,
 /continue_generation, /flush_cache, /release_memory_occupation, /resume_memory_occupation,
 /init_weights_update_group, /destroy_weights_update_group, /begin_weight_update,
 /end_weight_update, /update_weights_from_distributed, /update_weights_from_tensor,
 /update_weight_version and /get_weights_by_name in `control.py`. The launcher starts it
-exactly as it starts SGLang. `tests/rollout/test_conformance.py` runs the same tests against
+exactly as it starts SGLang. `tests/engines/test_conformance.py` runs the same tests against
 both servers.
 
 What it enforces as SGLang 0.5.23 does (`validation.py` holds the rules and messages): a
@@ -47,11 +47,10 @@ import torch
 from aiohttp import web
 
 from dapo_mega.config import ConfigError, require_api_key
-from dapo_mega.heap import freeze_startup_objects
-from dapo_mega.rollout.embedded.control import EngineControl
-from dapo_mega.rollout.embedded.engine import GenerationEngine
-from dapo_mega.rollout.embedded.sampling import Sequence_
-from dapo_mega.rollout.embedded.validation import (
+from dapo_mega.engines.embedded.control import EngineControl
+from dapo_mega.engines.embedded.engine import GenerationEngine
+from dapo_mega.engines.embedded.sampling import Sequence_
+from dapo_mega.engines.embedded.validation import (
     BadGenerateRequest,
     BadRequest,
     check_lengths,
@@ -61,8 +60,9 @@ from dapo_mega.rollout.embedded.validation import (
     parse_sampling,
     read_json,
 )
+from dapo_mega.heap import freeze_startup_objects
 
-logger = logging.getLogger("dapo_mega.rollout.embedded.server")
+logger = logging.getLogger("dapo_mega.engines.embedded.server")
 
 HEALTH_STALL_S = 20.0
 """/health answers 503 when sequences wait and no forward step ended this long ago (SGLang's
@@ -124,7 +124,7 @@ class EngineServer:
                                   "num_generated_tokens": self.engine.num_generated_tokens,
                                   "num_forward_steps": self.engine.num_forward_steps,
                                   "max_running_seen": self.engine.max_batch_seen,
-                                  "engine": "dapo_mega.rollout.embedded.server"})
+                                  "engine": "dapo_mega.engines.embedded.server"})
 
     async def loads(self, request: web.Request) -> web.Response:
         """SGLang's GET /v1/loads, its core per-DP-rank fields (one rank here)."""

@@ -1,7 +1,7 @@
 """Command lines of rollout engines and of sglang-router, built from `RolloutConfig`.
 
 Both engines start the same way: `python -m sglang.launch_server ...` on GPU clusters and
-`python -m dapo_mega.rollout.embedded.server ...` (the embedded CPU engine, which accepts the same
+`python -m dapo_mega.engines.embedded.server ...` (the embedded CPU engine, which accepts the same
 flags) everywhere else. Flag names come from `api.SERVER_FLAGS`, pinned from sglang 0.5.23
 (`srt/arg_groups/fields/*.py`); router flags from sglang-router 0.3.2.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
-from dapo_mega.backends.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
 from dapo_mega.config import RolloutConfig, require_api_key
+from dapo_mega.engines.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
 
 SGLANG_MODULE = "sglang.launch_server"
-EMBEDDED_MODULE = "dapo_mega.rollout.embedded.server"
+EMBEDDED_MODULE = "dapo_mega.engines.embedded.server"
 ROUTER_MODULE = "sglang_router.launch_router"
 
 

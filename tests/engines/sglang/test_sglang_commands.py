@@ -1,6 +1,6 @@
 """Command lines the launcher builds, read by the real parsers: SGLang 0.5.23's
 `ServerArgs` and sglang-router 0.3.2's `RouterArgs` (run in the SGLang venv, see
-tests/rollout/test_conformance.py; without it they skip, saying why, and fail under CI=true),
+tests/engines/test_conformance.py; without it they skip, saying why, and fail under CI=true),
 and the embedded engine's own parser. What the client sends to a server is checked by the
 conformance suite.
 """
@@ -15,8 +15,8 @@ import pytest
 from ci_lane import lane_unavailable
 from sglang_venv import sglang_python_or_skip
 
-from dapo_mega.backends.sglang.commands import build_engine_command, build_router_command
 from dapo_mega.config import RolloutConfig
+from dapo_mega.engines.sglang.commands import build_engine_command, build_router_command
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -62,11 +62,11 @@ def test_sglang_parses_the_server_command_as_meant():
 
 
 def test_embedded_command_is_parsed_by_the_embedded_server():
-    from dapo_mega.rollout.embedded.server import build_arg_parser
+    from dapo_mega.engines.embedded.server import build_arg_parser
 
     cfg = RolloutConfig(backend="embedded")
     argv = build_engine_command(cfg, "/m", port=1234, weight_version="0", python=sys.executable)
-    assert argv[2] == "dapo_mega.rollout.embedded.server"
+    assert argv[2] == "dapo_mega.engines.embedded.server"
     args = build_arg_parser().parse_args(argv[3:])
     assert (args.model_path, args.port, args.tp_size, args.dtype, args.weight_version) == ("/m", 1234, 1, "float32", "0")
 

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dapo_mega.rollout.embedded.kv_cache import CACHE_KWARG, cache_of
-from dapo_mega.rollout.embedded.sampling import Sequence_
+from dapo_mega.engines.embedded.kv_cache import CACHE_KWARG, cache_of
+from dapo_mega.engines.embedded.sampling import Sequence_
 
 TORCH_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16, "auto": torch.float32}

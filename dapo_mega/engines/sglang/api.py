@@ -5,8 +5,8 @@ Read from the sglang 0.5.23 wheel (`pip download sglang==0.5.23 --no-deps`):
 replies), `srt/sampling/sampling_params.py` (sampling fields), `srt/arg_groups/fields/*.py`
 (server flags: a field `tp_size` becomes `--tp-size`, `arg_utils._field_to_cli_name`),
 `srt/utils/weight_versions.py` (the `weight_versions` spans) and sglang-router 0.3.2
-`router_args.py`. The client (`dapo_mega.backends.sglang.client`), the embedded engine
-(`dapo_mega.rollout.embedded.server`) and the launcher all validate against these tables, and the
+`router_args.py`. The client (`dapo_mega.engines.sglang.client`), the embedded engine
+(`dapo_mega.engines.embedded.server`) and the launcher all validate against these tables, and the
 tests check every body they build against them, so a rename in a future SGLang is one
 edit here.
 
@@ -24,7 +24,7 @@ Facts read from that source that the code relies on:
 * `meta_info.finish_reason` is `{"type": "stop", "matched": <token id or stop string>}`,
   `{"type": "length", "length": n}` or `{"type": "abort", "message": ...}`. A matched stop
   token or stop string is trimmed from `text`, never from `output_ids` (checked against the
-  0.5.23 server: `tests/rollout/test_conformance.py`) unless `no_stop_trim`. The scheduler
+  0.5.23 server: `tests/engines/test_conformance.py`) unless `no_stop_trim`. The scheduler
   clamps `max_new_tokens` to context - 2 - prompt length.
 * `meta_info.weight_versions` is a list of `{"version", "start", "end"}` spans over the
   output tokens and `meta_info.weight_version` the version of the last span.

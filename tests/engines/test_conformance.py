@@ -1,7 +1,7 @@
 """One conformance suite, two servers: the real SGLang 0.5.23 (CPU) and the embedded engine.
 
 Every test function runs against both servers, through the project's own client
-(`backends.sglang.client.EngineClient`) and weight syncer, so what is checked is what the
+(`engines.sglang.client.EngineClient`) and weight syncer, so what is checked is what the
 trainer really sends. SGLang is the judge: where the two differ, the embedded engine was
 changed to answer as SGLang does. Differences that remain are deliberate and named here:
 
@@ -35,10 +35,10 @@ import pytest
 import torch
 from sglang_venv import sglang_python_or_skip
 
-from dapo_mega.backends.sglang.client import EngineClient, EngineError, expand_seeded_samples
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet, free_port
+from dapo_mega.engines.fleet import EngineFleet, free_port
+from dapo_mega.engines.sglang.client import EngineClient, EngineError, expand_seeded_samples
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.weights import transport
 from dapo_mega.weights.sync import SHM_LOAD_FORMAT, WeightSyncer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
 
 API_KEY = "test-key"
 
@@ -273,7 +273,7 @@ def test_uniforms_drawn_in_blocks_are_the_single_draws():
     gives one by one (what makes a seeded sample the same whatever batch it decodes in)."""
     import torch
 
-    from dapo_mega.rollout.embedded.sampling import UNIFORM_BLOCK, SamplingSpec, Sequence_
+    from dapo_mega.engines.embedded.sampling import UNIFORM_BLOCK, SamplingSpec, Sequence_
 
     for dtype in (torch.float32, torch.bfloat16):
         seq = Sequence_(prompt_ids=[1], spec=SamplingSpec(), on_done=lambda s: None,

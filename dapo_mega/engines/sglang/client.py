@@ -1,6 +1,6 @@
 """Async HTTP client of one rollout engine (SGLang or the embedded engine: same API).
 
-Request bodies use exactly SGLang 0.5.23's JSON field names (`backends.sglang.api`);
+Request bodies use exactly SGLang 0.5.23's JSON field names (`engines.sglang.api`);
 `build_*_body` functions are pure so the tests check them against the pinned table.
 `/generate` replies are parsed into one `SampleResult` per sample, in SGLang's order
 (prompt-major: result `i * n + j` is sample `j` of prompt `i`).
@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import aiohttp
 
-from dapo_mega.backends.sglang.api import DEFAULT_GROUP_NAME, PAUSE_MODES
-from dapo_mega.backends.sglang.endpoint import EngineAddress, as_endpoint
+from dapo_mega.engines.sglang.api import DEFAULT_GROUP_NAME, PAUSE_MODES
+from dapo_mega.engines.sglang.endpoint import EngineAddress, as_endpoint
 
 NO_LIMIT_S = 10.0 * 365 * 24 * 3600
 """What "no time limit" is passed to aiohttp as (a total of None would fall back to a default)."""

@@ -6,8 +6,8 @@ killed and restarted.
     ...                                             # or EngineFleet.from_registry(dir, cfg.rollout)
     fleet.restart(1); fleet.close()
 
-An engine is `python -m dapo_mega.rollout.embedded.server` (the embedded CPU engine) or
-`python -m sglang.launch_server`, with the argv of `backends.sglang.commands.build_engine_command`,
+An engine is `python -m dapo_mega.engines.embedded.server` (the embedded CPU engine) or
+`python -m sglang.launch_server`, with the argv of `engines.sglang.commands.build_engine_command`,
 run by `rollout.engine_python` (default: this interpreter). The fleet adds what each kind
 needs to run: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses devices
 itself, and refuses to start an engine on GPUs without them; the placement function gives
@@ -33,11 +33,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from dapo_mega import log
-from dapo_mega.backends.sglang.api import SERVER_FLAGS
-from dapo_mega.backends.sglang.commands import build_engine_command
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import DapoConfig, RolloutConfig
-from dapo_mega.rollout.engine_process import (
+from dapo_mega.engines.process import (
     EngineProcess,
     EngineStartError,
     announce_engine,
@@ -47,6 +44,9 @@ from dapo_mega.rollout.engine_process import (
     resume_process,
     stop_process,
 )
+from dapo_mega.engines.sglang.api import SERVER_FLAGS
+from dapo_mega.engines.sglang.commands import build_engine_command
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.run_files.checkpoints import write_text_atomic
 from dapo_mega.tether import popen_tethered
 

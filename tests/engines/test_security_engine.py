@@ -26,16 +26,16 @@ import torch
 
 import dapo_mega
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.weights import transport
 
 API_KEY = "sec-key"
 PACKAGE = Path(dapo_mega.__file__).resolve().parent
-EMBEDDED_ENGINE_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "rollout/embedded").glob("*.py"))
-"""Every module of the embedded engine (`rollout/embedded/`): it serves HTTP."""
-NETWORK_MODULES = [*EMBEDDED_ENGINE_MODULES, "backends/sglang/client.py", "rollout/manager.py",
-                   "weights/transport.py", "weights/sync.py", "backends/sglang/api.py", "backends/sglang/commands.py",
-                   "backends/sglang/endpoint.py", "rollout/fleet.py", "rollout/engine_process.py"]
+EMBEDDED_ENGINE_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "engines/embedded").glob("*.py"))
+"""Every module of the embedded engine (`engines/embedded/`): it serves HTTP."""
+NETWORK_MODULES = [*EMBEDDED_ENGINE_MODULES, "engines/sglang/client.py", "rollout/manager.py",
+                   "weights/transport.py", "weights/sync.py", "engines/sglang/api.py", "engines/sglang/commands.py",
+                   "engines/sglang/endpoint.py", "engines/fleet.py", "engines/process.py"]
 # Reviewed exceptions: local pipes/queues between this package's own processes, no network.
 LOCAL_UNPICKLING = {
     ("reward/worker.py", "pickle.loads"): "the verifier, from the parent over an inherited pipe",
@@ -59,7 +59,7 @@ def _unpickling_calls(path: Path):
 
 
 def test_no_unpickling_on_the_network_path_and_torch_load_is_weights_only():
-    assert "rollout/embedded/server.py" in EMBEDDED_ENGINE_MODULES, EMBEDDED_ENGINE_MODULES
+    assert "engines/embedded/server.py" in EMBEDDED_ENGINE_MODULES, EMBEDDED_ENGINE_MODULES
     for rel in NETWORK_MODULES:
         text = (PACKAGE / rel).read_text()
         assert "import pickle" not in text and "pickle.load" not in text, rel
@@ -77,9 +77,9 @@ def test_no_unpickling_on_the_network_path_and_torch_load_is_weights_only():
 
 
 def test_engines_bind_loopback_by_default_and_refuse_other_hosts_without_key(tmp_path):
-    from dapo_mega.backends.sglang.commands import build_engine_command
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.embedded.server import build_arg_parser, main
+    from dapo_mega.engines.embedded.server import build_arg_parser, main
+    from dapo_mega.engines.sglang.commands import build_engine_command
 
     assert RolloutConfig().host == "127.0.0.1"
     assert build_arg_parser().parse_args(["--model-path", "m"]).host == "127.0.0.1"

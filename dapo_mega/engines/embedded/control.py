@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import torch
 from aiohttp import web
 
-from dapo_mega.backends.sglang.api import FLATTENED_BUCKET, PAUSE_MODES
-from dapo_mega.rollout.embedded.engine import GenerationEngine
-from dapo_mega.rollout.embedded.validation import BadRequest, fail, parse_control_body, read_json
+from dapo_mega.engines.embedded.engine import GenerationEngine
+from dapo_mega.engines.embedded.validation import BadRequest, fail, parse_control_body, read_json
+from dapo_mega.engines.sglang.api import FLATTENED_BUCKET, PAUSE_MODES
 from dapo_mega.weights import transport
 
 if TYPE_CHECKING:

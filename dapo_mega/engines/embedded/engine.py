@@ -37,9 +37,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dapo_mega.rollout.embedded.kv_cache import MERGEABLE_CACHES, merge_caches, trim_cache
-from dapo_mega.rollout.embedded.model_runner import ModelRunner
-from dapo_mega.rollout.embedded.sampling import Sequence_, sample_tokens
+from dapo_mega.engines.embedded.kv_cache import MERGEABLE_CACHES, merge_caches, trim_cache
+from dapo_mega.engines.embedded.model_runner import ModelRunner
+from dapo_mega.engines.embedded.sampling import Sequence_, sample_tokens
 
 logger = logging.getLogger(__name__)
 

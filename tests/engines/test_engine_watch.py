@@ -1,4 +1,4 @@
-"""The Slurm engines role's watch (`rollout/engine_watch.py`): an engine that exits is
+"""The Slurm engines role's watch (`engines/watch.py`): an engine that exits is
 restarted at its port and announced again, at most `rollout.engine_restarts` times; one exit
 more ends the role with that exit's status, saying so."""
 
@@ -10,10 +10,10 @@ import signal
 
 import pytest
 
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import ConfigError, DapoConfig, RolloutConfig, validate_config
-from dapo_mega.rollout.engine_watch import EngineWatch, RestartBudget, exit_status
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.sglang.client import EngineClient
+from dapo_mega.engines.watch import EngineWatch, RestartBudget, exit_status
 
 
 def test_the_budget_counts_restarts_per_engine():

@@ -1,5 +1,5 @@
 """The embedded CPU engine: the project's own SGLang-compatible HTTP server over a
-transformers model, started as `python -m dapo_mega.rollout.embedded.server` with
+transformers model, started as `python -m dapo_mega.engines.embedded.server` with
 sglang.launch_server's flags (the fleet starts it exactly as it starts SGLang).
 
 * `server.py`: the aiohttp app, its info and generation endpoints, and the command line.
