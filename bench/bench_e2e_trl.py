@@ -308,9 +308,9 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo_mega.data import PromptIterator, build_datasets, format_prompt, verification_prefix
+    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.evaluate import evaluate_problems
     from dapo_mega.reward import build_verifier, compute_rewards
-    from dapo_mega.rollout.fleet import EngineFleet
     from dapo_mega.weights.sync import WeightSyncer
 
     cfg = _load_cfg(overrides)

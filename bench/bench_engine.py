@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.sglang.client import EngineClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import throughput_figure, time_alternating  # noqa: E402

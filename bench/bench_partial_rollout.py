@@ -70,7 +70,7 @@ def chain_items(tokenizer, count: int) -> List[Any]:
 
 def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
     """`steps` steps of one side on the engine at `url`: tokens generated and trained, counts."""
-    from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.client import EngineClient
     from dapo_mega.reward import SampleReward
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
@@ -128,8 +128,8 @@ def run(quick: bool = False) -> Dict[str, Any]:
     from transformers import AutoTokenizer
 
     from dapo_mega.config import RolloutConfig
+    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.models.tiny import build_tiny_model_dir
-    from dapo_mega.rollout.fleet import EngineFleet
 
     size = QUICK if quick else FULL
     model_dir = build_tiny_model_dir(Path(tempfile.mkdtemp(prefix="dapo_bench_partial_")) / "tiny", seed=3)

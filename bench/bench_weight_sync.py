@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import ModelConfig, RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet, free_port
+from dapo_mega.engines.fleet import EngineFleet, free_port
+from dapo_mega.engines.sglang.client import EngineClient
 from dapo_mega.weights.sync import WeightSyncer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

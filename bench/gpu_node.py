@@ -86,7 +86,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.models.shape import ModelShape
-from dapo_mega.plan import KNOWN_MODELS
+from dapo_mega.plan.memory import KNOWN_MODELS
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -381,9 +381,9 @@ def _write_model_dir(shape: ModelShape, out: Path) -> Path:
 
 def part_sglang(args) -> Dict[str, Any]:
     """Start an SGLang server on a 7B-shaped model, sync into it, time a rollout."""
-    from dapo_mega.backends.sglang.client import EngineClient
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
+    from dapo_mega.engines.sglang.client import EngineClient
 
     shape = replace(QWEN25_7B, num_layers=args.layers)
     result: Dict[str, Any] = {}
@@ -573,7 +573,7 @@ def check_eval_two_engines(args) -> Dict[str, Any]:
 
     from dapo_mega.backends.placement import DeviceRuleError, node_engine_gpus
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
 
     gpus = torch.cuda.device_count()
     one = node_engine_gpus(RolloutConfig(backend="sglang", num_engines=1), gpus, "dapo-mega eval")

@@ -1,7 +1,7 @@
 """GPU clusters: sync a 7B-shaped model into a real SGLang server; seconds and GB/s.
 
 NOT RUNNABLE IN THIS REPOSITORY'S CPU ENVIRONMENT (no GPU, sglang not installed). Written
-against sglang 0.5.23's HTTP API (the pinned tables in dapo_mega/backends/sglang/api.py):
+against sglang 0.5.23's HTTP API (the pinned tables in dapo_mega/engines/sglang/api.py):
 start a server yourself, e.g.
 
     python -m sglang.launch_server --model-path Qwen/Qwen2.5-7B --tp-size 1 --port 30000 \
@@ -24,9 +24,9 @@ import json
 
 import torch
 
-from dapo_mega.backends.sglang.client import EngineClient
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
-from dapo_mega.rollout.fleet import free_port
+from dapo_mega.engines.fleet import free_port
+from dapo_mega.engines.sglang.client import EngineClient
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.weights.sync import WeightSyncer
 
 

@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print("Audit flags (besides the overrides):\n" + USAGE)
         if command == "plan":
-            from dapo_mega.clock import ClockAssumptions
+            from dapo_mega.plan.clock import ClockAssumptions
 
             print("Clock assumptions (clock.key=value; null rates follow the engine's size):")
             print("\n".join("  " + line for line in describe_fields(ClockAssumptions, prefix="clock.")))
@@ -103,7 +103,7 @@ def _ablate(rest: List[str]) -> int:
 def _audit(rest: List[str]) -> int:
     from dapo_mega.audit import run_audit_command
     from dapo_mega.data import DataError
-    from dapo_mega.rollout.engine_process import EngineStartError
+    from dapo_mega.engines.process import EngineStartError
 
     try:
         return run_audit_command(rest)
@@ -127,8 +127,8 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
 
         route_known_warnings(cfg.run_dir)  # before the preflight imports megatron-core
         from dapo_mega.driver.weight_probe import WeightCheckError
-        from dapo_mega.preflight import check_before_start
-        from dapo_mega.rollout.engine_process import EngineStartError
+        from dapo_mega.engines.process import EngineStartError
+        from dapo_mega.plan.preflight import check_before_start
         from dapo_mega.trainer import run_training
 
         check_before_start(cfg)  # layout, model shape, data files: before anything is built
@@ -144,9 +144,9 @@ def _run(command: str, cfg, overrides: List[str], as_json: bool) -> int:
             print(f"dapo-mega: weight check failed: {exc}", file=sys.stderr)
             return 1
     if command == "eval":
+        from dapo_mega.engines.process import EngineStartError
         from dapo_mega.evaluate import run_eval_command
-        from dapo_mega.preflight import check_eval_inputs
-        from dapo_mega.rollout.engine_process import EngineStartError
+        from dapo_mega.plan.preflight import check_eval_inputs
 
         check_eval_inputs(cfg)  # data files, a held-out set, the checkpoints: before engines start
         try:
@@ -163,8 +163,8 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
     beside a colocated engine."""
     import json
 
-    from dapo_mega.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
-    from dapo_mega.plan import compute_plan, format_plan
+    from dapo_mega.plan.clock import assumptions_from_overrides, clock_warnings, estimate_clock, format_clock
+    from dapo_mega.plan.memory import compute_plan, format_plan
     from dapo_mega.records.ledger import ledger_bytes_per_step_of
 
     assumptions = assumptions_from_overrides(clock_overrides)

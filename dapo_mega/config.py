@@ -7,7 +7,7 @@ documented by the docstring-style comment under it (`dapo-mega train --help` pri
 
 Each config checks its own rules in `validate()`; `validate_config` composes them once and
 adds the rules that span components (and the world size when known). They run before any
-process group, model or engine is created (`dapo_mega.preflight` adds the model's shape and
+process group, model or engine is created (`dapo_mega.plan.preflight` adds the model's shape and
 the data files), and every error names the field and the fix.
 
 Fields that take one of a few values are typed `str`: OmegaConf 2.3 (Hydra's structured
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, get_args
 
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -394,7 +394,7 @@ class RolloutConfig:
     at most this long); a dead engine is probed before each weight sync and rejoins when it answers."""
     health_timeout_s: float = 0.0
     """Bounds an engine's start (load weights, capture graphs) until its first healthy answer.
-    0 = derived from the model's bytes and the engine count (`dapo_mega.clock.engine_start_timeout_s`)."""
+    0 = derived from the model's bytes and the engine count (`dapo_mega.plan.clock.engine_start_timeout_s`)."""
     max_retries: int = 3
     """Times a prompt group is retried on another engine before the step fails."""
     engine_restarts: int = 3
@@ -424,7 +424,7 @@ class RolloutConfig:
     `engine-<i>.json` with `url` each); the trainer waits for `num_engines` of them."""
     engine_python: str = ""
     """Python interpreter that runs the engine servers (`-m sglang.launch_server` or the
-    embedded `-m dapo_mega.rollout.embedded.server`), e.g. the bin/python of a separate SGLang venv;
+    embedded `-m dapo_mega.engines.embedded.server`), e.g. the bin/python of a separate SGLang venv;
     empty: the trainer's own interpreter."""
     partial_rollout: Optional[bool] = None
     """Partial rollouts (rollout/partial.py): when a streamed step's batch is full, the requests
@@ -686,7 +686,7 @@ class TrainerConfig:
     """Resume from the latest complete checkpoint of the run directory when there is one."""
     allow_changes: List[str] = field(default_factory=list)
     """Fields (dotted, or a group such as `data`) a resume may change although they shape the
-    data or the update (`dapo_mega.run_identity.GUARDED_FIELDS`: algo, data, model, seed, ...),
+    data or the update (`dapo_mega.run_files.identity.GUARDED_FIELDS`: algo, data, model, seed, ...),
     e.g. `[algo.verifier]`. A resume that changes any other such field stops before anything
     is built, naming each field and its two values; an allowed change is kept in
     `<run_dir>/config_history.jsonl` with the step it took effect."""

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict
 
-from dapo_mega.backends.sglang.endpoint import EngineAddress
 from dapo_mega.config import ConfigError, DapoConfig
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.engines.sglang.endpoint import EngineAddress
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 if TYPE_CHECKING:
     from dapo_mega.data import EvalSet, Problem
@@ -113,7 +113,7 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
     `run_id`: the run whose model this is (in the settings), when known; `n_samples` /
     `max_response_length`: an eval set's own k and limit (None: eval.n_samples, and
     eval.max_response_length or the training limit)."""
-    from dapo_mega.backends.sglang.client import build_sampling_params
+    from dapo_mega.engines.sglang.client import build_sampling_params
     from dapo_mega.reward import score_groups
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
@@ -179,7 +179,7 @@ def engine_identity(cfg: DapoConfig) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     if cfg.rollout.backend == "sglang":
-        from dapo_mega.backends.sglang.api import SGLANG_VERSION_READ
+        from dapo_mega.engines.sglang.api import SGLANG_VERSION_READ
 
         return f"sglang {SGLANG_VERSION_READ}"
     try:
@@ -232,9 +232,9 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
     than fit refused: `EngineFleet.start_on_this_node`), evaluate every eval set (the unnamed
     one first), stop them."""
     from dapo_mega.data import PromptEncoder, build_run_datasets
+    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.reward import build_verifier
-    from dapo_mega.rollout.fleet import EngineFleet
-    from dapo_mega.run_identity import run_id_of_path
+    from dapo_mega.run_files.identity import run_id_of_path
 
     hf_dir = _hf_dir_of(checkpoint, workdir)
     _, eval_sets, _ = build_run_datasets(cfg.data, cfg.eval)
@@ -243,7 +243,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
     verifier = build_verifier(cfg.algo.verifier)
 
-    from dapo_mega.clock import resolve_health_timeout_s
+    from dapo_mega.plan.clock import resolve_health_timeout_s
 
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:

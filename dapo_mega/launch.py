@@ -13,12 +13,12 @@ per node, containers); they call this module once per role with the user's Hydra
         sbatch script then exits 0 without starting any role (the tail of a job chain).
     python -m dapo_mega.launch engines  --engine-nodes N -- [overrides]
         one task per engine node: starts this node's engines through the engine fleet
-        (`dapo_mega.rollout.fleet`: embedded on CPU, SGLang on GPU, command lines from
-        `dapo_mega.backends.sglang.commands.build_engine_command`, GPUs from the placement),
+        (`dapo_mega.engines.fleet`: embedded on CPU, SGLang on GPU, command lines from
+        `dapo_mega.engines.sglang.commands.build_engine_command`, GPUs from the placement),
         waits for each `/health`, announces each as `<run_dir>/engines/engine-<i>.json`
         (atomically), then watches them: an engine that exits is restarted at its port and
         announced again, at most `rollout.engine_restarts` times each
-        (`dapo_mega.rollout.engine_watch`); one more exit ends the task non-zero. With
+        (`dapo_mega.engines.watch`); one more exit ends the task non-zero. With
         `rollout.use_router` on SGLang, the first engine node also starts sglang-router
         in front of all engines (`build_router_command`) and announces it as
         `<run_dir>/engines/router.json`.
@@ -63,7 +63,6 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega import log as logs
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import (
     DapoConfig,
     RolloutConfig,
@@ -73,7 +72,8 @@ from dapo_mega.config import (
     validate_config,
 )
 from dapo_mega.distributed import learner_process_env
-from dapo_mega.rollout.engine_process import (
+from dapo_mega.engines.fleet import EngineFleet, wait_for_learners
+from dapo_mega.engines.process import (
     EngineProcess,
     EngineStartError,
     announce_engine,
@@ -82,8 +82,8 @@ from dapo_mega.rollout.engine_process import (
     log_tail,
     stop_process,
 )
-from dapo_mega.rollout.engine_watch import EngineWatch
-from dapo_mega.rollout.fleet import EngineFleet, wait_for_learners
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
+from dapo_mega.engines.watch import EngineWatch
 
 NODE_ADDRS_ENV = "DAPO_MEGA_NODE_ADDRS"
 API_KEY_ENV = "DAPO_MEGA_ENGINE_API_KEY"
@@ -325,14 +325,14 @@ def completed_steps(cfg: DapoConfig) -> int:
     """Step of the checkpoint a resumed job would start from (0: none, or resume off)."""
     if not cfg.trainer.resume:
         return 0
-    from dapo_mega.run_dir import resume_checkpoint
+    from dapo_mega.run_files.checkpoints import resume_checkpoint
 
     latest = resume_checkpoint(cfg.run_dir.resolve(), True, cfg.trainer.resume_step)
     return int(latest.name.split("_")[-1]) if latest is not None else 0
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    from dapo_mega.run_dir import find_latest_checkpoint
+    from dapo_mega.run_files.checkpoints import find_latest_checkpoint
 
     return find_latest_checkpoint(run_dir) is not None
 
@@ -351,8 +351,8 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
                            "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
             print(f"{key}={shlex.quote(value)}")
         return 0
-    from dapo_mega.preflight import check_engine_python
-    from dapo_mega.run_identity import settle_run_dir
+    from dapo_mega.plan.preflight import check_engine_python
+    from dapo_mega.run_files.identity import settle_run_dir
 
     check_engine_python(cfg.rollout, starts_engines=True)  # the engines role starts them: before any role
     settle_run_dir(cfg, write=False)  # a refused resume (a guarded field changed) stops the job before any role
@@ -398,7 +398,7 @@ def engine_fleet(cfg: DapoConfig, rollout: RolloutConfig, model_path: str, bind_
                  log_dir: Optional[Path] = None, num_threads: int = 0) -> EngineFleet:
     """The fleet that starts this node's engines: `--enable-memory-saver` when colocated
     (else releasing their memory frees nothing), SGLang on the CPU unless this job uses GPUs."""
-    from dapo_mega.clock import resolve_health_timeout_s
+    from dapo_mega.plan.clock import resolve_health_timeout_s
 
     return EngineFleet(rollout, model_path, log_dir, device="cuda" if _use_gpu(cfg) else "cpu", bind_host=bind_host,
                        advertise_host=advertise, num_threads=num_threads, weight_version="default",
@@ -421,7 +421,7 @@ class _Terminated(Exception):
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
     """Start (through the engine fleet), health-check, announce and watch this node's engines
     (and the router on the first engine node when `router_wanted`). Returns the exit status."""
-    from dapo_mega.preflight import check_engine_python
+    from dapo_mega.plan.preflight import check_engine_python
 
     check_engine_python(cfg.rollout, starts_engines=True)  # prepare checked it too; this role may run alone
     use_gpu = _use_gpu(cfg)
@@ -496,8 +496,8 @@ def _start_router(cfg: DapoConfig, registry: Path, advertise: str, bind_host: st
     failure status, or None when the router runs. Its flags are the pinned ones of
     `build_router_command`; `api_key` (the engines' key) goes to sglang-router's
     `--api-key`, which it sends to its workers. The trainer never depends on the router."""
-    from dapo_mega.backends.sglang.commands import build_router_command
-    from dapo_mega.clock import resolve_health_timeout_s
+    from dapo_mega.engines.sglang.commands import build_router_command
+    from dapo_mega.plan.clock import resolve_health_timeout_s
 
     limit = resolve_health_timeout_s(cfg)
     deadline = time.monotonic() + limit

@@ -1,7 +1,7 @@
 """Wiring: the components of one run on one learner rank, built once.
 
 `Session.start(cfg)` on every learner rank: process groups and the parallel layout, the
-run directory (its run id, and a resume's config changes checked: `run_identity`), the
+run directory (its run id, and a resume's config changes checked: `run_files.identity`), the
 Megatron learner with its initial weights (latest checkpoint of the run via
 `RunState.resume`, else `model.megatron_path`, else the HF weights), the rank's role
 (`driver.roles`: on global rank 0 the `DriverRole` with the data, the verifier, the engines
@@ -33,14 +33,14 @@ from dapo_mega.driver.policy_sync import PolicySync
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
 from dapo_mega.driver.weight_probe import WeightProbe
-from dapo_mega.run_dir import set_aside_after
-from dapo_mega.run_identity import RUN_ID_ENV, config_dict, settle_run_dir
+from dapo_mega.run_files.checkpoints import set_aside_after
+from dapo_mega.run_files.identity import RUN_ID_ENV, config_dict, settle_run_dir
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import MegatronLearner
-    from dapo_mega.rollout.engine_process import EngineProcess
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
+    from dapo_mega.engines.process import EngineProcess
 
 logger = log.get(__name__)
 
@@ -150,9 +150,9 @@ class Session:
 
     def _start_driver(self) -> DriverRole:
         """Data, prompt encoder, verifier, engines, rollout manager and records (global rank 0)."""
-        from dapo_mega.backends.sglang.client import build_sampling_params
         from dapo_mega.data import Problem, PromptEncoder, PromptIterator, build_run_datasets
         from dapo_mega.driver.rollouts import RolloutSource
+        from dapo_mega.engines.sglang.client import build_sampling_params
         from dapo_mega.records.recorder import RunRecorder
         from dapo_mega.reward import build_verifier
         from dapo_mega.rollout.manager import RolloutManager
@@ -201,8 +201,8 @@ class Session:
 
     def _start_engines(self) -> List[str]:
         """Engines given by URL, announced in a registry directory, or started here (the fleet)."""
-        from dapo_mega.clock import resolve_health_timeout_s
-        from dapo_mega.rollout.fleet import open_fleet
+        from dapo_mega.engines.fleet import open_fleet
+        from dapo_mega.plan.clock import resolve_health_timeout_s
 
         self.fleet = open_fleet(self.cfg, self.cfg.rollout.model_path or str(self.model_dir), self.run_dir / "logs",
                                 weight_version=str(self.state.policy_version), learner_ranks=self.layout.world_size,

@@ -5,7 +5,7 @@
 runs `python -I -S tether.py THIS_PID COMMAND...`: this file, run as a script, asks the
 kernel for SIGTERM when its parent exits (PR_SET_PDEATHSIG, which survives exec) and then
 replaces itself with COMMAND, so the child keeps the pid `proc` names and is stopped, killed
-and paused as before. Rollout engines (`rollout/fleet.py`) and verifier workers
+and paused as before. Rollout engines (`engines/fleet.py`) and verifier workers
 (`reward/scoring.py`) start this way: a trainer that is SIGKILLed or crashes leaves no engine
 serving on its port and GPU, and no verifier worker spinning in a hung verifier.
 

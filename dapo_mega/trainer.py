@@ -32,7 +32,7 @@ from typing import Dict, Optional, Tuple
 from dapo_mega.config import DapoConfig, check_warm_start, eval_beside, from_yaml
 from dapo_mega.driver.stop_signal import EXIT_STOPPED, WALL_TIME, StopSignals, stop_message
 from dapo_mega.heap import freeze_startup_objects, keep_freed_memory
-from dapo_mega.resources import PhaseMeter
+from dapo_mega.records.resources import PhaseMeter
 
 
 def train(cfg: DapoConfig) -> int:
@@ -70,7 +70,7 @@ def train(cfg: DapoConfig) -> int:
                 role.log_step(0, role.evaluate(), {})
         role.start_rollouts(run.state.step + 1)  # a thread, when disaggregated with staleness > 0
         for step in range(run.state.step + 1, cfg.trainer.total_steps + 1):
-            meter = PhaseMeter()                # seconds and peak memory of each phase (resources.py)
+            meter = PhaseMeter()                # seconds and peak memory of each phase (records/resources.py)
             with meter.phase("rollout"):
                 batch = role.next_rollout_batch(step, run.state.policy_version)  # generate, reward, filter
                 samples = role.train_samples(batch)  # advantages; every learner rank gets the list

@@ -141,7 +141,7 @@ class Pipeline:
         is named (the jobs' Python too, when that one has SGLang); a named one visible here
         (no container) is asked whether it finds sglang; in the jobs the prepare role asks."""
         from dapo_mega.config import ConfigError
-        from dapo_mega.preflight import check_engine_python, python_has_sglang
+        from dapo_mega.plan.preflight import check_engine_python, python_has_sglang
 
         python = self.rollout.engine_python
         if self.rollout.backend != "sglang":
@@ -174,7 +174,7 @@ class Pipeline:
         except json.JSONDecodeError:
             tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
             return f"dapo-mega plan failed (exit {out.returncode}): {tail}", [], {}
-        from dapo_mega.plan_types import blocking_warnings
+        from dapo_mega.plan.types import blocking_warnings
 
         warnings = plan.get("warnings", [])
         refusing = blocking_warnings(warnings, engines_take_gpus=not self.cpu)  # the plan says which ones block
@@ -277,7 +277,7 @@ class Pipeline:
         if not {"step_s", "engine_start_s", "assumptions"} <= set(self.clock):
             raise PipelineError("the plan gives no step time to derive the training jobs' --time from. "
                                 "Fix: pass --time")
-        from dapo_mega.clock import training_link_limit_s
+        from dapo_mega.plan.clock import training_link_limit_s
 
         return slurm_time(training_link_limit_s(self.clock, self.total_steps, self.args.chain))
 
@@ -285,7 +285,7 @@ class Pipeline:
         """`--signal=B:USR1@<lead>`: the plan's `stop_signal_lead_s` (a step, its evaluation and a
         save, with a margin) before the time limit, so the learners save before Slurm kills them;
         the sbatch scripts' own 600 s without a clock. Refused when it leaves the job no time."""
-        from dapo_mega.clock import STOP_SIGNAL_FLOOR_S, STOP_SIGNAL_MAX_S
+        from dapo_mega.plan.clock import STOP_SIGNAL_FLOOR_S, STOP_SIGNAL_MAX_S
         from dapo_mega.launch import parse_slurm_duration
 
         lead = math.ceil(max(STOP_SIGNAL_FLOOR_S, self.clock.get("stop_signal_lead_s") or 0.0))

@@ -201,7 +201,7 @@ def test_choice_fields_are_str_for_omegaconf_and_checked_against_their_literal()
 def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_path):
     import torch
 
-    from dapo_mega.preflight import check_before_start
+    from dapo_mega.plan.preflight import check_before_start
 
     cfg = load_config([f"trainer.output_dir={tmp_path}"])
     check_before_start(cfg, world_size=1)
@@ -228,7 +228,7 @@ def test_preflight_checks_layout_model_and_data_before_anything_is_built(tmp_pat
 
 
 def test_eval_preflight_names_missing_inputs(tmp_path, capsys):
-    from dapo_mega.preflight import check_eval_inputs
+    from dapo_mega.plan.preflight import check_eval_inputs
 
     check_eval_inputs(load_config([]))  # synthetic task: its held-out split
     train = tmp_path / "train.jsonl"
@@ -243,7 +243,7 @@ def test_eval_preflight_names_missing_inputs(tmp_path, capsys):
 
 
 def test_learner_world_size_is_the_launchers_when_launched(monkeypatch):
-    from dapo_mega.preflight import learner_world_size
+    from dapo_mega.plan.preflight import learner_world_size
 
     cfg = load_config(["cluster.num_learner_processes=2"])
     monkeypatch.delenv("RANK", raising=False)
@@ -260,7 +260,7 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
     import json
 
     from dapo_mega import run_dir as R
-    from dapo_mega.preflight import check_before_start
+    from dapo_mega.plan.preflight import check_before_start
 
     base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
     cfg = load_config(base)

@@ -20,7 +20,7 @@ import pytest
 from helpers.interpreters import stand_in_python
 
 from dapo_mega.config import ConfigError, RolloutConfig, load_config
-from dapo_mega.preflight import check_engine_python, python_has_sglang
+from dapo_mega.plan.preflight import check_engine_python, python_has_sglang
 
 REPO = Path(__file__).resolve().parents[1]
 LACKS = (r"^rollout.engine_python: \S+/no-sglang/python cannot import sglang, so no SGLang engine can start\. "

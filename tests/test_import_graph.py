@@ -32,31 +32,32 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.config": 0,
     "dapo_mega.models": 0,
     "dapo_mega.distributed": 0,
-    "dapo_mega.run_dir": 0,
-    "dapo_mega.run_identity": 0,
+    "dapo_mega.run_files": 0,  # the run directory's files: checkpoint directories, run id, config history
     "dapo_mega.heap": 0,
-    "dapo_mega.resources": 0,
     "dapo_mega.tether": 0,
     "dapo_mega.log": 0,
-    # 1: backends: Megatron (model, layout, train step, sharded state) and SGLang (launch, client).
+    # 1: backends: Megatron (model, layout, train step, sharded state), the placement, and
+    #    SGLang's wire (API tables, endpoint, HTTP client, command lines; nothing imports sglang).
     "dapo_mega.backends": 1,
+    "dapo_mega.engines.sglang": 1,
     # 2: weights: the HF <-> Megatron mapping, conversion and live sync, built on the backends.
     "dapo_mega.weights": 2,
-    # 3: rollout: engines, the fleet, the rollout manager.
-    "dapo_mega.rollout": 3,
-    # 4: components of a run and the commands' bodies.
-    "dapo_mega.driver": 4,
-    "dapo_mega.session": 4,
-    "dapo_mega.preflight": 4,
-    "dapo_mega.evaluate": 4,
-    "dapo_mega.records": 4,  # what a run writes: metrics, console line, curves, ledger, ledger report
-    "dapo_mega.plan": 4,
-    "dapo_mega.launch": 4,
-    # 5: the driver loop and the command line.
-    "dapo_mega.trainer": 5,
-    "dapo_mega.cli": 5,
+    # 3: engines: the fleet that starts, attaches to and watches them, the embedded engine.
+    "dapo_mega.engines": 3,
+    # 4: rollout: the rollout manager, dispatch and its watchdog, dynamic sampling, samples.
+    "dapo_mega.rollout": 4,
+    # 5: components of a run and the commands' bodies.
+    "dapo_mega.driver": 5,
+    "dapo_mega.session": 5,
+    "dapo_mega.evaluate": 5,
+    "dapo_mega.records": 5,  # what a run writes: metrics, console line, curves, ledger, ledger report
+    "dapo_mega.plan": 5,  # the planner, its Plan record, the run's clock, the preflight checks
+    "dapo_mega.launch": 5,
+    # 6: the driver loop and the command line.
+    "dapo_mega.trainer": 6,
+    "dapo_mega.cli": 6,
 }
-NEW_TOP_LEVEL_FLOOR = 4
+NEW_TOP_LEVEL_FLOOR = 5
 """Floor of a new top-level module `dapo_mega.<name>` not in FLOORS: a component."""
 
 
@@ -234,9 +235,9 @@ def test_every_floor_prefix_names_real_modules():
 
 def test_graph_sees_function_level_imports():
     """The walker finds lazy imports too (the plan imports the tiny model inside a function)."""
-    plan = ROOT / "plan.py"
-    lazy = [e for e in build_graph() if e.importer == "dapo_mega.plan" and e.imported == "dapo_mega.models.tiny"]
-    assert lazy, "plan.py imports the tiny model inside resolve_model_shape; the walker missed it"
+    plan = ROOT / "plan" / "memory.py"
+    lazy = [e for e in build_graph() if e.importer == "dapo_mega.plan.memory" and e.imported == "dapo_mega.models.tiny"]
+    assert lazy, "plan/memory.py imports the tiny model inside resolve_model_shape; the walker missed it"
     assert plan.read_text().splitlines()[lazy[0].line - 1].startswith("    "), "that import is indented"
 
 
@@ -260,7 +261,7 @@ def test_checker_reports_a_loop_by_its_edges():
 
 def test_checker_reports_an_upward_edge():
     edges = _edges([("dapo_mega.weights.sync", "dapo_mega.rollout.client"),
-                    ("dapo_mega.rollout.manager", "dapo_mega.backends.sglang.client"),
+                    ("dapo_mega.rollout.manager", "dapo_mega.engines.sglang.client"),
                     ("dapo_mega.algo.policy_loss", "dapo_mega.config")])
     assert [str(e) for e in upward_edges(edges)] == [
         "dapo_mega/weights/sync.py:1  dapo_mega.weights.sync -> dapo_mega.rollout.client"]

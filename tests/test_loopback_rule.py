@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from dapo_mega.backends.sglang.commands import build_engine_command
 from dapo_mega.config import ConfigError, RolloutConfig, is_loopback, require_api_key
+from dapo_mega.engines.sglang.commands import build_engine_command
 
 
 @pytest.mark.parametrize("host, loopback", [

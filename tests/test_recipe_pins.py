@@ -68,14 +68,14 @@ RECIPE = [
 # Not from the paper: how this system runs the recipe. The run starts RL from the base model
 # (the paper: Qwen2.5-32B base, no supervised stage), and every timeout is what
 # configs/experiment/dapo_qwen2.5_32b.yaml sets beside the estimate of `dapo-mega plan`
-# (tests/test_clock.py: no clock warning for any of these configs).
+# (tests/plan/test_clock.py: no clock warning for any of these configs).
 RUN = [
     ("trainer.sft_warmup_steps", 0, "[paper] §4.1 RL from the base model; the tiny model's warm start stays with it"),
     ("trainer.sft_on_pretrained", False, "a warm start on a pretrained model is asked for by name"),
     ("rollout.request_timeout_s", 0.0, "no total bound on one /generate: the slowest request is ~13 min"),
     ("rollout.liveness_timeout_s", 300.0, "a hung engine gives its prompts up after 5 min without a probe answer"),
     ("rollout.liveness_probe_interval_s", 10.0, "30 probes per liveness timeout"),
-    ("rollout.health_timeout_s", 0.0, "derived from the model's bytes and the engine count (clock.py)"),
+    ("rollout.health_timeout_s", 0.0, "derived from the model's bytes and the engine count (plan/clock.py)"),
     ("cluster.dist_timeout_s", 1800, "one learner collective: a training step ~4 min, a sync ~7 s"),
     ("cluster.driver_stall_timeout_s", 1800.0, "the driver's progress gap: the slowest request, ~13 min"),
 ]
@@ -137,7 +137,7 @@ VERL_TEST_FREQ = 5                 # [verl] trainer.test_freq=5
 @pytest.mark.parametrize("name", EXPERIMENTS_32B)
 def test_32b_configs_run_the_papers_length_and_evaluate_as_verl(configs, name):
     """total_steps counts rollout steps: the paper's ~5,000 gradient updates at 16 per step."""
-    from dapo_mega.plan import checkpoints_kept_for_good
+    from dapo_mega.plan.memory import checkpoints_kept_for_good
 
     updates_per_step = PAPER_PROMPTS_PER_STEP * PAPER_RESPONSES_PER_PROMPT // PAPER_MINI_BATCH_RESPONSES
     paper_rollout_steps = math.ceil(PAPER_UPDATES_TO_50 / updates_per_step)
@@ -156,7 +156,7 @@ def test_32b_configs_run_the_papers_length_and_evaluate_as_verl(configs, name):
 
 
 def test_checkpoints_kept_for_good_counts_saved_multiples_beside_the_newest():
-    from dapo_mega.plan import checkpoints_kept_for_good
+    from dapo_mega.plan.memory import checkpoints_kept_for_good
 
     # saves 10, 20, ..., 310 and 313; the newest 3 are 300, 310, 313; keep_every 100 adds 100 and 200
     assert checkpoints_kept_for_good(313, 10, 100, 3) == 2

@@ -47,7 +47,7 @@ from dapo_mega.data import (
     run_dataset_revision,
 )
 from dapo_mega.data.readers import read_published_problems
-from dapo_mega.run_dir import atomic_path, write_text_atomic
+from dapo_mega.run_files.checkpoints import atomic_path, write_text_atomic
 
 AIME_2024_PROBLEMS = 30
 PUBLISHED_EVAL_SETS = {"aime_2025": 30, "math_500": 500}

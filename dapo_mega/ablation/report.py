@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.ablation.rungs import AblationPlan, PlannedRun
 from dapo_mega.ablation.stats import Difference, Interval, mean_interval, welch_interval
-from dapo_mega.run_dir import atomic_path, write_text_atomic
+from dapo_mega.run_files.checkpoints import atomic_path, write_text_atomic
 
 if TYPE_CHECKING:
     from dapo_mega.records.metrics import Row

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from dapo_mega.config import hydra_value
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 ABLATION_GROUP = "ablation"
 DEFAULT_ABLATION = "dapo_ladder"

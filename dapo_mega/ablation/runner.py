@@ -53,7 +53,7 @@ class RunOutcome:
 
 def completed_step(run_dir: Path | str) -> int:
     """Step of the latest complete checkpoint of a run directory (0: none)."""
-    from dapo_mega.run_dir import find_latest_checkpoint
+    from dapo_mega.run_files.checkpoints import find_latest_checkpoint
 
     latest = find_latest_checkpoint(Path(run_dir))
     return int(latest.name.split("_")[-1]) if latest is not None else 0
@@ -61,7 +61,7 @@ def completed_step(run_dir: Path | str) -> int:
 
 def is_finished(run_dir: Path | str, total_steps: int) -> bool:
     """A run is finished when its latest checkpoint is at trainer.total_steps."""
-    from dapo_mega.run_dir import find_latest_checkpoint
+    from dapo_mega.run_files.checkpoints import find_latest_checkpoint
 
     return find_latest_checkpoint(Path(run_dir)) is not None and completed_step(run_dir) >= total_steps
 

@@ -118,9 +118,9 @@ def resolve_policy(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Tuple[Pat
 def roll_out(cfg: DapoConfig, hf_dir: Path, problems: Sequence[Problem], encoder: PromptEncoder, seed: int, revision: str,
              run_id: str) -> list:
     """One response per problem with the training sampling, length limit and seeds: Groups in order."""
-    from dapo_mega.backends.sglang.client import build_sampling_params
-    from dapo_mega.clock import resolve_health_timeout_s
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
+    from dapo_mega.engines.sglang.client import build_sampling_params
+    from dapo_mega.plan.clock import resolve_health_timeout_s
     from dapo_mega.rollout.manager import RolloutManager, run_coroutine
 
     a = cfg.algo
@@ -208,9 +208,9 @@ def describe_settings(cfg: DapoConfig, policy: str, run_id: str, encoder: Prompt
 def run_audit(cfg: DapoConfig, options: AuditOptions) -> Tuple[AuditSheet, Path]:
     """Roll out, score, pick and write; returns the sheet and its directory."""
     from dapo_mega.data import PromptEncoder, build_datasets
-    from dapo_mega.preflight import check_data_paths, check_engine_python
+    from dapo_mega.plan.preflight import check_data_paths, check_engine_python
     from dapo_mega.reward import close_verifier_pools
-    from dapo_mega.run_identity import run_id_of_path
+    from dapo_mega.run_files.identity import run_id_of_path
 
     check_engine_python(cfg.rollout, starts_engines=True)  # before a checkpoint is exported for its engines
     check_data_paths(cfg.data)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 from dapo_mega.audit.patterns import PATTERNS, STRATA, STRATUM_TITLES, VERDICTS, AuditRecord
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 COUNT_TITLES = {
     "correct": "correct", "wrong": "wrong (an answer, not the ground truth)",

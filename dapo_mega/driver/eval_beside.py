@@ -26,9 +26,9 @@ import time
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 if TYPE_CHECKING:
-    from dapo_mega.backends.sglang.endpoint import EngineAddress
     from dapo_mega.config import DapoConfig
     from dapo_mega.data.build import EvalSet
+    from dapo_mega.engines.sglang.endpoint import EngineAddress
     from dapo_mega.evaluate import EvalResult
     from dapo_mega.reward import Verifier
 

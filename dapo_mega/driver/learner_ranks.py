@@ -16,7 +16,7 @@ from typing import Optional
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, validate_config
 from dapo_mega.distributed import learner_process_env
-from dapo_mega.run_identity import CONFIG_FILE, RUN_ID_ENV, settle_run_dir
+from dapo_mega.run_files.identity import CONFIG_FILE, RUN_ID_ENV, settle_run_dir
 
 logger = log.get(__name__)
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.backends.placement import Placement
-    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.engines.sglang.endpoint import EngineEndpoint
     from dapo_mega.weights.handover import HandoverPlan
     from dapo_mega.weights.sync import WeightSyncer
 
@@ -67,11 +67,11 @@ class PolicySync:
     def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
         """Collective: the driver's engine URLs reach every rank, each takes its part."""
         from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
-        from dapo_mega.rollout.fleet import endpoint_of
+        from dapo_mega.engines.fleet import endpoint_of
         from dapo_mega.weights.sync import run_stages_in_turn
 
         sync = cls(cfg, layout, role)
-        from dapo_mega.clock import resolve_health_timeout_s
+        from dapo_mega.plan.clock import resolve_health_timeout_s
 
         # the driver starts the engines meanwhile: their start bound comes on top
         urls = role.broadcast(engine_urls, resolve_health_timeout_s(cfg) + cfg.cluster.driver_stall_timeout_s)
@@ -142,7 +142,7 @@ class PolicySync:
         stages in turn (each engine serves /init_weights_update_group in arrival order and
         blocks in the rendezvous). Collective: every learner rank calls it, and every rank sees
         the same lists (the driver's)."""
-        from dapo_mega.rollout.fleet import endpoint_of
+        from dapo_mega.engines.fleet import endpoint_of
         from dapo_mega.weights.handover import drop_dead_posters
         from dapo_mega.weights.sync import run_stages_in_turn
 
@@ -172,7 +172,7 @@ class PolicySync:
         """Colocated on GPUs: payloads only for live engines (`HandoverPlan.drop` / `readmit`,
         posters again for engines back); an engine dropped that still holds its GPU memory
         (hung) stops the run, named (the driver probes, every rank raises)."""
-        from dapo_mega.rollout.fleet import endpoint_of
+        from dapo_mega.engines.fleet import endpoint_of
         from dapo_mega.weights.handover import probe_dropped_engine, require_dropped_engines_released
         from dapo_mega.weights.sync import WeightSyncer
 

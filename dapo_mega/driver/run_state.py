@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 from dapo_mega.config import TrainerConfig
 from dapo_mega.records.ledger import FULL_TEXT, LedgerText, ledger_dir, ledger_record, write_step
 from dapo_mega.rollout.samples import ScoredSample
-from dapo_mega.run_identity import RunIdentity
+from dapo_mega.run_files.identity import RunIdentity
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.learner import MegatronLearner
@@ -100,7 +100,7 @@ class RunState:
         self.checkpoint: Optional[Path] = None
         self.clock = WallClock.of(trainer_cfg)
         self.identity = RunIdentity(run_id=trainer_cfg.run_name, run_name=trainer_cfg.run_name)
-        """The run's id and name (`run_identity.settle_run_dir` sets it at start)."""
+        """The run's id and name (`run_files.identity.settle_run_dir` sets it at start)."""
 
     @property
     def run_id(self) -> str:
@@ -110,7 +110,7 @@ class RunState:
         """Load the latest complete checkpoint (weights, optimizer, RNG, trainer state) when
         `trainer.resume` is on and there is one. Collective. Returns whether it did."""
         from dapo_mega.backends.megatron.checkpoint import load_checkpoint
-        from dapo_mega.run_dir import resume_checkpoint
+        from dapo_mega.run_files.checkpoints import resume_checkpoint
 
         latest = resume_checkpoint(self.run_dir, self.cfg.resume, self.cfg.resume_step)
         if latest is None:

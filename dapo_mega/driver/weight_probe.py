@@ -146,8 +146,8 @@ def step_mismatch_failure(metrics: Dict[str, float], limit: float, step: int) ->
 async def _score_on_engines(urls: Sequence[str], ids: Sequence[int], cfg: DapoConfig
                             ) -> List[Tuple[Optional[List[float]], str, Optional[BaseException]]]:
     """(log-probs, weight version, error) of every engine's /generate on `ids`, concurrently."""
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.rollout.fleet import endpoint_of
+    from dapo_mega.engines.fleet import endpoint_of
+    from dapo_mega.engines.sglang.client import EngineClient
 
     async def one(url: str):
         async with EngineClient(endpoint_of(url, cfg.rollout)) as client:

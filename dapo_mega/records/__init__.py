@@ -7,4 +7,6 @@
 * `rollout_metrics`: the step's rollout metrics, computed from the rows that go into the ledger;
 * `ledger`: the rollout ledger, one Parquet shard per step, one row per sample;
 * `ledger_report`: the diagnostics read back from the ledger (`tools/ledger_report.py`).
+* `resources`: `PhaseMeter`, the resource envelope of a step (each phase's seconds and peak
+  memory: the `time/*` and `mem/*` keys of its metrics row).
 """

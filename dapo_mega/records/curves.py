@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence
 
 from dapo_mega.records.metrics import named_eval_sets, read_metrics
-from dapo_mega.run_dir import atomic_path
+from dapo_mega.run_files.checkpoints import atomic_path
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -32,8 +32,8 @@ PLOT_PANELS = [
 def plot_curves(run_dir: Path, out_name: str = "curves.png") -> Optional[Path]:
     """Draw the curves a user looks at first into `<run_dir>/curves.png`; a dashed vertical
     line in every panel marks each step from which a resume changed a field that shapes the
-    data or the update (`config_history.jsonl`, `run_identity`), named in the first panel."""
-    from dapo_mega.run_identity import history_of_current_run
+    data or the update (`config_history.jsonl`, `run_files.identity`), named in the first panel."""
+    from dapo_mega.run_files.identity import history_of_current_run
 
     rows = read_metrics(run_dir)
     if not rows:

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from dapo_mega.config import AlgoConfig, DapoConfig, LedgerTextMode, TrainerConfig
 from dapo_mega.rollout.samples import ScoredSample
-from dapo_mega.run_dir import atomic_path
+from dapo_mega.run_files.checkpoints import atomic_path
 
 REJECT_REASONS = ("kept", "all_correct_group", "all_wrong_group", "stale", "verifier_error",
                   "surplus_carried", "aborted")

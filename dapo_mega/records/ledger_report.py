@@ -62,7 +62,7 @@ import numpy as np
 from dapo_mega.records.metrics import read_metrics
 from dapo_mega.records.rollout_metrics import AGE_BUCKETS, age_label
 from dapo_mega.rollout.samples import TRAINED_REASONS
-from dapo_mega.run_identity import ConfigHistoryRow, history_of_current_run
+from dapo_mega.run_files.identity import ConfigHistoryRow, history_of_current_run
 
 MAX_FLAGGED = 1000
 """Flagged responses the streamed report keeps to list (`--max-flagged`); they are all counted."""

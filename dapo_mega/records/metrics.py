@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from dapo_mega.run_dir import write_text_atomic
+from dapo_mega.run_files.checkpoints import write_text_atomic
 
 Row = Dict[str, object]
 """One metrics row: `step` and metric names to numbers (or strings, such as `run_id`)."""

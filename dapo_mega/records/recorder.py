@@ -21,7 +21,7 @@ from dapo_mega.records.curves import plot_curves
 from dapo_mega.records.metrics import finite_or_none, read_metrics, truncate_metrics
 
 if TYPE_CHECKING:
-    from dapo_mega.run_identity import ConfigTree
+    from dapo_mega.run_files.identity import ConfigTree
 
 logger = log.get(__name__)
 
@@ -44,7 +44,7 @@ class RunRecorder:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.plot = plot
         self.run_id = run_id
-        """The run's unique id (`run_identity`), in every metrics row when set."""
+        """The run's unique id (`run_files.identity`), in every metrics row when set."""
         dropped = truncate_metrics(self.run_dir, resume_step)
         if dropped:
             logger.info(f"[records] resuming at step {resume_step}: dropped {dropped} metric rows of "

@@ -1,5 +1,5 @@
-"""Rollout: the engine fleet (`fleet`, `engine_process`: the one place engines are started,
-attached to, health-checked, killed and restarted), the embedded CPU engine (the `embedded`
-package), the rollout manager (`manager`, `dispatch`, `dynamic_sampling`) and its typed samples
-(`samples`). The ledger and the rollout metrics are records (`dapo_mega.records`).
+"""Rollout: the rollout manager (`manager`, `dispatch` with its liveness watchdog `liveness`,
+`dynamic_sampling`, `batch_fill`, `partial`) and its typed samples (`samples`). The engines it
+talks to are started, attached to and watched in `dapo_mega.engines`; the ledger and the
+rollout metrics are records (`dapo_mega.records`).
 """

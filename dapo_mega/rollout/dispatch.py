@@ -19,8 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import aiohttp
 
-from dapo_mega.backends.sglang.client import EngineClient, EngineError, PromptInput, RequestSamplingParams, SampleResult
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+from dapo_mega.engines.sglang.client import EngineClient, EngineError, PromptInput, RequestSamplingParams, SampleResult
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.rollout.liveness import EngineLiveness, Hung
 from dapo_mega.rollout.partial import (
     GroupOrigin,

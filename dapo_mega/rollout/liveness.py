@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from dapo_mega.backends.sglang.client import EngineClient
+from dapo_mega.engines.sglang.client import EngineClient
 
 __all__ = ["EngineLiveness", "Hung"]
 

@@ -43,8 +43,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
-from dapo_mega.backends.sglang.client import EngineClient, EngineError, RequestSamplingParams, SamplingParams
-from dapo_mega.backends.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
+from dapo_mega.engines.sglang.client import EngineClient, EngineError, RequestSamplingParams, SamplingParams
+from dapo_mega.engines.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS
 from dapo_mega.rollout.dispatch import RolloutError, RoundDispatcher, RoundOutcome, chunk_size
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs

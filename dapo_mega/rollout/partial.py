@@ -6,7 +6,7 @@ tail of a round is not thrown away when the batch is full, it is finished later.
 * Cut: a streamed step aborts its requests in flight once its batch is full
   (`/abort_request` abort_all, rollout/dispatch.py). SGLang 0.5.23 and the embedded engine
   answer each sample cut short with finish_reason `abort` and what it had generated: its
-  output ids, their log-probs and weight-version spans (tests/rollout/test_conformance.py
+  output ids, their log-probs and weight-version spans (tests/engines/test_conformance.py
   checks both servers). With `rollout.partial_rollout` the replies of such a request become,
   per prompt, a `PartialGroup`: its G samples so far, those that had finished whole and
   those cut short (`open`). It goes back with its prompt to `pending`
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Container, Dict, List, Optional, Sequence
 from dapo_mega.rollout.samples import Group, PromptFactory, PromptItem, ScoredSample, parse_version, scored_sample
 
 if TYPE_CHECKING:
-    from dapo_mega.backends.sglang.client import (
+    from dapo_mega.engines.sglang.client import (
         PromptInput,
         RequestSamplingParams,
         SampleResult,

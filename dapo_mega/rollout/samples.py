@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 from dapo_mega.reward.types import UNSCORED, SampleReward
 
 if TYPE_CHECKING:  # annotations only: the client brings aiohttp, which a ledger reader does not need
-    from dapo_mega.backends.sglang.client import PromptInput, SampleResult, WeightVersionSpan
+    from dapo_mega.engines.sglang.client import PromptInput, SampleResult, WeightVersionSpan
 
 
 class PromptItem(Protocol):

@@ -57,7 +57,7 @@ from dapo_mega.backends.megatron.checkpoint import (
     save_dist_checkpoint,
 )
 from dapo_mega.backends.placement import CPU, conversion_cuda_index
-from dapo_mega.run_dir import MODEL_META_FILE
+from dapo_mega.run_files.checkpoints import MODEL_META_FILE
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -424,7 +424,7 @@ def export_learner_to_hf(model_chunks, info, layout, out_dir: Path | str,
 def _agree_on_export(error: Optional[BaseException], out: Path) -> None:
     """Collective: raise HFExportError on every rank when any rank has an error."""
     from dapo_mega import distributed as D
-    from dapo_mega.run_dir import HFExportError
+    from dapo_mega.run_files.checkpoints import HFExportError
 
     if not D.any_rank_true(error is not None):
         return
@@ -479,7 +479,7 @@ def export_hf_step(model_chunks, info, layout, run_dir: Path | str, step: int, h
     Returns the record on rank 0, None elsewhere.
     """
     from dapo_mega import distributed as D
-    from dapo_mega.run_dir import (
+    from dapo_mega.run_files.checkpoints import (
         HFExportError,
         begin_hf_export_dir,
         commit_hf_export_dir,

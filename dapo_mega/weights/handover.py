@@ -159,7 +159,7 @@ def probe_dropped_engine(endpoint, timeout_s: float) -> str:
     import socket
     from urllib.parse import urlsplit
 
-    from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.client import EngineClient
 
     parts = urlsplit(endpoint.url)
     try:

@@ -23,7 +23,7 @@ broadcast; the syncer raises at once, naming the engine and its message, instead
 waiting for the broadcast (the group should then be destroyed and re-initialised).
 SGLang 0.5.23 receives the bucket first, then answers a wrong shape with a 400 (after a
 partial load) and ignores an unknown name (a log line): names come from the HF mapping, and
-`tests/rollout/test_conformance.py` pins both behaviours.
+`tests/engines/test_conformance.py` pins both behaviours.
 
 Colocated mode: per bucket, the tensors go into a shared-memory file (CPU; JSON handle,
 load_format "shared_memory_json") and are sent with /update_weights_from_tensor. On GPUs
@@ -55,9 +55,9 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 
 from dapo_mega import log
-from dapo_mega.backends.sglang.api import FLATTENED_BUCKET
-from dapo_mega.backends.sglang.client import EngineClient, EngineError
-from dapo_mega.backends.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
+from dapo_mega.engines.sglang.api import FLATTENED_BUCKET
+from dapo_mega.engines.sglang.client import EngineClient, EngineError
+from dapo_mega.engines.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
 from dapo_mega.weights import transport
 
 logger = log.get(__name__)

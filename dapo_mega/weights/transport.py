@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 
 from dapo_mega.distributed import NCCL_ERROR_HANDLING_ENV
-from dapo_mega.run_dir import write_bytes_atomic
+from dapo_mega.run_files.checkpoints import write_bytes_atomic
 
 DTYPES: Dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

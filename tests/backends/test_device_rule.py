@@ -30,7 +30,7 @@ from dapo_mega.backends.placement import (
     node_gpu_blocks,
 )
 from dapo_mega.config import ConfigError, RolloutConfig, load_config
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
 
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml"))
@@ -82,7 +82,7 @@ def test_eval_engines_refused_past_the_node_with_the_count_that_fits():
 def test_every_experiment_conversion_and_eval_engines_follow_the_rule(name):
     """Conversion ranks of the recipe's TP x PP, and the pipeline's final-eval engines, on one
     node of the experiment's GPUs."""
-    from dapo_mega.clock import eval_stage_engines
+    from dapo_mega.plan.clock import eval_stage_engines
 
     cfg = load_config([f"+experiment={name}"])
     gpus = cfg.cluster.gpus_per_node
@@ -226,7 +226,7 @@ DEVICE_VARIABLES = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
 SETS_DEVICE_VARIABLES = {
     "dapo_mega/launch.py": "the Slurm launcher: each learner task's LOCAL_RANK, checked by learner_cuda_index",
     "dapo_mega/driver/learner_ranks.py": "one process started by hand: LOCAL_RANK 0 of a world of one",
-    "dapo_mega/rollout/fleet.py": "an engine's CUDA_VISIBLE_DEVICES: its block of the placement (visible_devices)",
+    "dapo_mega/engines/fleet.py": "an engine's CUDA_VISIBLE_DEVICES: its block of the placement (visible_devices)",
     "dapo_mega/backends/placement.py": "the rule itself (CPU_RANK_ENV)",
 }
 

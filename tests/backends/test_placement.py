@@ -227,13 +227,13 @@ def test_colocated_engines_start_with_the_memory_saver_on_their_own_gpus():
     argv, env = engine_command_and_env(tiny, engine_rollout_config(tiny, ""), EngineSlot(0), "/m", 1, "127.0.0.1", {})
     # the embedded engine: a CPU engine that sees no GPU, wherever it runs
     assert "--enable-memory-saver" in argv and "--base-gpu-id" not in argv and env["CUDA_VISIBLE_DEVICES"] == ""
-    from dapo_mega.rollout.embedded.server import build_arg_parser
+    from dapo_mega.engines.embedded.server import build_arg_parser
 
     build_arg_parser().parse_args(argv[3:])  # the embedded engine accepts the same command line
 
 
 def test_plan_reports_the_placements_sync_groups():
-    from dapo_mega.plan import compute_plan, format_plan
+    from dapo_mega.plan.memory import compute_plan, format_plan
 
     disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
     assert disagg.sync.transport == DISTRIBUTED

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dapo_mega.backends.placement import CUDA_IPC, DISTRIBUTED, SHARED_MEMORY, trainer_placement
 from dapo_mega.config import RolloutConfig, load_config
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
 
 
 def test_engines_started_by_the_trainer_get_their_own_gpus(tmp_path):

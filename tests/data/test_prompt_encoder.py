@@ -107,8 +107,8 @@ def model_dir(tmp_path_factory, tokenizer_dir):
 def _eval_path_ids(cfg, model_dir, problems, monkeypatch, tmp_path):
     """What `dapo-mega eval` would send: evaluate_checkpoint with engines and generation faked."""
     import dapo_mega.evaluate as evaluate
-    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
+    from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 
     seen = {}
 

@@ -44,7 +44,7 @@ def _run(rank, world, root):
 
     from dapo_mega.backends.megatron import checkpoint as C
     from dapo_mega.backends.megatron.layout import ParallelLayout  # noqa: F401
-    from dapo_mega.run_dir import MODEL_OPTIM_DIR
+    from dapo_mega.run_files.checkpoints import MODEL_OPTIM_DIR
 
     root = Path(root)
     source = _learner(world)

@@ -157,7 +157,7 @@ def _install(fault: str) -> None:
         DriverRole.advantage_step = advantage_step
     elif kind == "enospc":
         from dapo_mega.backends.megatron import checkpoint as C
-        from dapo_mega.run_dir import step_dir_name
+        from dapo_mega.run_files.checkpoints import step_dir_name
 
         step = int(rest)
         original = C.save_dist_checkpoint
@@ -202,7 +202,7 @@ def _track_steps() -> None:
 def _install_kill(phase: str, step: int) -> None:
     _track_steps()
     if phase == "generate":
-        from dapo_mega.backends.sglang.client import EngineClient
+        from dapo_mega.engines.sglang.client import EngineClient
 
         original = EngineClient.generate
 
@@ -227,7 +227,7 @@ def _install_kill(phase: str, step: int) -> None:
         MegatronLearner._update = _update
     elif phase == "save":
         from dapo_mega.backends.megatron import checkpoint as C
-        from dapo_mega.run_dir import step_dir_name
+        from dapo_mega.run_files.checkpoints import step_dir_name
 
         original = C.save_dist_checkpoint
 
@@ -255,8 +255,8 @@ def _install_kill(phase: str, step: int) -> None:
 def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Optional[str] = None) -> None:
     """`in_flight`: None (before the request), "" (the engine's process, once the request is in
     flight) or a child's title after `sglang::` (that child instead)."""
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
+    from dapo_mega.engines.sglang.client import EngineClient
 
     _track_steps()
     fleets: List = []  # the run's engine fleet, whoever in the trainer starts it
@@ -297,8 +297,8 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Opt
 
 
 def _install_engine_sync_fault(sig: int, engine_index: int, step: int) -> None:
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
+    from dapo_mega.engines.sglang.client import EngineClient
 
     _track_steps()
     fleets: List = []

@@ -1,4 +1,4 @@
-"""A checkpoint directory with only the files that make a save complete (`run_dir.py`)."""
+"""A checkpoint directory with only the files that make a save complete (`run_files/checkpoints.py`)."""
 
 import json
 from pathlib import Path

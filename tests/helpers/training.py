@@ -19,7 +19,7 @@ import pytest
 
 from dapo_mega.config import from_yaml
 from dapo_mega.records.ledger import read_records
-from dapo_mega.run_identity import read_run_id
+from dapo_mega.run_files.identity import read_run_id
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_NAME = "run"

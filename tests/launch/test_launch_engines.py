@@ -1,6 +1,6 @@
 """The launcher's engine side (commands, threads, router) and its prepare step, without Slurm.
 
-Engine command lines must be exactly those of `dapo_mega.backends.sglang.commands` (one
+Engine command lines must be exactly those of `dapo_mega.engines.sglang.commands` (one
 source of SGLang flags); the router start-up is exercised against a small HTTP server
 posing as `python -m sglang_router.launch_router` (sglang-router is a GPU-image package),
 which records the argv it was started with.
@@ -17,8 +17,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import dapo_mega.launch as launch
-from dapo_mega.backends.sglang.commands import build_engine_command, build_router_command
 from dapo_mega.config import load_config
+from dapo_mega.engines.sglang.commands import build_engine_command, build_router_command
 from dapo_mega.launch import (
     LearnerRank,
     SlurmTask,
@@ -50,7 +50,7 @@ def test_engine_commands_come_from_the_sglang_launch_module_through_the_fleet():
 
     tiny = load_config(["+experiment=tiny_cpu_slurm"])
     argv = engine_fleet(tiny, engine_rollout_config(tiny, "k"), "/m", "127.0.0.1", num_threads=3).command(5)
-    assert argv[1:3] == ["-m", "dapo_mega.rollout.embedded.server"] and argv[-2:] == ["--num-threads", "3"]
+    assert argv[1:3] == ["-m", "dapo_mega.engines.embedded.server"] and argv[-2:] == ["--num-threads", "3"]
     user = load_config(["+experiment=tiny_cpu_slurm", "rollout.extra_server_args=[--num-threads,1]"])
     argv = engine_fleet(user, engine_rollout_config(user, "k"), "/m", "127.0.0.1", num_threads=3).command(5)
     assert argv.count("--num-threads") == 1 and argv[-1] == "1"  # the user's choice wins

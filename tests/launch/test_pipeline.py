@@ -212,8 +212,8 @@ def test_every_experiment_every_stage_has_a_time_and_gpus_only_where_used(name, 
     """Every shipped experiment's stages from the plan's clock (no --time, no --stage-time):
     each job and each component of a heterogeneous one has a --time, and the GPU options only
     the stages whose processes use GPUs (none in a CPU run)."""
-    from dapo_mega.clock import estimate_clock
     from dapo_mega.config import compose_config, register_configs
+    from dapo_mega.plan.clock import estimate_clock
 
     pipeline, stages_module = _launcher()
     args = pipeline.parse_args(["--experiment", name, "--hf-model", str(tmp_path / "hf"), "--output-dir",

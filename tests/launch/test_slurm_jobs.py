@@ -4,7 +4,7 @@ running the real trainer and the real embedded engine.
 The module fixture starts the private local cluster of tests/slurm_cluster.py (n1, n2 on
 this machine) once; each test submits the real sbatch script with the tiny CPU experiment
 (`configs/experiment/tiny_cpu_slurm.yaml`: `dapo-mega train` learner ranks over gloo, one
-`python -m dapo_mega.rollout.embedded.server` engine per engine node, 3 RL steps), waits with a
+`python -m dapo_mega.engines.embedded.server` engine per engine node, 3 RL steps), waits with a
 bound and checks the run directory and the job's exit state. Nothing is stubbed: metrics,
 ledger shards and checkpoints are the trainer's own, and the policy versions the engines
 report in the ledger show that the learner's weights reached engine processes started by
@@ -101,7 +101,7 @@ def _trainer_state(run_dir: Path, step: int) -> dict:
 
 
 def _checkpoint_steps(run_dir: Path) -> list:
-    from dapo_mega.run_dir import list_complete_checkpoints
+    from dapo_mega.run_files.checkpoints import list_complete_checkpoints
 
     return [int(p.name.split("_")[1]) for p in list_complete_checkpoints(run_dir)]
 

@@ -15,7 +15,7 @@ import torch
 from dapo_mega.config import ConfigError, ModelConfig
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.models.tiny import tiny_hf_config
-from dapo_mega.plan import total_params
+from dapo_mega.plan.memory import total_params
 from dapo_mega.weights import mapping as M
 
 CASES = [

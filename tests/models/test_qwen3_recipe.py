@@ -11,7 +11,7 @@ from test_recipe_pins import RUN, _get
 
 from dapo_mega.config import config_dir, load_config
 from dapo_mega.models.shape import ModelShape
-from dapo_mega.plan import KNOWN_MODELS, total_params
+from dapo_mega.plan.memory import KNOWN_MODELS, total_params
 
 # Qwen/Qwen3-8B config.json (Hugging Face hub), the fields a shape reads.
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,

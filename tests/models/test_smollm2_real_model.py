@@ -144,8 +144,8 @@ def test_import_at_tp3_and_verify_logits(smollm2_dir, tmp_path):
 
 
 def _greedy(url: str, prompts: list) -> list:
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.engines.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 
     async def main():
         async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
@@ -159,7 +159,7 @@ def test_engine_greedy_equals_transformers(backend, smollm2_dir, reference, tmp_
     """One engine of `backend` (float32) on the checkpoint: transformers' tokens, EOS included
     (finish reason `stop`), and its log-probs."""
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
 
     if backend == "sglang":
         from sglang_venv import sglang_python_or_skip

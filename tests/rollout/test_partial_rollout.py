@@ -14,13 +14,13 @@ from typing import Callable
 
 import pytest
 
-from dapo_mega.backends.sglang.client import SampleResult
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import ConfigError, RolloutConfig, load_config, partial_rollout_enabled
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.sglang.client import SampleResult
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler
-from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import RolloutManager
 from dapo_mega.rollout.partial import PartialGroup, cut_chunks, merge_spans, resume_request
 from dapo_mega.rollout.samples import Group, scored_sample
@@ -182,7 +182,7 @@ def mixed_rewards(groups):
 
 
 def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_new_weights(model_dir, tmp_path):
-    from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.client import EngineClient
     from dapo_mega.rollout.manager import run_coroutine
 
     fleet = EngineFleet(RolloutConfig(), str(model_dir), num_threads=1, weight_version="0")

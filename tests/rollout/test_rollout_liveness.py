@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.rollout.manager import RolloutError, RolloutManager, chunk_size, run_coroutine
 
 pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers

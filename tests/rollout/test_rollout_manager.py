@@ -9,12 +9,12 @@ from typing import Callable
 
 import pytest
 
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.dispatch import finished_requests
-from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import DynamicSamplingExhausted, RolloutManager, drop_stale_groups, request_seed
 
 

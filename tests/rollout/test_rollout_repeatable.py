@@ -15,10 +15,10 @@ p7: the step-1 rows, the carry, `pending` and step 2's batch all differed.)
 import pytest
 from test_rollout_manager import Feed, prompt_stream  # prompts p0, p1, ... drawn in order
 
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
 from dapo_mega.config import RolloutConfig
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.reward import SampleReward
-from dapo_mega.rollout.fleet import EngineFleet
 from dapo_mega.rollout.manager import RolloutManager
 
 pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers

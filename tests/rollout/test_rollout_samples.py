@@ -57,8 +57,8 @@ def test_round_trip_and_checkpoints_written_before_typed_samples():
 def test_a_problem_gets_the_revision_the_manager_was_given():
     """The data's `Problem` carries no revision: the run's (the manager's argument) fills the
     row, and a prompt that carries its own keeps it."""
-    from dapo_mega.backends.sglang.client import SampleResult
     from dapo_mega.data.problem import Problem
+    from dapo_mega.engines.sglang.client import SampleResult
     from dapo_mega.rollout.dispatch import scored_sample
 
     reply = SampleResult(prompt_index=0, sample_index=1, text=" 4", output_ids=[7], token_ids=[7],

@@ -29,7 +29,7 @@ import pytest
 from helpers.training import cli_command, kill_group, run_cli, start_train
 from sglang_venv import sglang_python_or_skip
 
-from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,7 @@ def _engine_greedy(url: str) -> tuple:
     """(weight version, [(token ids, log-probs) per prompt]) of one engine, temperature 0."""
     import asyncio
 
-    from dapo_mega.backends.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.client import EngineClient
 
     async def main():
         async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
@@ -125,8 +125,8 @@ def two_sglang_engines(tmp_path_factory):
     learner's, as weight version "engine-start": only a weight sync makes them answer as the
     learner's export does. Started through the project's fleet; the runs attach by URL."""
     from dapo_mega.config import RolloutConfig
+    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.models.tiny import build_tiny_model_dir
-    from dapo_mega.rollout.fleet import EngineFleet
 
     python = sglang_python_or_skip()
     root = tmp_path_factory.mktemp("two_engines")

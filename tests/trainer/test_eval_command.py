@@ -91,9 +91,9 @@ def test_seeded_evaluation_repeats_and_a_paired_comparison_of_one_model_with_its
     import copy
 
     from dapo_mega.data import PromptEncoder, build_datasets
+    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.evaluate import evaluate_problems, paired_difference
     from dapo_mega.reward import build_verifier
-    from dapo_mega.rollout.fleet import EngineFleet
 
     model = build_model(tmp_path / "model", seed=3)
     cfg = load_config([*OVERRIDES, "eval.temperature=1.0", "eval.n_samples=4", "eval.top_p=1.0"])

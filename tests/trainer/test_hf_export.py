@@ -17,7 +17,7 @@ from dist_helpers import make_config, run_distributed
 from helpers.training import RUN_NAME, read_rows, run_train
 
 from dapo_mega.config import ConfigError, load_config
-from dapo_mega.run_dir import (
+from dapo_mega.run_files.checkpoints import (
     HF_INDEX_FILE,
     begin_hf_export_dir,
     directory_bytes,
@@ -51,7 +51,7 @@ def test_plan_counts_the_kept_exports_on_disk():
     """Qwen2.5-32B (32,763,876,352 parameters): 3 + 1 checkpoints of 14 bytes per parameter
     (docs/cluster.md) and the 2 that keep_every=100 keeps for good (saved every 10 steps up to 313:
     steps 100 and 200; 300 is among the newest 3), plus 2 kept bf16 exports of 2 bytes per parameter."""
-    from dapo_mega.plan import compute_plan
+    from dapo_mega.plan.memory import compute_plan
 
     phi = 32_763_876_352
     off = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"])).checkpoint
@@ -102,7 +102,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
 
     from dapo_mega.backends.megatron.layout import ParallelLayout
     from dapo_mega.backends.megatron.learner import MegatronLearner
-    from dapo_mega.run_dir import HFExportError
+    from dapo_mega.run_files.checkpoints import HFExportError
     from dapo_mega.weights import hf_io
     from dapo_mega.weights.convert import export_hf_step, read_hf_config_dict
 
@@ -130,7 +130,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
 
     with mock.patch.object(hf_io.ShardedSafetensorsWriter, "add", add_until_full if rank == 1 else real_add):
         seen.append(export(2))
-    with mock.patch("dapo_mega.run_dir.commit_hf_export_dir", side_effect=OSError(errno.EIO, "I/O error")):
+    with mock.patch("dapo_mega.run_files.checkpoints.commit_hf_export_dir", side_effect=OSError(errno.EIO, "I/O error")):
         seen.append(export(3))
     seen.append(export(4))
     # what a process killed now would leave: mid-stream, and with every file written just before the rename
@@ -153,7 +153,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
         return real_commit(tmp)
 
     with mock.patch.object(hf_io.ShardedSafetensorsWriter, "add", add_and_look), \
-            mock.patch("dapo_mega.run_dir.commit_hf_export_dir", look_and_commit):
+            mock.patch("dapo_mega.run_files.checkpoints.commit_hf_export_dir", look_and_commit):
         seen.append(export(5))
     return seen, sorted(p.name for p in hf_exports_root(run_dir).iterdir()), snapshots
 
@@ -275,8 +275,8 @@ def test_an_export_holds_the_learner_weights_of_its_step(export_run):
 def _engine_greedy(url, prompts, steps):
     import asyncio
 
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.engines.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 
     async def main():
         async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
@@ -310,7 +310,7 @@ def test_real_sglang_serves_an_export(export_run, tmp_path):
     from sglang_venv import sglang_python_or_skip
 
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
 
     python = sglang_python_or_skip()
     export = export_run / "hf" / step_dir_name(5)

@@ -35,8 +35,8 @@ def test_qwen3_trains_three_steps_with_the_embedded_engine(tmp_path):
 def _engine_greedy(url: str) -> tuple:
     import asyncio
 
-    from dapo_mega.backends.sglang.client import EngineClient
-    from dapo_mega.backends.sglang.endpoint import EngineEndpoint
+    from dapo_mega.engines.sglang.client import EngineClient
+    from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 
     async def main():
         async with EngineClient(EngineEndpoint(url, timeout_s=300)) as client:
@@ -59,7 +59,7 @@ def _same_greedy(got: list, want: list) -> bool:
 @pytest.mark.sglang
 def test_qwen3_trains_three_steps_with_real_sglang_and_serves_the_export(tmp_path):
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.weights.convert import export_megatron_checkpoint
 
     python = sglang_python_or_skip()

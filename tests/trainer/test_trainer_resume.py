@@ -21,7 +21,7 @@ from helpers.training import (
 
 from dapo_mega.records.ledger import read_records
 from dapo_mega.records.ledger_report import build_report, render_markdown
-from dapo_mega.run_identity import read_config_history, read_run_id
+from dapo_mega.run_files.identity import read_config_history, read_run_id
 
 TOTAL_STEPS = 4
 RESUME = ["trainer.total_steps=4", "trainer.save_interval=2", "trainer.keep_last_k=3"]

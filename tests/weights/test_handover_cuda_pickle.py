@@ -31,8 +31,8 @@ import torch
 from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.backends.placement import ClusterShape, place
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import load_config
+from dapo_mega.engines.sglang.client import EngineClient
 from dapo_mega.weights import transport
 from dapo_mega.weights.handover import HandoverPlan, cuda_ipc_payload
 from dapo_mega.weights.sync import WeightSyncer, WeightSyncError

@@ -64,7 +64,7 @@ def test_a_dropped_engine_that_still_holds_its_memory_stops_the_run_named():
 @pytest.mark.slow  # one engine start: ~10-20 s here
 def test_probe_tells_a_released_a_hung_and_a_gone_engine(tiny_model_dir):
     from dapo_mega.config import RolloutConfig
-    from dapo_mega.rollout.fleet import EngineFleet
+    from dapo_mega.engines.fleet import EngineFleet
 
     with EngineFleet(RolloutConfig(), str(tiny_model_dir), num_threads=1) as fleet:
         fleet.start(1)

@@ -12,9 +12,9 @@ from concurrent.futures import Future
 import aiohttp
 import pytest
 
-from dapo_mega.backends.sglang.client import EngineError
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet, free_port
+from dapo_mega.engines.fleet import EngineFleet, free_port
+from dapo_mega.engines.sglang.client import EngineError
 from dapo_mega.weights.sync import EngineLostError, WeightSyncer, WeightSyncError, _Broadcast, lost_reason
 
 

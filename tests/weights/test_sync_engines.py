@@ -5,9 +5,9 @@ import asyncio
 import pytest
 import torch
 
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet, free_port
+from dapo_mega.engines.fleet import EngineFleet, free_port
+from dapo_mega.engines.sglang.client import EngineClient
 from dapo_mega.weights.sync import WeightSyncer, iter_buckets
 
 
@@ -90,7 +90,7 @@ def test_distributed_then_colocated_sync_bit_identical(engines, model_dir):
 
 KILLED_TRAINER = """
 import os, sys
-from dapo_mega.rollout.fleet import free_port
+from dapo_mega.engines.fleet import free_port
 from dapo_mega.weights.sync import WeightSyncer
 syncer = WeightSyncer(sys.argv[1:], mode="distributed", backend="gloo", timeout_s=60)
 syncer.init_group(master_port=free_port(), stage=0)

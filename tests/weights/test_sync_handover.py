@@ -21,7 +21,7 @@ from test_sync_learner_engines import _engine_view, assert_engines_serve_export,
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import RolloutConfig, load_config
-from dapo_mega.rollout.fleet import EngineFleet
+from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.weights.handover import HandoverPlan
 
 

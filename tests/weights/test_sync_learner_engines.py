@@ -13,9 +13,9 @@ import pytest
 import torch
 from dist_helpers import make_config, run_distributed
 
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet, free_port
+from dapo_mega.engines.fleet import EngineFleet, free_port
+from dapo_mega.engines.sglang.client import EngineClient
 
 
 def trained_learner(world, tp, pp, model_dir):

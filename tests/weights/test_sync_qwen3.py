@@ -20,9 +20,9 @@ from dist_helpers import run_distributed
 from qwen3_dirs import build_qwen3_dir, hf_greedy
 from test_sync_learner_engines import _learner_sync, assert_engines_serve_export
 
-from dapo_mega.backends.sglang.client import EngineClient
 from dapo_mega.config import RolloutConfig
-from dapo_mega.rollout.fleet import EngineFleet, free_port
+from dapo_mega.engines.fleet import EngineFleet, free_port
+from dapo_mega.engines.sglang.client import EngineClient
 
 PROMPTS = ([20, 21, 22, 23, 24], [30, 31, 32], [5, 40, 41, 42, 7, 60])
 GREEDY_STEPS = 6

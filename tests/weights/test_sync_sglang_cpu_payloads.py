@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from dapo_mega.backends.sglang.client import EngineClient
+from dapo_mega.engines.sglang.client import EngineClient
 from dapo_mega.weights.sync import WeightSyncer
 
 SCHEDULER = r"""

@@ -2,7 +2,7 @@
 save and load as collectives over the learner ranks.
 
 The run-directory protocol (step directories, `latest`, fsync, atomic commit, keep-K) is
-`dapo_mega/run_dir.py`; this module fills a step directory:
+`dapo_mega/run_files/checkpoints.py`; this module fills a step directory:
 
     step_<N>/model_optim/         megatron.core.dist_checkpointing (torch_dist): model chunks
                                   ("model" or "model0", "model1", … with virtual PP),
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from dapo_mega import distributed as D
-from dapo_mega.run_dir import (
+from dapo_mega.run_files.checkpoints import (
     FORMAT_VERSION,
     MODEL_META_FILE,
     MODEL_OPTIM_DIR,

@@ -1,4 +1,4 @@
-"""Training checkpoints: run-directory mechanics (run_dir.py), and save / stop / resume of a real learner.
+"""Training checkpoints: run-directory mechanics (run_files/checkpoints.py), and save / stop / resume of a real learner.
 
 The resume test runs the MegatronLearner (2 gloo ranks, DP=2, distributed optimizer) in
 two separate process groups: the first trains 3 steps straight and saves after step 1;

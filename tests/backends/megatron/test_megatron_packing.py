@@ -327,7 +327,7 @@ def test_layout_measurement_by_hand():
 
 def test_plan_reports_padding_efficiency_and_dp_imbalance_for_32b():
     from dapo_mega.config import load_config
-    from dapo_mega.plan import LengthAssumption, compute_plan, format_plan
+    from dapo_mega.plan.memory import LengthAssumption, compute_plan, format_plan
 
     cfg = load_config(["+experiment=dapo_qwen2.5_32b"])
     plan = compute_plan(cfg)

@@ -1,0 +1,183 @@
+"""The model the embedded engine runs: a transformers `AutoModelForCausalLM` on one device,
+its forward passes with a KV cache, and its weights, updated in place.
+
+The forward is transformers' own, so every family it loads (Qwen2, Qwen3 with its q/k
+norms and head_dim, Llama with llama3 RoPE scaling) is computed as transformers computes
+it; this module only left-pads, caches and copies weights. (SGLang's `ModelRunner` holds
+the same two jobs: forward and weight loading.)
+
+`model_lock` is held by every forward step (`engine.GenerationEngine`) and every weight
+load or release here, so a step never sees half-loaded weights. Weights are loaded by HF
+name (`load_named_tensors`) after `check_named_meta` has checked every name, dtype and
+shape against the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from dapo_mega.engines.embedded.kv_cache import CACHE_KWARG, cache_of
+from dapo_mega.engines.embedded.sampling import Sequence_
+
+TORCH_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16, "auto": torch.float32}
+"""`--dtype` values (sglang.launch_server's names) -> the dtype the model is loaded in."""
+
+
+class ModelRunner:
+    """One HF model and tokenizer: forward with a KV cache, weights loaded, released, resumed."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", weight_version: str = "default",
+                 enable_weights_cpu_backup: bool = False, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype]).to(
+            self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model_path = model_path
+        self.weight_version = str(weight_version)
+        self.enable_weights_cpu_backup = enable_weights_cpu_backup
+        self.tied_embeddings = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.params: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._param_shapes = {k: tuple(v.shape) for k, v in self.params.items()}
+        self._backup: Dict[str, torch.Tensor] = {}
+        self.weights_released = False
+        # model_lock: held by every forward step and every weight load / release.
+        self.model_lock = threading.RLock()
+
+    # ------------------------------------------------------------------ forward
+    def forward_prefill(self, rows: List[Sequence_]):
+        """Left-padded prefill of prompt + output so far. Returns (last logits [B,V], cache, mask [B,T]).
+
+        Rows with the same tokens (the n samples of one prompt) are computed once and their
+        cache rows copied, as SGLang's prefix cache shares a prompt's KV among its samples.
+        """
+        unique: Dict[Tuple[int, ...], int] = {}
+        inverse = [unique.setdefault(tuple(r.prompt_ids + r.output_ids), len(unique)) for r in rows]
+        logits, cache, mask = self._prefill_tokens([list(s) for s in unique])
+        if len(unique) < len(rows):
+            index = torch.tensor(inverse, dtype=torch.long)
+            cache.batch_select_indices(index.to(self.device))
+            logits, mask = logits[index.to(logits.device)], mask[index]
+        return logits, cache, mask
+
+    def _prefill_tokens(self, seqs: List[List[int]]):
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float(), cache_of(out), mask
+
+    def prompt_logprobs(self, ids: Sequence[int], start: int) -> List[Optional[float]]:
+        """SGLang's `input_token_logprobs` values of `ids[start:]` with logprob_start_len=`start`:
+        None for the first, then log softmax(z)[t] of each later token given the ones before
+        (no temperature: SGLang 0.5.23 scores prompt tokens with the raw log-softmax,
+        `layers/logprob_processor.py`). One forward under `model_lock`: the weights held now."""
+        with self.model_lock, torch.no_grad():
+            if self.weights_released:
+                raise RuntimeError("weights are released; call /resume_memory_occupation first")
+            tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=tokens, use_cache=False).logits[0].float()
+        logp = torch.log_softmax(logits[start:-1], dim=-1).gather(1, tokens[0, start + 1:, None]).squeeze(1)
+        return [None] + [float(v) for v in logp.cpu()]
+
+    def forward_decode(self, rows: List[Sequence_], cache, mask: torch.Tensor):
+        """One decode step of every row's last token. Returns (logits [B,V], cache, mask [B,T+1])."""
+        ids = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long)
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        pos = mask.sum(-1, keepdim=True) - 1
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1,
+                         **{CACHE_KWARG: cache})
+        return out.logits[:, -1].float(), cache_of(out), mask
+
+    # ------------------------------------------------------------------ weights
+    def check_named_meta(self, names: Sequence[str], dtypes: Sequence[str],
+                         shapes: Sequence[Sequence[int]]) -> Optional[str]:
+        """None if every (name, dtype, shape) can be loaded, else a message naming the first bad one."""
+        from dapo_mega.weights.transport import parse_dtype
+
+        if not (len(names) == len(dtypes) == len(shapes)):
+            return f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length"
+        seen = set()
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            if not isinstance(name, str) or name not in self._param_shapes:
+                return f"unknown parameter name {name!r} (not in the model's HF state dict)"
+            if name in seen:
+                return f"parameter {name!r} appears twice"
+            seen.add(name)
+            try:
+                dt = parse_dtype(dtype)
+            except ValueError as exc:
+                return f"parameter {name!r}: {exc}"
+            if not dt.is_floating_point:
+                return f"parameter {name!r}: dtype {dtype} is not a floating-point dtype"
+            if not isinstance(shape, (list, tuple)) or tuple(int(s) for s in shape) != self._param_shapes[name]:
+                return f"parameter {name!r}: shape {shape} != model shape {list(self._param_shapes[name])}"
+        return None
+
+    def load_named_tensors(self, named: Sequence[Tuple[str, torch.Tensor]],
+                           weight_version: Optional[str] = None) -> None:
+        """Copy tensors into the model by HF name (cast to the model dtype), then set the version.
+
+        `lm_head.weight` of a tied model is skipped, as SGLang's Qwen2/Qwen3/Llama `load_weights`
+        does: the tied matrix is loaded through `model.embed_tokens.weight`.
+        """
+        with self.model_lock:
+            if self.weights_released:
+                raise RuntimeError("weights are released; call /resume_memory_occupation first")
+            with torch.no_grad():
+                for name, tensor in named:
+                    if self.tied_embeddings and name == "lm_head.weight":
+                        continue
+                    self.params[name].copy_(tensor.to(self.device))
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        if name not in self.params:
+            raise KeyError(f"unknown parameter name {name!r}")
+        if self.tied_embeddings and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"
+        return self.params[name].detach()
+
+    def release_weights(self) -> None:
+        """Free the parameter storage (SGLang's release of the `weights` tag).
+
+        Without --enable-weights-cpu-backup the contents are lost, as in SGLang: after
+        resume the learner must push weights (update_weights_from_tensor) before generating.
+        """
+        with self.model_lock:
+            if self.weights_released:
+                return
+            for name, p in self.params.items():
+                if self.enable_weights_cpu_backup:
+                    self._backup[name] = p.data
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.weights_released = True
+
+    def resume_weights(self) -> None:
+        with self.model_lock:
+            if not self.weights_released:
+                return
+            for name, p in self.params.items():
+                p.data = self._backup.pop(name) if name in self._backup else torch.zeros(
+                    self._param_shapes[name], dtype=p.dtype, device=p.device)
+            # Tied parameters share one tensor object; re-tie after reallocating.
+            if self.tied_embeddings:
+                self.model.tie_weights()
+            self.weights_released = False

@@ -1,0 +1,128 @@
+"""One engine process and the operating-system plumbing of the fleet (`fleet.py`): one
+/health probe, stopping a process (SIGTERM, then SIGKILL), an engine's log tail,
+the registry file an engine is announced in.
+
+These are the only copies in the package: the trainer, the Slurm launcher, evaluation, the
+benchmarks and the tests all reach them through the fleet or import them from here
+(`free_port` lives in `dapo_mega.distributed`, with the other rendezvous helpers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from dapo_mega.distributed import free_port
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint
+from dapo_mega.run_files.checkpoints import write_text_atomic
+
+__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "log_tail",
+           "lost_port_race", "resume_process", "stop_process"]
+
+HEALTH_PROBE_TIMEOUT_S = 5.0
+"""Per-request timeout of one /health probe (SGLang answers after ~1 s of work)."""
+
+
+def is_healthy(endpoint: EngineEndpoint, timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+    """One GET /health: True on 200 within `timeout_s`."""
+    request = urllib.request.Request(endpoint.url + "/health", headers=endpoint.headers())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` (at once when 0); waits until it is reaped."""
+    if proc.poll() is None:
+        proc.terminate() if grace_s > 0 else proc.kill()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def log_tail(path: Optional[Path], lines: int = 30, offset: int = 0) -> str:
+    """The last `lines` lines of a log, from byte `offset` on (what one process wrote)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except (OSError, TypeError):
+        return "(no log)"
+
+
+def lost_port_race(log_text: str) -> bool:
+    """The engine died because its port (free when picked) was taken before it bound it."""
+    text = log_text.lower()
+    return "address already in use" in text or "errno 98" in text
+
+
+def announce_engine(registry: Path, index: int, record: dict) -> Path:
+    """Write `engine-<index>.json` whole (`run_files.checkpoints.write_text_atomic`): readers never see half a file."""
+    registry.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(registry / f"engine-{index}.json", json.dumps(record), durable=False)
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited, or did not become healthy, at start; the message names its log."""
+
+
+@dataclass
+class EngineProcess:
+    """One engine process the fleet started."""
+
+    index: int
+    """Engine index within the run (its log is engine-<index>.log)."""
+    endpoint: EngineEndpoint
+    proc: subprocess.Popen
+    log_path: Path
+    argv: List[str]
+    env: Dict[str, str]
+    """Variables set for this engine on top of the fleet's environment."""
+    port: int
+    gpu_ids: List[int] = field(default_factory=list)
+    base_gpu_id: Optional[int] = None
+    port_retries: int = 0
+    log_offset: int = 0
+    """Size of the log (appended to across restarts) when this process started."""
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; `kill(0)` is SIGKILL at once (a crash)."""
+        resume_process(self.proc)
+        stop_process(self.proc, grace_s)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of what this process (not an earlier start of the engine) wrote to its log."""
+        return log_tail(self.log_path, lines, self.log_offset)
+
+
+
+
+def resume_process(proc: subprocess.Popen) -> None:
+    """SIGCONT: an engine stopped with SIGSTOP (a fault test, a debugger) cannot act on SIGTERM."""
+    try:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,98 @@
+"""Command lines of rollout engines and of sglang-router, built from `RolloutConfig`.
+
+Both engines start the same way: `python -m sglang.launch_server ...` on GPU clusters and
+`python -m dapo_mega.engines.embedded.server ...` (the embedded CPU engine, which accepts the same
+flags) everywhere else. Flag names come from `api.SERVER_FLAGS`, pinned from sglang 0.5.23
+(`srt/arg_groups/fields/*.py`); router flags from sglang-router 0.3.2.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Sequence
+
+from dapo_mega.config import RolloutConfig, require_api_key
+from dapo_mega.engines.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
+
+SGLANG_MODULE = "sglang.launch_server"
+EMBEDDED_MODULE = "dapo_mega.engines.embedded.server"
+ROUTER_MODULE = "sglang_router.launch_router"
+
+
+def resolve_engine_dtype(dtype: str, backend: str) -> str:
+    """`auto` means float32 on the CPU engine and bfloat16 on SGLang (GPU)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if backend == "embedded" else "bfloat16"
+
+
+def build_engine_command(
+    cfg: RolloutConfig,
+    model_path: str,
+    port: int,
+    weight_version: str = "default",
+    host: Optional[str] = None,
+    python: str = sys.executable,
+    memory_saver: bool = False,
+    base_gpu_id: Optional[int] = None,
+) -> List[str]:
+    """argv of one engine: `[python, -m, <module>, --model-path, ..., *extra_server_args]`.
+
+    The module is sglang.launch_server for `cfg.backend == "sglang"`, else the embedded
+    engine. Memory flags (`--mem-fraction-static`, `--enable-memory-saver`) are passed to
+    both; the embedded engine accepts and ignores what has no meaning on a CPU.
+
+    memory_saver: `--enable-memory-saver`, for colocated engines (cluster.mode=colocated):
+        without it SGLang's `/release_memory_occupation` frees nothing and the learner
+        trains next to a full KV cache (sglang 0.5.23 `ExecConfig.enable_memory_saver`).
+    base_gpu_id: SGLang `--base-gpu-id` (the first GPU the engine uses among those visible
+        to it); the placement narrows CUDA_VISIBLE_DEVICES per engine and passes 0.
+        SGLang only: the embedded CPU engine has no GPUs.
+    """
+    host = host or cfg.host
+    require_api_key(host, cfg.api_key, "rollout.api_key")
+    module = SGLANG_MODULE if cfg.backend == "sglang" else EMBEDDED_MODULE
+    f = SERVER_FLAGS
+    argv = [python, "-m", module,
+            f["model_path"], str(model_path),
+            f["host"], host,
+            f["port"], str(port),
+            f["tp_size"], str(cfg.engine_tp_size),
+            f["dp_size"], str(cfg.engine_dp_size),
+            f["dtype"], resolve_engine_dtype(cfg.dtype, cfg.backend),
+            f["mem_fraction_static"], str(cfg.mem_fraction_static),
+            f["max_running_requests"], str(cfg.max_running_requests),
+            f["weight_version"], str(weight_version)]
+    if cfg.api_key:
+        argv += [f["api_key"], cfg.api_key]
+    if memory_saver:
+        argv.append(f["enable_memory_saver"])
+    if base_gpu_id is not None and cfg.backend == "sglang":
+        argv += [f["base_gpu_id"], str(base_gpu_id)]
+    argv += list(cfg.extra_server_args)
+    return argv
+
+
+def build_router_command(
+    worker_urls: Sequence[str],
+    port: int,
+    host: str = "127.0.0.1",
+    policy: str = "cache_aware",
+    python: str = sys.executable,
+    api_key: str = "",
+) -> List[str]:
+    """argv of sglang-router in front of `worker_urls` (cache-aware routing by default).
+
+    `api_key`: the engines' key; sglang-router 0.3.2 sends it to its workers
+    (`--api-key`, "the api key used for the authorization with the worker").
+    """
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"router policy {policy!r} not in {ROUTER_POLICIES}")
+    if not worker_urls:
+        raise ValueError("sglang-router needs at least one worker url")
+    argv = [python, "-m", ROUTER_MODULE, ROUTER_FLAGS["worker_urls"], *worker_urls,
+            ROUTER_FLAGS["host"], host, ROUTER_FLAGS["port"], str(port),
+            ROUTER_FLAGS["policy"], policy]
+    if api_key:
+        argv += [ROUTER_FLAGS["api_key"], api_key]
+    return argv

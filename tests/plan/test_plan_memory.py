@@ -1,0 +1,155 @@
+"""`dapo-mega plan` against memory figures computed by hand for the 32B reproduction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dapo_mega.cli import main as cli_main
+from dapo_mega.config import load_config
+from dapo_mega.plan.memory import compute_plan
+
+GIB = 1024 ** 3
+
+
+def test_qwen32b_parameter_count_matches_the_published_size():
+    # per layer: q 5120*5120 + k,v 2*5120*1024 + o 5120*5120            = 62,914,560
+    #            QKV bias 5120 + 2*1024                                  =      7,168
+    #            SwiGLU 3*5120*27648                                     = 424,673,280
+    #            two RMSNorms 2*5120                                     =     10,240
+    #            → 487,605,248; x64 layers                               = 31,206,735,872
+    # embedding + untied output 2*152064*5120 = 1,557,135,360; final norm 5120
+    expected = 31_206_735_872 + 1_557_135_360 + 5_120
+    assert expected == 32_763_876_352  # "32.8B" on the Qwen2.5-32B model card
+    plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))
+    assert plan.model.source == "table"  # no /models/Qwen2.5-32B here
+    assert plan.total_params == expected
+
+
+# The hand computation of docs/cluster.md ("Memory by hand"), its results as literals.
+HAND = {
+    "params": (2_048_356_352, 2_048_361_472),
+    "model_state_bytes": (15_362_672_640, 15_362_711_040),
+    "per_layer_activation_bytes": (675_231_744, 675_231_744),
+    "activation_kept_bytes": (1_845_493_760, 980_418_560),
+    "recompute_bytes": (1_373_059_072, 1_373_059_072),
+    "logits_bytes": (0, 2_187_599_872),
+    "total_bytes": (18_581_225_472, 18_530_729_472),
+}
+
+
+def _within(value, hand, rel=0.10):
+    return abs(value - hand) <= rel * hand
+
+
+def test_qwen32b_colocated_plan_matches_the_hand_computation_in_docs():
+    plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b"]))
+    p = plan.parallel
+    assert (p.tp, p.pp, p.dp, p.world_size) == (8, 2, 8, 128)  # 128 GPUs / (8*2)
+    for stage in plan.learner_memory.stages:
+        for key, hand in HAND.items():
+            value = getattr(stage, key)
+            assert _within(value, hand[stage.stage]), (stage.stage, key, value, hand)
+        assert stage.fp8_cache_bytes == 0
+    stage0, stage1 = plan.learner_memory.stages
+    assert stage0.params == 2_048_356_352 and stage1.params == 2_048_361_472  # exact: counting
+    assert plan.learner_memory.per_layer_activation_s_h_over_t == pytest.approx(46.8, abs=0.05)  # not 34
+    assert plan.learner_memory.worst_stage == 0
+    # KV room per engine: 4 GPUs x (0.6 x free at start - 2*Phi/4), free at start 67,852,280,320
+    eng = plan.engines
+    assert _within(eng.kv_room_bytes, 97_317_720_064) and eng.kv_room_bytes / GIB < 92  # 131 GiB before
+    assert eng.kv_bytes_per_token == 262_144
+    assert _within(eng.kv_tokens, 371_237)
+    assert _within(eng.weights_per_gpu_bytes, 16_381_938_176)
+    for fit in eng.colocated:  # one GPU during rollout: 59.9 of 80 GiB; training 19.8
+        assert _within(fit.rollout_bytes, 64_282_417_971)
+        assert _within(fit.kv_fresh, 25_558_446_899)
+        assert _within(fit.training_bytes, 21_265_580_032)
+    ck = plan.checkpoint
+    assert _within(ck.bytes, 458_694_268_928) and _within(ck.disk_peak_bytes, 2_752_165_613_568)
+    assert ck.keep_last_k == 3
+    ram = plan.conversion_host_ram
+    # by hand (docs/cluster.md): 8 x (0.4 + 65.5 / 8 + 2 x 1.56) GB; 0.4 + 65.5 + 1.56 GB
+    assert _within(ram.import_export.total_bytes, 93.8e9) and _within(ram.verify.total_bytes, 67.5e9)
+    assert plan.weight_sync.bytes_per_step == 2 * 32_763_876_352
+    assert plan.warnings == []  # learner and engine fit together, by SGLang's formula too
+
+
+def test_fp8_adds_weight_caches_and_context_parallel_is_refused_as_the_learner_does():
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import check_learner_supports
+    from dapo_mega.config import ConfigError
+
+    fp8 = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_fp8"]))
+    for stage in fp8.learner_memory.stages:  # FP8 copy + transpose of 32 layers' linear weights
+        assert _within(stage.fp8_cache_bytes, 3_900_702_720)
+        assert _within(stage.total_bytes, HAND["total_bytes"][stage.stage] + 3_900_702_720)
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b", "megatron.context_parallel_size=2"])
+    with pytest.raises(ConfigError) as planned:
+        compute_plan(cfg)
+    with pytest.raises(ConfigError) as learner:
+        check_learner_supports(ParallelLayout.from_config(cfg.megatron, 128))
+    assert str(planned.value) == str(learner.value)
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "megatron.context_parallel_size=2"]) == 2
+
+
+def test_plan_warns_when_learner_and_engine_do_not_fit_on_one_gpu():
+    # f = 0.95: the first job's pool 0.95 x 69.9e9 - 16.4e9 = 50.0e9; beside the learner's
+    # 15.4e9, 2.7e9 of contexts, 16.4e9 of weights, 3.2e9 of graphs, 1.1e9 of sync buckets: 88.8e9 > 85.9e9
+    plan = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]))
+    assert any(w.startswith("learner and engine do not fit together on a stage-1 GPU during rollout")
+               for w in plan.warnings), plan.warnings
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "rollout.mem_fraction_static=0.95"]) == 1
+    disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg"]))
+    assert disagg.engines.colocated == []  # engine GPUs hold no learner: 0.85 x (80 - 1) GiB - weights
+    assert _within(disagg.engines.kv_per_gpu_bytes, 0.85 * 79 * GIB - 16_381_938_176)
+
+
+def test_plan_warns_on_cross_node_tp_idle_engines_and_oom():
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b", "megatron.tensor_model_parallel_size=16",
+                       "megatron.pipeline_model_parallel_size=1", "rollout.num_engines=8",
+                       "megatron.recompute_granularity=null", "cluster.gpu_memory_gib=24"])
+    plan = compute_plan(cfg)
+    warnings = "\n".join(plan.warnings)
+    assert "TP 16 crosses nodes" in warnings
+    assert "engines idle GPUs: 96 of 128" in warnings  # 8 engines x 4 GPUs of 128
+    assert "learner does not fit" in warnings
+    # the memory (and the heads TP 16 cannot split) block the run, a launcher refuses on them;
+    # crossing nodes and idle GPUs are advice
+    blocking = [w.split(":")[0] for w in plan.blocking]
+    assert "learner does not fit" in blocking and any("do not split over TP 16" in w for w in plan.blocking)
+    assert not any("crosses nodes" in w or "engines idle GPUs" in w for w in plan.blocking), plan.blocking
+    assert set(plan.blocking) < set(plan.warnings)
+    assert plan.to_dict()["blocking"] == plan.blocking
+    disagg = compute_plan(load_config(["+experiment=dapo_qwen2.5_32b_disagg", "cluster.max_staleness=0"]))
+    assert any("engines idle while learners train" in w for w in disagg.warnings)
+    assert disagg.parallel.dp == 4 and disagg.cluster.learner_nodes == 8
+    assert disagg.layout[8].roles == ["engines 0-1 (TP 4)"]
+
+
+def test_plan_reads_hf_config_json(tmp_path):
+    config = {"model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plan = compute_plan(load_config([f"model.hf_path={tmp_path}", "model.name=mine"]))
+    # 4 x (256*256*2 + 2*256*64 + bias 256+128 + 3*256*512 + 2*256) + tied 1000*256 + 256
+    per_layer = 256 * 256 * 2 + 2 * 256 * 64 + 384 + 3 * 256 * 512 + 512
+    assert plan.model.source == "hf_config"
+    assert plan.total_params == 4 * per_layer + 256_000 + 256
+
+
+def test_plan_cli_json_and_exit_status(capsys):
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallel"]["tp"] == 8 and len(out["layout"]) == 16
+    checkpoint = out["checkpoint"]  # bf16 model 2 + fp32 master, m, v 12 bytes per parameter; 3 kept + 1 written
+    # + steps 100 and 200 of 313 that keep_every: 100 keeps (300 is among the newest 3)
+    assert checkpoint["bytes"] == 14 * 32_763_876_352 and checkpoint["disk_peak_bytes"] == 6 * 14 * 32_763_876_352
+    assert checkpoint["kept_for_good"] == 2
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b"]) == 0
+    text = capsys.readouterr().out
+    assert "checkpoints: 458.7 GB each" in text and "2 kept by keep_every: 2.75 TB on disk" in text
+    assert "46.8*s*h/t" in text and "colocated stage-1 GPU, rollout:" in text
+    assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "cluster.gpu_memory_gib=16"]) == 1
+    assert "WARNING: learner does not fit" in capsys.readouterr().out
