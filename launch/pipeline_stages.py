@@ -285,8 +285,8 @@ class Pipeline:
         """`--signal=B:USR1@<lead>`: the plan's `stop_signal_lead_s` (a step, its evaluation and a
         save, with a margin) before the time limit, so the learners save before Slurm kills them;
         the sbatch scripts' own 600 s without a clock. Refused when it leaves the job no time."""
-        from dapo_mega.plan.clock import STOP_SIGNAL_FLOOR_S, STOP_SIGNAL_MAX_S
         from dapo_mega.launch import parse_slurm_duration
+        from dapo_mega.plan.clock import STOP_SIGNAL_FLOOR_S, STOP_SIGNAL_MAX_S
 
         lead = math.ceil(max(STOP_SIGNAL_FLOOR_S, self.clock.get("stop_signal_lead_s") or 0.0))
         limit = parse_slurm_duration(link_time)  # None: UNLIMITED
