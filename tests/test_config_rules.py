@@ -259,7 +259,7 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
     is built; DP may change; fully_reshardable state, or trainer.resume=false, goes through."""
     import json
 
-    from dapo_mega import run_dir as R
+    from dapo_mega.run_files import checkpoints as R
     from dapo_mega.plan.preflight import check_before_start
 
     base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]

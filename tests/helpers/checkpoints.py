@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from dapo_mega import run_dir as R
+from dapo_mega.run_files import checkpoints as R
 
 
 def fake_checkpoint(checkpoints: Path, step: int, complete: bool = True, latest: bool = False) -> Path:

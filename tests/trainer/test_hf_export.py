@@ -134,7 +134,7 @@ def _export_with_failures(rank, world, model_dir, run_dir):
         seen.append(export(3))
     seen.append(export(4))
     # what a process killed now would leave: mid-stream, and with every file written just before the rename
-    from dapo_mega import run_dir as R
+    from dapo_mega.run_files import checkpoints as R
 
     snapshots, real_commit = [], R.commit_hf_export_dir
 
