@@ -32,7 +32,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from dapo_mega.config import ConfigError, DapoConfig
-from dapo_mega.plan.memory import LengthAssumption, compute_plan, resolve_model_shape, total_params
+from dapo_mega.plan.memory import (
+    LengthAssumption,
+    compute_plan,
+    learner_data_parallel,
+    resolve_model_shape,
+    total_params,
+)
 from dapo_mega.plan.types import Plan
 
 GB = 1e9
@@ -358,19 +364,20 @@ def _resolved(cfg: DapoConfig, a: ClockAssumptions) -> LengthAssumption:
     return a.lengths.resolved(cfg.algo.max_prompt_length, cfg.algo.max_response_length)
 
 
-def _engine_start(cfg: DapoConfig, a: ClockAssumptions, plan: Plan, params: float) -> tuple:
+def _engine_start(cfg: DapoConfig, a: ClockAssumptions, data_parallel: int, params: float) -> tuple:
     """(readers, capture seconds, estimated start) of this config's engines."""
-    readers = engine_start_readers(cfg, plan.parallel.dp)
+    readers = engine_start_readers(cfg, data_parallel)
     capture = a.cuda_graph_capture_s if cfg.rollout.backend == "sglang" else 0.0
     return readers, capture, estimate_engine_start_s(2 * params, readers, a, capture)
 
 
 def engine_start_timeout_s(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = None) -> float:
     """The derived bound on one engine's start (used when rollout.health_timeout_s = 0):
-    `derive_start_timeout_s` of `estimate_engine_start_s` for 2Φ bytes and every loader."""
+    `derive_start_timeout_s` of `estimate_engine_start_s` for 2Φ bytes and every loader.
+    An engine start reads it: the model's size and the learners' DP, not the whole plan."""
     a = assumptions or ClockAssumptions()
     params = total_params(resolve_model_shape(cfg)[0])
-    return derive_start_timeout_s(_engine_start(cfg, a, compute_plan(cfg, a.lengths), params)[2], a)
+    return derive_start_timeout_s(_engine_start(cfg, a, learner_data_parallel(cfg), params)[2], a)
 
 
 def resolve_health_timeout_s(cfg: DapoConfig) -> float:
@@ -410,7 +417,7 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
     learner_gpus = plan.parallel.world_size
     train_s = estimate_train_step_s(flops, tokens, learner_gpus, a)
     sync_s = estimate_weight_sync_s(params, a.weight_sync_gb_per_s)
-    readers, capture_s, start_s = _engine_start(cfg, a, plan, params)
+    readers, capture_s, start_s = _engine_start(cfg, a, plan.parallel.dp, params)
     derived = derive_start_timeout_s(start_s, a)
     save_s = plan.checkpoint.bytes / (a.checkpoint_write_gb_per_s * GB)
     return ClockEstimate(assumptions=a, rates=rates, params=params, rollout_round=rollout_round,

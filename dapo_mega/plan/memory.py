@@ -588,6 +588,14 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     )
 
 
+def learner_data_parallel(cfg: DapoConfig) -> int:
+    """DP of the learners on the cluster.* shape: their GPUs / (tp·pp·cp), at least 1."""
+    c, m = cfg.cluster, cfg.megatron
+    learner_nodes = c.num_nodes - c.engine_nodes if c.mode == "disaggregated" else c.num_nodes
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    return max(1, learner_nodes * c.gpus_per_node // model_parallel)
+
+
 def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List[str]) -> int:
     """DP of the learners; layout problems into `warnings`, the learner's refusals raised."""
     c, m, r = cfg.cluster, cfg.megatron, cfg.rollout
@@ -608,7 +616,7 @@ def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List
         warnings.append(f"{shape.num_attention_heads} heads / {shape.num_key_value_heads} KV heads do not split over TP {tp}")
     if shape.num_layers % pp:
         warnings.append(f"{shape.num_layers} layers do not split evenly over PP {pp}")
-    return max(1, world // model_parallel)
+    return learner_data_parallel(cfg)
 
 
 def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[StageMemory]:

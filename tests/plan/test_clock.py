@@ -330,3 +330,17 @@ def test_plan_prints_the_ledger_bytes_per_step_by_text_setting(capsys):
     # 1536 prompts x 16 samples per round; full text of ~4,000-token answers is ~100 MB
     assert figures["none"] < figures["head_tail"] < figures["full"]
     assert 1536 * 16 * 20 < figures["none"] and 50e6 < figures["full"] < 500e6
+
+
+@pytest.mark.parametrize("experiment", ["dapo_qwen2.5_32b", "dapo_qwen2.5_32b_disagg", "tiny_cpu_slurm"])
+def test_an_engine_start_reads_its_bound_without_running_the_planner(experiment, monkeypatch):
+    from dapo_mega.plan import clock
+
+    cfg = load_config([f"+experiment={experiment}", "rollout.health_timeout_s=0"])
+    expected = estimate_clock(cfg).engine_start_timeout_s  # the plan's own figure
+
+    def no_planner(*args, **kwargs):
+        raise AssertionError("an engine start ran the whole memory planner")
+
+    monkeypatch.setattr(clock, "compute_plan", no_planner)
+    assert resolve_health_timeout_s(cfg) == pytest.approx(expected)
