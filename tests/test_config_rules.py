@@ -259,8 +259,8 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
     is built; DP may change; fully_reshardable state, or trainer.resume=false, goes through."""
     import json
 
-    from dapo_mega.run_files import checkpoints as R
     from dapo_mega.plan.preflight import check_before_start
+    from dapo_mega.run_files import checkpoints as R
 
     base = [f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
     cfg = load_config(base)

@@ -8,6 +8,7 @@ sglang.launch_server's flags (the fleet starts it exactly as it starts SGLang).
 * `engine.py`: `GenerationEngine`, the queue and the generation thread (continuous batching,
   pause modes, abort).
 * `model_runner.py`: `ModelRunner`, the HF model's forward with a KV cache and its weights.
+* `flat_weights.py`: the weights laid out flat, flattened buckets received in place.
 * `kv_cache.py`: merging and trimming transformers' KV caches for continuous batching.
 * `sampling.py`: SGLang's sampler (temperature, top-k, top-p, min-p) and the sequence record.
 

@@ -21,7 +21,9 @@ What it enforces as SGLang does: weight updates only inside a `/begin_weight_upd
   (KV lives only as long as a batch).
 
 Weight receives run in worker threads, so the event loop keeps answering /health during a
-sync.
+sync. A flattened bucket whose tensors lie back to back in the parameters' flat layout is
+received straight into them; others go through a reused scratch buffer and a copy
+(`flat_weights.py`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 from aiohttp import web
 
 from dapo_mega.engines.embedded.engine import GenerationEngine
+from dapo_mega.engines.embedded.flat_weights import BucketReceiver
 from dapo_mega.engines.embedded.validation import BadRequest, fail, parse_control_body, read_json
 from dapo_mega.engines.sglang.api import FLATTENED_BUCKET, PAUSE_MODES
 from dapo_mega.weights import transport
@@ -51,6 +54,7 @@ class EngineControl:
     def __init__(self, engine: GenerationEngine):
         self.engine = engine
         self.runner = engine.runner
+        self.receiver = BucketReceiver(engine.runner)
         self.groups: Dict[str, ProcessGroup] = {}
         self.update_session: Optional[str] = None
         """The open weight-update session's selector (None: no session; updates are refused)."""
@@ -187,10 +191,10 @@ class EngineControl:
             # load runs outside the lock so bucket k loads while bucket k+1 is received.
             async with self._update_lock:
                 await self._maybe_abort(b["abort_all_requests"])
-                named = await asyncio.to_thread(
-                    receive_broadcast, self.groups[b["group_name"]], names,
-                    [transport.parse_dtype(d) for d in dtypes], shapes, b["load_format"], self.runner.device)
-            await asyncio.to_thread(self.runner.load_named_tensors, named, b["weight_version"])
+                received = await asyncio.to_thread(
+                    self.receiver.receive, self.groups[b["group_name"]], names,
+                    [transport.parse_dtype(d) for d in dtypes], shapes, b["load_format"])
+            await asyncio.to_thread(self.receiver.load, received, b["weight_version"])
         except Exception as exc:
             return fail(f"Failed to update parameter online: {exc}. The weights may be partially updated.")
         message = _updated("Succeeded to update parameter online.", b["weight_version"])
@@ -271,24 +275,3 @@ def _updated(message: str, weight_version: Optional[str]) -> str:
     """SGLang's reply to an update that set a version (tokenizer_control_mixin.py)."""
     return message if weight_version is None else f"{message} Weight version updated to {weight_version}."
 
-
-def receive_broadcast(pg, names: List[str], dtypes: List[torch.dtype], shapes: List[List[int]],
-                      load_format: Optional[str], device) -> List[Tuple[str, torch.Tensor]]:
-    """Receive one bucket from group rank 0, exactly as SGLang's receiver does.
-
-    Per-tensor format: one broadcast per tensor, in list order. flattened_bucket: one
-    uint8 broadcast of the bytes of all tensors back to back.
-    """
-    if load_format == FLATTENED_BUCKET:
-        metas, nbytes = transport.bucket_layout(names, dtypes, shapes)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        torch.distributed.broadcast(flat, src=0, group=pg)
-        return transport.unflatten_bucket(flat, metas)
-    out, handles = [], []
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        t = torch.empty([int(s) for s in shape], dtype=dtype, device=device)
-        handles.append(torch.distributed.broadcast(t, src=0, group=pg, async_op=True))
-        out.append((name, t))
-    for h in handles:
-        h.wait()
-    return out

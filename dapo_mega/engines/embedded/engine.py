@@ -12,8 +12,9 @@ their own and their KV cache is merged into the batch's, both left-padded to one
 caches have no `.layers`: newcomers wait for the next batch.) Each step samples one token
 per row (`sampling.sample_tokens`, SGLang's sampler) stamped with the weight version of
 that step. The HTTP layer (`server.py`) never touches the model: it enqueues sequences, and
-weight updates go through `ModelRunner.load_named_tensors`, which takes the same lock as a
-forward step, so a step never sees half-loaded weights.
+weight updates go through `ModelRunner.load_named_tensors` (or a broadcast straight into the
+parameters, `flat_weights.BucketReceiver`), which take the same lock as a forward step, so a
+step never sees half-loaded weights.
 
 Limits (as SGLang 0.5.23): at most `max_running_requests` sequences run in one batch; the
 rest wait in a queue (bounded by `max_queued_requests` when set); the HTTP layer refuses

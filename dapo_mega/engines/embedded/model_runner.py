@@ -9,7 +9,8 @@ the same two jobs: forward and weight loading.)
 `model_lock` is held by every forward step (`engine.GenerationEngine`) and every weight
 load or release here, so a step never sees half-loaded weights. Weights are loaded by HF
 name (`load_named_tensors`) after `check_named_meta` has checked every name, dtype and
-shape against the model.
+shape against the model. The parameters are views into one flat storage per dtype
+(`flat_weights.FlatParameters`), so a flattened bucket sent in their order is received in place.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dapo_mega.engines.embedded.flat_weights import FlatParameters
 from dapo_mega.engines.embedded.kv_cache import CACHE_KWARG, cache_of
 from dapo_mega.engines.embedded.sampling import Sequence_
 
@@ -49,7 +51,10 @@ class ModelRunner:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.params: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         self._param_shapes = {k: tuple(v.shape) for k, v in self.params.items()}
-        self._backup: Dict[str, torch.Tensor] = {}
+        self.flat = FlatParameters(self.params, self._param_shapes)
+        self.flat.plan(list(self.params))  # the HF state-dict order, until a sync sends another
+        with torch.no_grad():
+            self.flat.allocate("current")
         self.weights_released = False
         # model_lock: held by every forward step and every weight load / release.
         self.model_lock = threading.RLock()
@@ -164,19 +169,16 @@ class ModelRunner:
         with self.model_lock:
             if self.weights_released:
                 return
-            for name, p in self.params.items():
-                if self.enable_weights_cpu_backup:
-                    self._backup[name] = p.data
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.flat.release(keep_backup=self.enable_weights_cpu_backup)
             self.weights_released = True
 
     def resume_weights(self) -> None:
+        """Allocate the parameters again (their flat layout as before release): the backup's
+        contents, else zeros."""
         with self.model_lock:
             if not self.weights_released:
                 return
-            for name, p in self.params.items():
-                p.data = self._backup.pop(name) if name in self._backup else torch.zeros(
-                    self._param_shapes[name], dtype=p.dtype, device=p.device)
+            self.flat.resume()
             # Tied parameters share one tensor object; re-tie after reallocating.
             if self.tied_embeddings:
                 self.model.tie_weights()

@@ -124,6 +124,7 @@ class EngineServer:
                                   "num_generated_tokens": self.engine.num_generated_tokens,
                                   "num_forward_steps": self.engine.num_forward_steps,
                                   "max_running_seen": self.engine.max_batch_seen,
+                                  "weight_receive": self.control.receiver.stats_dict(),
                                   "engine": "dapo_mega.engines.embedded.server"})
 
     async def loads(self, request: web.Request) -> web.Response:

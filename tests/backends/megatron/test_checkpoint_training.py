@@ -19,8 +19,8 @@ import pytest
 from dist_helpers import make_config, make_samples
 from helpers.checkpoints import fake_checkpoint
 
-from dapo_mega.run_files import checkpoints as R
 from dapo_mega.backends.megatron import checkpoint as C
+from dapo_mega.run_files import checkpoints as R
 from dapo_mega.weights.spawn import spawn_gloo
 
 
