@@ -45,7 +45,7 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
         result = run_trainer(tmp_path, "full", RUN, faults=[] if mounted else ["enospc:2"])
         out = result.stdout
         assert result.returncode != 0, out[-3000:]
-        error = next(ln for ln in out.splitlines() if "run_dir.CheckpointSaveError: " in ln)
+        error = next(ln for ln in out.splitlines() if ".CheckpointSaveError: " in ln)
         assert "step 2" in error and "disk full (ENOSPC" in error and "intact" in error, error
         assert (ckpts / "latest").read_text().strip() == "step_000001"
         assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000001"], "partial save left behind"
