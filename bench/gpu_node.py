@@ -85,11 +85,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from dapo_mega.models.shape import ModelShape
-from dapo_mega.plan.memory import KNOWN_MODELS
-
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
+if str(REPO) not in sys.path:  # the repository's package, installed or not
+    sys.path.insert(0, str(REPO))
+
+from dapo_mega.models.shape import ModelShape  # noqa: E402
+from dapo_mega.plan.memory import KNOWN_MODELS  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}
 """Dense peak TFLOP/s of H100/H200 SXM (no sparsity)."""
@@ -495,7 +497,7 @@ def handover_round_trip(shape: ModelShape, via_sglang: bool) -> Dict[str, Any]:
     serialize_s = time.perf_counter() - t0
     proc = subprocess.run([sys.executable, "-c", HANDOVER_RECEIVER, "sglang" if via_sglang else "project"],
                           input=payload, capture_output=True, text=True, timeout=150, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=repo_env())
     if proc.returncode != 0:
         return {"error": f"receiver ({'sglang' if via_sglang else 'project'}) exit {proc.returncode}: "
                          f"{proc.stderr[-3000:]}"}
@@ -515,11 +517,17 @@ def part_handover(args) -> Dict[str, Any]:
 
 
 # ============================================================================ the checks (GPU)
+def repo_env() -> Dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH (what was there kept:
+    wheels carried to the node may live on it)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+
+
 def _tool(*argv: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
     """`tools/convert_checkpoint.py ARGV` in a fresh process."""
     return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), *argv],
                           capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=repo_env())
 
 
 def _tiny_hf_dir(root: Path) -> Path:
@@ -657,7 +665,7 @@ def check_train_tiny(args) -> Dict[str, Any]:
         try:
             proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", *overrides], capture_output=True,
                                   text=True, timeout=args.train_timeout_s, cwd=REPO,
-                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+                                  env=repo_env())
         except subprocess.TimeoutExpired as exc:
             return {"passed": False, "engine": engine, "reason": f"dapo-mega train: no exit within "
                                                                  f"{args.train_timeout_s} s: {first_line(str(exc.stderr))}"}
@@ -777,5 +785,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())
