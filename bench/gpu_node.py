@@ -315,14 +315,52 @@ def _model_config(shape: ModelShape, max_len: int):
 
 
 # ============================================================================ parts (GPU)
+def time_learner_updates(cfg, hf_config, samples, repeats: int, impl: str, fp8: bool) -> Dict[str, Any]:
+    """`repeats` timed optimizer updates of `samples` (after one warm-up) through
+    `MegatronLearner._update`, world size 1 (rank 0 on its device by the device rule, CPU
+    without a GPU); "seconds" is their total. The same update as bench_learner's Megatron side."""
+    from functools import partial
+
+    import torch
+
+    sys.path.insert(0, str(BENCH_DIR))
+    from bench_learner import _layout_stats, _loss_denominators, _rank_device, _sync
+    from timing import time_alternating
+
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.distributed import free_port
+
+    cfg.megatron.transformer_impl = impl
+    cfg.megatron.fp8.enabled = fp8
+    if fp8:
+        cfg.megatron.fp8.recipe = "tensorwise"
+    layout = ParallelLayout.from_config(cfg.megatron, 1, hf_config).initialize(
+        init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, cuda_device=_rank_device(0, 1))
+    try:
+        learner = MegatronLearner(cfg, hf_config, layout)
+        micro = learner._micro_batches(samples, list(range(len(samples))))
+        learner._write_old_log_probs(micro)
+        loss_func = partial(learner._policy_loss_func, *_loss_denominators(samples))
+
+        def update():
+            return learner._update(micro, loss_func, lr=None)
+
+        update()  # warm-up: allocations, kernels
+        seconds = time_alternating({"update": update}, repeats, sync=_sync)["update"]
+        info = {"layer_spec": learner.info.layer_spec, "params_dtype": learner.info.params_dtype,
+                "fp8": learner.info.fp8, **_layout_stats(micro)}
+    finally:
+        torch.distributed.destroy_process_group()
+        layout.destroy()
+    return {"seconds": sum(seconds), "update_seconds": seconds, **info}
+
+
 def part_learner(args, precision: str) -> Dict[str, Any]:
     """One learner variant (bf16 or fp8), world size 1 on NCCL, through bench_learner's timing."""
     import random
 
     import torch
-
-    sys.path.insert(0, str(BENCH_DIR))
-    from bench_learner import _bench_megatron
 
     from dapo_mega.algo.train_sample import TrainSample
     from dapo_mega.backends.megatron.model import transformer_engine_import_error
@@ -347,8 +385,8 @@ def part_learner(args, precision: str) -> Dict[str, Any]:
                            advantage=1.0 if i % 2 else -1.0) for i, (p, r) in enumerate(lengths)]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     t0 = time.perf_counter()
-    out = _bench_megatron(cfg, hf_config, samples, args.repeats, impl="transformer_engine" if te else "local",
-                          fp8=precision == "fp8")
+    out = time_learner_updates(cfg, hf_config, samples, args.repeats, impl="transformer_engine" if te else "local",
+                               fp8=precision == "fp8")
     flops = args.repeats * train_flops(shape, [p + r for p, r in lengths])
     timed = out.pop("seconds")  # the `repeats` timed steps only
     out.update(precision=precision, layers=args.layers, parameters=count_parameters(shape),

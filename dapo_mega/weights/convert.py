@@ -164,7 +164,10 @@ def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch
     from dapo_mega.backends.megatron.model import build_model
     from dapo_mega.config import MegatronConfig
 
-    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    # The local spec on a GPU too: the checkpoint is the same for both specs (megatron-core maps
+    # the norms to TE's fused names), a TE learner loads it, and a node without Transformer
+    # Engine converts (the first GPU run: `auto` refused the import there).
+    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, transformer_impl="local",
                           params_dtype="float32" if not torch.cuda.is_available() else "auto")
     cuda_device = None if torch.distributed.is_initialized() else \
         conversion_cuda_index(rank, world_size, device, torch.cuda.device_count() if device != CPU else 0)

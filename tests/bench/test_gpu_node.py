@@ -160,3 +160,37 @@ def test_without_a_gpu_it_exits_saying_so():
 def test_part_function_flags_parse():
     args = gpu_node.parse_args(["--train-engine", "embedded", "--budget-s", "100"])
     assert isinstance(args, argparse.Namespace) and args.train_engine == "embedded" and args.budget_s == 100
+
+
+LEARNER_TIMING = """
+import json, random, sys
+sys.path.insert(0, sys.argv[1])
+import gpu_node
+from dapo_mega.algo.train_sample import TrainSample
+from dapo_mega.config import DapoConfig
+from dapo_mega.models.tiny import tiny_hf_config
+cfg = DapoConfig()
+cfg.model.tiny_num_layers = 2
+cfg.megatron.micro_batch_tokens = 64
+cfg.algo.lr_warmup_steps = 0
+hf = tiny_hf_config(cfg.model)
+rng = random.Random(0)
+samples = [TrainSample(prompt_ids=[rng.randrange(3, 90) for _ in range(6)],
+                       response_ids=[rng.randrange(3, 90) for _ in range(10)], advantage=(-1) ** i) for i in range(4)]
+out = gpu_node.time_learner_updates(cfg, hf, samples, 2, impl="local", fp8=False)
+print(json.dumps(out))
+"""
+
+
+def test_the_learner_measurement_runs_its_updates_here_on_the_cpu():
+    """learner_bf16's timing (the part that broke on the first GPU run: a lost import) through
+    the real learner, at world size 1 on the CPU."""
+    proc = subprocess.run([sys.executable, "-c", LEARNER_TIMING, str(REPO / "bench")], capture_output=True,
+                          text=True, timeout=240, cwd=REPO, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["update_seconds"]) == 2 and all(s > 0 for s in out["update_seconds"])
+    assert out["seconds"] == pytest.approx(sum(out["update_seconds"]))
+    assert out["layer_spec"] == "local" and out["micro_batches"] >= 1 and out["computed_tokens"] >= 4 * 16, out

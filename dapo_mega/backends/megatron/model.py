@@ -318,6 +318,25 @@ def _require_spec_norm(model: torch.nn.Module, spec_name: str) -> None:
                           "backends/megatron/model.py _block_norm_of)")
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> List[str]:
+    """Every floating-point parameter of `model` in `dtype`; the names of those it cast.
+
+    megatron-core's local layer spec builds its norms as torch.nn.RMSNorm without a dtype
+    (WrappedTorchNorm), so a bf16 build holds fp32 norm weights beside bf16 matrices
+    (megatron's own trainer casts the whole model through Float16Module). The distributed
+    optimizer lists a param group's fp32 params before its bf16 ones, while its index of
+    each model param's place keeps the buffer's order: with both kinds in the no-decay group
+    a checkpoint save hands one param another's optimizer state and fails, and a load would
+    put it back in the wrong place. Seen on the first GPU run (bench/gpu_node.py, check e).
+    """
+    cast = []
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast.append(name)
+    return cast
+
+
 def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: ParallelLayout,
                 device: Optional[torch.device] = None, initialize: bool = True,
                 params_dtype: Optional[torch.dtype] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
@@ -373,6 +392,7 @@ def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: Paralle
                 parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
                 position_embedding_type="rope", rotary_base=arch.rope_theta, vp_stage=vp)
         _require_spec_norm(model, plan.layer_spec)
+        cast_parameters(model, kwargs["params_dtype"])
         apply_rope_scaling(model, arch)
         if has_gpu:
             model = model.to(device or torch.device("cuda", torch.cuda.current_device()))
