@@ -15,8 +15,10 @@ computes the same function with one `torch.nn.functional.scaled_dot_product_atte
 Anything it does not compute the same way falls back to the parent's forward: attention
 dropout while training (Megatron forks its RNG tracker for it), a softmax offset, sliding
 windows, query-key layer scaling, attention bias, packed THD parameters (those are Transformer
-Engine's), and fp16/bf16 inputs when `attention_softmax_in_fp32` asks for an fp32 softmax.
-GPU runs use Transformer Engine's spec, so this class serves the local spec only.
+Engine's). bf16 inputs under `attention_softmax_in_fp32` (megatron's default) stay here: torch's
+fused kernels keep the softmax's running max and sum in fp32 (tested against megatron's fp32
+softmax); megatron's unfused path ran a 16k-token packed micro-batch out of an H200's memory.
+GPU runs use Transformer Engine's spec where it imports; this class serves the local spec.
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ class SdpaDotProductAttention(DotProductAttention):
     def _sdpa_computes_the_same(self, query: torch.Tensor, attention_bias, packed_seq_params) -> bool:
         c = self.config
         dropout = self.attention_dropout.p if self.training else 0.0
-        fp32_softmax_asked = c.attention_softmax_in_fp32 and query.dtype != torch.float32
         return (attention_bias is None and packed_seq_params is None and dropout == 0.0
-                and self.softmax_offset is None and not c.apply_query_key_layer_scaling and not fp32_softmax_asked
+                and self.softmax_offset is None and not c.apply_query_key_layer_scaling
                 and not is_layer_window_attention(c.window_size, c.window_attn_skip_freq, self.layer_number))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

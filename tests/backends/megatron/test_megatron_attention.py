@@ -97,3 +97,60 @@ def test_the_local_layer_spec_uses_it():
     from dapo_mega.backends.megatron.model import LOCAL_SPEC, _layer_spec
 
     assert _layer_spec(LOCAL_SPEC).submodules.self_attention.submodules.core_attention is SdpaDotProductAttention
+
+
+def _bf16_errors(rank, world):
+    """Each path's largest error in bf16 against the fp32 computation by hand (causal, packed)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.config import MegatronConfig, ModelConfig
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    ParallelLayout.from_config(MegatronConfig(), world, tiny_hf_config(ModelConfig())).initialize()
+    model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0, bf16=True,
+                               params_dtype=torch.bfloat16)
+    assert config.attention_softmax_in_fp32  # megatron's default: what sent the GPU run down the unfused path
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    reference, fused = DotProductAttention(**kwargs), SdpaDotProductAttention(**kwargs)
+    sdpa_calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def counted_sdpa(*args, **kw):
+        sdpa_calls.append(1)
+        return sdpa(*args, **kw)
+
+    torch.nn.functional.scaled_dot_product_attention = counted_sdpa
+    errors = {}
+    for name, mask in (("causal", None), ("packed", _block_diagonal_mask())):
+        gen = torch.Generator().manual_seed(11)
+        q = torch.randn(SEQ, BATCH, HEADS, HEAD_DIM, generator=gen) * 2
+        k, v = (torch.randn(SEQ, BATCH, GROUPS, HEAD_DIM, generator=gen) * 2 for _ in range(2))
+        exact = _by_hand(q, k, v, mask)
+        low = [t.bfloat16() for t in (q, k, v)]
+        for module_name, module in (("megatron_fp32_softmax", reference), ("fused", fused)):
+            sdpa_calls.clear()
+            got = module(*low, mask).float()
+            errors[(name, module_name)] = float((got - exact).abs().max())
+            errors[(name, module_name, "sdpa_calls")] = len(sdpa_calls)
+    return errors
+
+
+def test_in_bf16_the_fused_kernel_runs_and_is_as_close_to_fp32_as_megatrons_fp32_softmax():
+    """bf16 with megatron's attention_softmax_in_fp32 (its default): torch's fused kernels keep
+    the softmax's running max and sum in fp32, so the fused call computes what the flag asks for.
+    The first GPU run fell back to megatron's unfused path there and ran out of memory on the
+    [b·heads, s, s] scores of a 16k-token packed micro-batch (bench/gpu_node.py, learner_bf16)."""
+    errors = run_distributed(_bf16_errors, 1, timeout_s=180)[0]
+    for layout in ("causal", "packed"):
+        assert errors[(layout, "fused", "sdpa_calls")] == 1, errors
+        reference = errors[(layout, "megatron_fp32_softmax")]
+        assert errors[(layout, "fused")] <= 2 * reference + 1e-2, errors
