@@ -179,7 +179,7 @@ PARTS: Tuple[Part, ...] = (
     Part("eval_two_engines", "check", 60, "c) eval device rule: 1 engine on GPU 0, 2 TP-1 engines need 2 GPUs"),
     Part("handover_sglang", "check", 120, "d) colocated CUDA-IPC hand-over through SGLang's unpickling"),
     Part("train_tiny_bf16", "check", 360, "e) dapo-mega train, tiny model, bf16 GPU, 2 steps, step-1 checks"),
-    Part("learner_bf16", "measure", 240, "7B-shape learner step, bf16, MFU"),
+    Part("learner_bf16", "measure", 150, "7B-shape learner step, bf16, MFU"),  # 59 s on an H200 (8 layers)
     Part("learner_fp8", "measure", 240, "7B-shape learner step, FP8 (Transformer Engine), MFU"),
     Part("handover", "measure", 180, "7B-shape layers through the CUDA-IPC hand-over, GB/s"),
     Part("sglang", "measure", 420, "SGLang server: weight sync GB/s (2 GPUs) and rollout tokens/s"),
