@@ -507,10 +507,13 @@ def stop_signal_lead_s(step_s: float, evaluation_s: float, save_s: float, a: Clo
 def training_link_limit_s(clock: Dict[str, Any], total_steps: int, chain: int) -> float:
     """A training link's time limit when the launcher is given none, from the clock's dict
     (`ClockEstimate.to_dict`, as `dapo-mega plan --json` prints it): stage_overhead_s + an
-    engine start + training_time_spare · its share of the run's steps (total_steps / chain) · step_s."""
+    engine start + training_time_spare · its share of the run's steps (total_steps / chain) · step_s
+    + the stop signal's lead (`stop_signal_lead_s`: the learners stop that long before the limit,
+    so without it a link would train its share short by the lead, and the chain would end short)."""
     a = clock["assumptions"]
     steps = math.ceil(total_steps / max(1, chain))
-    return a["stage_overhead_s"] + clock["engine_start_s"] + a["training_time_spare"] * steps * clock["step_s"]
+    return (a["stage_overhead_s"] + clock["engine_start_s"] + a["training_time_spare"] * steps * clock["step_s"]
+            + (clock.get("stop_signal_lead_s") or 0.0))
 
 
 # ------------------------------------------------------------------ warnings and the table

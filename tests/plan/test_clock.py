@@ -344,3 +344,18 @@ def test_an_engine_start_reads_its_bound_without_running_the_planner(experiment,
 
     monkeypatch.setattr(clock, "compute_plan", no_planner)
     assert resolve_health_timeout_s(cfg) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name", ["dapo_qwen2.5_32b", "dapo_qwen2.5_32b_disagg"])
+@pytest.mark.parametrize("chain", [1, 5, 18, 100])
+def test_a_training_link_trains_its_share_before_its_stop_signal(name, chain):
+    """The link's --time minus the stop signal's lead (when the learners save and stop) still
+    holds the start, the engines and its share of the steps at the clock's own step time."""
+    from dapo_mega.plan.clock import training_link_limit_s
+
+    cfg = load_config([f"+experiment={name}"])
+    clock = estimate_clock(cfg).to_dict()
+    limit = training_link_limit_s(clock, cfg.trainer.total_steps, chain)
+    steps = math.ceil(cfg.trainer.total_steps / chain)
+    training = limit - clock["stop_signal_lead_s"] - clock["assumptions"]["stage_overhead_s"] - clock["engine_start_s"]
+    assert clock["stop_signal_lead_s"] > 0 and training >= steps * clock["step_s"], (training, steps, clock["step_s"])
