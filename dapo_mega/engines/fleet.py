@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, RolloutConfig
 from dapo_mega.engines.process import (
+    BIND_FAILED,
     EngineProcess,
     EngineStartError,
     announce_engine,
@@ -326,15 +327,21 @@ class EngineFleet:
         """Poll until each engine answers /health (`on_healthy` is called for each as it does).
 
         An engine that lost its free port to another process is restarted on a new one
-        (at most MAX_PORT_RETRIES times); any other exit raises `EngineStartError`."""
+        (at most MAX_PORT_RETRIES times), also one still alive after saying so (SGLang's
+        server can hang in its shutdown after the failed bind: seen in a Slurm job, whose
+        engine then waited out health_timeout_s); any other exit raises `EngineStartError`."""
         pending = {e.index for e in (engines if engines is not None else self.engines)}
         deadline = time.monotonic() + self.start_timeout_s
         while pending:
             for index in sorted(pending):
                 engine = self.get(index)
                 rc = engine.proc.poll()
-                if rc is not None and not self.rollout.base_port and engine.port_retries < MAX_PORT_RETRIES \
-                        and lost_port_race(engine.log_tail(15)):
+                retry = not self.rollout.base_port and engine.port_retries < MAX_PORT_RETRIES
+                tail = engine.log_tail(15) if retry else ""
+                if retry and rc is None and BIND_FAILED in tail.lower() and lost_port_race(tail):
+                    engine.kill(grace_s=5.0)  # it will never serve: its HTTP server could not bind
+                    rc = engine.proc.poll()
+                if rc is not None and retry and lost_port_race(tail):
                     retries = engine.port_retries + 1
                     logger.info(f"[fleet] engine {index}: port {engine.port} was taken before it bound it; starting "
                                 f"it again on another port ({retries}/{MAX_PORT_RETRIES})", extra=log.EVERY_RANK)

@@ -61,6 +61,10 @@ def log_tail(path: Optional[Path], lines: int = 30, offset: int = 0) -> str:
         return "(no log)"
 
 
+BIND_FAILED = "error while attempting to bind"
+"""uvicorn's words (SGLang's HTTP server) when its port is taken."""
+
+
 def lost_port_race(log_text: str) -> bool:
     """The engine died because its port (free when picked) was taken before it bound it."""
     text = log_text.lower()

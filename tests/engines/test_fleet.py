@@ -156,6 +156,30 @@ os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
         assert again.port_retries == 1 and again.port != first_port and is_healthy(again.endpoint)
 
 
+def test_an_engine_that_lost_its_port_and_hangs_is_started_again(tmp_path, model_dir):
+    """SGLang's server, its port taken, logged uvicorn's bind error and then hung in its shutdown
+    (a Slurm job of the full suite): the fleet stops it and starts it on another port instead
+    of waiting out health_timeout_s."""
+    marker = tmp_path / "first-start-done"
+    python = stand_in(tmp_path, f"""#!{sys.executable}
+import os, sys, time
+if not os.path.exists({str(marker)!r}):
+    open({str(marker)!r}, "w").close()
+    print("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 41907): "
+          "address already in use", flush=True)
+    print("INFO:     Waiting for application shutdown.", flush=True)
+    time.sleep(600)
+os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
+""")
+    rollout = RolloutConfig(engine_python=str(python), health_timeout_s=90.0)
+    with EngineFleet(rollout, str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
+        first = fleet.spawn(0)
+        fleet.wait_healthy()
+        again = fleet.get(0)
+        assert first.proc.poll() is not None  # the hung one was stopped
+        assert again.port_retries == 1 and again.port != first.port and is_healthy(again.endpoint)
+
+
 def test_port_races_are_retried_a_bounded_number_of_times_and_nothing_else_is(tmp_path):
     starts = tmp_path / "starts"
     python = stand_in(tmp_path, f"""#!{sys.executable}
