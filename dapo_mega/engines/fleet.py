@@ -326,10 +326,8 @@ class EngineFleet:
                      on_healthy: Optional[Callable[[EngineProcess], None]] = None) -> None:
         """Poll until each engine answers /health (`on_healthy` is called for each as it does).
 
-        An engine that lost its free port to another process is restarted on a new one
-        (at most MAX_PORT_RETRIES times), also one still alive after saying so (SGLang's
-        server can hang in its shutdown after the failed bind: seen in a Slurm job, whose
-        engine then waited out health_timeout_s); any other exit raises `EngineStartError`."""
+        An engine that lost its free port (exited, or hung after saying so, as SGLang's server
+        can) is restarted on a new one, MAX_PORT_RETRIES times; other exits: `EngineStartError`."""
         pending = {e.index for e in (engines if engines is not None else self.engines)}
         deadline = time.monotonic() + self.start_timeout_s
         while pending:
@@ -339,8 +337,7 @@ class EngineFleet:
                 retry = not self.rollout.base_port and engine.port_retries < MAX_PORT_RETRIES
                 tail = engine.log_tail(15) if retry else ""
                 if retry and rc is None and BIND_FAILED in tail.lower() and lost_port_race(tail):
-                    engine.kill(grace_s=5.0)  # it will never serve: its HTTP server could not bind
-                    rc = engine.proc.poll()
+                    rc = engine.kill(grace_s=5.0) or engine.proc.poll()  # its HTTP server never bound
                 if rc is not None and retry and lost_port_race(tail):
                     retries = engine.port_retries + 1
                     logger.info(f"[fleet] engine {index}: port {engine.port} was taken before it bound it; starting "
