@@ -36,9 +36,9 @@ def _bf16_optimizer(rank, world):
             p.main_grad.normal_(0, 1e-3)
     optimizer.step()  # Adam's state exists from the first update on
     inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
-    wrong = [(tuple(p.shape), inner._get_main_param_and_optimizer_states(p)["param"].numel())
-             for c in chunks for p in c.parameters()
-             if inner._get_main_param_and_optimizer_states(p)["param"].numel() != p.numel()]
+    state_numel = {p: inner._get_main_param_and_optimizer_states(p)["param"].numel()
+                   for c in chunks for p in c.parameters()}
+    wrong = [(tuple(p.shape), n) for p, n in state_numel.items() if n != p.numel()]
     learner = SimpleNamespace(model_chunks=chunks, optimizer=optimizer)
     try:
         _full_state(learner, is_loading=False, optimizer_sharding="dp_reshardable")
