@@ -202,3 +202,81 @@ def test_tied_lm_head_loads_through_the_embedding(tmp_path):
                 engine.check(state, version)
         finally:
             engine.close()
+
+
+def _two_dtype_layout():
+    """A FlatParameters of four parameters in two dtypes (a bf16 model with fp32 norms), their
+    values distinct."""
+    from dapo_mega.engines.embedded.flat_weights import FlatParameters
+
+    params = {"a": torch.arange(6.0).reshape(2, 3).to(torch.bfloat16), "norm1": torch.arange(4.0) + 100,
+              "b": torch.arange(8.0).reshape(4, 2).to(torch.bfloat16) + 10, "norm2": torch.arange(3.0) + 200}
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in params.items()}
+    flat = FlatParameters(params, {n: tuple(p.shape) for n, p in params.items()})
+    flat.plan(list(params))
+    flat.allocate("current")
+    return params, flat
+
+
+def test_a_relayout_keeps_every_value_goes_one_dtype_at_a_time_and_drops_the_old_storages():
+    import weakref
+
+    params, flat = _two_dtype_layout()
+    want = {n: p.detach().clone() for n, p in params.items()}
+    old = {dt: weakref.ref(s) for dt, s in flat.storages.items()}
+    flat.relayout(["b", "norm2", "a", "norm1"])
+    assert flat.order == ["b", "norm2", "a", "norm1"]
+    for name, p in params.items():
+        assert torch.equal(p, want[name]) and p.dtype == want[name].dtype, name
+        slot = flat.slots[name]
+        assert p.data_ptr() == flat.storages[slot.dtype].data_ptr() + slot.start * p.element_size()
+    assert flat.slots["b"].start == 0 and flat.slots["norm2"].start == 0  # each dtype in the new order
+    assert all(ref() is None for ref in old.values())  # nothing holds the old layout
+
+
+def test_a_bucket_mixing_dtypes_goes_through_scratch_and_never_asks_for_a_relayout():
+    """SGLang's flattened bucket packs a bf16 matrix and an fp32 norm back to back; one storage
+    per dtype can never take that in place, so the layout must not be redone for it (a relayout
+    at every sync: a copy of the model each time)."""
+    from types import SimpleNamespace
+
+    from dapo_mega.engines.embedded.flat_weights import BucketReceiver
+    from dapo_mega.weights import transport
+
+    params, flat = _two_dtype_layout()
+    lock = threading.RLock()
+
+    def load(named, version):
+        for name, tensor in named:
+            params[name].data.copy_(tensor)
+
+    runner = SimpleNamespace(flat=flat, model_lock=lock, weights_released=False, params=params,
+                             device=torch.device("cpu"), load_named_tensors=load)
+    receiver = BucketReceiver(runner)
+    pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{free_port()}", 1, 0, "mixed_dtypes")
+    try:
+        names = ["a", "norm1"]  # in the layout's order, each of its own dtype: one bucket of two dtypes
+        dtypes, shapes = [torch.bfloat16, torch.float32], [[2, 3], [4]]
+        for version in ("1", "2"):
+            receiver.load(receiver.receive(pg, names, dtypes, shapes, "flattened_bucket"), version)
+        # a bucket of one dtype in another order than the layout's asks for one, once
+        receiver.load(receiver.receive(pg, ["b", "a"], [torch.bfloat16] * 2, [[4, 2], [2, 3]], "flattened_bucket"), "3")
+    finally:
+        transport.destroy_custom_process_group(pg)
+    assert receiver.stats.scratch_buckets == 3 and receiver.stats.direct_buckets == 0
+    assert receiver.stats.relayouts == 1 and flat.order[:2] == ["b", "a"]
+
+
+def test_releasing_the_weights_frees_the_scratch_buffers_too(engine, tiny_model_dir):
+    bf16 = [(n, t.to(torch.bfloat16)) for n, t in hf_state(tiny_model_dir, seed=8).items()]
+    engine.sync(bf16, "8")  # through scratch: the buffers exist
+    engine.syncer.release_engine_memory()
+    async def read_norm():
+        async with EngineClient(engine.url) as c:
+            return await c.get_weights_by_name("model.norm.weight", truncate_size=10)
+    with pytest.raises(Exception, match="released"):  # no released (empty) weights are read
+        asyncio.run(asyncio.wait_for(read_norm(), 30))
+    engine.syncer.resume_engine_memory()
+    stats, delta, _ = engine.sync(bf16, "9")
+    assert delta["scratch_allocations"] >= 1  # allocated again: release had freed them
+    engine.check(dict(bf16), "9")

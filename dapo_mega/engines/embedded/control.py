@@ -108,6 +108,7 @@ class EngineControl:
                              f"({running} running, {waiting} waiting)")
         if "weights" in tags:
             await asyncio.to_thread(self.engine.release_weights)
+            self.receiver.scratch.free()
         return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
@@ -243,10 +244,10 @@ class EngineControl:
             body = {k: (int(v) if k == "truncate_size" else v) for k, v in request.query.items()}
         b = parse_control_body("/get_weights_by_name", body)
         try:
-            w = self.runner.get_weight(b["name"])
-        except KeyError as exc:
+            w = await asyncio.to_thread(self.runner.get_weight, b["name"])
+        except (KeyError, RuntimeError) as exc:
             return web.json_response({"error": {"message": f"Get parameter by name failed: {exc}"}}, status=400)
-        rows = w.to(torch.float32).cpu().numpy().tolist()
+        rows = w.numpy().tolist()
         return web.json_response(rows[: int(b["truncate_size"])] if isinstance(rows, list) else rows)
 
 

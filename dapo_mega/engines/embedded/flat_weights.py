@@ -15,8 +15,8 @@ dict uses (the benchmark, trainers holding an HF model). The Megatron learner st
 module order (`weights.stream`: per layer input_layernorm, o_proj, q/k/v, ... in the local
 spec, another order in the TE spec), so the layout follows the senders: when a sync's buckets
 arrive out of the layout's order, the parameters are laid out again in the order they came,
-once, after the sync's last bucket (the one carrying the weight version; one copy of the
-model, while the engine is paused for the sync). From the next sync on they land in place.
+once, after the sync's last bucket (the one carrying the weight version, while the engine is
+paused for the sync). A bucket mixing dtypes never lands in place and never asks for one. From the next sync on they land in place.
 
 Fallback (`BucketReceiver`): a bucket that is not such a range (another order, another dtype,
 which is cast, a tied model's `lm_head.weight`) is received into one of two scratch buffers
@@ -25,7 +25,11 @@ before. Two, because bucket k is loaded outside the receive lock while bucket k+
 received; a third receive waits until a load hands its buffer back.
 
 Release / resume: releasing `weights` drops the storages (or keeps them as the CPU backup
-with --enable-weights-cpu-backup); resuming allocates them again in the current order.
+with --enable-weights-cpu-backup) and the scratch buffers; resuming allocates the storages
+again in the current order.
+
+A re-layout goes one dtype at a time; on an accelerator each old storage is staged in host
+memory before its successor is allocated, so the device never holds the model twice.
 """
 
 from __future__ import annotations
@@ -105,6 +109,30 @@ class FlatParameters:
             p.data = view
         self.storages, self._backup = storages, {}
 
+    def relayout(self, order: Sequence[str]) -> None:
+        """Lay the parameters out again in `order`, keeping their values, one dtype at a time.
+        On an accelerator each old storage goes to host memory before its successor is
+        allocated, so the device holds the model once (plus nothing); on a CPU the old and the
+        new storage of one dtype coexist while it is copied."""
+        old_slots, old_storages, self.storages = self.slots, self.storages, {}
+        self.plan(order)
+        for dtype in list(old_storages):
+            storage = old_storages.pop(dtype)
+            device = storage.device
+            staged = storage if device.type == "cpu" else storage.to("cpu")
+            for name, slot in old_slots.items():  # the parameters view the staged copy alone
+                if slot.dtype == dtype:
+                    self.params[name].data = staged[slot.start:slot.end].view(self.shapes[name])
+            del storage, staged
+            new = torch.empty(max(s.end for s in self.slots.values() if s.dtype == dtype), dtype=dtype, device=device)
+            for name, slot in self.slots.items():
+                if slot.dtype == dtype:
+                    p = self.params[name]
+                    view = new[slot.start:slot.end].view(self.shapes[name])
+                    view.copy_(p.data)
+                    p.data = view
+            self.storages[dtype] = new
+
     def release(self, keep_backup: bool) -> None:
         """Free the storages (kept aside as the backup when `keep_backup`)."""
         self._backup = self.storages if keep_backup else {}
@@ -166,6 +194,12 @@ class ScratchBuffers:
             self._free[index] = True
             self._cond.notify()
 
+    def free(self) -> None:
+        """Drop the buffers no receive holds (the engine's memory is released): the next
+        bucket that needs one allocates it again."""
+        with self._cond:
+            self._buffers = [None if free else buf for buf, free in zip(self._buffers, self._free)]
+
 
 @dataclass
 class ReceiveStats:
@@ -223,7 +257,9 @@ class BucketReceiver:
             self._sent_order.extend(names)
             target = flat.span(names, dtypes, nbytes)
             if target is None:
-                self._misplaced = self._misplaced or flat.in_layout(names, dtypes)
+                # a bucket of one dtype whose tensors all have places of it lands in place once
+                # the layout follows the sender; one of mixed dtypes never can (one storage per dtype)
+                self._misplaced = self._misplaced or (len(set(dtypes)) == 1 and flat.in_layout(names, dtypes))
             else:
                 torch.distributed.broadcast(target, src=0, group=pg)
                 self.stats.direct_buckets += 1
@@ -247,8 +283,7 @@ class BucketReceiver:
         if weight_version is not None:
             with self.runner.model_lock:
                 if self._misplaced and not self.runner.weights_released:
-                    self.runner.flat.plan(self._sent_order)
-                    self.runner.flat.allocate("current")
+                    self.runner.flat.relayout(self._sent_order)
                     self.stats.relayouts += 1
                 self._sent_order, self._misplaced = [], False
 

@@ -154,11 +154,16 @@ class ModelRunner:
                 self.weight_version = str(weight_version)
 
     def get_weight(self, name: str) -> torch.Tensor:
+        """A float32 host copy of one parameter, taken under the model lock (a sync or a release
+        never shows half of it)."""
         if name not in self.params:
             raise KeyError(f"unknown parameter name {name!r}")
         if self.tied_embeddings and name == "lm_head.weight":
             name = "model.embed_tokens.weight"
-        return self.params[name].detach()
+        with self.model_lock:
+            if self.weights_released:
+                raise RuntimeError("weights are released; call /resume_memory_occupation first")
+            return self.params[name].detach().to(device="cpu", dtype=torch.float32, copy=True)
 
     def release_weights(self) -> None:
         """Free the parameter storage (SGLang's release of the `weights` tag).
