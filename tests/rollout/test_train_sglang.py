@@ -3,9 +3,9 @@
 the engine started by the trainer: two steps, and the ledger's policy versions, read from
 SGLang's replies, equal the learner's versions.
 
-Then disaggregated (update from distributed over a gloo group) with two learner processes
-(TP 2, and PP 2) and two SGLang engines that the test starts through the fleet and the runs
-attach to by URL, so the engines outlive each run: one step, then resumed to a second; after
+Then disaggregated (update from distributed over a gloo group) with two learner processes and
+two SGLang engines that the test starts through the fleet and the runs attach to by URL, so
+the engines outlive each run: one step at TP 2, then resumed at PP 2 to a second; after
 each run every engine took the run's pushes inside weight-update sessions, serves the
 learner's version, and its greedy output (tokens and log-probs) equals transformers' on the
 HF export of the checkpoint the run saved. A disaggregated run whose trainer starts the SGLang
@@ -152,14 +152,13 @@ def two_sglang_engines(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.sglang
-@pytest.mark.parametrize("parallel", ["megatron.tensor_model_parallel_size=2",
-                                      "megatron.pipeline_model_parallel_size=2"], ids=["tp2", "pp2"])
-def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_sglang_engines, parallel):
-    """`dapo-mega train` disaggregated with two learner processes (TP 2, or PP 2: two stages
-    taking turns to broadcast) attached by URL to two SGLang engines, one step, then resumed
-    to a second. After each run every engine reports the learner's version and its greedy
-    output (tokens and log-probs) equals transformers' on the HF export of the checkpoint
-    that run saved; the ledger's versions are those SGLang's replies carried."""
+def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_sglang_engines):
+    """`dapo-mega train` disaggregated with two learner processes attached by URL to two SGLang
+    engines: one step at TP 2, then resumed at PP 2 (two stages taking turns to broadcast; the
+    optimizer state is fully reshardable) to a second. After each run every engine reports the
+    learner's version and its greedy output (tokens and log-probs) equals transformers' on the
+    HF export of the checkpoint that run saved; the ledger's versions are those SGLang's
+    replies carried."""
     import pyarrow.parquet as pq
 
     from dapo_mega.weights.convert import export_megatron_checkpoint
@@ -168,17 +167,19 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
     run = tmp_path / "run"
     base = cli_command("train", "cluster.mode=disaggregated", "rollout.backend=sglang",
             f"rollout.engine_python={sglang_python_or_skip()}", f"rollout.engine_urls=[{','.join(urls)}]",
-            "rollout.num_engines=2", "cluster.num_learner_processes=2", parallel, f"model.hf_path={learner_model}",
+            "rollout.num_engines=2", "cluster.num_learner_processes=2", "megatron.optimizer_sharding=fully_reshardable",
+            f"model.hf_path={learner_model}",
             "trainer.sft_warmup_steps=0", "trainer.eval_interval=0", "algo.dynamic_sampling=false",
             "algo.n_samples_per_prompt=4", "algo.train_batch_size=4", "algo.gen_batch_size=4",
             "algo.mini_batch_size=2", "algo.lr=2e-3",
             "algo.max_response_length=48", "algo.overlong_buffer_length=44", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
             "trainer.wandb_mode=disabled", "trainer.plot=false")
+    layout = {1: "megatron.tensor_model_parallel_size=2", 2: "megatron.pipeline_model_parallel_size=2"}
     exported: dict = {}
     engine_logs_before = _update_counts(engine_logs)
     for steps in (1, 2):
         log_path = tmp_path / f"train-{steps}.log"
-        proc = start_train(base + [f"trainer.total_steps={steps}"], log_path)
+        proc = start_train(base + [layout[steps], f"trainer.total_steps={steps}"], log_path)
         try:
             proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
@@ -210,6 +211,7 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
             version, got = _engine_greedy(url)
             assert version == str(steps), f"engine {url} serves version {version} after step {steps}"
             _assert_same_greedy(got, want, f"engine {url} after step {steps}")
-    if "pipeline" in parallel:  # each stage broadcast on a group of its own
-        for log in sorted(engine_logs.glob("engine-*.log")):
-            assert "group_name=dapo_weight_sync_pp1" in log.read_text(errors="replace"), log
+        if steps == 2:
+            assert "resumed from" in log_path.read_text(errors="replace")
+            for log in sorted(engine_logs.glob("engine-*.log")):  # each stage broadcast on a group of its own
+                assert "group_name=dapo_weight_sync_pp1" in log.read_text(errors="replace"), log
