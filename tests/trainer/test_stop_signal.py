@@ -21,6 +21,7 @@ from helpers.training import (
 )
 
 from dapo_mega.driver.stop_signal import EXIT_STOPPED, StopSignals
+from dapo_mega.records.ledger import read_records
 
 LONG = ["trainer.total_steps=40", "trainer.save_interval=0"]  # saves only at the end, unless stopped
 
@@ -47,10 +48,15 @@ def _stop_mid_run(tmp_path, sig: int, tag: str) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
-def test_a_stop_signal_saves_the_step_it_was_on_and_the_run_resumes(tmp_path, sig):
+def test_a_stop_signal_saves_the_step_it_was_on_and_the_run_resumes(tmp_path):
+    """SIGTERM here; SIGUSR1 takes the same path (`StopSignals`, below) and goes end to end
+    through the Slurm batch script in tests/launch/test_slurm_stop_signal.py. The resume
+    continues the counters, the data cursor and the wandb run (SIGKILL in each phase and its
+    resume: tests/faults/test_faults_kill_resume.py)."""
+    sig = signal.SIGTERM
     run_dir = tmp_path / RUN_NAME
     code, output, last_row_step = _stop_mid_run(tmp_path, sig, "stopped")
+    wandb_runs_before = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
     on = last_row_step + 1  # the signal came after this row: the trainer was on the next step
     assert code == EXIT_STOPPED, output[-4000:]
     name = signal.Signals(sig).name
@@ -65,6 +71,14 @@ def test_a_stop_signal_saves_the_step_it_was_on_and_the_run_resumes(tmp_path, si
     assert f"at step {on}, policy version {on}" in resumed and "[warm start]" not in resumed
     assert "stopped after" not in resumed
     check_records_of_run(run_dir, total_steps=total, max_staleness=0)
+    assert [r["policy_version"] for r in read_rows(run_dir) if r["step"] >= 1] == list(range(1, total + 1))
+    # the data cursor continued: the resumed step's fresh prompts are none of the earlier steps'
+    fresh = {s: {r.prompt_id for r in read_records(run_dir, steps=[s]) if r.reject_reason == "kept"}
+             for s in range(1, total + 1)}
+    assert fresh[total] and not fresh[total] & set().union(*(fresh[s] for s in range(1, total)))
+    # the same wandb run continues (its id is in the checkpoint)
+    wandb_runs_after = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(wandb_runs_before) == 1 and wandb_runs_after == wandb_runs_before
 
 
 def test_stop_signals_records_the_first_and_restores_the_handlers():

@@ -1,6 +1,7 @@
-"""Kill `dapo-mega train` mid-run (SIGKILL of its process group, engine included) once a
-checkpoint exists, start the same command again: it resumes from the last checkpoint,
-continues the step and policy-version counters, and the records have every step once."""
+"""Resumes of `dapo-mega train`: after running out of wall time, after a change of a guarded
+field (refused unless allowed), and from a named step. A SIGKILL in each phase and its resume:
+tests/faults/test_faults_kill_resume.py; a stop signal and its resume (counters, data cursor,
+wandb run): tests/trainer/test_stop_signal.py."""
 
 import json
 import os
@@ -12,65 +13,14 @@ from helpers.training import (
     REPO,
     RUN_NAME,
     check_records_of_run,
-    kill_group,
     read_rows,
     run_train,
-    start_train,
     train_command,
 )
 
 from dapo_mega.records.ledger import read_records
 from dapo_mega.records.ledger_report import build_report, render_markdown
 from dapo_mega.run_files.identity import read_config_history, read_run_id
-
-TOTAL_STEPS = 4
-RESUME = ["trainer.total_steps=4", "trainer.save_interval=2", "trainer.keep_last_k=3"]
-
-
-@pytest.mark.slow
-def test_kill_and_resume_continues_counters(tmp_path):
-    run_dir = tmp_path / RUN_NAME
-    first = start_train(train_command(tmp_path, *RESUME), tmp_path / "first.log")
-    checkpoint = run_dir / "checkpoints" / "step_000002"   # only complete checkpoints get this name
-    deadline = time.monotonic() + 300
-    try:
-        while not checkpoint.is_dir() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        exit_code = first.poll()
-        kill_group(first)
-    log = (tmp_path / "first.log").read_text()
-    assert exit_code is None, f"the first run ended before step 2's checkpoint ({exit_code}):\n{log[-4000:]}"
-    assert checkpoint.is_dir(), f"no checkpoint of step 2 after 300 s:\n{log[-4000:]}"
-    assert not (run_dir / "checkpoints" / f"step_{TOTAL_STEPS:06d}").exists()
-    wandb_runs_before = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
-    steps_before = [r["step"] for r in read_rows(run_dir)]
-    # step 2's row is written after its checkpoint, step 3's may be there too: both are cut
-    # back or redone on resume
-    assert steps_before[:1] == [1] and set(steps_before) <= {1, 2, 3}
-
-    output = run_train(tmp_path, *RESUME, tag="second")
-    assert "resumed from" in output and "at step 2, policy version 2" in output
-    assert "[warm start]" not in output                       # weights come from the checkpoint
-
-    check_records_of_run(run_dir, total_steps=TOTAL_STEPS, max_staleness=0)
-    rows = read_rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]          # no duplicated or missing step
-    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
-    steps = sorted({r.step for r in read_records(run_dir)})
-    assert steps == [1, 2, 3, 4]
-    for step in steps:
-        recs = read_records(run_dir, steps=[step])
-        keys = [(r.prompt_id, r.gen_round, r.sample_index, r.reject_reason) for r in recs]
-        assert len(keys) == len(set(keys))                    # no sample twice within a step
-    # the data cursor continued: step 3's fresh prompts were not those of steps 1-2
-    fresh = {s: {r.prompt_id for r in read_records(run_dir, steps=[s]) if r.reject_reason == "kept"} for s in steps}
-    assert not fresh[3] & (fresh[1] | fresh[2])
-    # the same wandb run continues (its id is in the checkpoint)
-    wandb_runs_after = {p.name.rsplit("-", 1)[-1] for p in (run_dir / "wandb").glob("offline-run-*")}
-    assert len(wandb_runs_before) == 1 and wandb_runs_after == wandb_runs_before
-    state = json.loads((run_dir / "checkpoints" / f"step_{TOTAL_STEPS:06d}" / "trainer_state.json").read_text())
-    assert state["step"] == TOTAL_STEPS and state["policy_version"] == TOTAL_STEPS
 
 
 def test_a_run_out_of_wall_time_stops_with_a_checkpoint_and_resumes(tmp_path):
