@@ -236,7 +236,7 @@ def test_disaggregated_job_with_sglang_engines(sglang_python, cluster, tmp_path)
 
 @pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
 def test_cancel_mid_run_resubmit_resumes_then_complete_chain_exits_early(cluster, tmp_path):
-    steps = 14
+    steps = 6  # saves at 2 (tiny_cpu_slurm), cancelled then; the resubmitted job trains 3-6
     overrides = [f"trainer.total_steps={steps}"]
     run_dir = tmp_path / "resume"
     job = _submit(cluster, "colocated.sbatch", tmp_path, "resume", COLOCATED, overrides)
