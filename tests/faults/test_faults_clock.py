@@ -38,7 +38,7 @@ def test_rollouts_and_evals_outlast_the_collective_timeout(tmp_path, monkeypatch
     monkeypatch.setenv("DAPO_MEGA_TEST_CLOCK", "1")
     result = run_trainer(tmp_path, "clock", [
         "trainer.total_steps=1", "trainer.save_interval=0", "trainer.eval_interval=1",
-        "eval.max_problems=10", "eval.n_samples=4", "eval.max_response_length=12",
+        "eval.max_problems=6", "eval.n_samples=4", "eval.max_response_length=12",
         f"cluster.dist_timeout_s={DIST_TIMEOUT_S}", "rollout.num_engines=2",
         # two sequences at a time per engine: a request of 2 prompts x 4 samples decodes in 4 waves
         "rollout.max_running_requests=2", f"rollout.extra_server_args=[--test-decode-delay-ms,{DELAY_MS}]",
