@@ -151,36 +151,6 @@ def _learner_nodes(logs: Path) -> dict:
     return ranks
 
 
-@pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores
-def test_colocated_job_runs_trainer_and_engines_on_two_nodes(cluster, tmp_path):
-    # two learner tasks per node: srun before Slurm 23.02.5 (22.05 here) took the batch
-    # script's SLURM_NTASKS=2 as the step's -n and started one learner per node (world 2)
-    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED + ["--time=30"], learners_per_node=2)
-    info = cluster.wait_job(job, JOB_TIMEOUT_S)
-    run_dir = tmp_path / "coloc"
-    logs = run_dir / "logs" / f"job-{job}"
-    assert _learner_nodes(logs) == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, \
-        _batch_log(tmp_path, job) + _job_logs(run_dir, job)
-    _assert_completed_run(cluster, tmp_path, run_dir, job, info)
-    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
-                                                      "engines-node1.log", *(f"learner-{r}.log" for r in range(4))]
-    learner0 = (logs / "learner-0.log").read_text()
-    assert "learner world 4 (2 nodes), master 127.0.0.1" in learner0
-    assert _trainer_state(run_dir, TOTAL_STEPS)["learner_layout"]["dp"] == 4  # the trainer's own world
-    # the job's 30-minute limit reached the trainer as the time it has (squeue's time left)
-    left = re.search(r"trainer\.wall_time_minutes=(\d+\.\d\d)\b", learner0)
-    assert left and 25 < float(left.group(1)) <= 30, learner0[:3000]
-    assert re.search(r"^step\s+3 \| v3 ", learner0, re.M), learner0[-2000:]
-    assert "[warm start] 10/10" in learner0
-    # one engine per node, each announced with the job's key; every sample came from an
-    # announced engine (the manager may favour one; every weight sync had to reach both,
-    # or the trainer would have raised WeightSyncError and the job failed)
-    records = [json.loads(p.read_text()) for p in sorted((run_dir / "engines").glob("engine-*.json"))]
-    assert sorted(r["node"] for r in records) == ["n1", "n2"]
-    served = {r["engine_id"] for rows in _ledger(run_dir).values() for r in rows}
-    assert served and served <= {r["url"] for r in records}
-
-
 def _disaggregated_job(cluster, tmp_path, name, overrides, timeout_s, learners=1):
     """Submit disaggregated.sbatch with `learners` learner tasks on its learner node, wait,
     check it completed; (run dir, metrics, job log dir, job info)."""
@@ -384,13 +354,37 @@ def _assert_outlived_engine(cluster, out_dir: Path, run_dir: Path, job: int, rec
     return info
 
 
-@pytest.mark.slow  # one real job of 60 tiny steps with an engine restart: ~1 min on 2 cores
-def test_engine_killed_mid_run_is_restarted_and_the_colocated_job_completes(cluster, tmp_path):
-    run_dir = tmp_path / "coloc_restart"
-    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc_restart", COLOCATED,
-                  [f"trainer.total_steps={KILL_STEPS}", "trainer.save_interval=0"])
+@pytest.mark.slow  # one real job of 60 tiny steps, four learners on two nodes, an engine restart: ~1.5 min
+def test_colocated_job_on_two_nodes_restarts_an_engine_killed_mid_run_and_completes(cluster, tmp_path):
+    # two learner tasks per node: srun before Slurm 23.02.5 (22.05 here) took the batch
+    # script's SLURM_NTASKS=2 as the step's -n and started one learner per node (world 2)
+    run_dir = tmp_path / "coloc"
+    job = _submit(cluster, "colocated.sbatch", tmp_path, "coloc", COLOCATED + ["--time=30"],
+                  [f"trainer.total_steps={KILL_STEPS}", "trainer.save_interval=0"], learners_per_node=2)
     record = _kill_engine_1_after_step_1(cluster, tmp_path, run_dir, job)
     _assert_outlived_engine(cluster, tmp_path, run_dir, job, record, "engines-node1.log")
+    logs = run_dir / "logs" / f"job-{job}"
+    assert _learner_nodes(logs) == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, \
+        _batch_log(tmp_path, job) + _job_logs(run_dir, job)
+    assert "learners finished; stopping the engines" in _batch_log(tmp_path, job)
+    assert cluster.run(["squeue", "-h", "-j", str(job)], check=False).stdout.strip() == ""
+    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
+                                                      "engines-node1.log", *(f"learner-{r}.log" for r in range(4))]
+    learner0 = (logs / "learner-0.log").read_text()
+    assert "learner world 4 (2 nodes), master 127.0.0.1" in learner0
+    assert _trainer_state(run_dir, KILL_STEPS)["learner_layout"]["dp"] == 4  # the trainer's own world
+    # the job's 30-minute limit reached the trainer as the time it has (squeue's time left)
+    left = re.search(r"trainer\.wall_time_minutes=(\d+\.\d\d)\b", learner0)
+    assert left and 25 < float(left.group(1)) <= 30, learner0[:3000]
+    assert re.search(r"^step\s+3 \| v3 ", learner0, re.M), learner0[-2000:]
+    assert "[warm start] 10/10" in learner0
+    # one engine per node, each announced with the job's key; every sample came from an
+    # announced engine (every weight sync had to reach both, or the trainer would have raised
+    # WeightSyncError and the job failed)
+    records = [json.loads(p.read_text()) for p in sorted((run_dir / "engines").glob("engine-*.json"))]
+    assert sorted(r["node"] for r in records) == ["n1", "n2"]
+    served = {r["engine_id"] for rows in _ledger(run_dir).values() for r in rows}
+    assert served and served <= {r["url"] for r in records}
 
 
 @pytest.mark.slow  # one real heterogeneous job of 60 tiny steps with an engine restart: ~1 min on 2 cores
