@@ -37,7 +37,7 @@ from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.client import EngineClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import throughput_figure, time_alternating  # noqa: E402
+from timing import throughput_figure, time_alternating, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
 
@@ -147,8 +147,7 @@ def run(quick: bool = False, reps: int = 0, sglang: bool = True) -> dict:
                       sglang_ratio_over_hf=row["ratio"])
     else:
         result["sglang_skipped"] = sglang_skipped
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    write_result(RESULTS, result)
     return result
 
 

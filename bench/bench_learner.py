@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import alternation_order, spread, throughput_figure, time_alternating  # noqa: E402
+from timing import alternation_order, spread, throughput_figure, time_alternating, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 # Dense bf16 peak TFLOP/s used for MFU (H100/H200 SXM); override with DAPO_PEAK_TFLOPS.
@@ -483,8 +483,7 @@ def run(quick: bool, dp2: bool = True, reps: int = 0) -> Dict[str, Any]:
         result["dp2"] = {"skipped": "--no-dp2" if not dp2 else "needs 2 GPUs"}
     result["ratio_megatron_over_pytorch"] = result["ratio"]
     result["ratio_packed_over_padded"] = result["megatron_packed"]["tokens_per_s"] / result["megatron_padded"]["tokens_per_s"]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    write_result(RESULTS, result)
     return result
 
 

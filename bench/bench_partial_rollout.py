@@ -124,7 +124,7 @@ def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
 
 def run(quick: bool = False) -> Dict[str, Any]:
     from run import git_state, machine_info
-    from timing import spread
+    from timing import spread, write_result
     from transformers import AutoTokenizer
 
     from dapo_mega.config import RolloutConfig
@@ -156,8 +156,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
               "lengths": {"min": min(n for *_, n in items), "max": max(n for *_, n in items)},
               "sides": sides, **git_state(), "machine": machine_info(),
               "note": "ratio = waste(abort) / waste(partial) (figures: best of repeats; spreads min/median/max)"}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    write_result(RESULTS, result)
     return result
 
 

@@ -45,7 +45,7 @@ from dapo_mega.engines.sglang.client import EngineClient
 from dapo_mega.weights.sync import WeightSyncer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import spread, throughput_figure  # noqa: E402
+from timing import spread, throughput_figure, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "weight_sync.json"
 
@@ -130,8 +130,7 @@ def run(quick: bool = False, reps: int = 0) -> dict:
             f"one raw broadcast of the same bytes into a plain receiver process beside the server, into a buffer it "
             f"touched before (into a fresh buffer: {sglang['sglang_raw_fresh_buffer_gbps']:.3g} GB/s); SGLang "
             f"receives {SGLANG_BUCKET_MB} MB buckets; timed in turn with the sync")]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    write_result(RESULTS, result)
     return result
 
 
