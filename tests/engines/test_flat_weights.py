@@ -280,3 +280,20 @@ def test_releasing_the_weights_frees_the_scratch_buffers_too(engine, tiny_model_
     stats, delta, _ = engine.sync(bf16, "9")
     assert delta["scratch_allocations"] >= 1  # allocated again: release had freed them
     engine.check(dict(bf16), "9")
+
+
+def test_a_tied_matrix_keeps_the_embeddings_name_whichever_name_comes_first():
+    """The loader skips a tied `lm_head.weight` (SGLang's rule), so its place must be the
+    embedding's: a sender that sends lm_head first must not take the place under its name."""
+    from dapo_mega.engines.embedded.flat_weights import FlatParameters
+
+    tied = torch.nn.Parameter(torch.arange(6.0).reshape(3, 2), requires_grad=False)
+    params = {"model.embed_tokens.weight": tied, "norm": torch.nn.Parameter(torch.ones(2)), "lm_head.weight": tied}
+    flat = FlatParameters(params, {n: tuple(p.shape) for n, p in params.items()})
+    flat.plan(list(params))
+    flat.allocate("current")
+    flat.relayout(["lm_head.weight", "norm", "model.embed_tokens.weight"])
+    assert flat.order == ["model.embed_tokens.weight", "norm"] and "lm_head.weight" not in flat.slots
+    assert flat.slots["model.embed_tokens.weight"].start == 0
+    assert params["lm_head.weight"] is params["model.embed_tokens.weight"]
+    assert torch.equal(params["model.embed_tokens.weight"], torch.arange(6.0).reshape(3, 2))

@@ -10,7 +10,7 @@ no buffer and no copy.
 
 Layout (`FlatParameters`): one contiguous tensor per dtype, every parameter a view into it
 (each tensor once: a tied `lm_head.weight` is the embedding's tensor and has no place of its
-own). The order starts as the model's state dict, the HF order a sender streaming an HF state
+own, whichever of the two names a sender sends first). The order starts as the model's state dict, the HF order a sender streaming an HF state
 dict uses (the benchmark, trainers holding an HF model). The Megatron learner streams in its
 module order (`weights.stream`: per layer input_layernorm, o_proj, q/k/v, ... in the local
 spec, another order in the TE spec), so the layout follows the senders: when a sync's buckets
@@ -73,11 +73,15 @@ class FlatParameters:
         """Place the parameters in `order` (names it lacks follow in their present order);
         `allocate` moves them there."""
         slots, ends, placed, names = {}, {}, set(), []
+        canonical: Dict[int, str] = {}  # a tied tensor's place is its first name's (the embedding's)
+        for name, p in self.params.items():
+            canonical.setdefault(id(p), name)
         for name in list(order) + self.order + list(self.params):
             p = self.params.get(name)
             if p is None or id(p) in placed:
                 continue
             placed.add(id(p))
+            name = canonical[id(p)]
             numel = 1
             for s in self.shapes[name]:
                 numel *= s
