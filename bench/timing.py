@@ -76,14 +76,12 @@ def throughput_figure(name: str, metric: str, ours_work: float, ours_seconds: Se
 
 def write_result(path, result: Dict[str, Any]) -> None:
     """Write a benchmark's result JSON with where it was measured: the commit (and whether
-    tracked files differed from it), the machine and the UTC time, under "measured"."""
-    import datetime
+    tracked files differed from it), the machine, its load and the UTC date, under "measured"."""
     import json
     from pathlib import Path
 
     from run import git_state, machine_info  # bench/run.py; imported here, as run.py imports the benchmarks
 
-    result["measured"] = {**git_state(), **machine_info(),
-                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
+    result["measured"] = {**git_state(), **machine_info()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
