@@ -72,7 +72,7 @@ def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
     """`steps` steps of one side on the engine at `url`: tokens generated and trained, counts."""
     from dapo_mega.engines.sglang.client import EngineClient
     from dapo_mega.reward import SampleReward
-    from dapo_mega.rollout.manager import RolloutManager, run_coroutine
+    from dapo_mega.rollout.manager import RolloutManager, SamplingRule, run_coroutine
 
     lengths = {p.id: n for p, _, n in items}
     ids = {p.id: tokens for p, tokens, _ in items}
@@ -107,8 +107,7 @@ def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         kept, _ = mgr.collect_step(step=step, learner_version=step - 1, inputs=Feed(draw, score),
-                                   train_batch_size=TRAIN_BATCH, gen_batch_size=GEN_BATCH, max_staleness=1,
-                                   stream=True)
+                                   rule=SamplingRule(TRAIN_BATCH, GEN_BATCH, max_staleness=1, stream=True))
         trained += sum(len(s.token_ids) for g in kept for s in g.samples)
         for k, v in mgr.metrics.items():
             totals[k] = totals.get(k, 0.0) + float(v)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.reward.types import SampleReward, VerifyStats
+from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.manager import RolloutManager
 from dapo_mega.rollout.samples import Group, PromptFactory, ScoredSample, drop_stale_groups
 
@@ -81,10 +82,8 @@ class RolloutSource:
         # ones are dropped as `stale`. The synchronous modes (no queue) stream: rounds sized from
         # the keep rate, the batch filled in prompt order, prompts after the last one needed put
         # back (rollout/batch_fill.py), so nothing is carried and the batch does not depend on timing.
-        groups, samples = self.manager.collect_step(
-            step, learner_version, self, num_groups or a.train_batch_size,
-            a.gen_batch_size, dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
-            max_staleness=self.cfg.cluster.age_limit, stream=self.cfg.cluster.max_staleness == 0)
+        groups, samples = self.manager.collect_step(step, learner_version, self,
+                                                    SamplingRule.from_config(a, self.cfg.cluster, num_groups))
         seconds = time.perf_counter() - t
         metrics = compute_rollout_metrics(samples, seconds)
         # ages as stamped here (a learner at learner_version); AsyncRollouts.take restamps them

@@ -10,7 +10,8 @@ decided, nor scored; otherwise every group is decided and the kept surplus is ca
 
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 import torch
 
@@ -18,7 +19,41 @@ from dapo_mega.reward.types import SampleReward
 from dapo_mega.rollout.partial import PARTIAL_COUNTS
 from dapo_mega.rollout.samples import TRAINED_REASONS, Group, PromptItem, ScoredSample
 
-__all__ = ["BatchFill", "SET_ASIDE_COUNTS", "select_groups"]
+if TYPE_CHECKING:
+    from dapo_mega.config import AlgoConfig, ClusterConfig
+
+__all__ = ["BatchFill", "SET_ASIDE_COUNTS", "SamplingRule", "select_groups"]
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """What one step's batch is filled by: dynamic sampling's settings, read from the run's
+    `algo` and `cluster` sections in one place (`from_config`), passed down as one object."""
+
+    train_batch_size: int
+    """Groups the step trains on."""
+    gen_batch_size: int
+    """Prompts of a round (a streamed round: until a keep rate has been measured)."""
+    dynamic_sampling: bool = True
+    """Filter groups (Eq. 11) and refill; off: every group of one round is kept."""
+    max_num_gen_batches: int = 0
+    """Rounds before giving up (0: no limit)."""
+    max_staleness: Optional[int] = None
+    """Age limit of carried groups (None: none is dropped)."""
+    stream: Optional[bool] = None
+    """Streamed rounds (rollout/dynamic_sampling.py); None: when max_staleness == 0."""
+
+    @property
+    def streamed(self) -> bool:
+        return self.max_staleness == 0 if self.stream is None else self.stream
+
+    @classmethod
+    def from_config(cls, algo: "AlgoConfig", cluster: "ClusterConfig",
+                    train_batch_size: Optional[int] = None) -> "SamplingRule":
+        """The run's rule (`train_batch_size`: a refill's own size instead of algo's). The
+        synchronous modes (no queue) stream; carried groups obey cluster.age_limit."""
+        return cls(train_batch_size or algo.train_batch_size, algo.gen_batch_size, algo.dynamic_sampling,
+                   algo.max_num_gen_batches, cluster.age_limit, cluster.max_staleness == 0)
 
 
 def select_groups(groups: Sequence[Group]):
@@ -48,16 +83,16 @@ class BatchFill:
     """
 
     def __init__(self, step: int, learner_version: int, reward_fn: Callable[[List[Group]], List[List[SampleReward]]],
-                 train_batch_size: int, dynamic_sampling: bool, stream: bool, carried: Sequence[Group],
-                 observe_keep_rate: Callable[[int, int], None]):
+                 rule: SamplingRule, carried: Sequence[Group], observe_keep_rate: Callable[[int, int], None]):
         """observe_keep_rate(kept, seen): told of every decided group, in order (the manager's
         keep-rate estimate)."""
         self.observe_keep_rate = observe_keep_rate
         self.step, self.learner_version = step, learner_version
         self.reward_fn = reward_fn
-        self.train_batch_size = train_batch_size
-        self.dynamic_sampling = dynamic_sampling
-        self.stream = stream
+        self.rule = rule
+        self.train_batch_size = rule.train_batch_size
+        self.dynamic_sampling = rule.dynamic_sampling
+        self.stream = rule.streamed
         self.kept: List[Group] = list(carried)
         self.samples: List[ScoredSample] = []
         """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""

@@ -44,7 +44,7 @@ from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.reward.types import SampleReward
-from dapo_mega.rollout.batch_fill import BatchFill
+from dapo_mega.rollout.batch_fill import BatchFill, SamplingRule
 from dapo_mega.rollout.dispatch import RolloutError, RoundOutcome
 from dapo_mega.rollout.partial import PartialGroup
 from dapo_mega.rollout.samples import (
@@ -57,7 +57,7 @@ from dapo_mega.rollout.samples import (
 )
 
 __all__ = ["DynamicSampler", "DynamicSamplingExhausted", "KEEP_RATE_EMA", "MAX_ROUND_FACTOR", "ROUND_MARGIN",
-           "StepInputs", "plain_prompt"]
+           "SamplingRule", "StepInputs", "plain_prompt"]
 
 ROUND_MARGIN = 1.2
 """A streamed round asks for need / keep_rate x this many prompts (see `round_size`)."""
@@ -150,17 +150,16 @@ class DynamicSampler:
 
     # ---------------------------------------------------------------- one step
     def collect_step(self, generate: Generate, run_coroutine: Callable[[Awaitable[RoundOutcome]], RoundOutcome],
-                     step: int,
-                     learner_version: int, inputs: StepInputs, train_batch_size: int, gen_batch_size: int,
-                     dynamic_sampling: bool, max_num_gen_batches: int, max_staleness: Optional[int], stream: bool,
+                     step: int, learner_version: int, inputs: StepInputs, rule: SamplingRule,
                      ) -> Tuple[List[Group], List[ScoredSample]]:
         """The step's batch and ledger rows (RolloutManager.collect_step says what they are)."""
+        train_batch_size, gen_batch_size = rule.train_batch_size, rule.gen_batch_size
+        max_num_gen_batches, max_staleness, stream = rule.max_num_gen_batches, rule.max_staleness, rule.streamed
         carried, self.carry = self.carry, []
         stale: List[Group] = []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
-        fill = BatchFill(step, learner_version, inputs.score, train_batch_size, dynamic_sampling, stream, carried,
-                         observe_keep_rate=self.observe_keep_rate)
+        fill = BatchFill(step, learner_version, inputs.score, rule, carried, observe_keep_rate=self.observe_keep_rate)
         for g in stale:
             fill.samples += g.stamp(step, learner_version)
         counts = self.counts = fill.counts

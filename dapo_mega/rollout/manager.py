@@ -45,7 +45,7 @@ import aiohttp
 
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, RequestSamplingParams, SamplingParams
 from dapo_mega.engines.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
-from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS
+from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, SamplingRule
 from dapo_mega.rollout.dispatch import RolloutError, RoundDispatcher, RoundOutcome, chunk_size
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs
 from dapo_mega.rollout.partial import PARTIAL_COUNTS, PartialGroup
@@ -59,7 +59,7 @@ from dapo_mega.rollout.samples import (
     parse_version,
 )
 
-__all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "ScoredSample", "StepInputs",
+__all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "SamplingRule", "ScoredSample", "StepInputs",
            "chunk_size", "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
 
 
@@ -195,26 +195,23 @@ class RolloutManager:
         return await RoundDispatcher(self, prompts, gen_round, on_groups, want, keep_rate, partials).run()
 
     # ---------------------------------------------------------------- dynamic sampling
-    def collect_step(self, step: int, learner_version: int, inputs: StepInputs, train_batch_size: int,
-                     gen_batch_size: int, dynamic_sampling: bool = True, max_num_gen_batches: int = 0,
-                     max_staleness: Optional[int] = None, stream: Optional[bool] = None
+    def collect_step(self, step: int, learner_version: int, inputs: StepInputs, rule: SamplingRule
                      ) -> Tuple[List[Group], List[ScoredSample]]:
         """Groups to train on at `step` (exactly train_batch_size of them) and every sample
         the step generated or dropped (kept or not, each with its reject reason), stamped with
         `step` and `learner_version`: the step's ledger rows.
 
-        `inputs` draws the prompts and scores the groups (`StepInputs`). `stream` (default:
-        `max_staleness == 0`, where a surplus could only be dropped as stale) sizes each round
+        `inputs` draws the prompts and scores the groups (`StepInputs`); `rule` (`SamplingRule`)
+        holds dynamic sampling's settings. Streamed (default: `max_staleness == 0`, where a
+        surplus could only be dropped as stale), it sizes each round
         from the keep rate, decides groups in prompt order as their requests finish, aborts the
         requests in flight once the batch is full and returns the round's undecided prompts to
         `pending` (rollout/dynamic_sampling.py).
         """
         self._step = step
         try:
-            kept, samples = self.sampling.collect_step(
-                self._generate, run_coroutine, step, learner_version, inputs, train_batch_size, gen_batch_size,
-                dynamic_sampling, max_num_gen_batches, max_staleness,
-                max_staleness == 0 if stream is None else stream)
+            kept, samples = self.sampling.collect_step(self._generate, run_coroutine, step, learner_version, inputs,
+                                                       rule)
         except RolloutError as exc:
             raise RolloutError(f"{exc}; dead engines: {self.dead_engines()}") from None
         counts, sampling = self.sampling.counts, self.sampling

@@ -28,8 +28,8 @@ class EchoManager:
         self.metrics = {"rollout/gen_batches": 1}
         self.prompts_seen = []
 
-    def collect_step(self, step, learner_version, inputs, train_batch_size, gen_batch_size, **kwargs):
-        prompts = inputs.draw(gen_batch_size)
+    def collect_step(self, step, learner_version, inputs, rule):
+        prompts = inputs.draw(rule.gen_batch_size)
         self.prompts_seen += [p.id for p in prompts]
         groups = []
         for p in prompts:

@@ -5,7 +5,7 @@ depends on the groups decided, not on how they were cut into requests."""
 from dataclasses import dataclass
 
 from dapo_mega.reward import SampleReward
-from dapo_mega.rollout.batch_fill import BatchFill
+from dapo_mega.rollout.batch_fill import BatchFill, SamplingRule
 from dapo_mega.rollout.manager import RolloutManager
 from dapo_mega.rollout.samples import Group, ScoredSample
 
@@ -33,7 +33,7 @@ def fill_of(stream, scored):
         return [[SampleReward(float(s.sample_index % 2), bool(s.sample_index % 2)) if int(g.prompt_id[1:]) % 2 == 0
                  else SampleReward(-1.0, False) for s in g.samples] for g in groups]
     mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
-    fill = BatchFill(1, 0, reward_fn, train_batch_size=2, dynamic_sampling=True, stream=stream, carried=[],
+    fill = BatchFill(1, 0, reward_fn, SamplingRule(train_batch_size=2, gen_batch_size=4, stream=stream), carried=[],
                      observe_keep_rate=mgr.sampling.observe_keep_rate)
     return fill, mgr
 

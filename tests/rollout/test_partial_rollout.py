@@ -20,6 +20,7 @@ from dapo_mega.engines.sglang.client import SampleResult
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
+from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler
 from dapo_mega.rollout.manager import RolloutManager
 from dapo_mega.rollout.partial import PartialGroup, cut_chunks, merge_spans, resume_request
@@ -199,8 +200,8 @@ def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_ne
         mgr = LongAfterFirst([EngineEndpoint(url, timeout_s=120)], n_samples=G, sampling_params={"ignore_eos": True},
                              prompts_per_request=1, requests_per_engine=3, partial_rollout=True)
         feed = Feed(draw, mixed_rewards)
-        kept, rows1 = mgr.collect_step(step=1, learner_version=0, inputs=feed, train_batch_size=1, gen_batch_size=3,
-                                       max_staleness=1, stream=True)
+        kept, rows1 = mgr.collect_step(step=1, learner_version=0, inputs=feed,
+                                       rule=SamplingRule(train_batch_size=1, gen_batch_size=3, max_staleness=1, stream=True))
         assert [g.prompt_id for g in kept] == ["p0"]
         m = mgr.metrics
         # p1 and p2 were in flight when the batch filled: aborted, their samples kept, nothing thrown away
@@ -218,8 +219,8 @@ def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_ne
             async with EngineClient(url) as c:
                 await c.update_weight_version("1")
         run_coroutine(new_version())                                    # the learner's step: version 1
-        kept, rows2 = resumed_mgr.collect_step(step=2, learner_version=1, inputs=feed, train_batch_size=2,
-                                               gen_batch_size=3, max_staleness=1, stream=True)
+        kept, rows2 = resumed_mgr.collect_step(step=2, learner_version=1, inputs=feed,
+                                               rule=SamplingRule(train_batch_size=2, gen_batch_size=3, max_staleness=1, stream=True))
         assert [g.prompt_id for g in kept] == ["p1", "p2"]              # the carried prompts come first
         assert resumed_mgr.metrics["rollout/resumed_groups"] == 2
         assert resumed_mgr.metrics["rollout/resumed_tokens"] == m["rollout/partial_tokens"]

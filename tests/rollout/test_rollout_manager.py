@@ -14,6 +14,7 @@ from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
+from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.dispatch import finished_requests
 from dapo_mega.rollout.manager import DynamicSamplingExhausted, RolloutManager, drop_stale_groups, request_seed
 
@@ -83,7 +84,7 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_nothing(model_dir, tmp_p
         t0 = time.monotonic()
         killer.start()
         kept, records = mgr.collect_step(step=1, learner_version=3, inputs=Feed(prompt_stream(), lambda gs: [[SampleReward(1.0, True)] * G for _ in gs]),
-                                         train_batch_size=16, gen_batch_size=16, dynamic_sampling=False)
+                                         rule=SamplingRule(train_batch_size=16, gen_batch_size=16, dynamic_sampling=False))
         killer.join(timeout=60)
         assert killed_at and time.monotonic() > killed_at[0], "rollout finished before the kill"
         assert engines[1].url in mgr.dead
@@ -129,7 +130,8 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
                     out.append([SampleReward(1.0 if ok else -1.0, ok)] * len(g.samples))
             return out
 
-        kept, records = mgr.collect_step(step=2, learner_version=0, inputs=Feed(prompt_stream(), reward_fn), train_batch_size=3, gen_batch_size=4)
+        kept, records = mgr.collect_step(step=2, learner_version=0, inputs=Feed(prompt_stream(), reward_fn),
+                                         rule=SamplingRule(train_batch_size=3, gen_batch_size=4))
         assert [g.prompt_id for g in kept] == ["p0", "p4", "p8"]
         assert mgr.metrics["rollout/gen_batches"] == 3 and mgr.metrics["rollout/groups_generated"] == 12
         reasons = {}
@@ -143,7 +145,7 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
                               sampling_params={"max_new_tokens": 3, "ignore_eos": True})
         with pytest.raises(DynamicSamplingExhausted) as err:
             mgr2.collect_step(step=3, learner_version=0, inputs=Feed(prompt_stream(), reward_fn),
-                              train_batch_size=3, gen_batch_size=4, max_num_gen_batches=2)
+                              rule=SamplingRule(train_batch_size=3, gen_batch_size=4, max_num_gen_batches=2))
         msg = str(err.value)
         for part in ("after 2 rounds", "8 groups generated", "2 all-correct", "4 all-wrong",
                      "max_num_gen_batches", "dynamic_sampling=false", "n_samples_per_prompt"):
@@ -154,7 +156,7 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
         kept, _ = mgr3.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), lambda gs: [[SampleReward(float(s.sample_index % 2),
                                                                                    bool(s.sample_index % 2))
                                                                       for s in g.samples] for g in gs]),
-                                    train_batch_size=3, gen_batch_size=5)
+                                                                      rule=SamplingRule(train_batch_size=3, gen_batch_size=5))
         assert len(kept) == 3 and len(mgr3.sampling.carry) == 2
         assert [g.prompt_id for g in mgr3.sampling.carry] == ["p3", "p4"]
         # The carry survives a checkpoint as plain data, scores and reasons included.
@@ -184,7 +186,7 @@ def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_d
         mgr = make()
         source = prompt_stream()
         kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(source, every_other_kept),
-                                         train_batch_size=3, gen_batch_size=4, max_staleness=0)
+                                         rule=SamplingRule(train_batch_size=3, gen_batch_size=4, max_staleness=0))
         # round 0: gen_batch_size=4 prompts (no keep rate yet) keeps p0, p2; the measured keep
         # rate is ~1/2, so round 1 asks for ceil(1 x 1.2 / rate) = 3 prompts and stops at p4.
         assert [g.prompt_id for g in kept] == ["p0", "p2", "p4"]
@@ -202,8 +204,8 @@ def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_d
         restored.load_state_dict(mgr.state_dict(), lambda d: Prompt(**d))
         assert restored.sampling.keep_rate == mgr.sampling.keep_rate and [p.id for p in restored.sampling.pending] == ["p5", "p6"]
         assert restored.sampling.round_size(3, 4) == mgr.sampling.round_size(3, 4) == 6   # ceil(3 x 1.2 / ~0.6); not gen_batch_size
-        kept, records = restored.collect_step(step=2, learner_version=1, inputs=Feed(source, every_other_kept), train_batch_size=3, gen_batch_size=4,
-                                              max_staleness=0)
+        kept, records = restored.collect_step(step=2, learner_version=1, inputs=Feed(source, every_other_kept),
+                                              rule=SamplingRule(train_batch_size=3, gen_batch_size=4, max_staleness=0))
         assert [g.prompt_id for g in kept] == ["p6", "p8", "p10"]    # pending first, then the cursor (p7 on)
         assert restored.metrics["rollout/gen_batches"] == 1
         # A checkpoint written before streaming (carry only) still loads.
@@ -227,8 +229,8 @@ def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_pa
         G = 2
         mgr = ShortFirst([EngineEndpoint(engines[0].url, timeout_s=120)], n_samples=G,
                          sampling_params={"ignore_eos": True}, prompts_per_request=1, requests_per_engine=3)
-        kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), every_other_kept), train_batch_size=1, gen_batch_size=6,
-                                         max_staleness=0)
+        kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), every_other_kept),
+                                         rule=SamplingRule(train_batch_size=1, gen_batch_size=6, max_staleness=0))
         assert [g.prompt_id for g in kept] == ["p0"]
         m = mgr.metrics
         # p1, p2 were in flight and aborted (partial, never completed: no ledger rows); p3-p5 never sent

@@ -19,6 +19,7 @@ from dapo_mega.config import RolloutConfig
 from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.reward import SampleReward
+from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.manager import RolloutManager
 
 pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
@@ -61,8 +62,8 @@ def two_steps(engines):
     source = prompt_stream()
     steps = []
     for step in (1, 2):
-        kept, records = mgr.collect_step(step=step, learner_version=step - 1, inputs=Feed(source, every_other_kept), train_batch_size=2, gen_batch_size=8,
-                                         max_staleness=0)
+        kept, records = mgr.collect_step(step=step, learner_version=step - 1, inputs=Feed(source, every_other_kept),
+                                         rule=SamplingRule(train_batch_size=2, gen_batch_size=8, max_staleness=0))
         steps.append({
             "kept": [(g.prompt_id, [s.token_ids for s in g.samples]) for g in kept],
             "rows": [(s.step, s.prompt_id, s.sample_index, tuple(s.token_ids), s.response_text, s.reward,
