@@ -33,6 +33,7 @@ class ConfigError(ValueError):
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+GroupFilterMetric = Literal["acc", "score"]
 Verifier = Literal["dapo", "math_verify"]  # the built-in names; algo.verifier also takes a plugin's module:function
 OnNonfinite = Literal["skip", "stop"]
 OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop"]
@@ -152,6 +153,11 @@ class AlgoConfig:
     splitting it into mini-batches, so consecutive updates do not see correlated prompts."""
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal and refill the batch (DAPO §3.2)."""
+    dynamic_sampling_metric: str = "acc"
+    """What a group must vary in to be kept (verl's `algorithm.filter_groups.metric`): "acc",
+    the verifier's verdicts (0 < correct < G, the reference recipe: a group all correct whose
+    rewards differ only by the overlong penalty is dropped), or "score", the rewards (kept
+    unless all G are equal: such a group still has nonzero advantages)."""
     max_num_gen_batches: int = 10
     """Give up after this many dynamic-sampling rounds in one step (0 = no limit)."""
     max_prompt_length: int = 2048
@@ -218,6 +224,7 @@ class AlgoConfig:
             raise err("algo.n_samples_per_prompt", f"is {a.n_samples_per_prompt} with algo.dynamic_sampling on; "
                       "a group of one always has uniform rewards and would always be dropped",
                       "set n_samples_per_prompt >= 2 or algo.dynamic_sampling=false")
+        _check_choice("algo.dynamic_sampling_metric", a.dynamic_sampling_metric, GroupFilterMetric)
         if a.train_batch_size < 1:
             raise err("algo.train_batch_size", "must be >= 1", "use 512 (DAPO)")
         if a.mini_batch_size < 1 or a.train_batch_size % a.mini_batch_size:

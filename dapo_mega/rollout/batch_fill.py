@@ -42,6 +42,8 @@ class SamplingRule:
     """Age limit of carried groups (None: none is dropped)."""
     stream: Optional[bool] = None
     """Streamed rounds (rollout/dynamic_sampling.py); None: when max_staleness == 0."""
+    metric: str = "acc"
+    """What a kept group varies in: the verdicts ("acc") or the rewards ("score")."""
 
     @property
     def streamed(self) -> bool:
@@ -53,15 +55,17 @@ class SamplingRule:
         """The run's rule (`train_batch_size`: a refill's own size instead of algo's). The
         synchronous modes (no queue) stream; carried groups obey cluster.age_limit."""
         return cls(train_batch_size or algo.train_batch_size, algo.gen_batch_size, algo.dynamic_sampling,
-                   algo.max_num_gen_batches, cluster.age_limit, cluster.max_staleness == 0)
+                   algo.max_num_gen_batches, cluster.age_limit, cluster.max_staleness == 0,
+                   algo.dynamic_sampling_metric)
 
 
-def select_groups(groups: Sequence[Group]):
-    """Per-sample reasons through the algo package's group filter (Eq. 11)."""
+def select_groups(groups: Sequence[Group], metric: str = "acc"):
+    """Per-sample reasons through the algo package's group filter (Eq. 11): on the verdicts
+    ("acc") or on the rewards alone ("score"; `SamplingRule.metric`)."""
     from dapo_mega.algo import select_informative_groups
 
     rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
-    correct = torch.tensor([s.correct for g in groups for s in g.samples])
+    correct = torch.tensor([s.correct for g in groups for s in g.samples]) if metric == "acc" else None
     index = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
     return select_informative_groups(rewards, index, correct=correct)
 
@@ -131,7 +135,7 @@ class BatchFill:
             for s, reward in zip(g.samples, rewards):
                 s.score = reward
         if self.dynamic_sampling:
-            sel = select_groups(groups)
+            sel = select_groups(groups, self.rule.metric)
             self.counts["all_correct"] += sel.num_all_correct
             self.counts["all_wrong"] += sel.num_all_wrong
             offset = 0

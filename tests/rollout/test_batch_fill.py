@@ -74,3 +74,33 @@ def test_keep_rate_does_not_depend_on_how_groups_were_cut_into_requests():
             fill.take(groups[i:i + size])
         rates.append((mgr.sampling.keep_rate, mgr.sampling.keep_counts))
     assert rates[0] == rates[1] == rates[2]
+
+
+def test_the_filter_metric_acc_drops_an_all_correct_group_that_score_keeps():
+    """verl's `algorithm.filter_groups.metric` as algo.dynamic_sampling_metric: p0's two answers
+    are both correct, one penalised for length (rewards 1.0 and 0.5); p1's differ in verdict.
+    "acc" (the reference recipe) keeps p1 only; "score" keeps both, p0 having nonzero
+    advantages. The run's config reaches the rule through SamplingRule.from_config alone."""
+    import pytest
+
+    from dapo_mega.config import ConfigError, load_config, validate_config
+
+    def rewards(groups):
+        return [[SampleReward(1.0, True), SampleReward(0.5, True)] if g.prompt_id == "p0"
+                else [SampleReward(1.0, True), SampleReward(-1.0, False)] for g in groups]
+
+    kept = {}
+    for metric in ("acc", "score"):
+        cfg = load_config([f"algo.dynamic_sampling_metric={metric}"])
+        rule = SamplingRule.from_config(cfg.algo, cfg.cluster, train_batch_size=2)
+        assert rule.metric == metric and rule.train_batch_size == 2
+        mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
+        fill = BatchFill(1, 0, rewards, rule, carried=[], observe_keep_rate=mgr.sampling.observe_keep_rate)
+        prompts = [Prompt("p0", [1]), Prompt("p1", [2])]
+        fill.start_round(prompts)
+        fill.take([group(p) for p in prompts])
+        kept[metric] = [g.prompt_id for g in fill.kept]
+        assert fill.counts["all_correct"] == (1 if metric == "acc" else 0)
+    assert kept == {"acc": ["p1"], "score": ["p0", "p1"]}
+    with pytest.raises(ConfigError, match="algo.dynamic_sampling_metric"):
+        validate_config(load_config(["algo.dynamic_sampling_metric=seq_reward"]))
