@@ -470,7 +470,7 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
             failed = _start_router(cfg, registry, advertise, bind_host, log_dir, procs, logs, task, api_key=api_key)
             if failed is not None:
                 return failed
-        watch = EngineWatch(fleet, cfg.rollout.engine_restarts, on_healthy=announce, say=_log)
+        watch = EngineWatch(fleet, cfg.rollout, on_healthy=announce, say=_log)
         while True:  # watch: an engine that exits is restarted at its port (bounded); the router ending fails
             status = watch.check()
             if status is not None:

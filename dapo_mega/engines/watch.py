@@ -1,7 +1,7 @@
 """The Slurm engines role's watch: an engine that exits is restarted at its port, a bounded
 number of times, so a job outlives an engine.
 
-    watch = EngineWatch(fleet, max_restarts=cfg.rollout.engine_restarts, on_healthy=announce)
+    watch = EngineWatch(fleet, cfg.rollout, on_healthy=announce)
     while True:
         status = watch.check()          # None: every engine runs (some perhaps restarted)
         if status is not None:
@@ -23,11 +23,14 @@ role with the status of its last exit, and the sbatch script then ends the job.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from dapo_mega import log
 from dapo_mega.engines.fleet import MAX_PORT_RETRIES
 from dapo_mega.engines.process import EngineProcess, EngineStartError
+
+if TYPE_CHECKING:
+    from dapo_mega.config import RolloutConfig
 
 logger = log.get(__name__)
 
@@ -67,17 +70,23 @@ class RestartBudget:
     def spent(self, index: int) -> int:
         return self.used.get(index, 0)
 
+    @classmethod
+    def from_config(cls, rollout: "RolloutConfig") -> "RestartBudget":
+        """The budget the rollout section sets (rollout.engine_restarts)."""
+        return cls(rollout.engine_restarts)
+
 
 class EngineWatch:
     """Watches the engines a fleet started and restarts those that exit (module docstring)."""
 
-    def __init__(self, fleet, max_restarts: int, on_healthy: Optional[Callable[[EngineProcess], None]] = None,
+    def __init__(self, fleet, rollout: "RolloutConfig", on_healthy: Optional[Callable[[EngineProcess], None]] = None,
                  say: Optional[Callable[[str], None]] = None):
-        """`fleet`: the `engines.fleet.EngineFleet` that started them. `on_healthy`: called with
-        each restarted engine once it answers /health (the role announces it again). `say`: a
-        line of the role's log (default: this module's logger, on every rank)."""
+        """`fleet`: the `engines.fleet.EngineFleet` that started them; `rollout`: the run's
+        rollout section (its restart budget, `RestartBudget.from_config`). `on_healthy`: called
+        with each restarted engine once it answers /health (the role announces it again).
+        `say`: a line of the role's log (default: this module's logger, on every rank)."""
         self.fleet = fleet
-        self.budget = RestartBudget(max_restarts)
+        self.budget = RestartBudget.from_config(rollout)
         self.on_healthy = on_healthy
         self.say = say or (lambda message: logger.warning(message, extra=log.EVERY_RANK))
         self.restarts: List[int] = []

@@ -48,7 +48,7 @@ def test_a_killed_engine_comes_back_at_its_url_then_the_role_ends_past_its_resta
         fleet.start(1)
         first = fleet.engines[0]
         url, old_pid = first.url, first.pid
-        watch = EngineWatch(fleet, max_restarts=1, on_healthy=announced.append, say=lines.append)
+        watch = EngineWatch(fleet, RolloutConfig(engine_restarts=1), on_healthy=announced.append, say=lines.append)
         assert watch.check() is None and not lines  # nothing exited: nothing to do
 
         os.kill(old_pid, signal.SIGKILL)
