@@ -406,9 +406,14 @@ class RolloutConfig:
     """Times a prompt group is retried on another engine before the step fails."""
     engine_restarts: int = 3
     """Times the Slurm engines role (`python -m dapo_mega.launch engines`) restarts one engine
-    that exited, at its port, within one job; the trainer finds it answering again and
-    syncs the current weights into it before it serves. One more exit ends the role
-    non-zero (and with it the job). 0: the first exit ends the job."""
+    that exited, at its port, within one job (or within rollout.engine_restart_window_s);
+    the trainer finds it answering again and syncs the current weights into it before it
+    serves. One more exit ends the role non-zero (and with it the job). 0: the first exit
+    ends the job."""
+    engine_restart_window_s: float = 0.0
+    """Count an engine's restarts over this many seconds only (0: over the whole job): with
+    3600 a crash loop still ends the job, while an engine lost once every few hours of a
+    days-long job does not use up its restarts."""
     prompts_per_request: int = 4
     """Prompts (groups of n samples) per /generate request. A request is the unit the rollout
     manager streams, retries and aborts: smaller is finer, larger costs fewer round trips."""
@@ -467,6 +472,9 @@ class RolloutConfig:
             raise err("rollout.weight_sync_bucket_mb", "must be >= 1", "use 512")
         if r.engine_restarts < 0:
             raise err("rollout.engine_restarts", f"must be >= 0, got {r.engine_restarts}", "use 3 (0: no restarts)")
+        if r.engine_restart_window_s < 0:
+            raise err("rollout.engine_restart_window_s", f"must be >= 0, got {r.engine_restart_window_s}",
+                      "use 3600, or 0 to count restarts over the whole job")
         for name in ("prompts_per_request", "requests_per_engine"):
             if getattr(r, name) < 1:
                 raise err(f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}", "use 4 and 8 (SGLang)")

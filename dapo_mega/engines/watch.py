@@ -22,6 +22,7 @@ role with the status of its last exit, and the sbatch script then ends the job.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
@@ -54,26 +55,37 @@ def describe_exit(rc: Optional[int]) -> str:
 
 @dataclass
 class RestartBudget:
-    """Restarts left to each engine of one engines role (a pure rule, tested alone)."""
+    """Restarts left to each engine of one engines role (a pure rule, tested alone): at most
+    `max_restarts` per engine, counted over the last `window_s` seconds (0: the whole job)."""
 
     max_restarts: int
-    used: Dict[int, int] = field(default_factory=dict)
-    """Engine index -> restarts spent in this job."""
+    window_s: float = 0.0
+    clock: Callable[[], float] = time.monotonic
+    used: Dict[int, List[float]] = field(default_factory=dict)
+    """Engine index -> when each of its counted restarts was taken."""
 
     def take(self, index: int) -> bool:
         """Spend one restart of engine `index`; False when it has none left."""
-        if self.used.get(index, 0) >= self.max_restarts:
+        now = self.clock()
+        times = [t for t in self.used.get(index, []) if not self.window_s or now - t < self.window_s]
+        self.used[index] = times
+        if len(times) >= self.max_restarts:
             return False
-        self.used[index] = self.used.get(index, 0) + 1
+        times.append(now)
         return True
 
     def spent(self, index: int) -> int:
-        return self.used.get(index, 0)
+        return len(self.used.get(index, []))
+
+    @property
+    def scope(self) -> str:
+        """Where the restarts are counted, for the role's log."""
+        return f"in the last {self.window_s:g} s" if self.window_s else "in this job"
 
     @classmethod
     def from_config(cls, rollout: "RolloutConfig") -> "RestartBudget":
-        """The budget the rollout section sets (rollout.engine_restarts)."""
-        return cls(rollout.engine_restarts)
+        """The budget the rollout section sets (rollout.engine_restarts, .engine_restart_window_s)."""
+        return cls(rollout.engine_restarts, rollout.engine_restart_window_s)
 
 
 class EngineWatch:
@@ -107,7 +119,7 @@ class EngineWatch:
             tail = engine.log_tail(20)
             if not self.budget.take(engine.index):
                 self.say(f"engine {engine.index} ({engine.url}, pid {engine.pid}) exited with {describe_exit(rc)}; it "
-                         f"was restarted {self.budget.spent(engine.index)} time(s) in this job, the most "
+                         f"was restarted {self.budget.spent(engine.index)} time(s) {self.budget.scope}, the most "
                          f"rollout.engine_restarts={self.budget.max_restarts} allows: ending the engines role "
                          f"(and the job). Last lines of {engine.log_path}:\n{tail}")
                 return exit_status(rc)

@@ -65,3 +65,26 @@ def test_a_killed_engine_comes_back_at_its_url_then_the_role_ends_past_its_resta
         assert watch.check() == 137
         assert "restarted 1 time(s) in this job, the most rollout.engine_restarts=1 allows" in lines[-1]
         assert announced == [again]  # no second restart
+
+
+def test_with_a_window_only_the_recent_restarts_count():
+    """rollout.engine_restart_window_s: 2 restarts per hour. Two crashes a minute apart use
+    them up (a crash loop still ends the job); two more hours later are allowed again."""
+    now = [0.0]
+    rollout = RolloutConfig(engine_restarts=2, engine_restart_window_s=3600)
+    budget = RestartBudget.from_config(rollout)
+    budget.clock = lambda: now[0]
+    taken = []
+    for t in (0, 60, 120, 3610, 3620, 7300):
+        now[0] = float(t)
+        taken.append(budget.take(0))
+    # at 120 s two restarts are within the hour; at 3610 s the one of 0 s has left it; at 3620 s
+    # the ones of 60 and 3610 s count; at 7300 s none does
+    assert taken == [True, True, False, True, False, True]
+    assert budget.scope == "in the last 3600 s" and RestartBudget(2).scope == "in this job"
+    whole_job = RestartBudget.from_config(RolloutConfig(engine_restarts=2))
+    assert [whole_job.take(0) for _ in range(3)] == [True, True, False]
+    cfg = DapoConfig()
+    cfg.rollout.engine_restart_window_s = -1
+    with pytest.raises(ConfigError, match="rollout.engine_restart_window_s"):
+        validate_config(cfg)
