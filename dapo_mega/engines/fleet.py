@@ -2,9 +2,7 @@
 killed and restarted.
 
     fleet = EngineFleet(cfg.rollout, model_path, log_dir, device=cfg.cluster.device)
-    endpoints = fleet.start(2)                      # or EngineFleet.attach(urls, cfg.rollout)
-    ...                                             # or EngineFleet.from_registry(dir, cfg.rollout)
-    fleet.restart(1); fleet.close()
+    endpoints = fleet.start(2)   # or EngineFleet.attach(urls, cfg.rollout), .from_registry(dir, cfg.rollout)
 
 An engine is `python -m dapo_mega.engines.embedded.server` (the embedded CPU engine) or
 `python -m sglang.launch_server`, with the argv of `engines.sglang.commands.build_engine_command`,
@@ -18,7 +16,8 @@ variable), `--num-threads` and OMP threads for the embedded engine. Each engine 
 that log and quoting its tail. Every engine starts tethered (`dapo_mega/tether.py`): it gets
 SIGTERM when the process that started it dies, SIGKILLed or not, so a crashed trainer leaves
 no engine holding its port or its GPU. SGLang's `/health` runs a one-token generation and sleeps
-1 s, so each probe waits several seconds (`HEALTH_PROBE_TIMEOUT_S`).
+1 s, so each probe waits several seconds (`HEALTH_PROBE_TIMEOUT_S`); a /health answer counts only
+from the engine's own process (`EngineProcess.serves_its_port`).
 """
 
 from __future__ import annotations
@@ -326,8 +325,9 @@ class EngineFleet:
                      on_healthy: Optional[Callable[[EngineProcess], None]] = None) -> None:
         """Poll until each engine answers /health (`on_healthy` is called for each as it does).
 
-        An engine that lost its free port (exited, or hung after saying so, as SGLang's server
-        can) is restarted on a new one, MAX_PORT_RETRIES times; other exits: `EngineStartError`."""
+        An engine that lost its free port (exited, hung after saying so, as SGLang's server can,
+        or another server answers there) is restarted on a new one, MAX_PORT_RETRIES times;
+        other exits: `EngineStartError`."""
         pending = {e.index for e in (engines if engines is not None else self.engines)}
         deadline = time.monotonic() + self.start_timeout_s
         while pending:
@@ -348,7 +348,7 @@ class EngineFleet:
                     how = f"signal {-rc}" if rc < 0 else f"code {rc}"
                     raise EngineStartError(f"engine {index} ({engine.url}) exited with {how} before becoming "
                                            f"healthy; log {engine.log_path}:\n{engine.log_tail()}")
-                if is_healthy(engine.endpoint):
+                if engine.answers_health():  # from its own process; one that lost its port is stopped
                     pending.discard(index)
                     if on_healthy is not None:
                         on_healthy(engine)

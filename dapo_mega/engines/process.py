@@ -1,6 +1,7 @@
 """One engine process and the operating-system plumbing of the fleet (`fleet.py`): one
-/health probe, stopping a process (SIGTERM, then SIGKILL), an engine's log tail,
-the registry file an engine is announced in.
+/health probe, whether the answer came from the engine's own process (`serves_its_port`),
+stopping a process (SIGTERM, then SIGKILL), an engine's log tail, the registry file an
+engine is announced in.
 
 These are the only copies in the package: the trainer, the Slurm launcher, evaluation, the
 benchmarks and the tests all reach them through the fleet or import them from here
@@ -17,14 +18,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from dapo_mega.distributed import free_port
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.run_files.checkpoints import write_text_atomic
 
-__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "log_tail",
-           "lost_port_race", "resume_process", "stop_process"]
+__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "listening_inodes",
+           "log_tail", "lost_port_race", "resume_process", "socket_inodes", "stop_process"]
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 """Per-request timeout of one /health probe (SGLang answers after ~1 s of work)."""
@@ -69,6 +70,44 @@ def lost_port_race(log_text: str) -> bool:
     """The engine died because its port (free when picked) was taken before it bound it."""
     text = log_text.lower()
     return "address already in use" in text or "errno 98" in text
+
+
+def listening_inodes(port: int, tables: tuple = ("/proc/net/tcp", "/proc/net/tcp6")) -> Optional[Set[int]]:
+    """Inodes of the sockets listening on TCP `port` in this network namespace; None where
+    /proc/net cannot be read (not Linux)."""
+    found, read = set(), False
+    for table in tables:
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for row in rows:  # sl local_address rem_address st ... inode: st 0A is LISTEN
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.add(int(f[9]))
+    return found if read else None
+
+
+def socket_inodes(pid: int) -> Set[int]:
+    """Inodes of the sockets open in `pid` and its descendants (SGLang serves HTTP from its
+    main process; a wrapper would serve from a child)."""
+    inodes, todo, seen = set(), [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                link = os.readlink(f"/proc/{p}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+            for tid in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+        except OSError:  # exited meanwhile, or no /proc
+            continue
+    return inodes
 
 
 def announce_engine(registry: Path, index: int, record: dict) -> Path:
@@ -119,6 +158,28 @@ class EngineProcess:
     def log_tail(self, lines: int = 30) -> str:
         """The end of what this process (not an earlier start of the engine) wrote to its log."""
         return log_tail(self.log_path, lines, self.log_offset)
+
+    def answers_health(self) -> bool:
+        """/health answers 200 from this process's own socket. When another process answers at
+        its port (it took the port, picked free, before this one bound it), this one is stopped
+        and its log says the port was lost (`lost_port_race` reads that): False."""
+        if not is_healthy(self.endpoint):
+            return False
+        if self.serves_its_port():
+            return True
+        self.kill(grace_s=5.0)
+        with self.log_path.open("a") as log:
+            log.write(f"[fleet] port {self.port}: address already in use: another process answers /health there\n")
+        return False
+
+    def serves_its_port(self) -> bool:
+        """Whether the socket listening on its port belongs to this process (or a child): a
+        port picked free can be taken by another server before the engine binds it, and that
+        server's /health answer must not pass for the engine's. True where it cannot be told."""
+        listening = listening_inodes(self.port)
+        if not listening:  # no /proc/net, or another network namespace: it cannot be told here
+            return True
+        return bool(listening & socket_inodes(self.pid))
 
 
 

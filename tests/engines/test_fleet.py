@@ -180,6 +180,45 @@ os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
         assert again.port_retries == 1 and again.port != first.port and is_healthy(again.endpoint)
 
 
+def test_a_port_another_server_answers_on_is_not_taken_for_the_engine(tmp_path, model_dir, monkeypatch):
+    """Between picking a free port and binding it, another process (here: an HTTP server in this
+    test process, answering /health 200) takes it. Its answer must not pass for the engine's
+    (in the full suite a trainer then sent its weights to another test's engine): the engine is
+    stopped and started on another port, and only its own process's answer counts."""
+    import http.server
+    import threading
+
+    from dapo_mega.distributed import free_port
+    from dapo_mega.engines.process import listening_inodes, socket_inodes
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    foreign = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    taken = foreign.server_address[1]
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    ports = iter([taken])
+    monkeypatch.setattr("dapo_mega.engines.fleet.free_port", lambda host=None: next(ports, None) or free_port())
+    try:
+        assert listening_inodes(taken) & socket_inodes(os.getpid())  # the rule sees who listens
+        with EngineFleet(RolloutConfig(health_timeout_s=120.0), str(model_dir), tmp_path / "logs",
+                         num_threads=1) as fleet:
+            first = fleet.spawn(0)
+            assert first.port == taken
+            fleet.wait_healthy()
+            again = fleet.get(0)
+            assert first.proc.poll() is not None and again is not first
+            assert again.port_retries == 1 and again.port != taken and again.serves_its_port()
+            assert "another process answers /health there" in (tmp_path / "logs" / "engine-0.log").read_text()
+    finally:
+        foreign.shutdown()
+
+
 def test_port_races_are_retried_a_bounded_number_of_times_and_nothing_else_is(tmp_path):
     starts = tmp_path / "starts"
     python = stand_in(tmp_path, f"""#!{sys.executable}
