@@ -72,21 +72,20 @@ def lost_port_race(log_text: str) -> bool:
     return "address already in use" in text or "errno 98" in text
 
 
-def listening_inodes(port: int, tables: tuple = ("/proc/net/tcp", "/proc/net/tcp6")) -> Optional[Set[int]]:
-    """Inodes of the sockets listening on TCP `port` in this network namespace; None where
-    /proc/net cannot be read (not Linux)."""
-    found, read = set(), False
-    for table in tables:
+def listening_inodes(port: int) -> Set[int]:
+    """Inodes of the sockets listening on TCP `port` in this network namespace (none where
+    /proc/net cannot be read: not Linux)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
-        read = True
         for row in rows:  # sl local_address rem_address st ... inode: st 0A is LISTEN
             f = row.split()
             if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
                 found.add(int(f[9]))
-    return found if read else None
+    return found
 
 
 def socket_inodes(pid: int) -> Set[int]:

@@ -94,8 +94,6 @@ class BatchFill:
         self.step, self.learner_version = step, learner_version
         self.reward_fn = reward_fn
         self.rule = rule
-        self.train_batch_size = rule.train_batch_size
-        self.dynamic_sampling = rule.dynamic_sampling
         self.stream = rule.streamed
         self.kept: List[Group] = list(carried)
         self.samples: List[ScoredSample] = []
@@ -107,10 +105,10 @@ class BatchFill:
         """Groups of the current round decided: always its first `decided` prompts."""
 
     def need(self) -> int:
-        return max(0, self.train_batch_size - len(self.kept))
+        return max(0, self.rule.train_batch_size - len(self.kept))
 
     def full(self) -> bool:
-        return len(self.kept) >= self.train_batch_size
+        return len(self.kept) >= self.rule.train_batch_size
 
     def start_round(self, prompts: Sequence[PromptItem]) -> None:
         self.round_prompts, self.decided = prompts, 0
@@ -134,7 +132,7 @@ class BatchFill:
         for g, rewards in zip(groups, self.reward_fn(groups)):
             for s, reward in zip(g.samples, rewards):
                 s.score = reward
-        if self.dynamic_sampling:
+        if self.rule.dynamic_sampling:
             sel = select_groups(groups, self.rule.metric)
             self.counts["all_correct"] += sel.num_all_correct
             self.counts["all_wrong"] += sel.num_all_wrong

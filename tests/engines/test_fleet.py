@@ -136,17 +136,24 @@ def test_a_failing_engine_names_its_log(tmp_path):
     assert json.loads(recorded.read_text().splitlines()[0])["argv"][:2] == ["-m", "dapo_mega.engines.embedded.server"]
 
 
-def test_an_engine_that_lost_its_port_is_started_again(tmp_path, model_dir):
-    """The port picked free was taken before the engine bound it: it starts again on another."""
+def first_start_loses_its_port(tmp_path: Path, on_first_start: str) -> Path:
+    """A stand-in interpreter whose first start runs `on_first_start` (indented code: what an
+    engine that lost its port does) and whose later starts run the real engine."""
     marker = tmp_path / "first-start-done"
-    python = stand_in(tmp_path, f"""#!{sys.executable}
-import os, sys
+    return stand_in(tmp_path, f"""#!{sys.executable}
+import os, sys, time
 if not os.path.exists({str(marker)!r}):
     open({str(marker)!r}, "w").close()
-    print("OSError: [Errno 98] error while attempting to bind: address already in use", flush=True)
-    sys.exit(1)
+{on_first_start.strip(chr(10))}
 os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
 """)
+
+
+def test_an_engine_that_lost_its_port_is_started_again(tmp_path, model_dir):
+    """The port picked free was taken before the engine bound it: it starts again on another."""
+    python = first_start_loses_its_port(tmp_path, """
+    print("OSError: [Errno 98] error while attempting to bind: address already in use", flush=True)
+    sys.exit(1)""")
     rollout = RolloutConfig(engine_python=str(python), health_timeout_s=120.0)
     with EngineFleet(rollout, str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
         engine = fleet.spawn(0)
@@ -160,17 +167,11 @@ def test_an_engine_that_lost_its_port_and_hangs_is_started_again(tmp_path, model
     """SGLang's server, its port taken, logged uvicorn's bind error and then hung in its shutdown
     (a Slurm job of the full suite): the fleet stops it and starts it on another port instead
     of waiting out health_timeout_s."""
-    marker = tmp_path / "first-start-done"
-    python = stand_in(tmp_path, f"""#!{sys.executable}
-import os, sys, time
-if not os.path.exists({str(marker)!r}):
-    open({str(marker)!r}, "w").close()
+    python = first_start_loses_its_port(tmp_path, """
     print("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 41907): "
           "address already in use", flush=True)
     print("INFO:     Waiting for application shutdown.", flush=True)
-    time.sleep(600)
-os.execv({sys.executable!r}, [{sys.executable!r}] + sys.argv[1:])
-""")
+    time.sleep(600)""")
     rollout = RolloutConfig(engine_python=str(python), health_timeout_s=90.0)
     with EngineFleet(rollout, str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
         first = fleet.spawn(0)

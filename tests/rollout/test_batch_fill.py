@@ -2,7 +2,7 @@
 decided in prompt order, none after the batch is full is scored, and the keep-rate estimate
 depends on the groups decided, not on how they were cut into requests."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.batch_fill import BatchFill, SamplingRule
@@ -67,7 +67,7 @@ def test_keep_rate_does_not_depend_on_how_groups_were_cut_into_requests():
     rates = []
     for size in (1, 3, 8):
         fill, mgr = fill_of(False, [])
-        fill.train_batch_size = 99
+        fill.rule = replace(fill.rule, train_batch_size=99)
         fill.start_round(prompts)
         groups = [group(p) for p in prompts]
         for i in range(0, len(groups), size):

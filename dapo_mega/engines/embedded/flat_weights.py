@@ -10,13 +10,15 @@ no buffer and no copy.
 
 Layout (`FlatParameters`): one contiguous tensor per dtype, every parameter a view into it
 (each tensor once: a tied `lm_head.weight` is the embedding's tensor and has no place of its
-own, whichever of the two names a sender sends first). The order starts as the model's state dict, the HF order a sender streaming an HF state
-dict uses (the benchmark, trainers holding an HF model). The Megatron learner streams in its
-module order (`weights.stream`: per layer input_layernorm, o_proj, q/k/v, ... in the local
-spec, another order in the TE spec), so the layout follows the senders: when a sync's buckets
-arrive out of the layout's order, the parameters are laid out again in the order they came,
-once, after the sync's last bucket (the one carrying the weight version, while the engine is
-paused for the sync). A bucket mixing dtypes never lands in place and never asks for one. From the next sync on they land in place.
+own, whichever of the two names a sender sends first). The order starts as the model's state
+dict, the HF order a sender streaming an HF state dict uses (the benchmark, trainers holding an
+HF model). The Megatron learner streams in its module order (`weights.stream`: per layer
+input_layernorm, o_proj, q/k/v, ... in the local spec, another order in the TE spec), so the
+layout follows the senders: when a sync's buckets arrive out of the layout's order, the
+parameters are laid out again in the order they came, once, after the sync's last bucket (the
+one carrying the weight version, while the engine is paused for the sync). From the next sync
+on they land in place. A bucket mixing dtypes never lands in place and never asks for a
+re-layout.
 
 Fallback (`BucketReceiver`): a bucket that is not such a range (another order, another dtype,
 which is cast, a tied model's `lm_head.weight`) is received into one of two scratch buffers
