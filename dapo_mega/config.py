@@ -724,7 +724,12 @@ class TrainerConfig:
     wandb_project: str = "dapo-mega"
     """wandb project."""
     plot: bool = True
-    """Write curves.png into the run directory each step."""
+    """Write curves.png into the run directory."""
+    plot_interval_s: float = 60.0
+    """Redraw curves.png at a step only when this many seconds have passed since the last
+    drawing; the first step and the end of the run always draw (0 = every step). A drawing
+    costs about a second of a core: nothing beside a 32B step of minutes, most of a tiny
+    CPU step."""
     wall_time_minutes: float = 0.0
     """Stop cleanly, with a checkpoint, after the last step that leaves time for one more and
     its save within this many minutes of the trainer's start (0 = no limit). The next step is

@@ -193,7 +193,8 @@ class Session:
             prune_records_after(self.run_dir, state.step)
         recorder = RunRecorder(self.run_dir, cfg.trainer.run_name, {**config_dict(cfg), "run_id": self.run.run_id},
                                state.step, wandb_mode=cfg.trainer.wandb_mode, wandb_project=cfg.trainer.wandb_project,
-                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot, run_id=self.run.run_id,
+                               wandb_run_id=state.wandb_run_id, plot=cfg.trainer.plot,
+                               plot_interval_s=cfg.trainer.plot_interval_s, run_id=self.run.run_id,
                                restore_row=state.metrics_row if self.run.resumed else None)
         state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)

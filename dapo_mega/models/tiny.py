@@ -144,16 +144,64 @@ def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] =
     return out
 
 
+TINY_CACHE_ENV = "DAPO_MEGA_TINY_CACHE"
+"""The folder that keeps each tiny model built (default `~/.cache/dapo_mega/tiny_models`;
+"off": none). Building one imports transformers' modeling code and draws its weights, ~3 s
+of a core in every fresh run; a copy takes milliseconds."""
+
+
+def tiny_model_cache_dir(model_cfg: ModelConfig, seed: int) -> Optional[Path]:
+    """Where the tiny model of `model_cfg` and `seed` is kept once built: a folder named by a
+    hash of everything its files depend on (the model section's fields, the seed, this
+    module's source, the transformers / tokenizers / torch / safetensors versions). None when
+    `DAPO_MEGA_TINY_CACHE=off`."""
+    import dataclasses
+    import hashlib
+    from importlib.metadata import version
+
+    root = os.environ.get(TINY_CACHE_ENV, "")
+    if root.lower() == "off":
+        return None
+    fields = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k.startswith("tiny_")}
+    key = json.dumps({"fields": fields, "seed": seed, "source": Path(__file__).read_text(),
+                      "versions": [version(p) for p in ("transformers", "tokenizers", "torch", "safetensors")]},
+                     sort_keys=True)
+    base = Path(root) if root else Path.home() / ".cache" / "dapo_mega" / "tiny_models"
+    return base / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _publish(built: Path, final: Path) -> bool:
+    """Rename the directory `built` to `final`; False (and `built` removed) when another process
+    put one there first. Every process builds the same deterministic files."""
+    try:
+        os.rename(built, final)  # fails where another process put a directory there first
+        return True
+    except OSError:
+        shutil.rmtree(built, ignore_errors=True)
+        return False
+
+
 def build_tiny_model_in_place(model_dir: Path, model_cfg: ModelConfig, seed: int) -> Path:
     """The tiny model's HF files at `model_dir`, built once however many processes ask at the
     same time (every learner rank may get here before process groups exist, and the Slurm
     prepare step too): each builds the same deterministic files into its own directory and the
-    first rename wins; the others drop theirs. Returns `model_dir`."""
+    first rename wins; the others drop theirs. The files come from the cache
+    (`tiny_model_cache_dir`) when it holds them, and go there when it does not. Returns
+    `model_dir`."""
     model_dir = Path(model_dir)
     tmp = model_dir.with_name(f"{model_dir.name}.tmp-{os.getpid()}")
-    build_tiny_model_dir(tmp, model_cfg, seed=seed)
-    try:
-        os.rename(tmp, model_dir)  # fails where another process put a directory there first
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    cached = tiny_model_cache_dir(model_cfg, seed)
+    if cached is not None and (cached / "dapo_mega_tiny.json").is_file():
+        shutil.copytree(cached, tmp)
+    else:
+        build_tiny_model_dir(tmp, model_cfg, seed=seed)
+        if cached is not None:
+            try:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                staging = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+                shutil.copytree(tmp, staging)
+                _publish(staging, cached)
+            except OSError:  # a read-only or full home: the run goes on without the cache
+                pass
+    _publish(tmp, model_dir)
     return model_dir

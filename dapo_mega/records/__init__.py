@@ -2,7 +2,7 @@
 
 * `metrics`: `metrics.jsonl`, one row per step (read, cut back on resume);
 * `console`: the fixed-format step line rank 0 prints;
-* `curves`: `curves.png`, redrawn every step;
+* `curves`: `curves.png`, redrawn at most once a minute (`trainer.plot_interval_s`);
 * `recorder`: `RunRecorder`, which writes the three above (and wandb) per step;
 * `rollout_metrics`: the step's rollout metrics, computed from the rows that go into the ledger;
 * `ledger`: the rollout ledger, one Parquet shard per step, one row per sample;

@@ -1,4 +1,5 @@
-"""`curves.png`: the curves a user looks at first, redrawn from `metrics.jsonl` every step.
+"""`curves.png`: the curves a user looks at first, redrawn from `metrics.jsonl` (at most
+every `trainer.plot_interval_s`, and at the end of a run).
 
 Each named eval set (`eval.sets`) adds its `eval/<name>/avg_at_k` line to the accuracy panel;
 a dashed vertical line marks each step from which a resume changed a field that shapes

@@ -36,13 +36,18 @@ class RunRecorder:
     def __init__(self, run_dir: Path, run_name: str, config_dict: ConfigTree, resume_step: int,
                  wandb_mode: str = "offline", wandb_project: str = "dapo-mega",
                  wandb_run_id: Optional[str] = None, plot: bool = True, run_id: str = "",
-                 restore_row: Optional[Dict[str, float]] = None):
+                 restore_row: Optional[Dict[str, float]] = None, plot_interval_s: float = 0.0):
         """`restore_row`: the resumed checkpoint's own metrics row (`TrainerState.metrics_row`),
         written when metrics.jsonl lacks step `resume_step` (the run ended between its save and
-        its row)."""
+        its row). `plot_interval_s`: curves.png is redrawn at a step only when this long has
+        passed since the last drawing (the first step and `close` always draw)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.plot = plot
+        self.plot_interval_s = plot_interval_s
+        self._plotted_at: Optional[float] = None
+        """time.monotonic() of the last drawing of curves.png; None before the first."""
+        self._plot_pending = False
         self.run_id = run_id
         """The run's unique id (`run_files.identity`), in every metrics row when set."""
         dropped = truncate_metrics(self.run_dir, resume_step)
@@ -95,9 +100,17 @@ class RunRecorder:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
         print(format_console_line(row), flush=True)
         if self.plot:
-            plot_curves(self.run_dir)
+            self._plot_pending = True
+            if self._plotted_at is None or time.monotonic() - self._plotted_at >= self.plot_interval_s:
+                self._draw_curves()
+
+    def _draw_curves(self) -> None:
+        plot_curves(self.run_dir)
+        self._plotted_at, self._plot_pending = time.monotonic(), False
 
     def close(self) -> None:
+        if self._plot_pending:  # the steps since the last drawing
+            self._draw_curves()
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()

@@ -31,6 +31,31 @@ def test_resume_truncates_and_appends(tmp_path, capsys):
     assert read_metrics(tmp_path)[0]["loss/nan_example"] is None  # NaN is not valid JSON
 
 
+def test_curves_are_redrawn_at_most_once_per_interval_and_at_the_end(tmp_path, monkeypatch):
+    """A drawing costs about a second of a core: steps within plot_interval_s of the last
+    drawing are drawn together later, at the next step past the interval or at close."""
+    from dapo_mega.records import recorder as recorder_module
+
+    now = [1000.0]
+    monkeypatch.setattr(recorder_module.time, "monotonic", lambda: now[0])
+    drawn = []
+    monkeypatch.setattr(recorder_module, "plot_curves",
+                        lambda run_dir: drawn.append([r["step"] for r in read_metrics(run_dir)]))
+    rec = RunRecorder(tmp_path, "r", {}, resume_step=0, wandb_mode="disabled", plot=True, plot_interval_s=60.0)
+    for step, seconds in ((1, 0.0), (2, 20.0), (3, 20.0), (4, 25.0), (5, 10.0)):
+        now[0] += seconds
+        rec.log_step(step, _metrics(step))
+    assert drawn == [[1], [1, 2, 3, 4]]  # the first step; then 65 s after it
+    rec.close()
+    assert drawn[-1] == [1, 2, 3, 4, 5]  # the end draws what came since
+    rec = RunRecorder(tmp_path / "every", "r", {}, resume_step=0, wandb_mode="disabled", plot=True,
+                      plot_interval_s=0.0)
+    rec.log_step(1, _metrics(1))
+    rec.log_step(2, _metrics(2))
+    rec.close()
+    assert drawn[-2:] == [[1], [1, 2]]  # 0: every step, and nothing left for close
+
+
 def test_torn_line_ignored(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n{\"step\": 2, \"x\"")
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
