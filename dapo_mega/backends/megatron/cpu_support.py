@@ -30,6 +30,13 @@ The substitutions, process-wide:
    (`without_function_mode`), which saves its per-op cost. The schedule skeletons (their
    `device="cuda"` token counters), p2p, DDP's grad sync and the optimizer stay under it.
 
+7. megatron-core's fusions stay eager: its `jit_fuser` (`torch.compile` since torch 2.2)
+   wraps 38 functions as megatron-core is imported, which costs ~1.7 s of a core per process
+   (it imports torch's inductor) and would compile nothing a CPU run uses. The package's
+   `__init__` installs `keep_fusions_eager()`, which calls megatron's own
+   `disable_jit_fuser()` the moment `megatron.core.jit` has loaded, before any fusion is
+   decorated. Unlike 1-6 it is in place before megatron-core is imported.
+
 Any other CUDA call megatron-core makes fails loudly (torch raises "Torch not compiled
 with CUDA enabled"): that is deliberate, so a new code path is noticed, not skipped.
 The function mode costs Python overhead per torch call; it is a test/CPU path, the GPU
@@ -40,6 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
 import threading
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -174,3 +184,40 @@ def enable_cpu_support(force: bool = False) -> bool:
         _ENABLED = True
     return True
 
+
+JIT_MODULE = "megatron.core.jit"
+"""megatron-core's module that picks the decorator of its fusions (`jit_fuser`)."""
+
+
+class _EagerFusionsFinder(importlib.abc.MetaPathFinder):
+    """Finds `megatron.core.jit` as the normal path finder does, and has its loader call the
+    module's `disable_jit_fuser()` right after running it (substitution 7)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != JIT_MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # once: the module is being imported now
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def run_then_disable(module) -> None:
+            run_module(module)
+            disable = getattr(module, "disable_jit_fuser", None)
+            if disable is not None:  # a megatron-core without it compiles its fusions, as before
+                disable()
+
+        spec.loader.exec_module = run_then_disable  # this spec's loader object only
+        return spec
+
+
+def keep_fusions_eager() -> bool:
+    """Install substitution 7 before megatron-core is imported, on a machine without a GPU.
+    Idempotent. Returns True when `megatron.core.jit` will load with its fusions eager."""
+    if torch.cuda.is_available() or JIT_MODULE in sys.modules:
+        return False
+    if not any(isinstance(finder, _EagerFusionsFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _EagerFusionsFinder())
+    return True

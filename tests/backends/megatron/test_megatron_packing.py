@@ -426,3 +426,31 @@ def test_cpu_support_leaves_the_micro_batch_step_outside_the_function_mode():
     assert got["inside"] != "no error"  # a CUDA call in the unintercepted part still fails loudly
     assert got["wrapped"]
     assert got["mask"] == [[False, True, True], [False, False, True], [False, False, False]]
+
+
+EAGER_PROBE = """
+import sys
+import dapo_mega.backends.megatron  # installs the hook, as every learner, conversion and audit process does
+from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu
+import megatron.core.jit as jit
+print(jit.jit_fuser is jit.noop_decorator, type(fused_bias_geglu.geglu).__name__,
+      type(fused_bias_swiglu.swiglu).__name__, "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+def test_megatron_fusions_stay_eager_on_a_cpu_and_match_their_formula():
+    """Substitution 7: megatron's fusions load undecorated (torch.compile's wrappers imported
+    the inductor, ~1.7 s of a core per learner process) and compute what they say."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", EAGER_PROBE], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "function", "function", "False"], out.stdout
+    from megatron.core.fusions.fused_bias_geglu import geglu
+
+    y = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    a, b = y[:, :4], y[:, 4:]
+    want = torch.nn.functional.gelu(a, approximate="tanh") * b  # GEGLU with the tanh GELU, by torch's own op
+    torch.testing.assert_close(geglu(y), want, rtol=1e-5, atol=1e-6)
