@@ -24,7 +24,7 @@ def pytest_addoption(parser):
 
 import pytest  # noqa: E402
 from helpers.parallel import (  # noqa: E402
-    cpu_turn,
+    CpuTurns,
     is_xdist_worker,
     longest_units_first,
     recorded_seconds,
@@ -60,14 +60,20 @@ def pytest_xdist_node_collection_finished(node, ids):
                     "'.[dev]' -c constraints-cpu.txt) or run with -n 0", returncode=4)
 
 
+CPU_TURNS = CpuTurns()
+"""This worker's turns at the suite's CPU lock."""
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist, each test (with its fixtures' setup and teardown) holds the CPU lock:
-    shared, or alone for `@pytest.mark.exclusive`."""
+    shared, or alone for `@pytest.mark.exclusive` (kept for the worker's next test when that
+    one is exclusive too)."""
     if not is_xdist_worker(item.config):
         yield
         return
-    with cpu_turn(exclusive=item.get_closest_marker("exclusive") is not None):
+    exclusive = item.get_closest_marker("exclusive") is not None
+    with CPU_TURNS.turn(exclusive, nextitem is not None and nextitem.get_closest_marker("exclusive") is not None):
         yield
 
 

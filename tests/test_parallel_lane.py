@@ -63,6 +63,43 @@ def test_an_exclusive_test_waits_for_running_ones_and_holds_back_later_ones(tmp_
     assert not any(t.is_alive() for t in threads)
 
 
+def test_exclusive_tests_in_a_row_keep_the_lock_between_them(tmp_path, monkeypatch):
+    """A file of exclusive tests waits once for the other worker, not once per test: a shared
+    test that asked while the first ran gets in only after the last."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    inside, release = [], {name: threading.Event() for name in ("first", "second", "shared")}
+    turns = parallel.CpuTurns()
+
+    def worker_a() -> None:
+        for name, next_exclusive in (("first", True), ("second", False)):
+            with turns.turn(True, next_exclusive):
+                inside.append(name)
+                release[name].wait(30)
+
+    def worker_b() -> None:
+        with parallel.cpu_turn(False):
+            inside.append("shared")
+            release["shared"].wait(30)
+
+    a = threading.Thread(target=worker_a, daemon=True)
+    a.start()
+    time.sleep(0.3)
+    b = threading.Thread(target=worker_b, daemon=True)
+    b.start()
+    time.sleep(0.3)
+    assert inside == ["first"]
+    release["first"].set()
+    time.sleep(0.3)
+    assert inside == ["first", "second"]  # handed on: the waiting shared test did not get in between
+    release["second"].set()
+    time.sleep(0.3)
+    assert inside == ["first", "second", "shared"]
+    release["shared"].set()
+    for t in (a, b):
+        t.join(5)
+    assert not any(t.is_alive() for t in (a, b))
+
+
 def test_ids_that_lost_their_group_are_found():
     """pytest 9.2 drops the `@group` suffix xdist 3.8 gives under loadgroup: caught at collection."""
     grouped = ["tests/a/test_a.py::test_x@a/test_a.py", "tests/launch/test_jobs.py::test_y[p@q]@slurm"]

@@ -16,6 +16,8 @@ safe and short:
   collective timeout at the 32B clock ratios, sub-second liveness timeouts) takes the CPU lock
   exclusively; every other test takes it shared. A turnstile in front of the lock makes an
   exclusive test wait only for the tests already running, not for ones that start later.
+  A worker whose next test is exclusive too keeps the lock for it (`CpuTurns`), so a file of
+  exclusive tests waits once for the other worker's running test, not once per test.
 
 Without xdist (`python -m pytest` alone, a test named by id) the lock is not taken and the
 order is pytest's.
@@ -112,3 +114,26 @@ def cpu_turn(exclusive: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class CpuTurns:
+    """One worker's turns at the CPU lock, test after test (`cpu_turn` each): an exclusive
+    test followed by another exclusive one hands its lock on without letting it go."""
+
+    def __init__(self) -> None:
+        self._kept = None
+        """The exclusive turn the last test handed on, still held."""
+
+    @contextmanager
+    def turn(self, exclusive: bool, next_exclusive: bool) -> Iterator[None]:
+        held, self._kept = self._kept, None
+        if held is None:
+            held = cpu_turn(exclusive)
+            held.__enter__()
+        try:
+            yield
+        finally:
+            if exclusive and next_exclusive:
+                self._kept = held
+            else:
+                held.__exit__(None, None, None)
