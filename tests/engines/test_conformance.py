@@ -390,12 +390,14 @@ def test_a_running_request_is_in_the_loads_and_the_embedded_engine_refuses_a_rel
     of a release now (an assertion), the embedded engine answers 400."""
     result = {}
     t = start_long_generation(server, result, max_new_tokens=240)
-    loads = run(lambda c: c.loads(), server)
-    assert loads[0]["num_running_reqs"] + loads[0]["num_waiting_reqs"] > 0, loads
+    # Polled, not one snapshot: while SGLang prefills a request it is in neither its waiting
+    # queue nor its running batch, so one reading can count 0 + 0 (seen once under -n 2)
     deadline = time.monotonic() + 60  # once it runs, its tokens are in the KV cache the loads report
-    while loads[0]["num_running_reqs"] == 0 and time.monotonic() < deadline:
+    loads = run(lambda c: c.loads(), server)
+    while loads[0]["num_running_reqs"] == 0 and time.monotonic() < deadline and t.is_alive():
         time.sleep(0.05)
         loads = run(lambda c: c.loads(), server)
+    assert loads[0]["num_running_reqs"] > 0, (loads, result)
     load = loads[0]
     assert 0 < load["num_used_tokens"] <= load["max_total_num_tokens"], load
     assert 0 < load["token_usage"] <= 1, load
