@@ -170,15 +170,13 @@ def tiny_model_cache_dir(model_cfg: ModelConfig, seed: int) -> Optional[Path]:
     return base / hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
-def _publish(built: Path, final: Path) -> bool:
-    """Rename the directory `built` to `final`; False (and `built` removed) when another process
-    put one there first. Every process builds the same deterministic files."""
+def _publish(built: Path, final: Path) -> None:
+    """Rename the directory `built` to `final`, or remove `built` when another process put one
+    there first (every process builds the same deterministic files)."""
     try:
         os.rename(built, final)  # fails where another process put a directory there first
-        return True
     except OSError:
         shutil.rmtree(built, ignore_errors=True)
-        return False
 
 
 def build_tiny_model_in_place(model_dir: Path, model_cfg: ModelConfig, seed: int) -> Path:

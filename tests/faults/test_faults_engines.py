@@ -75,15 +75,14 @@ def test_engine_killed_in_a_disaggregated_run_leaves_the_weight_update_group(tmp
     the other; the last stage's bucket carries the version, so engine 0 serving step s-1's
     version at step s shows that both stages reached it. (One stage forming its group again:
     the sync-kill test below.)"""
-    stages = 2
     result = run_trainer(tmp_path, "grouped", [
         "cluster.mode=disaggregated", "cluster.max_staleness=0",
-        f"megatron.pipeline_model_parallel_size={stages}",
+        "megatron.pipeline_model_parallel_size=2",
         "trainer.total_steps=3", "trainer.save_interval=0", "rollout.num_engines=2",
         f"rollout.liveness_timeout_s={LIVENESS_TIMEOUT_S}", f"rollout.liveness_probe_interval_s={PROBE_S}",
         "rollout.max_retries=3",
         "algo.n_samples_per_prompt=2", "algo.train_batch_size=36", "algo.gen_batch_size=36", "algo.mini_batch_size=18",
-    ], faults=["engine:KILL:1:2"], timeout_s=400, learner_processes=stages)
+    ], faults=["engine:KILL:1:2"], timeout_s=400, learner_processes=2)
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     assert "SIGKILL to engine 1" in out
