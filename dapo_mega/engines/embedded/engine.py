@@ -83,14 +83,14 @@ class GenerationEngine:
         """(sequences running, sequences waiting): SGLang's /v1/loads num_running_reqs /
         num_waiting_reqs."""
         with self._cv:
-            return sum(1 for s in self._running if s.finish_reason is None), len(self._waiting)
+            return len(self._running), len(self._waiting)
 
     def kv_tokens(self) -> Tuple[int, int]:
         """(tokens in the running sequences' KV cache, the most it holds: max_running_requests
         sequences of the model's context): SGLang's /v1/loads num_used_tokens /
         max_total_num_tokens."""
         with self._cv:
-            used = sum(len(s.prompt_ids) + len(s.output_ids) for s in self._running if s.finish_reason is None)
+            used = sum(len(s.prompt_ids) + len(s.output_ids) for s in self._running)
         return used, self.max_running_requests * self.runner.max_context
 
     def is_idle(self) -> bool:
@@ -136,26 +136,31 @@ class GenerationEngine:
         with self._cv:
             for seq in [s for s in self._waiting if hit(s)]:
                 self._finish(seq, {"type": "abort", "message": "Abort by abort_request."})
-            self._waiting = [s for s in self._waiting if s.finish_reason is None]
             if abort_all:
                 self._abort_all = bool(self._running)
             elif rid:
                 self._abort_rids |= {s.rid for s in self._running if hit(s)}
 
-    def pause(self, mode: str) -> None:
-        """Stop generating (see module docstring for the modes); returns once the thread is idle."""
+    def pause(self, mode: str, answered_timeout_s: float = 60.0) -> None:
+        """Stop generating (see module docstring for the modes); returns once the thread is idle,
+        and in mode abort once every aborted request is answered (SGLang's tokenizer manager
+        returns only when no request is in flight), waiting at most `answered_timeout_s`."""
         with self._cv:
             self._paused, self._pause_mode = True, mode
             if mode == "retract":
                 self._recompute_kv = True
             if mode == "abort":
-                for seq in self._waiting:
+                for seq in list(self._waiting):
                     self._finish(seq, {"type": "abort", "message": "Abort by pause_generation."})
-                self._waiting.clear()
             self._cv.notify_all()
         # Wait until the step in flight has finished: after this returns no forward runs.
         with self.runner.model_lock:
             pass
+        if mode == "abort":  # the thread finishes the running rows at its next loop turn
+            deadline = time.monotonic() + answered_timeout_s
+            with self._cv:
+                while self._running and self._thread.is_alive() and time.monotonic() < deadline:
+                    self._cv.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.0)))
 
     def resume(self) -> None:
         with self._cv:
@@ -178,9 +183,8 @@ class GenerationEngine:
         (running ones after the forward step in flight); waits up to `timeout_s` for the thread."""
         with self._cv:
             self._stop = True
-            for seq in self._waiting:
+            for seq in list(self._waiting):
                 self._finish(seq, {"type": "abort", "message": "The server is shutting down."})
-            self._waiting.clear()
             self._cv.notify_all()
         self._thread.join(timeout=timeout_s)
 
@@ -197,8 +201,17 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ generation thread
     def _finish(self, seq: Sequence_, reason: dict) -> None:
-        seq.finish_reason = reason
-        seq.end_time = time.monotonic()
+        """The one way a sequence ends: the engine's own state drops it first (off the running
+        batch and the queue), and only then is its request answered. Every endpoint that reports
+        that state (/flush_cache, /v1/loads, the idle check before a release) counts only
+        sequences that have not finished, so a client that acts on its reply at once (an
+        aborted reply, then /flush_cache) never sees the request it was just answered for."""
+        with self._cv:  # an RLock: callers may hold it already
+            seq.finish_reason = reason
+            seq.end_time = time.monotonic()
+            self._running = [s for s in self._running if s is not seq]
+            self._waiting = [s for s in self._waiting if s is not seq]
+            self._cv.notify_all()
         try:
             seq.on_done(seq)
         except Exception:  # a closed event loop must not kill the generation thread
@@ -259,9 +272,10 @@ class GenerationEngine:
                 self._run_batch(batch)
             except Exception as exc:  # report, never hang the HTTP side
                 logger.exception("generation failed")
-                for seq in batch:
-                    if seq.finish_reason is None:
-                        self._finish(seq, {"type": "abort", "message": f"engine error: {exc}"})
+                with self._cv:  # the batch and every sequence that joined it since
+                    unfinished = list(self._running)
+                for seq in unfinished:
+                    self._finish(seq, {"type": "abort", "message": f"engine error: {exc}"})
             finally:
                 with self._cv:
                     self._running = []
