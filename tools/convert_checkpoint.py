@@ -12,17 +12,19 @@ export   A converted checkpoint, a training checkpoint (`step_<N>` dir) or a run
          (its latest complete checkpoint) → sharded HF safetensors + index, config.json,
          generation_config.json and tokenizer files; loads with
          transformers.AutoModelForCausalLM.from_pretrained.
-verify   Logits of the HF model and the Megatron checkpoint on the same tokens, in the
-         checkpoint's dtype (--dtype to choose), one model at a time; prints max/mean |Δ|
-         and exits 1 when max |Δ| > tolerance·max(1, max |HF logit|).
-
+verify   Next-token logits of the HF model and the Megatron checkpoint on the same real text
+         (worked problems in the tokenizer's chat template, or --text), one model at a time,
+         in fp32 where host RAM allows (weights upcast exactly from the stored dtype): PASS
+         when max |dlogit| <= 1e-3 * max(1, max |HF logit|); in the stored dtype (--compute
+         stored) on mean next-token KL and top-1 agreement. Exits 1 on FAIL, naming a config
+         field or the first layer that differs (dapo_mega/weights/verify.py).
 --tp/--pp choose the parallel layout the conversion itself runs at: the tool spawns tp·pp
 local processes. They run on the CPU (gloo, no GPU visible, also on a GPU node) unless
 --device cuda: then rank r runs on GPU r of the node, and more ranks than GPUs are refused.
 The result depends on neither (distributed checkpoints reshard on load; CPU and GPU runs
 read and write the same checkpoints).
 Supported architectures: Qwen2ForCausalLM (Qwen2 / Qwen2.5) and LlamaForCausalLM.
-The logic lives in dapo_mega/weights/convert.py; this file is only the command line.
+The logic lives in dapo_mega/weights/convert.py and verify.py; this file is only the command line.
 """
 
 from __future__ import annotations
@@ -53,18 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
                      help="exported dtype (default: the dtype the checkpoint was stored in)")
 
-    ver = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
+    ver = sub.add_parser("verify", help="compare HF and Megatron next-token logits on the same tokens")
     ver.add_argument("--hf-path", required=True)
     ver.add_argument("--megatron-path", required=True)
+    ver.add_argument("--compute", default="auto", choices=["auto", "stored", "fp32", "bf16", "fp16"],
+                     help="dtype both forwards run in: auto (default) = fp32 where host RAM holds the HF model "
+                          "in fp32 (4 bytes per parameter), else the stored dtype; stored = the checkpoint's")
+    ver.add_argument("--dtype", dest="compute", choices=["fp32", "bf16", "fp16"], help=argparse.SUPPRESS)
     ver.add_argument("--tolerance", type=float, default=None,
-                     help="pass when max |dlogit| <= tolerance * max(1, max |HF logit|) (default: 1e-3 in fp32, "
-                          "5e-2 in bf16, 1e-2 in fp16)")
-    ver.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"],
-                     help="dtype both forwards run in (default: the Megatron checkpoint's; fp32 doubles the memory "
-                          "of a bf16 checkpoint)")
-    ver.add_argument("--num-tokens", type=int, default=32)
-    ver.add_argument("--batch-size", type=int, default=2)
-    ver.add_argument("--text", default=None, help="tokenize this text instead of random token ids")
+                     help="fp32: pass when max |dlogit| <= tolerance * max(1, max |HF logit|) (default 1e-3); "
+                          "bf16/fp16: the largest mean next-token KL in nats (default 0.05)")
+    ver.add_argument("--text", default=None, help="compare on this text instead of the built-in worked problems")
+    ver.add_argument("--seeds", type=int, nargs="+", default=[0],
+                     help="draws of built-in problems (or random ids), each through both loaded models; all must pass")
+    ver.add_argument("--random-tokens", nargs=2, type=int, metavar=("ROWS", "LENGTH"), default=None,
+                     help="compare on random token ids instead of text")
 
     for p in (imp, exp):
         p.add_argument("--tp", type=int, default=1, help="tensor parallel size the conversion runs at")
@@ -83,7 +88,7 @@ _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from dapo_mega.config import ConfigError
-    from dapo_mega.weights import convert
+    from dapo_mega.weights import convert, verify
     from dapo_mega.weights.hf_io import parse_size
     from dapo_mega.weights.mapping import WeightMappingError
 
@@ -96,11 +101,11 @@ def main(argv=None) -> int:
                 args.megatron_path, args.hf_path, hf_config_from=args.hf_config_from, tp=args.tp, pp=args.pp,
                 max_shard_bytes=parse_size(args.max_shard_size), dtype=_DTYPES.get(args.dtype), device=args.device)
         else:
-            summary = convert.verify_conversion(args.hf_path, args.megatron_path, tp=args.tp,
-                                                tolerance=args.tolerance, num_tokens=args.num_tokens,
-                                                batch_size=args.batch_size, text=args.text,
-                                                dtype=_DTYPES.get(args.dtype), device=args.device)
-    except (WeightMappingError, ConfigError, FileNotFoundError) as exc:
+            summary = verify.verify_conversion(
+                args.hf_path, args.megatron_path, tp=args.tp, tolerance=args.tolerance,
+                compute=_DTYPES.get(args.compute, args.compute), text=args.text, seeds=args.seeds,
+                random_tokens=tuple(args.random_tokens) if args.random_tokens else None, device=args.device)
+    except (WeightMappingError, ConfigError, FileNotFoundError, verify.VerifyInputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines()))

@@ -457,7 +457,7 @@ def estimate_conversion_s(model_bytes: float, ranks: int, a: ClockAssumptions) -
 def estimate_verify_s(model_bytes: float, params: float, tokens: int, a: ClockAssumptions) -> float:
     """verify on the CPU (one rank, the tool's default --tp 1): the Megatron checkpoint loaded
     (`estimate_conversion_s`), the HF model read (model bytes / storage_read_gb_per_s), and a
-    forward of each over `tokens` tokens: 2 · 2Φ · tokens / cpu_tflops."""
+    forward of each over `tokens` tokens, in fp32 (verify's default): 2 · 2Φ · tokens / cpu_tflops."""
     forwards = 2 * 2 * params * tokens / (a.cpu_tflops * 1e12)
     return estimate_conversion_s(model_bytes, 1, a) + model_bytes / (a.storage_read_gb_per_s * GB) + forwards
 
@@ -472,8 +472,10 @@ def eval_stage_engines(cfg: DapoConfig) -> int:
     return engines_fitting_node(cfg.rollout, cfg.cluster.gpus_per_node)
 
 
-VERIFY_TOKENS = 2 * 32
-"""Tokens of `convert_checkpoint.py verify`'s default forward (--batch-size 2 x --num-tokens 32)."""
+VERIFY_TOKENS = 4 * 100
+"""Tokens of `convert_checkpoint.py verify`'s default forward: `weights.verify.PROBE_ROWS` (4)
+worked problems in the model's chat template, each cut to the shortest (SmolLM2's: 77-121
+tokens; a longer system prompt makes more)."""
 
 
 def estimate_stage_limits_s(cfg: DapoConfig, a: ClockAssumptions, params: float, rates: EngineRates,

@@ -579,7 +579,8 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
                                seconds_at_400gbps=sync_bytes * 8 / 400e9),
         checkpoint=checkpoint_bytes(cfg, phi),
         conversion_host_ram=ConversionHostRam(import_export=conversion_host_ram_bytes(phi, tp, embedding),
-                                              verify=conversion_host_ram_bytes(phi, 1, embedding)),
+                                              verify=conversion_host_ram_bytes(phi, 1, embedding, dtype_bytes=4),
+                                              verify_stored=conversion_host_ram_bytes(phi, 1, embedding)),
         learner_efficiency=efficiency,
         layout=_node_layout(cfg, placement), warnings=warnings,
         sync=SyncTopology(transport=placement.transport, groups=[
@@ -763,5 +764,6 @@ def _memory_lines(plan: Plan) -> List[str]:
               "per process): "
               f"import/export --tp {conv.import_export.tp} {conv.import_export.total_bytes / 1e9:,.0f} GB "
               f"({conv.import_export.per_process_bytes / 1e9:,.1f} per process), verify --tp 1 "
-              f"{conv.verify.total_bytes / 1e9:,.0f} GB"]
+              f"{conv.verify.total_bytes / 1e9:,.0f} GB (in fp32, its default; --compute stored: "
+              f"{conv.verify_stored.total_bytes / 1e9:,.0f} GB, judged on next-token KL)"]
     return lines

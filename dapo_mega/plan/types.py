@@ -281,7 +281,9 @@ class ConversionHostRam:
     import_export: ConversionRam
     """import / export at the learner's TP."""
     verify: ConversionRam
-    """verify (TP 1)."""
+    """verify (TP 1) as it runs by default: both models in fp32 (`weights/verify.py`), one at a time."""
+    verify_stored: ConversionRam
+    """verify --compute stored (TP 1): in the checkpoint's bf16, judged on next-token distributions."""
 
 
 # ---------------------------------------------------------------------- learner efficiency

@@ -192,7 +192,7 @@ def test_verify_feeds_its_ids_to_the_models_device(monkeypatch):
     `meta`, standing for a GPU): ids, positions and mask are moved to it."""
     import megatron.core.tensor_parallel as tp
 
-    from dapo_mega.weights.convert import megatron_logits
+    from dapo_mega.weights.verify import megatron_logits
 
     class Chunk(torch.nn.Module):
         def __init__(self):

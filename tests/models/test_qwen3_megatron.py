@@ -19,7 +19,7 @@ from qwen3_dirs import build_qwen3_dir
 from dapo_mega.config import ConfigError, ModelConfig
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.models.tiny import build_tiny_model_dir, tiny_hf_config
-from dapo_mega.weights import convert
+from dapo_mega.weights import convert, verify
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import HFCheckpointReader
 
@@ -71,7 +71,7 @@ def _learner_logits_vs_transformers(rank, world, model_dirs):
         chunks, info = build_model(model_dir, mcfg, layout, initialize=False)
         load_hf_into_megatron(chunks, info, layout, HFCheckpointReader(model_dir))
         with torch.no_grad():
-            got = convert.megatron_logits(chunks, info, ids)
+            got = verify.megatron_logits(chunks, info, ids)
             want = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(ids).logits
         diffs.append(float((got - want).abs().max()))
     return diffs
@@ -93,7 +93,7 @@ def test_qwen3_import_tp2_export_tp1_exact_and_logits_equal_transformers_at_tp2(
     assert imported.num_tensors == 3 + 2 * 11  # embed, norm, lm_head; 9 + q_norm, k_norm per layer
     convert.export_megatron_checkpoint(meg, out, tp=1, progress=False)
     _assert_same_tensors(qwen3_dir, out)
-    verified = convert.verify_conversion(qwen3_dir, meg, tp=2, tolerance=LOGITS_ATOL)
+    verified = verify.verify_conversion(qwen3_dir, meg, tp=2, tolerance=LOGITS_ATOL)
     assert verified.passed and verified.max_abs_diff < LOGITS_ATOL, verified.lines()
 
 
@@ -169,7 +169,7 @@ def test_llama3_rope_scaling_logits_equal_transformers(tmp_path, scaling):
         scaling_effect = (model(ids).logits - AutoModelForCausalLM.from_pretrained(plain)(ids).logits).abs().max()
     meg, out = tmp_path / "meg", tmp_path / "hf"
     convert.import_hf_checkpoint(src, meg, progress=False)
-    verified = convert.verify_conversion(src, meg, tp=1, tolerance=LOGITS_ATOL)
+    verified = verify.verify_conversion(src, meg, tp=1, tolerance=LOGITS_ATOL)
     assert verified.passed and verified.max_abs_diff < LOGITS_ATOL, verified.lines()
     # Megatron is 100x closer to transformers than the scaling moves the logits: plain RoPE would fail
     assert verified.max_abs_diff < scaling_effect / 100, (verified.max_abs_diff, float(scaling_effect))

@@ -13,7 +13,7 @@ import torch
 
 from dapo_mega.config import ModelConfig
 from dapo_mega.models.tiny import build_tiny_model_dir
-from dapo_mega.weights import convert
+from dapo_mega.weights import convert, verify
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import INDEX_NAME, HFCheckpointReader
 
@@ -55,7 +55,7 @@ def test_import_tp1_export_tp2_exact_logits_and_generate(qwen_dir, tmp_path):
         ids, max_new_tokens=5, do_sample=False)
     assert gen.shape == (1, ids.shape[1] + 5) and torch.equal(gen, reference)
 
-    verified = convert.verify_conversion(qwen_dir, meg, tp=1, tolerance=1e-4)
+    verified = verify.verify_conversion(qwen_dir, meg, tp=1, tolerance=1e-4)
     assert verified.passed and verified.max_abs_diff < 1e-4, verified.lines()
 
 
@@ -75,7 +75,7 @@ def test_llama_tied_import_pp2_export_pp2_and_verify_tp2(tmp_path):
     convert.import_hf_checkpoint(src, meg, pp=2, progress=False)
     convert.export_megatron_checkpoint(meg, out, pp=2, max_shard_bytes=100_000, progress=False)
     _assert_same_tensors(src, out)
-    verified = convert.verify_conversion(src, meg, tp=2, tolerance=1e-4)
+    verified = verify.verify_conversion(src, meg, tp=2, tolerance=1e-4)
     assert verified.passed, verified.lines()
 
 

@@ -1,5 +1,6 @@
 """Conversion holds the model about once: peak RSS of import, export and verify of a bf16
-checkpoint, each in a fresh process, grows with the model by less than twice its bytes.
+checkpoint, each in a fresh process, grows with the model by less than twice its bytes (for
+verify, which compares in fp32 by default, twice its fp32 bytes).
 
 The growth is measured against the same action on a model of a few MiB (the interpreter
 with torch, megatron and, for verify, transformers imported: none of it depends on the
@@ -71,7 +72,9 @@ def test_import_export_verify_hold_the_model_about_once(tmp_path):
              for name, args in _actions(tmp_path / "tiny", tmp_path / "tiny_meg", tmp_path / "tiny_out").items()}
     peaks = {name: _peak_rss_bytes(*args)
              for name, args in _actions(tmp_path / "hf", tmp_path / "meg", tmp_path / "out").items()}
-    growth = {name: (peaks[name] - fixed[name]) / nbytes for name in peaks}
+    # verify compares in fp32 where memory allows (its default): the model is held once in fp32
+    held = {"import": nbytes, "export": nbytes, "verify": 2 * nbytes}
+    growth = {name: (peaks[name] - fixed[name]) / held[name] for name in peaks}
     assert all(g <= GROWTH_BOUND for g in growth.values()), (growth, nbytes / 2**20)
     source, exported = HFCheckpointReader(tmp_path / "hf"), HFCheckpointReader(tmp_path / "out")
     assert sorted(source.keys()) == sorted(exported.keys())

@@ -203,7 +203,8 @@ def export_run(tmp_path_factory):
 def _checkpoint_logits(rank, world, step_dirs, hf_cfg, token_ids):
     """Megatron's fp32 logits of each training checkpoint, its weights rounded to bf16 first."""
     from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint, resolve_megatron_source
-    from dapo_mega.weights.convert import _build, megatron_logits
+    from dapo_mega.weights.convert import _build
+    from dapo_mega.weights.verify import megatron_logits
 
     layout, chunks, info = _build(hf_cfg, 1, 1, world, torch.float32)
     out = []
