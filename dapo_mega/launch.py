@@ -351,10 +351,11 @@ def run_prepare(cfg: DapoConfig, mode: str, engine_nodes: int, job_id: str) -> i
                            "TOTAL_STEPS": str(cfg.trainer.total_steps)}.items():
             print(f"{key}={shlex.quote(value)}")
         return 0
-    from dapo_mega.plan.preflight import check_engine_python
+    from dapo_mega.plan.preflight import check_engine_python, check_nccl_agreement
     from dapo_mega.run_files.identity import settle_run_dir
 
     check_engine_python(cfg.rollout, starts_engines=True)  # the engines role starts them: before any role
+    check_nccl_agreement(cfg)
     settle_run_dir(cfg, write=False)  # a refused resume (a guarded field changed) stops the job before any role
     log_dir = run_dir / "logs" / f"job-{job_id}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -421,9 +422,10 @@ class _Terminated(Exception):
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
     """Start (through the engine fleet), health-check, announce and watch this node's engines
     (and the router on the first engine node when `router_wanted`). Returns the exit status."""
-    from dapo_mega.plan.preflight import check_engine_python
+    from dapo_mega.plan.preflight import check_engine_python, check_nccl_agreement
 
     check_engine_python(cfg.rollout, starts_engines=True)  # prepare checked it too; this role may run alone
+    check_nccl_agreement(cfg)
     use_gpu = _use_gpu(cfg)
     slots = compute_engine_slots(cfg, task.node_id, engine_nodes, use_gpu, env)
     bind_host, advertise = engine_addresses(cfg, engine_nodes, use_gpu, env, task.node_name)
