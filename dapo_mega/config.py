@@ -882,6 +882,11 @@ class ChecksConfig:
     and the engines compute in float32 (a correct CPU run: ~1e-7), BF16_MAX_ABS_MEAN (0.5)
     otherwise (a correct bf16 run: a few hundredths; weights that did not arrive or were
     converted wrongly: nats)."""
+    checksum: bool = True
+    """After every weight sync, compare a checksum of every tensor each engine holds (SGLang's
+    /weights_checker, action checksum) with the learner's of what it sent: exact, at any
+    learning rate, naming the tensors that differ. Embedded engines (HF names); SGLang's
+    fused layout is judged by the probe."""
     probe: bool = True
     """After every weight sync, compare each engine's log-probs of a fixed token sequence
     (/generate with input_ids and logprob_start_len=0) with the learner's, and the weight

@@ -223,13 +223,22 @@ class Session:
                               f"({time.perf_counter() - start:.0f} s)")
         self.run.state.warm_started = True
 
-    def sync_weights(self) -> Dict[str, float]:
+    def sync_weights(self, step: Optional[int] = None, row: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         """Push the learner's weights into every engine as version `state.policy_version`, then
-        check that they hold it (`driver.weight_probe`: stops the run when one does not)."""
+        check that they hold it (`driver.weight_probe`: stops the run when one does not). A
+        check that stops the run writes step `step`'s metrics `row` first (with
+        `check/weights_failed` 1): the step that went wrong is in metrics.jsonl."""
+        from dapo_mega.driver.weight_probe import WeightCheckError
+
         version = self.run.state.policy_version
         metrics = self.policy_sync.push(self.learner, version)
-        metrics.update(self.probe.after_sync(self.learner, self.policy_sync.synced_engine_urls(), self.engine_urls,
-                                             version))
+        try:
+            metrics.update(self.probe.after_sync(self.learner, self.policy_sync.synced_engine_urls(),
+                                                 self.engine_urls, version, self.policy_sync.sent_checksums))
+        except WeightCheckError:
+            if step is not None:
+                self.role.log_step(step, {**(row or {}), **metrics, "check/weights_failed": 1.0}, {})
+            raise
         return metrics
 
     def save_checkpoint(self, step: int, row: Optional[Dict[str, float]] = None) -> None:

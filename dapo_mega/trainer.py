@@ -84,7 +84,7 @@ def train(cfg: DapoConfig) -> int:
                 deferred = None
             with meter.phase("sync"):
                 run.state.policy_version += 1
-                sync_metrics = s.sync_weights()  # engines now serve version policy_version
+                sync_metrics = s.sync_weights(step, {**batch.metrics, **train_metrics})  # engines serve it now
 
             run.state.step = step
             role.write_ledger(step, batch)      # one row per sample, kept or rejected

@@ -62,6 +62,9 @@ class PolicySync:
         """Engines already left out (the same on every rank: the dead list is the driver's)."""
         self.rejoined: List[str] = []
         """Engines back in the weight sync since the last push: they serve once it is done."""
+        self.sent_checksums: Optional[Dict[str, str]] = None
+        """The checksum of every tensor the last push sent, as the engines should hold it (every
+        rank); None where the engines' checksums are not compared (`checksum_dtype`)."""
 
     @classmethod
     def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
@@ -224,16 +227,19 @@ class PolicySync:
         formed again with the survivors), and the sync done again, at most once per engine."""
         from dapo_mega.weights.sync import EngineLostError
 
+        dtype = self.checksum_dtype()
         for _attempt in range(self.cfg.rollout.num_engines):
             self.drop_dead_engines()
+            checksums: Optional[Dict[str, str]] = {} if dtype is not None else None
             try:
-                stats = self._sync(learner, version)
+                stats = self._sync(learner, version, checksums, dtype)
                 break
             except EngineLostError as exc:
                 self.role.engines_lost(exc.lost)  # the driver's dead list: every rank drops them next
         else:
             raise RuntimeError(f"the weight sync of version {version} lost an engine on each of "
                                f"{self.cfg.rollout.num_engines} tries (rollout.num_engines); see the engines' logs")
+        self.sent_checksums = gather_checksums(checksums) if dtype is not None else None
         rejoined, self.rejoined = self.rejoined, []
         self.role.engines_serve(version, rejoined)
         metrics = stats.as_metrics() if stats is not None else {}
@@ -245,7 +251,21 @@ class PolicySync:
         """The engines the last push reached (the driver's syncer's; [] on other ranks)."""
         return [c.url for c in self.syncer.clients] if self.syncer is not None else []
 
-    def _sync(self, learner: "MegatronLearner", version: int):
+    def checksum_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the engines hold their weights in, where their checksums are compared with
+        what the learner sent (`checks.checksum`): embedded engines, which hold each tensor by
+        its HF name. SGLang's checksums are of its fused layout (qkv_proj, gate_up_proj, the
+        padded vocabulary) and, on a GPU, of another hash: the probe judges those. Not for the
+        CUDA-IPC hand-over, which sends per engine TP rank."""
+        from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
+
+        r = self.cfg.rollout
+        if not self.cfg.checks.checksum or r.backend != "embedded" or self.handover is not None:
+            return None
+        return TORCH_DTYPES[r.dtype]
+
+    def _sync(self, learner: "MegatronLearner", version: int, checksums: Optional[Dict[str, str]] = None,
+              checksum_dtype: Optional[torch.dtype] = None):
         from dapo_mega.weights.sync import sync_learner_weights
 
         if self.handover is not None:
@@ -255,7 +275,8 @@ class PolicySync:
                 self.syncer, self.posters, learner.model_chunks, learner.info, self.layout, str(version),
                 self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
                 torch.device("cuda", torch.cuda.current_device()))
-        return sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version))
+        return sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version),
+                                    checksums, checksum_dtype)
 
     def close(self) -> None:
         for syncer in [self.syncer, *self.posters.values()]:
@@ -265,3 +286,12 @@ class PolicySync:
                 syncer.close()
             except Exception as exc:  # an engine already gone must not hide the real error
                 logger.warning(f"[trainer] closing the weight syncer: {exc}", extra=log.EVERY_RANK)
+
+
+def gather_checksums(mine: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """Every weight source's checksums, merged, on every rank (collective)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return dict(mine or {})
+    every: List[Optional[Dict[str, str]]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine or {})
+    return {name: value for part in every for name, value in (part or {}).items()}

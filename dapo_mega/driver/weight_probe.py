@@ -1,6 +1,6 @@
 """Step 1 says whether the weights arrived: the checks that the engines serve the learner's weights.
 
-Two checks, thresholds in `checks` (config.ChecksConfig), each stopping the run with a
+Three checks, thresholds in `checks` (config.ChecksConfig), each stopping the run with a
 `WeightCheckError` that names the check, the engine and the likely cause:
 
 - the weight probe, after every weight sync (`WeightProbe.after_sync`, from
@@ -15,11 +15,13 @@ Two checks, thresholds in `checks` (config.ChecksConfig), each stopping the run 
   `mismatch/age_0/logp_abs_mean` (algo/mismatch.py: the engine's log-probs of the tokens it
   sampled against the learner's π_old of the same tokens, age-0 samples only) above
   `checks.step_max_abs_mean`.
-
-What the probe cannot see: a defect whose effect is below the numerical noise of the two
-implementations (bf16: a few hundredths of a nat), e.g. one bucket skipped in a sync whose
-update moved the weights less than that. The version check and the next syncs' probes see
-it once it adds up; checksums of what each engine received would see it at once.
+- the weight checksum, after every weight sync and before the probe (`checks.checksum`,
+  embedded engines): each engine's checksum of every tensor it holds (SGLang's
+  /weights_checker, action checksum) against the learner's of what it sent
+  (`weights.checksum`). Exact, so it sees what the probe cannot: a defect whose effect is
+  below the two implementations' numerical noise (one bucket skipped, an engine that kept the
+  previous weights, in a step that moved the weights by less than a hundredth of a nat: at
+  32B and lr 1e-6, every step). Metrics `checksum/...`.
 """
 
 from __future__ import annotations
@@ -143,6 +145,46 @@ def step_mismatch_failure(metrics: Dict[str, float], limit: float, step: int) ->
         "distribution than the engines sampled (prompt ids, packing, algo.temperature). checks.stop=false only logs")
 
 
+def judge_checksums(index: int, url: str, version: int, sent: Dict[str, str],
+                    reported: Dict[str, str]) -> Optional[str]:
+    """The failure message when engine `index` holds other bytes than the learner sent in the
+    sync of `version` (per-tensor checksums, `weights.checksum`), or None."""
+    from dapo_mega.weights.checksum import differing_tensors
+
+    differ = differing_tensors(sent, reported)
+    if not differ:
+        return None
+    missing = [n for n in differ if n not in reported]
+    shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    if missing and len(missing) == len(differ):
+        cause = "it has no tensor of that name: the sync and the engine's model disagree on names (weights/mapping.py)"
+    elif len(differ) == len(sent):
+        cause = "none of them holds what was sent: it kept the previous weights (the engine was left out of the sync)"
+    else:
+        cause = ("part of the weights did not arrive or arrived wrong (a bucket skipped, a tensor sent in another "
+                 "dtype or layout)")
+    return (f"weight checksum after the sync of policy version {version} (before step {version + 1}): engine {index} "
+            f"({url}) holds {len(differ)} of the {len(sent)} tensors sent with other bytes than the learner sent: "
+            f"{shown}; {cause}. Fix: the sync (weights/sync.py); checks.stop=false only logs")
+
+
+async def _checksums_of_engines(urls: Sequence[str], cfg: DapoConfig
+                                ) -> List[Tuple[Dict[str, str], Optional[BaseException]]]:
+    """(per-tensor checksums, error) of every engine's /weights_checker, concurrently."""
+    from dapo_mega.engines.fleet import endpoint_of
+    from dapo_mega.engines.sglang.client import EngineClient
+    from dapo_mega.weights.checksum import reported_checksums
+
+    async def one(url: str):
+        async with EngineClient(endpoint_of(url, cfg.rollout)) as client:
+            try:
+                return reported_checksums(await client.check_weights()), None
+            except Exception as exc:  # an engine lost now is the rollout manager's to drop
+                return {}, exc
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
 async def _score_on_engines(urls: Sequence[str], ids: Sequence[int], cfg: DapoConfig
                             ) -> List[Tuple[Optional[List[float]], str, Optional[BaseException]]]:
     """(log-probs, weight version, error) of every engine's /generate on `ids`, concurrently."""
@@ -185,12 +227,40 @@ class WeightProbe:
         self.fail(step_mismatch_failure(metrics, self.step_limit, step))
 
     def after_sync(self, learner: "MegatronLearner", engine_urls: Sequence[str], all_urls: Sequence[str],
-                   version: int) -> Dict[str, float]:
-        """Probe `engine_urls` (the driver's: the engines in the sync; ignored elsewhere) after the
-        sync of `version`; `all_urls` gives each engine's index. Returns `probe/...` metrics on
+                   version: int, sent_checksums: Optional[Dict[str, str]] = None) -> Dict[str, float]:
+        """Check `engine_urls` (the driver's: the engines in the sync; ignored elsewhere) after the
+        sync of `version`: their checksums against `sent_checksums` (when given), then the probe.
+        `all_urls` gives each engine's index. Returns `checksum/...` and `probe/...` metrics on
         the driver; raises WeightCheckError on every rank when an engine fails."""
+        metrics: Dict[str, float] = {}
+        if sent_checksums is not None:
+            failure = None
+            if self.role.is_driver:
+                failure, metrics = self._compare_checksums(sent_checksums, engine_urls, list(all_urls), version)
+            self.fail(self.role.broadcast(failure))
         if not self.cfg.checks.probe:
-            return {}
+            return metrics
+        return {**metrics, **self._probe(learner, engine_urls, all_urls, version)}
+
+    def _compare_checksums(self, sent: Dict[str, str], urls: Sequence[str], all_urls: List[str],
+                           version: int) -> Tuple[Optional[str], Dict[str, float]]:
+        replies = asyncio.run(_checksums_of_engines(urls, self.cfg))
+        errors = 0
+        for url, (reported, error) in zip(urls, replies):
+            index = all_urls.index(url) if url in all_urls else -1
+            if error is not None:
+                errors += 1
+                self.role.say(f"[weight check] engine {index} ({url}) did not answer /weights_checker: {error}",
+                              error=True)
+                continue
+            failure = judge_checksums(index, url, version, sent, reported)
+            if failure:
+                return failure, {}
+        return None, {"checksum/tensors": float(len(sent)), "checksum/engines": float(len(urls) - errors),
+                      "checksum/errors": float(errors)}
+
+    def _probe(self, learner: "MegatronLearner", engine_urls: Sequence[str], all_urls: Sequence[str],
+               version: int) -> Dict[str, float]:
         sample = TrainSample(prompt_ids=self.ids[:1], response_ids=self.ids[1:])
         learner_lp = learner.compute_log_probs([sample], temperature=1.0)[0].reshape(1, -1)  # collective
         previous, self.previous = self.previous, learner_lp

@@ -602,10 +602,14 @@ def run_stages_in_turn(num_stages: int, my_stage: int, send: Callable[[], T],
     return result
 
 
-def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weight_version: str) -> Optional[SyncStats]:
+def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weight_version: str,
+                         checksums: Optional[Dict[str, str]] = None,
+                         checksum_dtype: Optional[torch.dtype] = None) -> Optional[SyncStats]:
     """Sync a Megatron learner: every TP rank of DP rank 0 drains `iter_megatron_to_hf`
     (its TP gathers are collective); only each stage's weight source sends, and the
-    stages take turns (`run_stages_in_turn`).
+    stages take turns (`run_stages_in_turn`). `checksums` (a dict): each weight source keeps
+    there the checksum of every tensor it sent, as an engine holding `checksum_dtype` will
+    report it (`weights.checksum`).
 
     An engine lost before or during the sync (`EngineLostError` on the rank that saw it)
     raises `EngineLostError` on every rank, with every rank's lost engines, once the
@@ -614,6 +618,7 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
     Pausing / continuing is done here by the global rank 0 around a barrier on the
     default group so that every stage streams into paused engines.
     """
+    from dapo_mega.weights.checksum import record_checksums
     from dapo_mega.weights.stream import iter_megatron_to_hf
 
     dist = torch.distributed
@@ -631,6 +636,8 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
             return None, {}
         stream = iter_megatron_to_hf(model_chunks, info, layout)
         if layout.is_weight_source:
+            if checksums is not None:
+                stream = record_checksums(stream, checksums, checksum_dtype)
             try:
                 return syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False), {}
             except EngineLostError as exc:

@@ -80,30 +80,63 @@ def test_limits_follow_the_dtypes_unless_set():
 
 
 FAULTS = {
-    # fault: (engine named in the message, words of the message)
-    "skip_bucket": (0, "part of the weights did not arrive (a bucket skipped"),
-    "wrong_dtype": (0, "a tensor sent in the wrong dtype"),
-    "stale_engine": (1, "the engine left out of the sync"),
+    # fault: (overrides, engine named in the message, the check, words of the message)
+    "skip_bucket": ((), 0, "weight checksum", "part of the weights did not arrive or arrived wrong"),
+    "stale_engine": ((), 1, "weight checksum", "it kept the previous weights (the engine was left out"),
+    # the probe, where the checksum is off (and for SGLang engines, whose layout it does not compare)
+    "wrong_dtype": (("checks.checksum=false",), 0, "weight probe", "a tensor sent in the wrong dtype"),
 }
+
+
+def _run_broken(tmp_path, fault: str, overrides) -> subprocess.CompletedProcess:
+    merged = dict(item.split("=", 1) for item in SMALL)
+    merged.update({"trainer.total_steps": "1", "rollout.num_engines": "2"})
+    merged.update(dict(item.split("=", 1) for item in overrides))
+    cmd = [sys.executable, str(REPO / "tests" / "helpers" / "broken_sync.py"), fault,
+           f"trainer.output_dir={tmp_path / fault}", *(f"{k}={v}" for k, v in merged.items())]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+
+
+def _rows(run_dir) -> list:
+    rows = run_dir / RUN_NAME / "metrics.jsonl"
+    return [json.loads(r) for r in rows.read_text().splitlines() if r.strip()] if rows.exists() else []
 
 
 @pytest.mark.slow
 def test_a_broken_weight_sync_stops_the_run_before_step_1(tmp_path):
     """Three runs of the tiny model (warm start, 2 engines), each with one sync defect: each
-    stops at the sync before step 1, exit 1, naming the probe, the engine and a likely cause."""
-    merged = dict(item.split("=", 1) for item in SMALL)
-    merged.update({"trainer.total_steps": "1", "rollout.num_engines": "2"})
-    for fault, (engine, cause) in FAULTS.items():
-        out = tmp_path / fault
-        cmd = [sys.executable, str(REPO / "tests" / "helpers" / "broken_sync.py"), fault,
-               f"trainer.output_dir={out}", *(f"{k}={v}" for k, v in merged.items())]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    stops at the sync before step 1, exit 1, naming the check, the engine and a likely cause."""
+    for fault, (overrides, engine, check, cause) in FAULTS.items():
+        proc = _run_broken(tmp_path, fault, overrides)
         assert proc.returncode == 1, f"{fault}: exit {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         line = [x for x in proc.stderr.splitlines() if x.startswith("dapo-mega: weight check failed:")]
         assert line, f"{fault}: no weight-check message\n{proc.stderr[-3000:]}"
-        assert "weight probe after the sync of policy version 0 (before step 1)" in line[0], line[0]
+        assert f"{check} after the sync of policy version 0 (before step 1)" in line[0], line[0]
         assert f": engine {engine} (http://127.0.0.1:" in line[0] and cause in line[0], (fault, line[0])
-        rows = (out / RUN_NAME / "metrics.jsonl")
-        assert not rows.exists() or not [json.loads(r) for r in rows.read_text().splitlines() if r.strip()]
+        assert not _rows(tmp_path / fault)  # the sync before step 1: no step's row to write
 
+
+@pytest.mark.slow
+def test_an_engine_left_on_the_previous_weights_stops_the_run_at_that_step(tmp_path):
+    """Issue #37: at 32B and the paper's learning rate (1e-6) one step moves the probe's
+    log-probs less than its 0.01 nats, so an engine that reports the new version and kept the
+    previous weights passed. Scaled to the tiny model: lr 1e-8, at which one step moves its
+    probe by less than the limit too (the run with the checksums off shows it). The checksums stop the run at
+    step 1, naming engine 1 and its tensors, and step 1's row is in metrics.jsonl; with the
+    checksums off the same run goes on."""
+    # the engines keep a CPU copy of their weights while the learner trains (SGLang's
+    # --enable-weights-cpu-backup): what is not sent again is the previous version, not zeros
+    overrides = ("trainer.sft_warmup_steps=0", "algo.lr=1e-8", "algo.lr_warmup_steps=0",
+                 "rollout.extra_server_args=[--enable-weights-cpu-backup]")
+    proc = _run_broken(tmp_path, "stale_weights", overrides)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [x for x in proc.stderr.splitlines() if x.startswith("dapo-mega: weight check failed:")]
+    assert line and "weight checksum after the sync of policy version 1 (before step 2): engine 1 (" in line[0], \
+        proc.stderr[-3000:]
+    assert "model.embed_tokens.weight" in line[0] or "model.layers.0." in line[0], line[0]
+    rows = _rows(tmp_path / "stale_weights")
+    assert [r["step"] for r in rows] == [1] and rows[0]["check/weights_failed"] == 1.0, rows
+    assert rows[0]["actor/grad_norm"] > 0
+    unchecked = _run_broken(tmp_path / "off", "stale_weights", overrides + ("checks.checksum=false",))
+    assert unchecked.returncode == 0, unchecked.stderr[-3000:]  # the probe alone does not see it

@@ -8,6 +8,9 @@ colocated default; nothing in the package knows about it):
     skip_bucket    the first bucket of every sync never reaches the engines (buckets of 64 KiB)
     wrong_dtype    the MLP down projections travel as bf16 bytes declared float16
     stale_engine   the last engine is left out of every sync (it keeps its start-up weights)
+    stale_weights  the last engine gets only the last bucket of each sync (buckets of 64 KiB),
+                   which carries the weight version: it reports the new version and keeps the
+                   previous weights of every other tensor
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from dapo_mega.weights import sync
 
-FAULTS = ("skip_bucket", "wrong_dtype", "stale_engine")
+FAULTS = ("skip_bucket", "wrong_dtype", "stale_engine", "stale_weights")
 SMALL_BUCKET_BYTES = 64 << 10
 
 
@@ -62,9 +65,26 @@ def _stale_engine() -> None:
     sync.WeightSyncer.sync = broken
 
 
+def _stale_weights() -> None:
+    original_buckets, original_send = sync.iter_buckets, sync.WeightSyncer._send_bucket_colocated
+    sync.iter_buckets = lambda named_tensors, bucket_bytes: original_buckets(named_tensors, SMALL_BUCKET_BYTES)
+
+    def send(self, bucket, version):
+        clients = self.clients
+        if version is None and len(clients) > 1:  # not the version's bucket: the last engine misses it
+            self.clients = clients[:-1]
+        try:
+            return original_send(self, bucket, version)
+        finally:
+            self.clients = clients
+
+    sync.WeightSyncer._send_bucket_colocated = send
+
+
 def main(argv: list) -> int:
     fault, overrides = argv[0], argv[1:]
-    {"skip_bucket": _skip_first_bucket, "wrong_dtype": _wrong_dtype, "stale_engine": _stale_engine}[fault]()
+    {"skip_bucket": _skip_first_bucket, "wrong_dtype": _wrong_dtype, "stale_engine": _stale_engine,
+     "stale_weights": _stale_weights}[fault]()
     from dapo_mega.cli import main as cli_main
 
     return cli_main(["train", *overrides])

@@ -41,6 +41,7 @@ from dapo_mega.engines.embedded.flat_weights import BucketReceiver
 from dapo_mega.engines.embedded.validation import BadRequest, fail, parse_control_body, read_json
 from dapo_mega.engines.sglang.api import FLATTENED_BUCKET, PAUSE_MODES
 from dapo_mega.weights import transport
+from dapo_mega.weights.checksum import engine_checksum, overall_checksum, tensor_checksum
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -75,6 +76,7 @@ class EngineControl:
         r.add_post("/begin_weight_update", self.begin_weight_update)
         r.add_post("/end_weight_update", self.end_weight_update)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_route("*", "/weights_checker", self.check_weights)
         # Not SGLang: receive-and-discard one flat broadcast, the raw-transport baseline of
         # bench/bench_weight_sync.py.
         r.add_post("/debug/receive_flat", self.debug_receive_flat)
@@ -250,6 +252,29 @@ class EngineControl:
         rows = w.numpy().tolist()
         return web.json_response(rows[: int(b["truncate_size"])] if isinstance(rows, list) else rows)
 
+
+    async def check_weights(self, request: web.Request) -> web.Response:
+        """SGLang's `/weights_checker`, action checksum (the only one here): every parameter's
+        checksum by HF name (`weights.checksum`), as one TP rank, in SGLang's reply."""
+        b = parse_control_body("/weights_checker", await read_json(request, allow_empty=True) or {})
+        if b["action"] != "checksum":
+            raise BadRequest(f"/weights_checker: action {b['action']!r} is not served by the embedded engine "
+                             "(checksum is)")
+        skip = tuple(b["skip_tensor_list"] or ())
+
+        def compute() -> Dict[str, str]:
+            with self.runner.model_lock:
+                if self.runner.weights_released:
+                    raise BadRequest("/weights_checker: the weights are released (resume_memory_occupation first)")
+                return {name: tensor_checksum(p) for name, p in self.runner.params.items()
+                        if not any(pattern in name for pattern in skip)}
+        checksums = await asyncio.to_thread(compute)
+        digest = overall_checksum(checksums)
+        rank = {"checksums": checksums, "per_gpu_checksum": digest, "parallelism_info": [{
+            "role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+            "rank": 0, "size": 1}]}
+        return web.json_response({"success": True, "message": "Success.", "ranks": [rank],
+                                  "per_engine_checksum": engine_checksum([digest])})
 
     async def debug_receive_flat(self, request: web.Request) -> web.Response:
         """The benchmark's raw baseline: receive `nbytes` from group rank 0 in broadcasts of

@@ -60,6 +60,11 @@ REQUEST_DEFAULTS: Dict[str, Dict[str, object]] = {
         "torch_empty_cache": False},
     "/update_weight_version": {"new_version": None, "abort_all_requests": True},
     "/get_weights_by_name": {"name": None, "truncate_size": 100},
+    # `/weights_checker` (GET or POST, body optional): action checksum replies {"success",
+    # "message", "ranks": [{"checksums": {name: hex}, "per_gpu_checksum", "parallelism_info"}],
+    # "per_engine_checksum"} (`weights/checksum.py` computes the same digests)
+    "/weights_checker": {"action": "checksum", "allow_quant_error": False, "skip_tensor_list": None,
+                         "selector": "all"},
     "/release_memory_occupation": {"tags": None},
     "/resume_memory_occupation": {"tags": None},
     "/pause_generation": {"mode": "abort"},
@@ -76,7 +81,8 @@ REQUEST_DEFAULTS: Dict[str, Dict[str, object]] = {
 #: Required fields (no default in the struct).
 REQUEST_REQUIRED: Dict[str, FrozenSet[str]] = {
     path: frozenset(k for k, v in fields.items() if v is None and k not in (
-        "weight_version", "load_format", "tags", "finished_reason", "abort_message", "weight_versions"))
+        "weight_version", "load_format", "tags", "finished_reason", "abort_message", "weight_versions",
+        "skip_tensor_list"))
     for path, fields in REQUEST_DEFAULTS.items()
 }
 

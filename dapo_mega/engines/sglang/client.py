@@ -340,5 +340,10 @@ class EngineClient:
         return await self._request("POST", "/update_weight_version",
                                    {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
 
+    async def check_weights(self, action: str = "checksum", timeout_s: Optional[float] = None) -> Dict[str, object]:
+        """`/weights_checker`: with action checksum, a checksum of every tensor the engine holds
+        (`weights.checksum.reported_checksums` reads them)."""
+        return await self._request("POST", "/weights_checker", {"action": action}, timeout_s=timeout_s)
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
