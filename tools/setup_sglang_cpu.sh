@@ -9,12 +9,12 @@
 #
 # The plain-text inputs live in the project (tools/sglang_cpu/deps.txt, constraints.txt); the
 # one binary SGLang needs beyond PyPI, sgl-kernel's CPU build, comes from DIR:
-#   DIR/sglang_kernel_cpu-*.whl             the baseline x86-64-v3 (AVX2) build: any recent x86 CPU
-#   DIR/avx512-amx/sglang_kernel_cpu-*.whl  the upstream-flags build, taken on CPUs with AMX only
+#   DIR/sglang_kernel_cpu-*.whl             the x86-64-v3 (AVX2) build without the AMX switch op
+#                                           (convert_weight_packed): every x86-64 CPU, AMX or not
 #   DIR/sgl-kernel-cpu-src-*.tar.gz         its source (the folder sgl-kernel/ of the fork named
-#                                           in tools/sglang_cpu/README.md): built here into a
-#                                           wheel when the wheel for this CPU is missing, or
-#                                           always with --from-source (~10 min on 2 cores)
+#                                           in tools/sglang_cpu/README.md): built here the same way
+#                                           when the wheel is missing, or always with --from-source
+#                                           (~10 min on 2 cores)
 # --from-git cuts that source archive from a clone of the fork (default: its GitHub URL; or a
 # local clone) and builds from it: what a person outside this project's machines runs. Any
 # source archive, given or cut, must be the fork's commit (tools/sglang_cpu/source_archive.sh
@@ -64,7 +64,9 @@ offline=$(cd "$offline" && pwd)
 check_venv() {
   SGLANG_USE_CPU_ENGINE=1 "$venv/bin/python" -c "
 import sglang.srt.entrypoints.http_server, sgl_kernel, sglang_router, torch, torchvision, sglang
+from sglang.srt.utils.common import cpu_has_amx_support
 assert sglang.__version__ == '$SGLANG' and torch.__version__.startswith('$TORCH'), (sglang.__version__, torch.__version__)
+assert not cpu_has_amx_support(), 'sgl-kernel registers convert_weight_packed: SGLang would take its AMX paths' 
 print('sglang-cpu ready: sglang', sglang.__version__, 'torch', torch.__version__)" 2>&1
 }
 if [ -x "$venv/bin/python" ] && [ $from_source -eq 0 ] && out=$(check_venv); then
@@ -72,10 +74,13 @@ if [ -x "$venv/bin/python" ] && [ $from_source -eq 0 ] && out=$(check_venv); the
   exit 0
 fi
 
-# Which sgl-kernel: SGLang calls the kernel's AMX ops only on CPUs with AMX, and those need the
-# upstream AVX-512/AMX build; everywhere else the baseline build runs (its ops are never reached).
-if grep -qw amx_tile /proc/cpuinfo; then flavour=amx; wheel_dir="$offline/avx512-amx"; else flavour=baseline; wheel_dir="$offline"; fi
-wheel=$(ls "$wheel_dir"/sglang_kernel_cpu-*.whl 2>/dev/null | head -1 || true)
+# One sgl-kernel on every CPU: the x86-64-v3 build without the op `convert_weight_packed`, whose
+# presence switches SGLang 0.5.23 to its AMX paths on CPUs with AMX
+# (`sglang.srt.utils.common.cpu_has_amx_support`); this source's AMX ops predate the signatures
+# 0.5.23 calls, and the server died on its first request on an AMX Xeon. Without it SGLang runs
+# its native torch paths everywhere: the same code and numbers on AVX2, AVX-512 and AMX CPUs.
+flavour=x86-64-v3
+wheel=$(ls "$offline"/sglang_kernel_cpu-*.whl 2>/dev/null | head -1 || true)
 if [ -n "$from_git" ]; then
   echo "setup_sglang_cpu: cutting sgl-kernel's source from $from_git at ${COMMIT:0:7}" >&2
   make_source_archive "$from_git" "$offline" >/dev/null
@@ -117,11 +122,13 @@ build_kernel_from_source() {
   local torch_version; torch_version=$("$venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
   sed "s/\"torch==[^\"]*\"/\"torch==$torch_version\"/" "$src/pyproject_cpu.toml" > "$src/pyproject.toml"
   local cmake="$src/csrc/cpu/CMakeLists.txt"
-  if [ "$flavour" = baseline ]; then
-    sed -i '/-march=x86-64-v4/,/-mamx-int8/c\        -march=x86-64-v3' "$cmake"
-    grep -q -- '-march=x86-64-v3' "$cmake" && ! grep -q -- '-mamx\|-mavx512\|x86-64-v4' "$cmake" \
-      || die "$cmake no longer holds the x86_64 flags this script replaces (-march=x86-64-v4 ... -mamx-int8)"
-  fi
+  sed -i '/-march=x86-64-v4/,/-mamx-int8/c\        -march=x86-64-v3' "$cmake"
+  grep -q -- '-march=x86-64-v3' "$cmake" && ! grep -q -- '-mamx\|-mavx512\|x86-64-v4' "$cmake" \
+    || die "$cmake no longer holds the x86_64 flags this script replaces (-march=x86-64-v4 ... -mamx-int8)"
+  local ext="$src/csrc/cpu/torch_extension_cpu.cpp"  # the op that turns SGLang's AMX paths on: not registered
+  sed -i '/m\.def("convert_weight_packed(/d; /m\.impl("convert_weight_packed",/d' "$ext"
+  ! grep -qE 'm\.(def|impl)\("convert_weight_packed[(",]' "$ext" \
+    || die "$ext still registers convert_weight_packed in a form this script does not remove"
   echo "setup_sglang_cpu: building sgl-kernel ($flavour flags) from $(basename "$source_archive")" >&2
   (cd "$src" && VIRTUAL_ENV="$venv" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
      "$venv/bin/pip" wheel -q --no-build-isolation --no-deps -w "$work/dist" .) \
