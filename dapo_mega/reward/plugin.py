@@ -7,6 +7,9 @@ Three calling conventions, told apart by the function's parameter names:
     verl        compute_score(data_source, solution_str, ground_truth, extra_info=None)
                 (any function with a `solution_str` parameter, or only `**kwargs`; called by
                 keyword, as verl's reward managers call it)
+    verl batch  compute_score(data_sources, solution_strs, ground_truths, extra_infos)
+                (verl's BatchRewardManager form: lists in, a list out; called here with one
+                response at a time, in the worker pool like the others)
     slime       async def custom_rm(args, sample)   (`--custom-rm-path`, per sample)
 
 Each may return a float, a dict with `score` (verl's form) or a `RewardResult`
@@ -48,7 +51,7 @@ SIGNATURES = (f"{SIGNATURE}, verl's (data_source, solution_str, ground_truth, ex
               "or slime's (args, sample)")
 FIELD = "algo.verifier"
 
-NATIVE, VERL, SLIME = "dapo_mega", "verl", "slime"
+NATIVE, VERL, VERL_BATCH, SLIME = "dapo_mega", "verl", "verl_batch", "slime"
 """The calling conventions `calling_convention` tells apart."""
 
 __all__ = ["MAX_EXTRACTED_CHARS", "PluginVerifier", "RewardResult", "calling_convention", "is_plugin_path",
@@ -137,6 +140,16 @@ def calling_convention(path: str, fn: object) -> str:
         raise _error(path, "has no signature Python can read", f"wrap it in a Python function {SIGNATURE}") from None
     names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     keywords_only = not names and any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    if "solution_strs" in signature.parameters:  # verl's BatchRewardManager form
+        try:
+            signature.bind(data_sources=[], solution_strs=[], ground_truths=[], extra_infos=[])
+        except TypeError:
+            raise _error(path, f"has verl's batch solution_strs but the signature {signature}, which verl's "
+                         "BatchRewardManager call (data_sources=, solution_strs=, ground_truths=, extra_infos=) "
+                         "cannot bind", "define it as (data_sources, solution_strs, ground_truths, extra_infos), "
+                         "or write the per-sample form (data_source, solution_str, ground_truth, "
+                         "extra_info=None)") from None
+        return VERL_BATCH
     if "solution_str" in signature.parameters or keywords_only:  # verl calls by keyword
         try:
             signature.bind(data_source="", solution_str="", ground_truth="", extra_info={})
@@ -213,6 +226,15 @@ def call_plugin(fn: Callable[..., object], convention: str, response: str, groun
     if convention == VERL:
         value = fn(data_source=metadata.get("data_source", ""), solution_str=response, ground_truth=ground_truth,
                    extra_info=verl_extra_info(metadata))
+    elif convention == VERL_BATCH:
+        values = fn(data_sources=[metadata.get("data_source", "")], solution_strs=[response],
+                    ground_truths=[ground_truth], extra_infos=[verl_extra_info(metadata)])
+        if inspect.isawaitable(values):
+            values = asyncio.run(_awaited(values))
+        if not isinstance(values, (list, tuple)) or len(values) != 1:
+            raise TypeError(f"verl batch reward returned {type(values).__name__} for one response; it must return "
+                            "a list with one result per response (or write the per-sample form)")
+        return values[0]
     elif convention == SLIME:
         value = fn(_SlimeArgs(), SlimeSample(prompt=str(metadata.get("prompt", "")), response=response,
                                              label=ground_truth, metadata=dict(metadata)))

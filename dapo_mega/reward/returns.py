@@ -2,8 +2,12 @@
 plugin's return value and for each item of a reward server's reply (http_verifier.py).
 
     a RewardResult            as it is (score, correct, components, extracted)
+    a bool                    a verdict: score 1.0 / 0.0 (verl's float(res)), correct = it
     a finite number           score = the number; correct = score > 0 (verl's and slime's
                               plain-float rewards: 1.0 / 0.0 and 1 / -1 both read right)
+    a tuple or list           verl's `default_compute_score` takes float(res[0]): its first
+                              item, a bool or a finite number, read as above (prime_math's
+                              (correct, extracted) pairs); the rest is left out
     a dict with "score"       verl's dict form: score = d["score"]; correct = d["acc"] where
                               present (a bool, or a number: > 0), else score > 0; extracted =
                               d["pred"] (None, or its text); every other key whose value is a
@@ -25,8 +29,9 @@ from typing import Dict, Mapping, Optional
 from dapo_mega.reward.types import VerifyResult
 
 MAX_EXTRACTED_CHARS = 200
-ACCEPTED = ("accepted: a finite number (the score; correct when > 0), a dict with a finite 'score' (optional "
-            "'acc' verdict, 'pred' answer, other numeric keys as components), or dapo_mega.reward.RewardResult")
+ACCEPTED = ("accepted: a finite number (the score; correct when > 0), a bool (the verdict), a tuple whose first "
+            "item is one of those (verl reads res[0]), a dict with a finite 'score' (optional 'acc' verdict, 'pred' "
+            "answer, other numeric keys as components), or dapo_mega.reward.RewardResult")
 """What `to_verify_result` accepts, in the words of its errors."""
 
 _DICT_KEYS = ("score", "acc", "pred")
@@ -54,6 +59,10 @@ def to_verify_result(source: str, value: object) -> VerifyResult:
     http://..."), as a VerifyResult; TypeError in one line when it is none of the accepted forms."""
     if isinstance(value, RewardResult):
         return _from_reward_result(source, value)
+    if isinstance(value, (tuple, list)) and value and (isinstance(value[0], bool) or _finite(value[0])):
+        value = value[0]
+    if isinstance(value, bool):
+        return VerifyResult(correct=value, reward=float(value))
     if _finite(value):
         return VerifyResult(correct=float(value) > 0, reward=float(value))  # type: ignore[arg-type]
     if isinstance(value, Mapping):

@@ -35,6 +35,10 @@ VERL_FILE = EXAMPLES / "verl_compute_score.py"
     ({"score": -0.5}, VerifyResult(correct=False, reward=-0.5)),
     ({"score": 2, "acc": False, "pred": None, "fmt": True, "len": 3, "note": "kept out", "ids": [1]},
      VerifyResult(correct=False, reward=2.0, components=(("fmt", 1.0), ("len", 3.0)))),
+    (True, VerifyResult(correct=True, reward=1.0)),  # verl: float(res); a bool is a verdict
+    (False, VerifyResult(correct=False, reward=0.0)),
+    ((1.0, "7"), VerifyResult(correct=True, reward=1.0)),  # verl's float(res[0]): prime_math's pairs
+    ([False, None], VerifyResult(correct=False, reward=0.0)),
     (RewardResult(score=0.5, correct=True, components={"b": 1, "a": 2}, extracted="x" * 300),
      VerifyResult(correct=True, reward=0.5, extracted="x" * 200, components=(("a", 2.0), ("b", 1.0)))),
 ])
@@ -44,11 +48,12 @@ def test_each_accepted_return_form_by_hand(value, expected):
 
 def test_a_bad_return_names_the_reward_what_it_returned_and_what_is_accepted():
     with pytest.raises(TypeError) as info:
-        to_verify_result("reward plugin m:f", [1.0])
-    assert str(info.value) == ("reward plugin m:f returned list [1.0]; accepted: a finite number (the score; correct "
-                               "when > 0), a dict with a finite 'score' (optional 'acc' verdict, 'pred' answer, other "
-                               "numeric keys as components), or dapo_mega.reward.RewardResult")
-    for bad in (True, float("-inf"), "1.0", {"acc": True}):
+        to_verify_result("reward plugin m:f", ["1.0"])
+    assert str(info.value) == ("reward plugin m:f returned list ['1.0']; accepted: a finite number (the score; "
+                               "correct when > 0), a bool (the verdict), a tuple whose first item is one of those "
+                               "(verl reads res[0]), a dict with a finite 'score' (optional 'acc' verdict, 'pred' "
+                               "answer, other numeric keys as components), or dapo_mega.reward.RewardResult")
+    for bad in ((), (float("nan"), 1), float("-inf"), "1.0", {"acc": True}):
         with pytest.raises(TypeError, match=r"^reward plugin m:f"):
             to_verify_result("reward plugin m:f", bad)
 
@@ -78,6 +83,16 @@ async def slime_reads_tokens(args, sample):
 
 def native(response, ground_truth, metadata):
     return 0.5
+
+def verl_batch(data_sources, solution_strs, ground_truths, extra_infos):  # verl's BatchRewardManager form
+    return [{"score": float(s.endswith(g)), "n": float(len(solution_strs)), "id_seen": float(e["id"] == "p1")}
+            for s, g, e in zip(solution_strs, ground_truths, extra_infos)]
+
+def verl_batch_one_value(data_sources, solution_strs, ground_truths, extra_infos):
+    return 1.0
+
+def verl_batch_unbindable(solution_strs, ground_truths):
+    return [1.0]
 """
 
 
@@ -106,6 +121,12 @@ def test_verl_and_slime_signatures_are_called_as_their_trainers_call_them(conven
                                              r"metadata, not 'tokens'"):
         score("slime_reads_tokens")
     assert score("native").reward == 0.5
+    assert score("verl_batch") == VerifyResult(correct=True, reward=1.0, components=(("id_seen", 1.0), ("n", 1.0)))
+    with pytest.raises(TypeError, match=r"verl batch reward returned float for one response; it must return a list"):
+        score("verl_batch_one_value")
+    with pytest.raises(Exception, match=r"verl's batch solution_strs .* or write the per-sample form "
+                                        r"\(data_source, solution_str, ground_truth, extra_info=None\)"):
+        build_verifier(f"{conventions}:verl_batch_unbindable")
 
 
 def test_a_slime_reward_that_reads_what_is_not_given_is_refused_at_the_probe(conventions):
