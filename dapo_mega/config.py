@@ -189,6 +189,10 @@ class AlgoConfig:
     request too); `dapo-mega train` calls it once on a probe before anything is built."""
     verifier_timeout_s: float = 5.0
     """A verification taking longer than this is scored as failed (verifier_error)."""
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments a reward plugin gets on every call, beside the response (verl's
+    `custom_reward_function.reward_kwargs`), e.g. `+algo.reward_kwargs.format_score=0.1`; each
+    must be a parameter of the function (or it takes **kwargs). Built-in verifiers take none."""
     # --- optimiser ---
     lr: float = 1e-6
     """AdamW learning rate after warm-up."""
@@ -250,6 +254,10 @@ class AlgoConfig:
         if not 0 < a.top_p <= 1:
             raise err("algo.top_p", f"must be in (0, 1], got {a.top_p}", "use 1.0")
         a._validate_off_policy_correction()
+        if a.reward_kwargs and (a.verifier in get_args(Verifier) or a.verifier.startswith(("http://", "https://",
+                                                                                               "slime+http"))):
+            raise err("algo.reward_kwargs", f"{sorted(a.reward_kwargs)} given, but algo.verifier={a.verifier} is not a "
+                      "reward plugin", "drop algo.reward_kwargs, or point algo.verifier at your reward function")
         if ":" not in a.verifier and not a.verifier.endswith(".py"):  # a plugin's path or a server's URL is
             # imported / reached and probed by preflight (reward.check_verifier)
             _check_choice("algo.verifier", a.verifier, Verifier,

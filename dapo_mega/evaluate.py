@@ -241,7 +241,7 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
     if not any(s.problems for s in eval_sets):
         raise ConfigError("data.eval_path: no held-out problems to evaluate. Fix: set data.eval_path or eval.sets")
     encoder = PromptEncoder.from_pretrained(hf_dir, cfg.data)  # the trainer's encoder (chat template included)
-    verifier = build_verifier(cfg.algo.verifier)
+    verifier = build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs)
 
     from dapo_mega.plan.clock import resolve_health_timeout_s
 

@@ -156,7 +156,7 @@ def score_records(cfg: DapoConfig, groups: Sequence[Group], encoder: PromptEncod
     texts = [s.response_text for _, s in samples]
     truths = [p.ground_truth for p, _ in samples]
     prefixes = [verification_prefix(p, cfg.data.prompt_template) for p, _ in samples]
-    verifier = build_verifier(cfg.algo.verifier)
+    verifier = build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs)
     rewards = score_groups(verifier, groups, cfg.algo, cfg.data.prompt_template).items()
     other_name = other_verifier_name(cfg.algo.verifier)
     others: List[Optional[VerifierView]] = [None] * len(samples)
@@ -181,7 +181,7 @@ def describe_settings(cfg: DapoConfig, policy: str, run_id: str, encoder: Prompt
     from dapo_mega.reward import build_verifier
 
     a, d = cfg.algo, cfg.data
-    verifier = build_verifier(a.verifier)
+    verifier = build_verifier(a.verifier, a.reward_kwargs)
     other = records[0].other if records else None
     other_name = other_verifier_name(a.verifier)
     chat = getattr(encoder.tokenizer, "chat_template", None) or ""

@@ -42,6 +42,8 @@ class Problem:
         scores answer_prefix + response (see `verification_prefix`). Empty for real data.
     reference_response: a worked response the supervised warm start trains on (the chain
         task's solution lines and `Answer:` line); empty: " " + ground_truth.
+    extra_info: the row's `extra_info` as stored (verl's parquet schema), every field: a
+        reward function written for verl gets it whole.
     """
 
     id: str
@@ -51,6 +53,7 @@ class Problem:
     messages: Tuple[Dict[str, str], ...] = field(default=(), compare=False)
     answer_prefix: str = ""
     reference_response: str = ""
+    extra_info: Dict[str, object] = field(default_factory=dict, compare=False)
 
 
 def format_prompt(problem: Problem, template: str) -> str:

@@ -91,11 +91,12 @@ def _row_to_problem(row: Mapping[str, object], default_source: str) -> Problem:
         if not isinstance(reward_model, dict):
             raise _BadRow("reward_model", f"expected a struct with ground_truth, got {type(reward_model).__name__}")
         truth, truth_field = reward_model.get("ground_truth"), "reward_model.ground_truth"
-        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        extra = dict(row["extra_info"]) if isinstance(row.get("extra_info"), dict) else {}
         raw_id = extra.get("index")
     elif "answer" in row:
         truth, truth_field = row["answer"], "answer"
         raw_id = row.get("id")
+        extra = dict(row["extra_info"]) if isinstance(row.get("extra_info"), dict) else {}
     else:
         raise _BadRow("reward_model.ground_truth", "missing (no reward_model or answer field)")
     if truth is None:
@@ -117,7 +118,7 @@ def _row_to_problem(row: Mapping[str, object], default_source: str) -> Problem:
     if not isinstance(prefix, str):
         raise _BadRow("answer_prefix", f"must be a string, got {type(prefix).__name__}")
     return Problem(id=str(raw_id), prompt=prompt, ground_truth=truth, data_source=source,
-                   messages=messages, answer_prefix=prefix)
+                   messages=messages, answer_prefix=prefix, extra_info=extra)
 
 
 def _iter_parquet_rows(path: Path) -> Iterator[Dict[str, object]]:

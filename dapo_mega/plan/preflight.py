@@ -219,7 +219,7 @@ def check_verifier(algo_cfg: AlgoConfig) -> None:
     numbers on a probe, in a worker like the run's (reward.check_verifier)."""
     from dapo_mega.reward import check_verifier as check
 
-    check(algo_cfg.verifier, algo_cfg.verifier_timeout_s)
+    check(algo_cfg.verifier, algo_cfg.verifier_timeout_s, algo_cfg.reward_kwargs)
 
 
 def check_eval_inputs(cfg: DapoConfig) -> None:

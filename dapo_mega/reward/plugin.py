@@ -63,10 +63,16 @@ def is_plugin_path(spec: str) -> bool:
     return bool(PLUGIN_PATH.match(spec) or FILE_PATH.match(spec))
 
 
-def problem_metadata(problem: object) -> Dict[str, str]:
-    """The metadata dict a plugin is given for a problem (a `data.Problem` or alike)."""
-    return {"id": str(getattr(problem, "id", "")), "data_source": str(getattr(problem, "data_source", "")),
-            "prompt": str(getattr(problem, "prompt", ""))}
+def problem_metadata(problem: object) -> Dict[str, object]:
+    """The metadata dict a plugin is given for a problem (a `data.Problem` or alike): id,
+    data_source, prompt, and `extra_info` (the row's, whole) where the row had one."""
+    out: Dict[str, object] = {"id": str(getattr(problem, "id", "")),
+                              "data_source": str(getattr(problem, "data_source", "")),
+                              "prompt": str(getattr(problem, "prompt", ""))}
+    extra = getattr(problem, "extra_info", None)
+    if extra:
+        out["extra_info"] = dict(extra)
+    return out
 
 
 def _error(path: str, problem: str, fix: str) -> ConfigError:
@@ -188,11 +194,12 @@ def plugin_version(path: str, fn: Callable[..., object]) -> str:
 
 
 def verl_extra_info(metadata: Mapping[str, object]) -> Dict[str, object]:
-    """verl's `extra_info` for a problem: its metadata, and `index` (the problem id, which
-    the parquet reader took from verl's own extra_info.index)."""
-    info: Dict[str, object] = dict(metadata)
+    """verl's `extra_info` for a problem: the row's own extra_info, every field as stored, over
+    the metadata (id, data_source, prompt) and `index` (the problem id where the row gave none)."""
+    info: Dict[str, object] = {k: v for k, v in metadata.items() if k != "extra_info"}
     if "id" in info:
         info.setdefault("index", info["id"])
+    info.update(metadata.get("extra_info") or {})
     return info
 
 
@@ -220,15 +227,30 @@ class SlimeSample:
                              f"not {name!r}")
 
 
+def check_reward_kwargs(path: str, fn: Callable[..., object], kwargs: Mapping[str, object]) -> None:
+    """Each of `algo.reward_kwargs` is a keyword parameter of `fn`, or `fn` takes **kwargs."""
+    if not kwargs:
+        return
+    parameters = inspect.signature(fn).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(k for k in kwargs if k not in parameters or parameters[k].kind == inspect.Parameter.POSITIONAL_ONLY)
+    if unknown:
+        raise ConfigError(f"algo.reward_kwargs: {unknown} are not parameters of {path} {inspect.signature(fn)}. Fix: "
+                          "add them to the function (with defaults), or drop them from algo.reward_kwargs")
+
+
 def call_plugin(fn: Callable[..., object], convention: str, response: str, ground_truth: str,
-                metadata: Mapping[str, object]) -> object:
-    """`fn` called as its convention wants, awaited when it is async; what it returned."""
+                metadata: Mapping[str, object], kwargs: Optional[Mapping[str, object]] = None) -> object:
+    """`fn` called as its convention wants (with `kwargs`, algo.reward_kwargs), awaited when it
+    is async; what it returned."""
+    kwargs = dict(kwargs or {})
     if convention == VERL:
         value = fn(data_source=metadata.get("data_source", ""), solution_str=response, ground_truth=ground_truth,
-                   extra_info=verl_extra_info(metadata))
+                   extra_info=verl_extra_info(metadata), **kwargs)
     elif convention == VERL_BATCH:
         values = fn(data_sources=[metadata.get("data_source", "")], solution_strs=[response],
-                    ground_truths=[ground_truth], extra_infos=[verl_extra_info(metadata)])
+                    ground_truths=[ground_truth], extra_infos=[verl_extra_info(metadata)], **kwargs)
         if inspect.isawaitable(values):
             values = asyncio.run(_awaited(values))
         if not isinstance(values, (list, tuple)) or len(values) != 1:
@@ -237,9 +259,9 @@ def call_plugin(fn: Callable[..., object], convention: str, response: str, groun
         return values[0]
     elif convention == SLIME:
         value = fn(_SlimeArgs(), SlimeSample(prompt=str(metadata.get("prompt", "")), response=response,
-                                             label=ground_truth, metadata=dict(metadata)))
+                                             label=ground_truth, metadata=dict(metadata)), **kwargs)
     else:
-        value = fn(response, ground_truth, dict(metadata))
+        value = fn(response, ground_truth, dict(metadata), **kwargs)
     if inspect.isawaitable(value):
         value = asyncio.run(_awaited(value))  # in a worker's main thread, where no loop runs
     return value
@@ -264,24 +286,29 @@ class PluginVerifier:
     max_response_chars: Optional[int] = None  # the whole response: a plugin may score its length
     runs_in_process: bool = False
     takes_metadata: bool = True
+    kwargs: Tuple[Tuple[str, object], ...] = ()
+    """algo.reward_kwargs, given to every call."""
 
     @classmethod
-    def from_path(cls, path: str) -> "PluginVerifier":
-        """Import and check `path`; ConfigError naming algo.verifier when it cannot be used."""
-        return cls(name=path, version=plugin_version(path, load_plugin(path)[0]))
+    def from_path(cls, path: str, kwargs: Optional[Mapping[str, object]] = None) -> "PluginVerifier":
+        """Import and check `path` (and that it takes `kwargs`); ConfigError naming the field
+        when it cannot be used."""
+        fn = load_plugin(path)[0]
+        check_reward_kwargs(path, fn, kwargs or {})
+        return cls(name=path, version=plugin_version(path, fn), kwargs=tuple(sorted((kwargs or {}).items())))
 
     def score(self, response: str, ground_truth: str, metadata: Optional[Mapping[str, object]] = None) -> VerifyResult:
         fn, convention = load_plugin(self.name)
         return to_verify_result(f"reward plugin {self.name}",
-                                call_plugin(fn, convention, response, ground_truth, metadata or {}))
+                                call_plugin(fn, convention, response, ground_truth, metadata or {}, dict(self.kwargs)))
 
     def __reduce__(self):
-        return (_rebuild, (self.name, self.version))
+        return (_rebuild, (self.name, self.version, self.kwargs))
 
 
-def _rebuild(name: str, version: str) -> PluginVerifier:
+def _rebuild(name: str, version: str, kwargs: Tuple[Tuple[str, object], ...] = ()) -> PluginVerifier:
     try:
         load_plugin(name)
     except ConfigError:
         pass  # reported by score(), per response
-    return PluginVerifier(name=name, version=version)
+    return PluginVerifier(name=name, version=version, kwargs=kwargs)

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Mapping, Optional
 
 from dapo_mega.config import ConfigError
 from dapo_mega.reward.dapo_verifier import DapoVerifier
@@ -30,27 +30,28 @@ PROBE_METADATA = {"id": "probe", "data_source": "probe", "prompt": "What is 3 + 
 """The one call `check_verifier` makes of a plugin or a server before a run starts."""
 
 
-def build_verifier(spec: str) -> Verifier:
-    """The verifier `algo.verifier` names; ConfigError naming the field when it cannot be used."""
+def build_verifier(spec: str, reward_kwargs: Optional[Mapping[str, object]] = None) -> Verifier:
+    """The verifier `algo.verifier` names (a plugin given `algo.reward_kwargs` on every call);
+    ConfigError naming the field when it cannot be used."""
     if spec in VERIFIERS:
         return VERIFIERS[spec]()
     if is_server_url(spec):
         return HttpVerifier.connect(spec)
     if is_plugin_path(spec):
-        return PluginVerifier.from_path(spec)
+        return PluginVerifier.from_path(spec, reward_kwargs)
     raise ConfigError(f"{FIELD}: unknown verifier {spec!r}. Fix: use one of {', '.join(sorted(VERIFIERS))}, "
                       f"a reward plugin's import path package.module:function or file path/to/file.py[:function] "
                       f"{SIGNATURES}, or a reward server's URL http://host:port/path (docs/rewards.md)")
 
 
-def check_verifier(spec: str, timeout_s: float) -> Verifier:
+def check_verifier(spec: str, timeout_s: float, reward_kwargs: Optional[Mapping[str, object]] = None) -> Verifier:
     """`build_verifier(spec)`, and for a plugin one call on a probe in a worker process of its
     own, for a server one request, bounded by `timeout_s`: an exception, a hang or a result
     that is none of the accepted forms fails here, in one line naming the plugin or server,
     what it returned and what is accepted, before any model is built."""
     from dapo_mega.reward.scoring import VerifierPool, score_responses
 
-    verifier = build_verifier(spec)
+    verifier = build_verifier(spec, reward_kwargs)
     if not isinstance(verifier, (PluginVerifier, HttpVerifier)):
         return verifier
     pool = VerifierPool(verifier, num_workers=1) if isinstance(verifier, PluginVerifier) else None

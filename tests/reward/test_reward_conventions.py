@@ -93,6 +93,9 @@ def verl_batch_one_value(data_sources, solution_strs, ground_truths, extra_infos
 
 def verl_batch_unbindable(solution_strs, ground_truths):
     return [1.0]
+
+def verl_with_kwargs(data_source, solution_str, ground_truth, extra_info=None, format_score=0.0, level_bonus=0.0):
+    return {"score": format_score + level_bonus * extra_info.get("level", 0), "acc": False}
 """
 
 
@@ -165,3 +168,36 @@ def test_the_shipped_verl_and_slime_examples_score_in_the_worker_pool(monkeypatc
         assert [r.correct for r in results] == [True, False, False], spec
         assert [r.reward for r in results] == [1.0, -1.0, -1.0] and stats.num_errors == 0, spec
         assert stats.num_in_pool == 3
+
+
+def test_reward_kwargs_and_a_rows_whole_extra_info_reach_a_verl_function(conventions, tmp_path):
+    """verl's custom_reward_function.reward_kwargs (algo.reward_kwargs) go to every call, in the
+    worker pool too; a parquet row's extra_info reaches the function whole; a kwarg the function
+    does not take, or kwargs for a built-in verifier, are refused naming algo.reward_kwargs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dapo_mega.config import ConfigError
+    from dapo_mega.data.readers import read_problems
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "data_source": "math_dapo", "prompt": [{"role": "user", "content": "What is 3+4?"}],
+        "ability": "MATH", "reward_model": {"ground_truth": "7", "style": "rule"},
+        "extra_info": {"index": "a1", "level": 3, "split": "train"}}]), path)
+    problem = read_problems(path)[0][0]
+    assert problem.id == "a1" and problem.extra_info == {"index": "a1", "level": 3, "split": "train"}
+    spec = f"{conventions}:verl_with_kwargs"
+    verifier = build_verifier(spec, {"format_score": 0.1, "level_bonus": 1.0})
+    assert verifier.score("Answer: 7", "7", problem_metadata(problem)).reward == pytest.approx(3.1)
+    pool = VerifierPool(verifier, num_workers=1)
+    try:
+        results, _ = score_responses(verifier, ["Answer: 7"], ["7"], timeout_s=5.0, pool=pool,
+                                     metadata=[problem_metadata(problem)])
+    finally:
+        pool.close()
+    assert results[0].reward == pytest.approx(3.1) and results[0].error is None
+    with pytest.raises(ConfigError, match=r"^algo.reward_kwargs: \['typo'\] are not parameters of"):
+        build_verifier(spec, {"typo": 1})
+    with pytest.raises(ConfigError, match=r"^algo.reward_kwargs: \['format_score'\] given, but algo.verifier=dapo"):
+        AlgoConfig(verifier="dapo", reward_kwargs={"format_score": 0.1}).validate()
