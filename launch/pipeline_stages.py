@@ -35,6 +35,8 @@ from typing import List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("data", "import", "verify", "train", "export", "eval")
+EVAL_DRIVER_CPUS = 4
+"""CPUs of `dapo-mega eval` itself beside its engines: the driver and its verifier workers."""
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE")
 
@@ -229,7 +231,8 @@ class Pipeline:
         engines = [f"rollout.num_engines={self.eval_engines}"] if self.eval_engines else []
         steps.append(self._stage("eval", [py, "-m", "dapo_mega.cli", "eval", *self.overrides, *engines,
                                           f"eval.checkpoint={_hydra(self.hf_out)}",
-                                          f"eval.output={_hydra(self.eval_out)}"], gpu=not self.cpu))
+                                          f"eval.output={_hydra(self.eval_out)}"], gpu=not self.cpu,
+                                 cpus=self.eval_cpus))
         for before, stage in zip(steps, steps[1:]):
             if not stage.after_ok and not stage.after_any:
                 stage.after_ok = [before.name]
@@ -252,6 +255,17 @@ class Pipeline:
         """CPUs of a conversion stage: one per rank of the layout (import and export spawn tp·pp
         gloo ranks; verify's one rank takes them all as torch threads, `spawn.torch_threads_per_rank`)."""
         return self.tp * self.pp
+
+    @property
+    def eval_cpus(self) -> int:
+        """CPUs of the GPU eval stage: each SGLang engine runs a scheduler process per GPU rank
+        (each keeps a core busy) and a tokenizer and a detokenizer; the eval process and its
+        verifier workers take EVAL_DRIVER_CPUS. Slurm's default, one CPU for the task, held two
+        TP-4 engines' ten processes on one core. 0 (Slurm's default) on a CPU run."""
+        if not self.eval_engines:
+            return 0
+        gpus_per_engine = self.rollout.engine_tp_size * self.rollout.engine_dp_size
+        return self.eval_engines * (gpus_per_engine + 2) + EVAL_DRIVER_CPUS
 
     def _stage(self, name: str, command: List[str], gpu: bool = False, cpus: int = 0) -> Stage:
         """A one-node stage; `cpus` > 0: `--cpus-per-task` (stage.sbatch passes it on to its srun),

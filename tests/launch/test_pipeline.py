@@ -186,9 +186,11 @@ def test_32b_dry_run_asks_for_gpus_only_in_gpu_stages_and_times_every_stage(tmp_
     assert "--time=24:00:00" in lines["train-1"]  # the entry point's
     assert "--time=00:10:00" in lines["data"]  # the plan's: its start-up only
     assert "--device" not in lines["import"]  # the conversion's default: the CPU
-    # import/export spawn tp 8 x pp 2 gloo ranks, a CPU each (verify's one rank: as threads)
+    # import/export spawn tp 8 x pp 2 gloo ranks, a CPU each (verify's one rank: as threads);
+    # eval's two TP-4 engines: a scheduler per GPU, a tokenizer and a detokenizer each, + 4 for
+    # the eval process and its verifier workers: 2 x (4 + 2) + 4 (Slurm's default was one CPU)
     cpus = {name: [a for a in ln if a.startswith("--cpus-per-task")] for name, ln in lines.items()}
-    assert cpus == {name: ["--cpus-per-task=16"] if name in CONVERSION else [] for name in lines}
+    assert cpus == {name: ["--cpus-per-task=16"] if name in CONVERSION + ("eval",) else [] for name in lines}
     # a 32B step (~22 min), its evaluation and a checkpoint save outlast the sbatch scripts' 600 s
     signals = {name: [a for a in ln if a.startswith("--signal=")] for name, ln in lines.items()}
     lead = int(signals["train-1"][0].rsplit("@", 1)[1])
@@ -232,7 +234,11 @@ def test_every_experiment_every_stage_has_a_time_and_gpus_only_where_used(name, 
         components = " ".join(stage.sbatch).split(" : ")
         assert all(len(re.findall(r"--time=(?:\d+-)?\d\d:\d\d:00\b", c)) == 1 for c in components), stage.sbatch
         cpus = [o for o in stage.sbatch if o.startswith("--cpus-per-task=")]
-        assert cpus == ([f"--cpus-per-task={ranks}"] if stage.name in CONVERSION else []), stage.sbatch
+        r = cfg.rollout
+        engines = cfg.cluster.gpus_per_node // (r.engine_tp_size * r.engine_dp_size)
+        eval_cpus = [f"--cpus-per-task={engines * (r.engine_tp_size * r.engine_dp_size + 2) + 4}"]
+        assert cpus == ([f"--cpus-per-task={ranks}"] if stage.name in CONVERSION else
+                        eval_cpus if stage.name == "eval" and cfg.cluster.device != "cpu" else []), stage.sbatch
         signal = [c for c in components if f"--signal=B:USR1@{lead}" in c.split()]
         assert signal == (components[:1] if stage.name.startswith("train-") else []), stage.sbatch
         gpu = cfg.cluster.device != "cpu" and _gpu_stage(stage.name)
