@@ -157,6 +157,44 @@ def test_model_info_and_weight_version(server):
 # ------------------------------------------------------------------------------ generate
 
 
+def test_weights_checker_checksums_every_tensor_as_the_learner_computes_them(server, model_dir):
+    """SGLang 0.5.23's /weights_checker, action checksum: the same reply and digests from both
+    servers (weights/checksum.py, held to the real server here). A tensor SGLang holds under its
+    HF name and layout (the norms) has the checksum the learner computes of the checkpoint's;
+    SGLang fuses q/k/v and gate/up, and those fused tensors' checksums are of the concatenation
+    (what a learner must hash to compare a SGLang engine); the embedded engine holds every
+    tensor by its HF name."""
+    from safetensors.torch import load_file
+
+    from dapo_mega.weights.checksum import (
+        differing_tensors,
+        engine_checksum,
+        overall_checksum,
+        reported_checksums,
+        tensor_checksum,
+    )
+
+    reply = run(lambda c: c.check_weights(), server)
+    assert reply["success"] is True and {"success", "message", "ranks", "per_engine_checksum"} <= set(reply), reply
+    rank = reply["ranks"][0]
+    assert {"checksums", "per_gpu_checksum", "parallelism_info"} <= set(rank)
+    assert rank["per_gpu_checksum"] == overall_checksum(rank["checksums"])
+    assert reply["per_engine_checksum"] == engine_checksum([r["per_gpu_checksum"] for r in reply["ranks"]])
+    held = reported_checksums(reply)
+    ckpt = {name: t.to(server.dtype) for name, t in load_file(str(model_dir / "model.safetensors")).items()}
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.1.post_attention_layernorm.weight"):
+        assert held[name] == tensor_checksum(ckpt[name]), name
+    if server.kind == "embedded":
+        assert differing_tensors({n: tensor_checksum(t) for n, t in ckpt.items()}, held) == []
+    else:
+        layer = "model.layers.0"
+        qkv = torch.cat([ckpt[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        gate_up = torch.cat([ckpt[f"{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        assert held[f"{layer}.self_attn.qkv_proj.weight"] == tensor_checksum(qkv)
+        assert held[f"{layer}.mlp.gate_up_proj.weight"] == tensor_checksum(gate_up)
+
+
 def test_generate_by_input_ids_n_samples_logprobs_versions(server):
     prompts = [PROMPT, [30, 31, 32]]
     res = run(lambda c: c.generate(prompts, {"n": 3, "temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True},
