@@ -36,7 +36,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 GroupFilterMetric = Literal["acc", "score"]
 Verifier = Literal["dapo", "math_verify"]  # the built-in names; algo.verifier also takes a plugin's module:function
 OnNonfinite = Literal["skip", "stop"]
-OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop", "geo_mask_tis"]
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
 SyntheticTask = Literal["arithmetic", "chain"]
@@ -120,11 +120,12 @@ class AlgoConfig:
     none | tis (token weight min(ρ_t, tis_cap)) | mis (sequence weight ρ_seq = Π_t ρ_t, the
     sequence masked outside [mis_low, mis_high]) | geo_mask (the sequence masked when its
     geometric-mean ratio leaves [geo_mask_low, geo_mask_high]) | icepop (token weight ρ_t,
-    masked outside [icepop_low, icepop_high]). null = tis when tis_cap is set, else none
+    masked outside [icepop_low, icepop_high]) | geo_mask_tis (geo_mask's sequence mask times
+    tis's token weight: verl rollout_is=token + rollout_rs=geometric). null = tis when tis_cap is set, else none
     (the settings before this field). Needs engine log-probs and use_engine_logprobs=false."""
     tis_cap: Optional[float] = None
-    """C of off_policy_correction=tis: token weights min(ρ_t, C); setting it alone selects tis.
-    null otherwise."""
+    """C of off_policy_correction=tis and geo_mask_tis: token weights min(ρ_t, C); setting it
+    alone selects tis. null otherwise."""
     mis_low: float = 0.5
     """mis: sequences with ρ_seq below this are masked (verl Seq-MIS "0.5_2.0")."""
     mis_high: float = 2.0
@@ -284,11 +285,11 @@ class AlgoConfig:
         if a.tis_cap is not None and a.tis_cap <= 0:
             raise err("algo.tis_cap", "must be > 0", "use 2.0, or null to disable")
         mode = a.correction_mode()
-        if a.tis_cap is not None and mode != "tis":
+        if a.tis_cap is not None and mode not in ("tis", "geo_mask_tis"):
             raise err("algo.tis_cap", f"is {a.tis_cap} but algo.off_policy_correction={mode} does not use it",
                       f"set algo.tis_cap=null to use {mode}, or algo.off_policy_correction=tis")
-        if mode == "tis" and a.tis_cap is None:
-            raise err("algo.off_policy_correction", "is tis but algo.tis_cap is null", "set algo.tis_cap=2.0")
+        if mode in ("tis", "geo_mask_tis") and a.tis_cap is None:
+            raise err("algo.off_policy_correction", f"is {mode} but algo.tis_cap is null", "set algo.tis_cap=2.0")
         if mode != "none" and a.use_engine_logprobs:
             raise err("algo.off_policy_correction", f"is {mode} but algo.use_engine_logprobs=true makes the "
                       "engine's log-probs π_old, so the ratio it corrects is 1 by construction",
@@ -893,8 +894,9 @@ class ChecksConfig:
     checksum: bool = True
     """After every weight sync, compare a checksum of every tensor each engine holds (SGLang's
     /weights_checker, action checksum) with the learner's of what it sent: exact, at any
-    learning rate, naming the tensors that differ. Embedded engines (HF names); SGLang's
-    fused layout is judged by the probe."""
+    learning rate, naming the tensors that differ. Embedded engines, and SGLang engines of TP 1
+    on a CPU (its fused q/k/v and gate/up); SGLang on GPUs hashes with its own kernel and is
+    judged by the probe."""
     probe: bool = True
     """After every weight sync, compare each engine's log-probs of a fixed token sequence
     (/generate with input_ids and logprob_start_len=0) with the learner's, and the weight

@@ -28,6 +28,7 @@ BAD = [
     (["algo.off_policy_correction=mis", "algo.tis_cap=2.0"], "algo.tis_cap"),
     (["algo.off_policy_correction=none", "algo.tis_cap=2.0"], "algo.tis_cap"),
     (["algo.off_policy_correction=tis"], "algo.off_policy_correction"),
+    (["algo.off_policy_correction=geo_mask_tis"], "algo.off_policy_correction"),
     (["algo.off_policy_correction=icepop", "algo.use_engine_logprobs=true"], "algo.off_policy_correction"),
     (["algo.tis_cap=2.0", "algo.use_engine_logprobs=true"], "algo.off_policy_correction"),
     (["algo.mis_low=1.5"], "algo.mis_low"),
@@ -94,6 +95,8 @@ def test_off_policy_correction_setting_tis_cap_alone_is_tis_and_contradictions_n
     assert load_config(["algo.off_policy_correction=tis", "algo.tis_cap=1.5"]).algo.correction_mode() == "tis"
     for mode in ("mis", "geo_mask", "icepop"):
         assert load_config([f"algo.off_policy_correction={mode}"]).algo.correction_mode() == mode
+    both = load_config(["algo.off_policy_correction=geo_mask_tis", "algo.tis_cap=2.0"]).algo
+    assert both.correction_mode() == "geo_mask_tis"
     with pytest.raises(ConfigError) as info:
         load_config(["algo.off_policy_correction=geo_mask", "algo.tis_cap=2.0"])
     message = str(info.value)

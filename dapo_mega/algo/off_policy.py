@@ -16,6 +16,9 @@ clipped DAPO loss (`compute_policy_loss(tis_weights=...)`); w_t = 0 masks the to
     geo_mask  w_t = 1[lo ≤ ρ_geo ≤ hi],          ρ_geo = exp((1/|o|) Σ_t Δ_t)
                                                              geometric-mean sequence mask
     icepop    w_t = ρ_t · 1[lo ≤ ρ_t ≤ hi]                   token mask (IcePop)
+    geo_mask_tis
+              w_t = 1[lo ≤ ρ_geo ≤ hi] · min(ρ_t, C)         geometric sequence mask
+                                                             times token-level TIS
 
 Sources of each convention:
 
@@ -29,6 +32,9 @@ Sources of each convention:
 * geo_mask: verl `rollout_rs=seq_mean_k1` (Geo-RS, §3.3.3, no IS weight: a pure mask that
   does not fall into the "length trap" of the product over 20k tokens); SkyRL
   `sequence_mask_metric=geometric` with `geo_mask_low/high` (defaults 0.99 / 1.01, ours).
+* geo_mask_tis: verl's rollout correction with both parts, `rollout_is=token` (threshold C)
+  and `rollout_rs=geometric` (bounds lo / hi): the rejection mask times the truncated token
+  weight, verl's "IS weights" and "rejection sampling" applied together.
 * icepop: Ring-1T (arXiv 2510.18855) IcePop, M(k) = k if k ∈ [α, β] else 0 (α 0.5, β 5):
   the ratio weights the token inside the band, and the token is dropped outside it.
 
@@ -53,7 +59,7 @@ import torch
 
 from dapo_mega.algo.mismatch import age_bucket_label
 
-OFF_POLICY_MODES = ("none", "tis", "mis", "geo_mask", "icepop")
+OFF_POLICY_MODES = ("none", "tis", "mis", "geo_mask", "icepop", "geo_mask_tis")
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -150,20 +156,37 @@ def compute_icepop_weights(learner_log_probs: torch.Tensor, engine_log_probs: to
     return _finish(torch.where(keep, ratio, torch.zeros_like(delta)), mask, learner_log_probs)
 
 
+def compute_geo_mask_tis_weights(learner_log_probs: torch.Tensor, engine_log_probs: torch.Tensor,
+                                 response_mask: torch.Tensor, cap: float, low: float = 0.99,
+                                 high: float = 1.01) -> torch.Tensor:
+    """geo_mask_tis: w_t = 1[low ≤ ρ_geo ≤ high] · min(ρ_t, cap): the geo_mask rejection times
+    tis's truncated token weight (verl `rollout_is=token` + `rollout_rs=geometric`).
+
+    Shapes: [B, T] in, [B, T] out.
+    """
+    keep = compute_geo_mask_weights(learner_log_probs, engine_log_probs, response_mask, low, high)
+    return (keep * compute_tis_weights(learner_log_probs, engine_log_probs, cap, response_mask)).detach()
+
+
 def compute_off_policy_weights(mode: str, learner_log_probs: torch.Tensor, engine_log_probs: torch.Tensor,
                                response_mask: torch.Tensor, *, tis_cap: Optional[float] = None,
                                low: Optional[float] = None, high: Optional[float] = None
                                ) -> Optional[torch.Tensor]:
     """The [B, T] weights of `mode` (see the module docstring), or None for `none`.
 
-    `tis_cap` is tis's C; `low` / `high` the bounds of mis, geo_mask and icepop.
+    `tis_cap` is C of tis and geo_mask_tis; `low` / `high` the bounds of mis, geo_mask (and
+    geo_mask_tis) and icepop.
     """
     if mode == "none":
         return None
+    if mode in ("tis", "geo_mask_tis") and tis_cap is None:
+        raise ValueError(f"off-policy correction {mode} needs its cap (algo.tis_cap)")
     if mode == "tis":
-        if tis_cap is None:
-            raise ValueError("off-policy correction tis needs its cap (algo.tis_cap)")
         return compute_tis_weights(learner_log_probs, engine_log_probs, tis_cap, response_mask)
+    if mode == "geo_mask_tis":
+        if low is None or high is None:
+            raise ValueError("off-policy correction geo_mask_tis needs its bounds (algo.geo_mask_low, _high)")
+        return compute_geo_mask_tis_weights(learner_log_probs, engine_log_probs, response_mask, tis_cap, low, high)
     functions = {"mis": compute_mis_weights, "geo_mask": compute_geo_mask_weights, "icepop": compute_icepop_weights}
     if mode not in functions:
         raise ValueError(f"unknown off-policy correction {mode!r}; use one of {OFF_POLICY_MODES}")

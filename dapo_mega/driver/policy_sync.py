@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 import torch
@@ -64,7 +64,7 @@ class PolicySync:
         """Engines back in the weight sync since the last push: they serve once it is done."""
         self.sent_checksums: Optional[Dict[str, str]] = None
         """The checksum of every tensor the last push sent, as the engines should hold it (every
-        rank); None where the engines' checksums are not compared (`checksum_dtype`)."""
+        rank); None where the engines' checksums are not compared (`checksum_layout`)."""
 
     @classmethod
     def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
@@ -227,19 +227,19 @@ class PolicySync:
         formed again with the survivors), and the sync done again, at most once per engine."""
         from dapo_mega.weights.sync import EngineLostError
 
-        dtype = self.checksum_dtype()
+        layout = self.checksum_layout()
         for _attempt in range(self.cfg.rollout.num_engines):
             self.drop_dead_engines()
-            checksums: Optional[Dict[str, str]] = {} if dtype is not None else None
+            checksums: Optional[Dict[str, str]] = {} if layout is not None else None
             try:
-                stats = self._sync(learner, version, checksums, dtype)
+                stats = self._sync(learner, version, checksums, layout)
                 break
             except EngineLostError as exc:
                 self.role.engines_lost(exc.lost)  # the driver's dead list: every rank drops them next
         else:
             raise RuntimeError(f"the weight sync of version {version} lost an engine on each of "
                                f"{self.cfg.rollout.num_engines} tries (rollout.num_engines); see the engines' logs")
-        self.sent_checksums = gather_checksums(checksums) if dtype is not None else None
+        self.sent_checksums = gather_checksums(checksums) if layout is not None else None
         rejoined, self.rejoined = self.rejoined, []
         self.role.engines_serve(version, rejoined)
         metrics = stats.as_metrics() if stats is not None else {}
@@ -251,21 +251,28 @@ class PolicySync:
         """The engines the last push reached (the driver's syncer's; [] on other ranks)."""
         return [c.url for c in self.syncer.clients] if self.syncer is not None else []
 
-    def checksum_dtype(self) -> Optional[torch.dtype]:
-        """The dtype the engines hold their weights in, where their checksums are compared with
-        what the learner sent (`checks.checksum`): embedded engines, which hold each tensor by
-        its HF name. SGLang's checksums are of its fused layout (qkv_proj, gate_up_proj, the
-        padded vocabulary) and, on a GPU, of another hash: the probe judges those. Not for the
-        CUDA-IPC hand-over, which sends per engine TP rank."""
+    def checksum_layout(self) -> Optional[Tuple[torch.dtype, str]]:
+        """(the dtype the engines hold their weights in, their layout: `weights.checksum`)
+        where their checksums are compared with what the learner sent (`checks.checksum`):
+        embedded engines (HF names), and SGLang engines of TP 1 on a CPU (its fused layout).
+        Not SGLang on a GPU, which hashes with its own GPU kernel (the probe judges those), nor
+        the CUDA-IPC hand-over, which sends per engine TP rank."""
         from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
+        from dapo_mega.engines.sglang.commands import resolve_engine_dtype
+        from dapo_mega.weights.checksum import HF, SGLANG_TP1
 
         r = self.cfg.rollout
-        if not self.cfg.checks.checksum or r.backend != "embedded" or self.handover is not None:
+        if not self.cfg.checks.checksum or self.handover is not None:
             return None
-        return TORCH_DTYPES[r.dtype]
+        dtype = TORCH_DTYPES[resolve_engine_dtype(r.dtype, r.backend)]
+        if r.backend == "embedded":
+            return dtype, HF
+        if r.engine_tp_size == 1 and not torch.cuda.is_available():
+            return dtype, SGLANG_TP1
+        return None
 
     def _sync(self, learner: "MegatronLearner", version: int, checksums: Optional[Dict[str, str]] = None,
-              checksum_dtype: Optional[torch.dtype] = None):
+              checksum_layout: Optional[Tuple[torch.dtype, str]] = None):
         from dapo_mega.weights.sync import sync_learner_weights
 
         if self.handover is not None:
@@ -276,7 +283,7 @@ class PolicySync:
                 self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
                 torch.device("cuda", torch.cuda.current_device()))
         return sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version),
-                                    checksums, checksum_dtype)
+                                    checksums, checksum_layout)
 
     def close(self) -> None:
         for syncer in [self.syncer, *self.posters.values()]:

@@ -16,6 +16,7 @@ with these, by HF name; `tests/weights/test_checksum.py` holds them to SGLang's 
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -44,13 +45,52 @@ def engine_checksum(rank_digests: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+HF, SGLANG_TP1 = "hf", "sglang_tp1"
+"""How an engine holds the tensors it is sent: by HF name (the embedded engine), or as SGLang
+0.5.23 holds a dense model at TP 1 (q/k/v fused into `qkv_proj`, gate/up into `gate_up_proj`,
+each the concatenation of its parts in that order; checked against the real server)."""
+
+_FUSED = (  # (pattern of a part, the fused name's template, the parts in SGLang's order)
+    (re.compile(r"^(?P<p>.+)\.self_attn\.(?P<part>[qkv])_proj\.(?P<s>weight|bias)$"), "{p}.self_attn.qkv_proj.{s}",
+     ("q", "k", "v")),
+    (re.compile(r"^(?P<p>.+)\.mlp\.(?P<part>gate|up)_proj\.(?P<s>weight)$"), "{p}.mlp.gate_up_proj.{s}",
+     ("gate", "up")),
+)
+VOCAB_PADDING = 64
+"""SGLang pads its vocabulary tensors to a multiple of this (`pad_vocab_size`): rows whose
+contents no sender knows, so a padded embedding or output layer is not compared."""
+
+
 def record_checksums(named_tensors: Iterable[Tuple[str, torch.Tensor]], into: Dict[str, str],
-                     dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Pass a weight stream through, keeping each tensor's checksum in `into` as the engine will
-    hold it: cast to `dtype` (the engine's parameter dtype) when given."""
+                     dtype: Optional[torch.dtype] = None, layout: str = HF) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Pass a weight stream through, keeping in `into` the checksum of each tensor as the engine
+    will hold it: cast to `dtype` (the engine's parameter dtype) when given, and in `layout`
+    (HF, or SGLANG_TP1: the fused tensors' checksums once all their parts went by)."""
+    parts: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
-        into[name] = tensor_checksum(tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype))
+        held = tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+        fused = _fused_name(name) if layout == SGLANG_TP1 else None
+        if fused is None:
+            padded = layout == SGLANG_TP1 and name.endswith(("embed_tokens.weight", "lm_head.weight")) \
+                and held.shape[0] % VOCAB_PADDING
+            if not padded:
+                into[name] = tensor_checksum(held)
+        else:
+            fused_name, part, order = fused
+            group = parts.setdefault(fused_name, {})
+            group[part] = held.detach().cpu()
+            if len(group) == len(order):
+                into[fused_name] = tensor_checksum(torch.cat([group[p] for p in order]))
+                del parts[fused_name]
         yield name, tensor
+
+
+def _fused_name(name: str) -> Optional[Tuple[str, str, Tuple[str, ...]]]:
+    for pattern, template, order in _FUSED:
+        m = pattern.match(name)
+        if m:
+            return template.format(p=m["p"], s=m["s"]), m["part"], order
+    return None
 
 
 def reported_checksums(reply: Mapping) -> Dict[str, str]:

@@ -68,6 +68,17 @@ def test_geo_mask_keeps_only_sequences_whose_mean_log_ratio_is_in_bounds():
     close(compute_geo_mask_weights(LEARNER, ENGINE, MASK, 0.68, 1.5)[1], [0.0, 0.0, 1.0])  # 0.670 < 0.68
 
 
+def test_geo_mask_tis_is_the_geometric_mask_times_the_truncated_token_weight():
+    # verl rollout_is=token (C 2) + rollout_rs=geometric: bounds [0.65, 1.5] keep rows 0
+    # (mean 0.133: e^0.133 = 1.143), 1 (e^−0.4 = 0.670) and 3; row 2 (e^0.9 = 2.46) is masked.
+    # A kept row's tokens weigh min(e^Δ, 2); padding stays 1.
+    close(compute_off_policy_weights("geo_mask_tis", LEARNER, ENGINE, MASK, tis_cap=2.0, low=0.65, high=1.5),
+          [[1.2214027582, 0.9048374180, 1.3498588076], [0.4065696597, 1.1051709181, 1.0],
+           [0.0, 0.0, 0.0], [0.9704455335, 1.0, 1.0]])
+    with pytest.raises(ValueError, match="tis_cap"):
+        compute_off_policy_weights("geo_mask_tis", LEARNER, ENGINE, MASK, low=0.65, high=1.5)
+
+
 def test_icepop_weights_tokens_inside_the_band_by_their_ratio():
     # bounds [0.5, 5]: e^−0.9 = 0.407 and e^1.7 = 5.47 are dropped, the rest keep e^Δ
     close(compute_icepop_weights(LEARNER, ENGINE, MASK, 0.5, 5.0),

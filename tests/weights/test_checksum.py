@@ -6,6 +6,7 @@ import torch
 
 from dapo_mega.driver.weight_probe import judge_checksums
 from dapo_mega.weights.checksum import (
+    SGLANG_TP1,
     differing_tensors,
     engine_checksum,
     overall_checksum,
@@ -61,3 +62,32 @@ def test_verdicts_name_the_engine_the_tensors_and_the_cause():
     assert "holds 1 of the 8 tensors" in part and ": t3;" in part and "a bucket skipped" in part
     renamed = judge_checksums(0, URL, 4, sent, {})
     assert "no tensor of that name" in renamed
+
+
+def test_recording_in_sglangs_tp1_layout_fuses_qkv_and_gate_up_as_sglang_holds_them():
+    """SGLang 0.5.23 at TP 1 holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`,
+    each the concatenation of its parts (the conformance suite reads it from the real server);
+    a vocabulary that is not a multiple of 64 is padded there with rows no sender knows, so it
+    is left out; every tensor still passes through unchanged and in order."""
+    g = torch.Generator().manual_seed(0)
+    t = {n: torch.randn(*shape, generator=g) for n, shape in {
+        "model.embed_tokens.weight": (99, 8), "model.layers.0.self_attn.q_proj.weight": (8, 8),
+        "model.layers.0.self_attn.k_proj.weight": (4, 8), "model.layers.0.self_attn.v_proj.weight": (4, 8),
+        "model.layers.0.self_attn.q_proj.bias": (8,), "model.layers.0.self_attn.k_proj.bias": (4,),
+        "model.layers.0.self_attn.v_proj.bias": (4,), "model.layers.0.mlp.up_proj.weight": (16, 8),
+        "model.layers.0.mlp.gate_proj.weight": (16, 8), "model.norm.weight": (8,),
+        "lm_head.weight": (128, 8)}.items()}
+    into = {}
+    out = list(record_checksums(iter(t.items()), into, torch.float32, SGLANG_TP1))
+    assert [n for n, _ in out] == list(t)
+    layer = "model.layers.0"
+    assert into == {
+        f"{layer}.self_attn.qkv_proj.weight": tensor_checksum(torch.cat([t[f"{layer}.self_attn.{p}_proj.weight"]
+                                                                          for p in "qkv"])),
+        f"{layer}.self_attn.qkv_proj.bias": tensor_checksum(torch.cat([t[f"{layer}.self_attn.{p}_proj.bias"]
+                                                                        for p in "qkv"])),
+        f"{layer}.mlp.gate_up_proj.weight": tensor_checksum(torch.cat([t[f"{layer}.mlp.gate_proj.weight"],
+                                                                        t[f"{layer}.mlp.up_proj.weight"]])),
+        "model.norm.weight": tensor_checksum(t["model.norm.weight"]),
+        "lm_head.weight": tensor_checksum(t["lm_head.weight"]),  # 128 rows: not padded
+    }

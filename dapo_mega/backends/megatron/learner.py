@@ -360,11 +360,12 @@ class MegatronLearner:
         engine_mask = mask * (row_ages >= 0)[:, None].to(mask.device)
         engine = gather_responses(mb.engine_log_probs, mb)
         mode = self._correction
-        low, high = (getattr(algo, f"{mode}_low"), getattr(algo, f"{mode}_high")) if mode != "tis" else (None, None)
+        bounds = {"tis": None, "geo_mask_tis": "geo_mask"}.get(mode, mode)  # geo_mask_tis: geo_mask's bounds
+        low, high = (getattr(algo, f"{bounds}_low"), getattr(algo, f"{bounds}_high")) if bounds else (None, None)
         weights = compute_off_policy_weights(mode, old, engine, engine_mask, tis_cap=algo.tis_cap, low=low, high=high)
         metrics = {"off_policy": compute_correction_stats(weights, engine_mask, row_ages.clamp(min=0),
                                                           self._age_buckets)}
-        if mode == "tis":
+        if mode in ("tis", "geo_mask_tis"):
             metrics.update(summarize_tis_weights(old, engine, algo.tis_cap, engine_mask))
         return weights, metrics
 

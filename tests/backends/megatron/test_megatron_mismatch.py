@@ -99,6 +99,9 @@ MODES = {
     "geo_mask": {"off_policy_correction": "geo_mask", "geo_mask_low": 0.8, "geo_mask_high": 1.25},
     # token ratio: age 0 0.7408 < 0.75 masked, age 1 1.1052 kept with weight 1.1052
     "icepop": {"off_policy_correction": "icepop", "icepop_low": 0.75, "icepop_high": 1.2},
+    # geo_mask's mask (age 0 masked) times tis's weight (age 1: min(1.1052, 1.05) = 1.05)
+    "geo_mask_tis": {"off_policy_correction": "geo_mask_tis", "tis_cap": 1.05, "geo_mask_low": 0.8,
+                     "geo_mask_high": 1.25},
     # both ages outside [0.9, 1.05]: every token masked, so the loss is exactly 0
     "icepop_all": {"off_policy_correction": "icepop", "icepop_low": 0.9, "icepop_high": 1.05},
 }
@@ -107,6 +110,7 @@ EXPECTED = {  # masked token fraction, masked sequence fraction, by age bucket a
     "mis": {"": (30 / 37, 6 / 8), "age_0": (1.0, 1.0), "age_1plus": (11 / 18, 2 / 4)},
     "geo_mask": {"": (19 / 37, 4 / 8), "age_0": (1.0, 1.0), "age_1plus": (0.0, 0.0)},
     "icepop": {"": (19 / 37, 4 / 8), "age_0": (1.0, 1.0), "age_1plus": (0.0, 0.0)},
+    "geo_mask_tis": {"": (19 / 37, 4 / 8), "age_0": (1.0, 1.0), "age_1plus": (0.0, 0.0)},
     "icepop_all": {"": (1.0, 1.0), "age_0": (1.0, 1.0), "age_1plus": (1.0, 1.0)},
 }
 
@@ -135,6 +139,8 @@ def test_each_off_policy_correction_trains_and_masks_what_its_bounds_say():
     assert results["tis"]["tis/truncated_frac"] == pytest.approx((10 / 18 + 8 / 19) / 2, abs=1e-6)
     assert results["tis"]["off_policy/weight_mean"] == pytest.approx((19 * math.exp(-0.3) + 18 * 1.05) / 37, abs=1e-4)
     assert results["icepop"]["off_policy/weight_mean"] == pytest.approx(18 * math.exp(0.1) / 37, abs=1e-4)
+    assert results["geo_mask_tis"]["off_policy/weight_mean"] == pytest.approx(18 * 1.05 / 37, abs=1e-4)
+    assert "tis/truncated_frac" in results["geo_mask_tis"]
     assert results["mis"]["off_policy/weight_mean"] == pytest.approx(
         (4 * math.exp(0.4) + 3 * math.exp(0.3)) / 37, abs=1e-4)
     assert results["icepop_all"]["loss/pg"] == 0.0 and results["icepop_all"]["actor/grad_norm"] == 0.0
