@@ -411,7 +411,7 @@ def test_whole_pipeline_on_slurm_every_stage_completed(cluster, inputs, tmp_path
         assert (logs / f"{stage}-{job}.log").exists()
     verified = (logs / f"verify-{ids['verify']}.log").read_text()
     assert re.search(r"logits max \|diff\| = \S+ ", verified) and "compared in float32" in verified, verified
-    assert verified.rstrip().endswith("-> PASS"), verified
+    assert "\n  -> PASS\n" in verified and "-> FAIL" not in verified, verified
     # the first link trained the run to its end; the second found it complete and started nothing
     assert "already complete (checkpoint at step 3 of 3)" in (logs / f"train-2-{ids['train-2']}.log").read_text()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
