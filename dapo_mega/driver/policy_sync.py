@@ -254,22 +254,19 @@ class PolicySync:
     def checksum_layout(self) -> Optional[Tuple[torch.dtype, str]]:
         """(the dtype the engines hold their weights in, their layout: `weights.checksum`)
         where their checksums are compared with what the learner sent (`checks.checksum`):
-        embedded engines (HF names), and SGLang engines of TP 1 on a CPU (its fused layout).
-        Not SGLang on a GPU, which hashes with its own GPU kernel (the probe judges those), nor
-        the CUDA-IPC hand-over, which sends per engine TP rank."""
+        embedded engines (HF names). Not SGLang yet: a freshly loaded server's checksums are
+        the learner's in its fused layout (`SGLANG_TP1`, the conformance suite), but after a
+        weight sync in a training run every tensor differed (issue #37's note), and on a GPU it
+        hashes with its own kernel; the probe judges SGLang engines. Not the CUDA-IPC
+        hand-over either, which sends per engine TP rank."""
         from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
         from dapo_mega.engines.sglang.commands import resolve_engine_dtype
-        from dapo_mega.weights.checksum import HF, SGLANG_TP1
+        from dapo_mega.weights.checksum import HF
 
         r = self.cfg.rollout
-        if not self.cfg.checks.checksum or self.handover is not None:
+        if not self.cfg.checks.checksum or self.handover is not None or r.backend != "embedded":
             return None
-        dtype = TORCH_DTYPES[resolve_engine_dtype(r.dtype, r.backend)]
-        if r.backend == "embedded":
-            return dtype, HF
-        if r.engine_tp_size == 1 and not torch.cuda.is_available():
-            return dtype, SGLANG_TP1
-        return None
+        return TORCH_DTYPES[resolve_engine_dtype(r.dtype, r.backend)], HF
 
     def _sync(self, learner: "MegatronLearner", version: int, checksums: Optional[Dict[str, str]] = None,
               checksum_layout: Optional[Tuple[torch.dtype, str]] = None):

@@ -48,7 +48,9 @@ def engine_checksum(rank_digests: Iterable[str]) -> str:
 HF, SGLANG_TP1 = "hf", "sglang_tp1"
 """How an engine holds the tensors it is sent: by HF name (the embedded engine), or as SGLang
 0.5.23 holds a dense model at TP 1 (q/k/v fused into `qkv_proj`, gate/up into `gate_up_proj`,
-each the concatenation of its parts in that order; checked against the real server)."""
+each the concatenation of its parts in that order; a freshly loaded real server's checksums
+are these, tests/engines/test_conformance.py). The trainer compares embedded engines only:
+after a sync in a disaggregated SGLang run every tensor differed, not yet understood."""
 
 _FUSED = (  # (pattern of a part, the fused name's template, the parts in SGLang's order)
     (re.compile(r"^(?P<p>.+)\.self_attn\.(?P<part>[qkv])_proj\.(?P<s>weight|bias)$"), "{p}.self_attn.qkv_proj.{s}",
