@@ -125,7 +125,7 @@ class MegatronLearner:
         self._thd = self.info.layer_spec == TE_SPEC
         # with the engine's log-probs as π_old the ratio is 1: nothing to correct (config.py refuses it)
         self._correction = "none" if cfg.algo.use_engine_logprobs else cfg.algo.correction_mode()
-        self._metric_keys = _POLICY_METRICS + (TIS_METRICS if self._correction == "tis" else ())
+        self._metric_keys = _POLICY_METRICS + (TIS_METRICS if self._correction in ("tis", "geo_mask_tis") else ())
         self._age_buckets = cfg.checks.mismatch_age_buckets
 
     # ------------------------------------------------------------------ plumbing
