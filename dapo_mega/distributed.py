@@ -105,6 +105,16 @@ def any_rank_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:
     return bool(tensor.item())
 
 
+def merge_dicts(mine: Optional[Mapping[str, Any]], group: Optional[ProcessGroup] = None) -> Dict[str, Any]:
+    """Every rank's dict merged (later ranks win on a shared key), on every rank (collective;
+    this rank's copy alone outside torch.distributed or with one rank)."""
+    if not is_active(group):
+        return dict(mine or {})
+    every: List[Optional[Mapping[str, Any]]] = [None] * world_size(group)
+    torch.distributed.all_gather_object(every, dict(mine or {}), group=group)
+    return {k: v for part in every for k, v in (part or {}).items()}
+
+
 def all_reduce_sum(values: Sequence[float], group: Optional[ProcessGroup] = None) -> List[float]:
     """Element-wise sum over the ranks of `group` (float64, so token counts stay exact)."""
     if not is_active(group):

@@ -27,7 +27,7 @@ import torch
 
 from dapo_mega import log
 from dapo_mega.config import DapoConfig, is_loopback
-from dapo_mega.distributed import free_port
+from dapo_mega.distributed import free_port, merge_dicts
 from dapo_mega.driver.roles import LearnerRankRole
 
 if TYPE_CHECKING:
@@ -239,7 +239,8 @@ class PolicySync:
         else:
             raise RuntimeError(f"the weight sync of version {version} lost an engine on each of "
                                f"{self.cfg.rollout.num_engines} tries (rollout.num_engines); see the engines' logs")
-        self.sent_checksums = gather_checksums(checksums) if layout is not None else None
+        # every weight source's checksums, on every rank (collective)
+        self.sent_checksums = merge_dicts(checksums) if layout is not None else None
         rejoined, self.rejoined = self.rejoined, []
         self.role.engines_serve(version, rejoined)
         metrics = stats.as_metrics() if stats is not None else {}
@@ -291,11 +292,3 @@ class PolicySync:
             except Exception as exc:  # an engine already gone must not hide the real error
                 logger.warning(f"[trainer] closing the weight syncer: {exc}", extra=log.EVERY_RANK)
 
-
-def gather_checksums(mine: Optional[Dict[str, str]]) -> Dict[str, str]:
-    """Every weight source's checksums, merged, on every rank (collective)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return dict(mine or {})
-    every: List[Optional[Dict[str, str]]] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, mine or {})
-    return {name: value for part in every for name, value in (part or {}).items()}

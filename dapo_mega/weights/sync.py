@@ -666,8 +666,6 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
 
 def agree_on_lost(mine: Dict[str, str]) -> Dict[str, str]:
     """Every learner rank's lost engines, merged, on every rank (collective)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return dict(mine)
-    every: List[Optional[Dict[str, str]]] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, mine)
-    return {u: why for part in every for u, why in (part or {}).items()}
+    from dapo_mega.distributed import merge_dicts
+
+    return merge_dicts(mine)
