@@ -160,7 +160,9 @@ def test_an_engine_that_lost_its_port_is_started_again(tmp_path, model_dir):
         first_port = engine.port
         fleet.wait_healthy()
         again = fleet.get(0)
-        assert again.port_retries == 1 and again.port != first_port and is_healthy(again.endpoint)
+        # At least once: a port picked free can be taken again by a neighbour's server (a CI run
+        # under -n 2 saw the real engine lose its second port too, and start on a third).
+        assert again.port_retries >= 1 and again.port != first_port and is_healthy(again.endpoint)
 
 
 def test_an_engine_that_lost_its_port_and_hangs_is_started_again(tmp_path, model_dir):
@@ -178,7 +180,7 @@ def test_an_engine_that_lost_its_port_and_hangs_is_started_again(tmp_path, model
         fleet.wait_healthy()
         again = fleet.get(0)
         assert first.proc.poll() is not None  # the hung one was stopped
-        assert again.port_retries == 1 and again.port != first.port and is_healthy(again.endpoint)
+        assert again.port_retries >= 1 and again.port != first.port and is_healthy(again.endpoint)
 
 
 def test_a_port_another_server_answers_on_is_not_taken_for_the_engine(tmp_path, model_dir, monkeypatch):
