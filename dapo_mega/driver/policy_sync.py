@@ -118,7 +118,7 @@ class PolicySync:
                                    # colocated hand-over: SGLang loads its own serializer's format,
                                    # the embedded engine only shared-memory JSON (it never unpickles)
                                    cpu_tensor_format="sglang" if cfg.rollout.backend == "sglang"
-                                   else "shared_memory_json")
+                                   else "shared_memory_json", incarnations=self._incarnations)
         if not colocated and layout.is_weight_source:
             self.syncer.init_group(free_port(), stage=layout.pp_rank)
 
@@ -134,7 +134,14 @@ class PolicySync:
         self.handover_gpus = {endpoints[e.index].url: list(e.gpu_ids) for e in placement.engines}
         self.posters = {e: WeightSyncer([endpoints[e]], mode="colocated") for e in self.handover.posts}
         if self.role.is_driver:
-            self.syncer = WeightSyncer(endpoints, mode="colocated", engine_tp_size=self.cfg.rollout.engine_tp_size)
+            self.syncer = WeightSyncer(endpoints, mode="colocated", engine_tp_size=self.cfg.rollout.engine_tp_size,
+                                       incarnations=self._incarnations)
+
+    def _incarnations(self) -> Dict[str, str]:
+        """Each engine's process as the engines role last announced it (`engine_memory.py`)."""
+        from dapo_mega.engines.fleet import engine_incarnations
+
+        return engine_incarnations(self.cfg.rollout)
 
     def drop_dead_engines(self) -> None:
         """Engines the rollout manager found dead (hung past rollout.liveness_timeout_s,
@@ -174,9 +181,11 @@ class PolicySync:
     def _handover_changes(self, newly: List[str], back: List[str]) -> None:
         """Colocated on GPUs: payloads only for live engines (`HandoverPlan.drop` / `readmit`,
         posters again for engines back); an engine dropped that still holds its GPU memory
-        (hung) stops the run, named (the driver probes, every rank raises)."""
+        (hung) stops the run, named (the driver probes, every rank raises). Only engines found
+        dead are probed: one restarted (in `back` too) is a new process holding its memory, and
+        a release there would be its second one after the driver's for the learner's step."""
         from dapo_mega.engines.fleet import endpoint_of
-        from dapo_mega.weights.handover import probe_dropped_engine, require_dropped_engines_released
+        from dapo_mega.weights.handover import GONE, RELEASED, probe_dropped_engine, require_dropped_engines_released
         from dapo_mega.weights.sync import WeightSyncer
 
         index = {endpoint.url: e for e, endpoint in self.handover_endpoints.items()}
@@ -185,10 +194,19 @@ class PolicySync:
         for e in self.handover.live_posts():
             if e not in self.posters:
                 self.posters[e] = WeightSyncer([self.handover_endpoints[e]], mode="colocated")
-        if newly:
+        probed = [u for u in newly if u not in back]
+        memory = self.syncer.memory if self.syncer is not None else None  # the driver's ledger
+        if memory is not None:
+            memory.forget([u for u in newly if u in back])
+        if probed:
             timeout = self.cfg.rollout.liveness_probe_interval_s
-            states = self.role.broadcast({u: probe_dropped_engine(endpoint_of(u, self.cfg.rollout), timeout)
-                                          for u in newly} if self.role.is_driver else None)
+            states = self.role.broadcast({u: probe_dropped_engine(endpoint_of(u, self.cfg.rollout), timeout,
+                                                                  released=u in memory.released)
+                                          for u in probed} if self.role.is_driver else None)
+            if memory is not None:
+                memory.mark_released([u for u, state in states.items() if state == RELEASED and
+                                      u not in memory.released], self._incarnations())
+                memory.forget([u for u, state in states.items() if state == GONE])
             require_dropped_engines_released(states, self.handover_gpus)
 
     def _rejoin(self) -> None:

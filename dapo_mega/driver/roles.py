@@ -202,15 +202,20 @@ class DriverRole(LearnerRankRole):
 
     def resume_engine_memory(self, syncer: Optional["WeightSyncer"]) -> None:
         if self.cfg.cluster.mode == "colocated" and syncer is not None:
-            self._tolerating_lost(syncer.resume_engine_memory)
+            restarted = self._tolerating_lost(syncer.resume_engine_memory) or []
+            for url in restarted:  # not resumed (a second resume would end it); found dead and back next
+                self.say(f"[trainer] engine {url} restarted while the learner trained: a new process holds its "
+                         "memory and none of the weights; it rejoins the weight sync", error=True)
+            self.rollouts.manager.mark_dead({url: "restarted while the learner trained" for url in restarted})
 
-    def _tolerating_lost(self, call) -> None:
-        """`call` has reached every engine; one gone meanwhile (killed while the learner
-        trained) is marked dead instead of ending the run: the next sync drops it."""
+    def _tolerating_lost(self, call):
+        """`call()` has reached every engine; one gone meanwhile (killed while the learner
+        trained) is marked dead instead of ending the run: the next sync drops it. Returns what
+        `call` returned, None when an engine was lost."""
         from dapo_mega.weights.sync import EngineLostError
 
         try:
-            call()
+            return call()
         except EngineLostError as exc:
             if exc.others:
                 raise

@@ -38,7 +38,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from dapo_mega.weights import transport
-from dapo_mega.weights.sync import SHM_LOAD_FORMAT, SyncStats, WeightSyncer, WeightSyncError, iter_buckets
+from dapo_mega.weights.sync import (
+    SHM_LOAD_FORMAT,
+    EngineLostError,
+    SyncStats,
+    WeightSyncer,
+    WeightSyncError,
+    iter_buckets,
+)
 
 #: (payload text, cleanup) for one engine TP rank, made from named views of the bucket buffer.
 PayloadMaker = Callable[[List[Tuple[str, torch.Tensor]]], Tuple[str, Callable[[], None]]]
@@ -151,10 +158,12 @@ def require_dropped_engines_released(states: Mapping[str, str], gpus: Mapping[st
                               "Slurm the engines role restarts it) and resume the run from its last checkpoint")
 
 
-def probe_dropped_engine(endpoint, timeout_s: float) -> str:
+def probe_dropped_engine(endpoint, timeout_s: float, released: bool = False) -> str:
     """GONE when nothing listens at the engine's address any more (its process exited, and
-    its memory with it), RELEASED when it releases its memory on request within `timeout_s`,
-    else HUNG (it accepts the connection and answers nothing: stopped, deadlocked)."""
+    its memory with it), RELEASED when it releases its memory on request within `timeout_s`
+    or had released it already (`released`, the driver's ledger: it is not asked twice,
+    torch_memory_saver would end it), else HUNG (it accepts the connection and answers
+    nothing: stopped, deadlocked)."""
     import asyncio
     import socket
     from urllib.parse import urlsplit
@@ -168,6 +177,8 @@ def probe_dropped_engine(endpoint, timeout_s: float) -> str:
         return GONE
     except OSError:
         return HUNG
+    if released:
+        return RELEASED
 
     async def release() -> None:
         async with EngineClient(endpoint) as client:
@@ -224,14 +235,13 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
                     posters[engine].post_tensor_payloads(plan.request_payloads(gathered, engine), load_format,
                                                          version)
             except Exception as exc:  # every rank must learn of it, or the others wait in the next bucket
-                error = f"rank {dist.get_rank()}: {exc}"
+                error = failure_of(exc, f"rank {dist.get_rank()}: ")
             # doubles as the barrier after which every engine has copied the bucket
-            errors: List[Optional[str]] = [None] * dist.get_world_size()
+            errors: List[Optional[Failure]] = [None] * dist.get_world_size()
             dist.all_gather_object(errors, error)
             for cleanup in cleanups:
                 cleanup()
-            if any(errors):
-                raise WeightSyncError("colocated weight hand-over failed: " + "; ".join(e for e in errors if e))
+            raise_failures(errors, "colocated weight hand-over failed")
             total += nbytes
             count += len(names)
             num += 1
@@ -246,17 +256,52 @@ def sync_colocated_learner_weights(driver: Optional[WeightSyncer], posters: Mapp
                                    device: torch.device) -> Optional[SyncStats]:
     """`handover_learner_weights` between the driver rank's pause (and flush) of every engine
     and its continue, as `sync.sync_learner_weights` does for the distributed path. CUDA
-    IPC payloads on GPUs, shared-memory files on a CPU."""
-    dist = torch.distributed
-    is_rank0 = dist.get_rank() == 0
-    if is_rank0 and driver is not None:
-        driver.pause_engines()
-    dist.barrier()
+    IPC payloads on GPUs, shared-memory files on a CPU. The driver's pause and continue end
+    the same way on every rank: an engine lost there is an `EngineLostError` everywhere (the
+    caller's `push` drops it and syncs again), never rank 0 alone raising while the others
+    wait in the next collective."""
+    driving = torch.distributed.get_rank() == 0 and driver is not None
+    on_every_rank(driver.pause_engines if driving else None, "pausing the engines")
     cuda = device.type == "cuda"
     try:
         return handover_learner_weights(posters, model_chunks, info, layout, weight_version, plan, bucket_bytes,
                                         cuda_ipc_payload if cuda else shared_memory_payload,
                                         None if cuda else SHM_LOAD_FORMAT, device)
     finally:
-        if is_rank0 and driver is not None:
-            driver.continue_engines()
+        on_every_rank(driver.continue_engines if driving else None, "continuing the engines")
+
+
+Failure = Tuple[str, Dict[str, str], List[str]]
+"""A rank's failure as every rank can raise it: (message, engines lost: url -> why, other errors)."""
+
+
+def failure_of(exc: BaseException, prefix: str = "") -> Failure:
+    if isinstance(exc, EngineLostError):
+        return prefix + str(exc), dict(exc.lost), [prefix + o for o in exc.others]
+    return prefix + str(exc), {}, [prefix + str(exc)]
+
+
+def raise_failures(failures: Sequence[Optional[Failure]], what: str) -> None:
+    """Raise the ranks' failures, the same on every rank: `EngineLostError` when engines were
+    lost (the errors of engines still there ride along, as `others`), else `WeightSyncError`."""
+    failures = [f for f in failures if f]
+    if not failures:
+        return
+    lost = {url: why for _, gone, _ in failures for url, why in gone.items()}
+    others = [o for _, _, rest in failures for o in rest]
+    if lost:
+        raise EngineLostError(lost, others)
+    raise WeightSyncError(f"{what}: " + "; ".join(message for message, _, _ in failures))
+
+
+def on_every_rank(call: Optional[Callable[[], object]], what: str) -> None:
+    """`call()` where given (the driver rank), then its outcome on every rank (collective)."""
+    failure = None
+    if call is not None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            failure = failure_of(exc)
+    shared = [failure]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    raise_failures(shared, what)

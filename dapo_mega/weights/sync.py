@@ -50,7 +50,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -59,6 +59,7 @@ from dapo_mega.engines.sglang.api import FLATTENED_BUCKET
 from dapo_mega.engines.sglang.client import EngineClient, EngineError
 from dapo_mega.engines.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
 from dapo_mega.weights import transport
+from dapo_mega.weights.engine_memory import EngineMemory
 
 logger = log.get(__name__)
 
@@ -208,8 +209,11 @@ class WeightSyncer:
                  mode: str = "distributed", backend: str = "gloo", master_address: str = "127.0.0.1",
                  group_prefix: str = "dapo_weight_sync", pause_mode: str = "retract",
                  timeout_s: Optional[float] = None, engine_tp_size: int = 1,
-                 cpu_tensor_format: str = SHM_LOAD_FORMAT):
-        """`cpu_tensor_format`: how colocated mode hands tensors over: "shared_memory_json"
+                 cpu_tensor_format: str = SHM_LOAD_FORMAT,
+                 incarnations: Optional[Callable[[], Mapping[str, str]]] = None):
+        """`incarnations`: each engine's process as its launcher announced it (url -> id,
+        `engines.fleet.engine_incarnations`), read by the memory ledger (`engine_memory.py`).
+        `cpu_tensor_format`: how colocated mode hands tensors over: "shared_memory_json"
         (the embedded engine, which never unpickles and runs on the CPU: GPU tensors are copied
         to the host file too) or "sglang" (SGLang's own serializer: CUDA IPC handles for GPU
         tensors, torch's reductions over shared-memory files for CPU ones). `backend`: the
@@ -237,6 +241,9 @@ class WeightSyncer:
         self.generation = 0
         """Groups this syncer formed before the current one (each engine death forms a new one)."""
         self._flats: List[Optional[torch.Tensor]] = [None, None]  # the bucket being filled, the one in flight
+        self.memory = EngineMemory()
+        """Colocated: which engines released their memory, and which process did (`engine_memory.py`)."""
+        self.incarnations = incarnations or dict
 
     def close(self) -> None:
         """Leave the weight-update group (engines that outlive this trainer, attached by URL or
@@ -290,6 +297,10 @@ class WeightSyncer:
             self.generation += 1
         self.clients += [EngineClient(e) for e in new]
         self.engine_urls = [c.url for c in self.clients]
+        urls = [e.url for e in new]
+        self.memory.forget(self.memory.restarted(urls, self.incarnations()))  # a new process holds its memory
+        if not self.memory.lent:  # back outside the learner's step, still released: take it back before any write
+            self._resume([u for u in urls if u in self.memory.released])
 
     async def _all(self, fn, skip: Sequence[str] = ()):
         """`fn(client)` on every engine (but `skip`) at once; raises `EngineLostError` when one
@@ -395,12 +406,37 @@ class WeightSyncer:
 
     def release_engine_memory(self) -> None:
         """Colocated: free engine weights + KV cache before training, once each engine is idle
-        (requests aborted when the batch filled may still be leaving its running batch)."""
-        self._io.run(self._all(lambda c: c.release_memory_when_idle(timeout_s=self.timeout_s)),
-                     timeout=self.timeout_s)
+        (requests aborted when the batch filled may still be leaving its running batch). Only
+        engines holding their memory are asked (`engine_memory.py`: a second pause ends them)."""
+        urls = self.memory.to_release(self.engine_urls)
+        incarnations = self.incarnations()
+        self.memory.lent = True
+        try:
+            self._io.run(self._all(lambda c: c.release_memory_when_idle(timeout_s=self.timeout_s),
+                                   skip=[u for u in self.engine_urls if u not in urls]), timeout=self.timeout_s)
+        except EngineLostError as exc:  # the others were released
+            self.memory.mark_released([u for u in urls if u not in exc.lost], incarnations)
+            raise
+        self.memory.mark_released(urls, incarnations)
 
-    def resume_engine_memory(self) -> None:
-        self._io.run(self._all(lambda c: c.resume_memory_occupation()), timeout=self.timeout_s)
+    def resume_engine_memory(self) -> List[str]:
+        """Colocated: the engines released take their memory back. Returns the engines restarted
+        since their release (a new process at the same address, which holds its memory and
+        no weight-update group): not resumed, they rejoin like engines found dead and back."""
+        self.memory.lent = False
+        resume, restarted = self.memory.to_resume(self.engine_urls, self.incarnations())
+        self.memory.forget(restarted)
+        self._resume(resume)
+        return restarted
+
+    def _resume(self, urls: Sequence[str]) -> None:
+        if not urls:
+            return
+        try:
+            self._io.run(self._all(lambda c: c.resume_memory_occupation(),
+                                   skip=[u for u in self.engine_urls if u not in urls]), timeout=self.timeout_s)
+        finally:  # resumed, or gone (and its memory with it)
+            self.memory.forget(urls)
 
     # ---------------------------------------------------------------- sync
     def sync(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], weight_version: Optional[str],

@@ -113,3 +113,41 @@ def test_handover_goes_on_without_an_engine_found_dead(model_dir, tmp_path):
         assert results == [([], [0]), ([urls[1]], [])]
         weights, version, sample = asyncio.run(_engine_view(urls[0], ["lm_head.weight"]))
         assert version == "4" and sample.versions == ["4"]
+
+
+def _handover_into_dead_engines(rank, world, model_dir, urls, ipc_ranks, dead_driver):
+    """Both engines dead: at the driver's pause (`dead_driver`), else at rank 1's post. What
+    each rank raises (a rank left waiting in a collective fails the run's timeout instead)."""
+    from dapo_mega.weights.handover import HandoverPlan, sync_colocated_learner_weights
+    from dapo_mega.weights.sync import EngineLostError, WeightSyncer
+
+    learner, layout = trained_learner(world, 1, 2, model_dir)
+    plan = HandoverPlan.for_rank(rank, ipc_ranks)
+    posters = {e: WeightSyncer([urls[e]], mode="colocated", timeout_s=30) for e in plan.posts}
+    driver = WeightSyncer(urls if dead_driver else [], mode="colocated", timeout_s=30) if rank == 0 else None
+    try:
+        sync_colocated_learner_weights(driver, posters, learner.model_chunks, learner.info, layout, "9", plan,
+                                       bucket_bytes=20_000, device=torch.device("cpu"))
+    except EngineLostError as exc:
+        return "lost", sorted(exc.lost)
+    except Exception as exc:  # noqa: BLE001 - the test names what was raised
+        return type(exc).__name__, str(exc)
+    finally:
+        for syncer in [*posters.values(), driver]:
+            if syncer is not None:
+                syncer.close()
+    return "no error", []
+
+
+@pytest.mark.parametrize("where", ["pause", "post"])
+def test_an_engine_lost_in_the_hand_over_is_lost_on_every_rank(where, model_dir, tmp_path):
+    """An engine gone at the driver's pause (rank 0 only calls it) or at one rank's post is an
+    EngineLostError on every rank, naming it, which `PolicySync.push` drops and syncs again
+    past: not rank 0 alone raising while rank 1 waits at the barrier, nor a plain
+    WeightSyncError that `push` does not catch (issue #37, item 2)."""
+    with EngineFleet(RolloutConfig(), str(model_dir), tmp_path / "logs", num_threads=1) as fleet:
+        urls = [e.url for e in fleet.start(1)]
+        fleet.kill(0)
+        results = run_distributed(_handover_into_dead_engines, 2,
+                                  args=(str(model_dir), urls, {0: (1,)}, where == "pause"), timeout_s=300)
+    assert results == [("lost", urls), ("lost", urls)], results

@@ -19,6 +19,13 @@ What it enforces as SGLang does: weight updates only inside a `/begin_weight_upd
 * On a CPU, releasing `weights` frees the parameter storage (contents lost unless
   --enable-weights-cpu-backup, as in SGLang); `kv_cache` has nothing persistent to free
   (KV lives only as long as a batch).
+* Memory release and resume keep the contract of the libraries behind them, and the engine
+  exits (status 1) where SGLang's would: a resume of a tag not released (SGLang's scheduler
+  raises KeyError from `offload_tags.remove`, and the server dies of it, with or without
+  --enable-memory-saver); with --enable-memory-saver, a second release of a tag
+  (torch_memory_saver: "Cannot pause allocation that is not active", `exit(1)`) and a weight
+  update or read while the weights are released (on a GPU the paused pages are unmapped: an
+  illegal memory access). Without --enable-memory-saver those two are a 400, as before.
 
 Weight receives run in worker threads, so the event loop keeps answering /health during a
 sync. A flattened bucket whose tensors lie back to back in the parameters' flat layout is
@@ -31,6 +38,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import sys
 from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
@@ -48,12 +57,26 @@ if TYPE_CHECKING:
 
 SHM_LOAD_FORMAT = "shared_memory_json"
 
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""SGLang's GPU memory tags (`GPU_MEMORY_ALL_TYPES`): a release or resume without tags means all."""
+
+
+def die(message: str) -> None:
+    """End the engine process as SGLang's does on a broken memory contract: the message on
+    stderr, exit status 1, nothing answered."""
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
 
 class EngineControl:
     """The control endpoints of one GenerationEngine: its weight-update groups and session."""
 
-    def __init__(self, engine: GenerationEngine):
+    def __init__(self, engine: GenerationEngine, memory_saver: bool = False):
         self.engine = engine
+        self.memory_saver = memory_saver
+        """--enable-memory-saver: torch_memory_saver's contract holds (see the module docstring)."""
+        self.offload_tags: set = set()
+        """Tags released and not resumed (SGLang's `offload_tags`)."""
         self.runner = engine.runner
         self.receiver = BucketReceiver(engine.runner)
         self.groups: Dict[str, ProcessGroup] = {}
@@ -101,13 +124,18 @@ class EngineControl:
 
     async def release_memory(self, request: web.Request) -> web.Response:
         body = parse_control_body("/release_memory_occupation", await read_json(request, allow_empty=True))
-        tags = body["tags"] or ["weights", "kv_cache"]
-        if set(tags) - {"weights", "kv_cache", "cuda_graph"}:
+        tags = body["tags"] or list(MEMORY_TAGS)
+        if set(tags) - set(MEMORY_TAGS):
             raise BadRequest(f"unknown tags {tags}")
         if not self.engine.is_idle():  # SGLang asserts this, and its scheduler dies of it
             running, waiting = self.engine.load()
             raise BadRequest(f"release_memory_occupation should be called only when server is idle "
                              f"({running} running, {waiting} waiting)")
+        again = [t for t in tags if t in self.offload_tags and t != "cuda_graph"]  # no graphs on a CPU
+        if again and self.memory_saver:
+            die(f"[torch_memory_saver.cpp] Cannot pause allocation that is not active. tag={again[0]} "
+                "(a second /release_memory_occupation: torch_memory_saver exits the engine)")
+        self.offload_tags.update(tags)
         if "weights" in tags:
             await asyncio.to_thread(self.engine.release_weights)
             self.receiver.scratch.free()
@@ -115,10 +143,25 @@ class EngineControl:
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         body = parse_control_body("/resume_memory_occupation", await read_json(request, allow_empty=True))
-        tags = body["tags"] or ["weights", "kv_cache"]
+        tags = body["tags"] or list(MEMORY_TAGS)
+        missing = [t for t in tags if t not in self.offload_tags]
+        if missing:  # SGLang: offload_tags.remove(tag) raises in the scheduler, and the server dies
+            die(f"KeyError: {missing[0]!r} (/resume_memory_occupation of memory that was not released: "
+                "SGLang's scheduler raises in resume_memory_occupation and the server exits)")
+        self.offload_tags.difference_update(tags)
         if "weights" in tags:
             await asyncio.to_thread(self.engine.resume_weights)
         return web.json_response(None)
+
+    def _require_weights(self, what: str) -> None:
+        """Weights released: with --enable-memory-saver the engine dies as on a GPU (the paused
+        pages are unmapped), else a 400."""
+        if not self.runner.weights_released:
+            return
+        if self.memory_saver:
+            die(f"CUDA error: an illegal memory access was encountered ({what} while the weights are released: "
+                "torch_memory_saver unmapped them)")
+        raise BadRequest(f"{what}: weights are released; call /resume_memory_occupation first")
 
     # ------------------------------------------------------------------ weight updates
     async def init_group(self, request: web.Request) -> web.Response:
@@ -187,8 +230,7 @@ class EngineControl:
         if b["group_name"] not in self.groups:
             raise BadRequest(f"Group {b['group_name']} not in {sorted(self.groups)}. "
                              "Please call `init_weights_update_group` first.")
-        if self.runner.weights_released:
-            raise BadRequest("weights are released; call /resume_memory_occupation first")
+        self._require_weights("/update_weights_from_distributed")
         try:
             # Receives are serialised (they must match the sender's broadcast order); the
             # load runs outside the lock so bucket k loads while bucket k+1 is received.
@@ -221,8 +263,7 @@ class EngineControl:
                                              [list(m.shape) for m in metas])
         if error:
             raise BadRequest(error)
-        if self.runner.weights_released:
-            raise BadRequest("weights are released; call /resume_memory_occupation first")
+        self._require_weights("/update_weights_from_tensor")
         async with self._update_lock:
             await self._maybe_abort(b["abort_all_requests"])
             try:
@@ -261,6 +302,8 @@ class EngineControl:
             raise BadRequest(f"/weights_checker: action {b['action']!r} is not served by the embedded engine "
                              "(checksum is)")
         skip = tuple(b["skip_tensor_list"] or ())
+
+        self._require_weights("/weights_checker")
 
         def compute() -> Dict[str, str]:
             with self.runner.model_lock:

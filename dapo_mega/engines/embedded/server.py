@@ -74,12 +74,13 @@ TEST_CLOCK_ENV = "DAPO_MEGA_TEST_CLOCK"
 class EngineServer:
     """aiohttp application around one GenerationEngine."""
 
-    def __init__(self, engine: GenerationEngine, api_key: str = "", served_args: Optional[dict] = None):
+    def __init__(self, engine: GenerationEngine, api_key: str = "", served_args: Optional[dict] = None,
+                 memory_saver: bool = False):
         self.engine = engine
         self.runner = engine.runner
         self.api_key = api_key or ""
         self.served_args = served_args or {}
-        self.control = EngineControl(engine)
+        self.control = EngineControl(engine, memory_saver=memory_saver)
         self.app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 30)
         r = self.app.router
         for path in ("/health", "/health_generate"):
@@ -268,7 +269,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="refuse /generate with 503 beyond this many waiting sequences (default: no bound)")
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--enable-memory-saver", action="store_true", help="accepted; release/resume always work")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="hold torch_memory_saver's contract: a second release, or a weight update while "
+                        "released, ends the engine as it would on a GPU")
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -302,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                               max_queued_requests=args.max_queued_requests,
                               decode_delay_s=args.test_decode_delay_ms / 1000)
     served = {k: v for k, v in vars(args).items() if k != "api_key"}
-    server = EngineServer(engine, api_key=args.api_key, served_args=served)
+    server = EngineServer(engine, api_key=args.api_key, served_args=served, memory_saver=args.enable_memory_saver)
     freeze_startup_objects()  # full GC passes stalled generation 100-200 ms (heap.py)
     serve(server, args.host, args.port)
 
