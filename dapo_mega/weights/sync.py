@@ -354,24 +354,42 @@ class WeightSyncer:
         replies.result(self.timeout_s)
         self.group_name, self.stage = name, stage
 
-    def abort_group(self, lost: Sequence[str] = ()) -> None:
+    def abort_group(self, lost: Sequence[str] = ()) -> Dict[str, str]:
         """An engine was lost mid-broadcast: abort the group here at once (its broadcast in
         flight would otherwise wait for the lost member until the group's timeout, under
-        NCCL's watchdog), then ask the survivors to leave it (bounded; `init_group` asks
-        again before it forms the next one). `init_group` forms a new group (`_g<n+1>`)."""
+        NCCL's watchdog), then ask the survivors to leave it, each bounded by SURVIVOR_WAIT_S.
+        Returns the survivors that did not leave in time, url -> why: they count as lost too.
+        A survivor's side is SGLang's: it joined the group without a timeout of its own, and its
+        destroy (`destroy_process_group`, whose `pg.shutdown()` waits for in-flight NCCL kernels
+        in recent torch; only `_abort_process_group` does not) waits for a broadcast whose
+        member is gone, until NCCL's watchdog ends the process. Dropped, it never holds up this
+        trainer; the engines role restarts it when it exits. `init_group` forms a new group
+        (`_g<n+1>`) with the others."""
         if self.group is None:
-            return
+            return {}
         name, group = self.group_name, self.group
         self.group = self.group_name = None
         self.generation += 1
         transport.abort_custom_process_group(group)
+        survivors = [c for c in self.clients if c.url not in set(lost)]
+        wait_s = min(self.timeout_s, SURVIVOR_WAIT_S)
 
-        async def leave(c):
-            await c.destroy_weights_update_group(name)
-        try:
-            self._io.run(self._all(leave, skip=lost), timeout=min(self.timeout_s, SURVIVOR_WAIT_S))
-        except Exception as exc:  # noqa: BLE001 - a survivor still leaving the broadcast; init_group asks again
-            logger.info(f"[weight sync] survivors leaving aborted group {name}: {exc}", extra=log.EVERY_RANK)
+        async def leave(c) -> Optional[str]:
+            try:
+                await asyncio.wait_for(c.destroy_weights_update_group(name), wait_s)
+                return None
+            except asyncio.TimeoutError:
+                return (f"it did not leave the aborted weight-update group {name} within {wait_s:.0f} s (its "
+                        "broadcast, or its group's teardown, waits for the member that is gone)")
+            except Exception as exc:  # noqa: BLE001 - gone too, or refused (init_group asks again)
+                return lost_reason(exc)
+        async def leave_all() -> List[Optional[str]]:
+            return await asyncio.gather(*(leave(c) for c in survivors))
+        outcomes = self._io.run(leave_all(), timeout=wait_s + 10)
+        stuck = {c.url: why for c, why in zip(survivors, outcomes) if why}
+        for url, why in stuck.items():
+            logger.info(f"[weight sync] engine {url} lost with the aborted group {name}: {why}", extra=log.EVERY_RANK)
+        return stuck
 
     def destroy_group(self, timeout_s: Optional[float] = None) -> None:
         if self.group is None:
@@ -468,15 +486,17 @@ class WeightSyncer:
                     buckets += 1
             paused()
         except EngineLostError as exc:
-            if self.mode == "distributed":
-                self.abort_group(list(exc.lost))
+            lost = dict(exc.lost)
+            if self.mode == "distributed":  # survivors stuck in the aborted group are lost too
+                lost.update(self.abort_group(list(lost)))
             if pausing is not None:  # the survivors' session is closed, the lost are skipped
-                lost = dict(exc.lost)
                 pause_error = pausing.exception(self.timeout_s)
                 if isinstance(pause_error, EngineLostError):
                     lost.update(pause_error.lost)
                 self.continue_engines(skip=list(lost))
                 pausing = None
+            if lost != exc.lost:
+                raise EngineLostError(lost, exc.others) from exc
             raise
         finally:
             # continue only engines this sync paused (a failed pause leaves them as they are)

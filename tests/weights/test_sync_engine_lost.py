@@ -106,3 +106,43 @@ def test_an_engine_killed_mid_sync_is_named_and_the_survivor_takes_the_next_grou
         check_engines([survivor], model_dir, state2, "2")
     finally:
         syncer.close()
+
+
+@pytest.mark.slow  # two engine starts and a survivor's bounded wait: ~20-30 s here
+def test_a_survivor_stuck_in_the_aborted_group_is_lost_too_within_the_bound(two_engines, monkeypatch):
+    """Engine 1 is killed mid-broadcast and engine 0, the survivor, answers nothing after (a
+    SIGSTOP: it stands for SGLang's survivor, whose group destroy waits in `pg.shutdown()` for
+    the broadcast of a member that is gone). The sync names both lost within the survivors'
+    bound (here 3 s), so `push` drops both and the run goes on; before, the survivor's leave
+    was only logged, and the continue that followed waited for it the whole control timeout,
+    then failed the run with a plain error (issue #37, item 3)."""
+    from transformers import AutoModelForCausalLM
+
+    import dapo_mega.weights.sync as sync_module
+
+    monkeypatch.setattr(sync_module, "SURVIVOR_WAIT_S", 3.0)
+    fleet, model_dir = two_engines
+    victim, survivor = fleet.engines[1], fleet.engines[0]
+    syncer = WeightSyncer([e.url for e in fleet.engines], bucket_mb=0.05, mode="distributed", backend="gloo",
+                          timeout_s=120)
+    try:
+        syncer.init_group(master_port=free_port(), stage=0)
+        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+        def stream():
+            for i, item in enumerate(state.items()):
+                if i == len(state) // 2:
+                    os.kill(victim.pid, signal.SIGKILL)
+                    victim.proc.wait(timeout=30)
+                    os.kill(survivor.pid, signal.SIGSTOP)
+                yield item
+        start = time.monotonic()
+        with pytest.raises(EngineLostError) as info:
+            syncer.sync(stream(), weight_version="1")
+        took = time.monotonic() - start
+        assert sorted(info.value.lost) == sorted([victim.url, survivor.url]), info.value
+        assert "did not leave the aborted weight-update group" in info.value.lost[survivor.url]
+        assert took < 60, took  # the bound, with slack for a loaded machine; never the 120 s timeout
+    finally:
+        os.kill(survivor.pid, signal.SIGCONT)
+        syncer.close()
