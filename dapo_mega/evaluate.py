@@ -32,9 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict
 
+from dapo_mega import log
 from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.engines.sglang.endpoint import EngineAddress
 from dapo_mega.run_files.checkpoints import write_text_atomic
+
+logger = log.get(__name__)
 
 if TYPE_CHECKING:
     from dapo_mega.data import EvalSet, Problem
@@ -147,6 +150,10 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
                                        "samples": manager.samples_by_engine.get(url, 0)}
                                  for url in manager.engine_urls},
                         dead_engines=manager.dead_engines())
+    unjudged = int((~scored.verdict).sum())
+    if unjudged:  # avg@k is a share of correct answers: a bare score is no verdict (reward/returns.py)
+        logger.warning(f"[eval] the reward gave no verdict for {unjudged} of {len(scored.verdict)} samples (a bare "
+                       "score): avg@k counts them as not correct. Fix: return a bool, or a dict with 'acc'")
     k = 0
     for g in groups:
         correct = truncated = 0

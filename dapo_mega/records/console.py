@@ -34,6 +34,10 @@ def format_console_line(row: Mapping[str, object]) -> str:
 
     parts = [f"step {int(row['step']):>5d}", f"v{int(row.get('policy_version', 0)):<4d}"]
     parts += [fmt.format(float(row[key])) for key, fmt in CONSOLE_COLUMNS if has(key)]
+    if has("rollout/verdict_rate") and float(row["rollout/verdict_rate"]) < 1:
+        # a bare score is no verdict: acc counts the verdicts, the group filter read the score
+        parts.append(f"verdicts {float(row['rollout/verdict_rate']):.2f}"
+                     + (", filter on score" if float(row.get("rollout/score_filtered_groups") or 0) > 0 else ""))
     times = [fmt.format(float(row[key])) for key, fmt in TIME_COLUMNS if has(key)]
     if times:
         parts.append(" ".join(times))

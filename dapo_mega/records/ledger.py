@@ -69,7 +69,8 @@ class LedgerRecord:
     """The engine stopped the response at the length limit (about generation, not about
     what the ledger stores: see response_text_elided)."""
     reward: float
-    correct: bool
+    correct: Optional[bool]
+    """The reward's verdict; null when it gave none (a bare score: `reward/returns.py`)."""
     reward_components: str
     """JSON object of the reward's parts (correctness, overlong penalty, ...)."""
     verifier: str

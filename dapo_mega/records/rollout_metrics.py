@@ -32,14 +32,15 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
     if not records:
         return {"rollout/num_samples": 0.0}
     rewards = np.array([r.reward for r in records], dtype=np.float64)
-    correct = np.array([r.correct for r in records], dtype=np.float64)
+    # accuracy counts verdicts only: a reward that gives a bare score has none (reward/returns.py)
+    verdicts = [r.correct for r in records if r.correct is not None]
     lengths = np.array([r.response_length for r in records], dtype=np.float64)
     truncated = np.array([r.truncated for r in records], dtype=np.float64)
     kept = [r for r in records if r.reject_reason in TRAINED_REASONS]
     out = {
         "rollout/num_samples": float(len(records)),
         "rollout/reward_mean": float(rewards.mean()),
-        "rollout/accuracy": float(correct.mean()),
+        "rollout/verdict_rate": float(len(verdicts) / len(records)),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/response_length_p50": float(np.percentile(lengths, 50)),
         "rollout/response_length_p90": float(np.percentile(lengths, 90)),
@@ -51,12 +52,16 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
         "rollout/kept_samples": float(len(kept)),
         "rollout/samples_per_trained_sample": float(len(records) / max(len(kept), 1)),
     }
+    if verdicts:
+        out["rollout/accuracy"] = float(np.mean(verdicts))
     entropy = rollout_entropy_estimate(records)
     if entropy is not None:
         out["rollout/entropy_mc"] = entropy
     if kept:
         out["rollout/kept_reward_mean"] = float(np.mean([r.reward for r in kept]))
-        out["rollout/kept_accuracy"] = float(np.mean([r.correct for r in kept]))
+        kept_verdicts = [r.correct for r in kept if r.correct is not None]
+        if kept_verdicts:
+            out["rollout/kept_accuracy"] = float(np.mean(kept_verdicts))
     for reason in sorted({r.reject_reason for r in records}):
         out[f"rollout/reject/{reason}"] = float(sum(1 for r in records if r.reject_reason == reason))
     # Group-level rates of this step's generation (DESIGN.md), from the records themselves:
@@ -67,8 +72,9 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
         groups.setdefault((r.prompt_id, r.gen_round), []).append(r)
     n_groups = max(len(groups), 1)
     out["rollout/num_groups"] = float(len(groups))
-    out["rollout/all_correct_rate"] = sum(all(r.correct for r in g) for g in groups.values()) / n_groups
-    out["rollout/all_wrong_rate"] = sum(not any(r.correct for r in g) for g in groups.values()) / n_groups
+    # by the verdicts: a group with a sample that has none is neither
+    out["rollout/all_correct_rate"] = sum(all(r.correct is True for r in g) for g in groups.values()) / n_groups
+    out["rollout/all_wrong_rate"] = sum(all(r.correct is False for r in g) for g in groups.values()) / n_groups
     out["rollout/kept_group_frac"] = sum(
         any(r.reject_reason in TRAINED_REASONS for r in g) for g in groups.values()) / n_groups
     return out
@@ -109,5 +115,7 @@ def compute_age_metrics(records: Sequence, num_stale_groups: int) -> Dict[str, f
             continue
         out[f"age/{label}/num_samples"] = float(len(rows))
         out[f"age/{label}/reward_mean"] = float(np.mean([r.reward for r in rows]))
-        out[f"age/{label}/accuracy"] = float(np.mean([r.correct for r in rows]))
+        verdicts = [r.correct for r in rows if r.correct is not None]
+        if verdicts:
+            out[f"age/{label}/accuracy"] = float(np.mean(verdicts))
     return out

@@ -27,7 +27,8 @@ class RewardBatch:
     correctness: [N] float32, +1 correct / −1 wrong (or verifier error).
     overlong_penalty: [N] float32 in [−factor, 0] (all 0 when shaping is off).
     reward: [N] float32 = correctness + overlong_penalty.
-    correct: [N] bool.
+    correct: [N] bool (False where there is no verdict).
+    verdict: [N] bool: the reward gave a verdict (VerifyResult.correct is not None).
     verifier_error: N × (None or "verifier_error: ...").
     extracted: N × the answer the verifier read (None if none).
     verifier_components: N × the verifier's own breakdown of correctness (a reward plugin's
@@ -39,6 +40,7 @@ class RewardBatch:
     overlong_penalty: torch.Tensor
     reward: torch.Tensor
     correct: torch.Tensor
+    verdict: torch.Tensor
     verifier_error: List[Optional[str]]
     extracted: List[Optional[str]]
     stats: VerifyStats
@@ -50,7 +52,8 @@ class RewardBatch:
         """The typed reward of every sample (what the rollout manager stores on each), the
         tensors read once, not element by element."""
         parts = self.verifier_components or [()] * len(self.verifier_error)
-        columns = zip(self.reward.tolist(), self.correct.tolist(), self.correctness.tolist(),
+        verdicts = [c if v else None for c, v in zip(self.correct.tolist(), self.verdict.tolist())]
+        columns = zip(self.reward.tolist(), verdicts, self.correctness.tolist(),
                       self.overlong_penalty.tolist(), self.verifier_error, self.extracted, parts)
         return [SampleReward(reward=reward, correct=correct, correctness=correctness, overlong_penalty=penalty,
                              verifier=self.verifier_name, verifier_version=self.verifier_version,
@@ -127,7 +130,8 @@ def compute_rewards(
         correctness=correctness,
         overlong_penalty=penalty,
         reward=correctness + penalty,
-        correct=torch.tensor([r.correct for r in results], dtype=torch.bool),
+        correct=torch.tensor([bool(r.correct) for r in results], dtype=torch.bool),
+        verdict=torch.tensor([r.correct is not None for r in results], dtype=torch.bool),
         verifier_error=[r.error for r in results],
         extracted=[r.extracted for r in results],
         stats=stats,

@@ -3,13 +3,16 @@ plugin's return value and for each item of a reward server's reply (http_verifie
 
     a RewardResult            as it is (score, correct, components, extracted)
     a bool                    a verdict: score 1.0 / 0.0 (verl's float(res)), correct = it
-    a finite number           score = the number; correct = score > 0 (verl's and slime's
-                              plain-float rewards: 1.0 / 0.0 and 1 / -1 both read right)
+    a finite number           score = the number, and no verdict (correct = None): a
+                              score says how good, not whether right (0.1 for a
+                              well-formatted wrong answer is no correct one); accuracy
+                              counts verdicts only, and dynamic sampling filters on the
+                              score where a group has no verdicts (rollout/batch_fill.py)
     a tuple or list           verl's `default_compute_score` takes float(res[0]): its first
                               item, a bool or a finite number, read as above (prime_math's
                               (correct, extracted) pairs); the rest is left out
     a dict with "score"       verl's dict form: score = d["score"]; correct = d["acc"] where
-                              present (a bool, or a number: > 0), else score > 0; extracted =
+                              present (a bool, or a number: > 0), else None; extracted =
                               d["pred"] (None, or its text); every other key whose value is a
                               finite number or a bool becomes a component; other values
                               (strings, lists, None) are left out
@@ -29,7 +32,7 @@ from typing import Dict, Mapping, Optional
 from dapo_mega.reward.types import VerifyResult
 
 MAX_EXTRACTED_CHARS = 200
-ACCEPTED = ("accepted: a finite number (the score; correct when > 0), a bool (the verdict), a tuple whose first "
+ACCEPTED = ("accepted: a finite number (the score, no verdict), a bool (the verdict), a tuple whose first "
             "item is one of those (verl reads res[0]), a dict with a finite 'score' (optional 'acc' verdict, 'pred' "
             "answer, other numeric keys as components), or dapo_mega.reward.RewardResult")
 """What `to_verify_result` accepts, in the words of its errors."""
@@ -64,7 +67,7 @@ def to_verify_result(source: str, value: object) -> VerifyResult:
     if isinstance(value, bool):
         return VerifyResult(correct=value, reward=float(value))
     if _finite(value):
-        return VerifyResult(correct=float(value) > 0, reward=float(value))  # type: ignore[arg-type]
+        return VerifyResult(correct=None, reward=float(value))  # type: ignore[arg-type]
     if isinstance(value, Mapping):
         return _from_dict(source, value)
     raise TypeError(f"{source} returned {_shown(value)}; {ACCEPTED}")
@@ -94,7 +97,7 @@ def _from_dict(source: str, value: Mapping) -> VerifyResult:
         raise TypeError(f"{source}: 'score' {score!r} is not a finite number; {ACCEPTED}")
     acc = value.get("acc")
     if acc is None:
-        correct = float(score) > 0
+        correct = None
     elif isinstance(acc, bool) or _finite(acc):
         correct = bool(acc) if isinstance(acc, bool) else float(acc) > 0
     else:

@@ -24,7 +24,10 @@ VERIFIER_COMPONENT_PREFIX = "verifier/"
 class VerifyResult:
     """The verdict on one response.
 
-    correct: the answer is equivalent to the ground truth.
+    correct: the answer is equivalent to the ground truth; None when the reward gave no
+        verdict (a bare score: a plugin's float, a dict without "acc"). A score carries no
+        verdict: 0.1 for a well-formatted wrong answer is not a correct one, so accuracy and
+        the all-correct / all-wrong filter never read one from it (`returns.py`).
     reward: the correctness reward, +1.0 when correct else −1.0 (DAPO Eq. 7).
     extracted: the answer the verifier read from the response (normalised), None if none.
     error: None, or "verifier_error: ..." when the verifier raised or ran out of time; the
@@ -33,7 +36,7 @@ class VerifyResult:
         () for the built-in verifiers, whose reward is the ±1 verdict alone.
     """
 
-    correct: bool
+    correct: Optional[bool]
     reward: float
     extracted: Optional[str] = None
     error: Optional[str] = None
@@ -55,7 +58,8 @@ class SampleReward:
     """
 
     reward: float
-    correct: bool
+    correct: Optional[bool]
+    """The verdict; None when the reward gave none (VerifyResult.correct)."""
     correctness: float = 0.0
     overlong_penalty: float = 0.0
     verifier: str = ""

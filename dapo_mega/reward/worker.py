@@ -38,7 +38,7 @@ def serve(recv_conn: Connection, send_conn: Connection) -> None:
         index, response, ground_truth, metadata = task
         try:
             result = call_verifier(verifier, response, ground_truth, metadata)
-            reply = (index, (bool(result.correct), float(result.reward), result.extracted, result.error,
+            reply = (index, (None if result.correct is None else bool(result.correct), float(result.reward), result.extracted, result.error,
                              tuple(result.components)))
         except BaseException as exc:  # noqa: BLE001 - any failure is a scored verifier_error
             reply = (index, (False, -1.0, None, f"verifier_error: {type(exc).__name__}: {str(exc)[:200]}", ()))

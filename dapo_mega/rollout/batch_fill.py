@@ -59,11 +59,21 @@ class SamplingRule:
                    algo.dynamic_sampling_metric)
 
 
+def filter_metric(groups: Sequence[Group], metric: str = "acc") -> str:
+    """What the group filter reads: `metric`, but "score" where it is "acc" and a sample has
+    no verdict (its reward gave a bare score: `reward/returns.py`). A score is no verdict:
+    0.1 for a well-formatted wrong answer must not make a group of wrong answers "mixed"."""
+    if metric == "acc" and any(s.correct is None for g in groups for s in g.samples):
+        return "score"
+    return metric
+
+
 def select_groups(groups: Sequence[Group], metric: str = "acc"):
     """Per-sample reasons through the algo package's group filter (Eq. 11): on the verdicts
-    ("acc") or on the rewards alone ("score"; `SamplingRule.metric`)."""
+    ("acc") or on the rewards alone ("score"; `SamplingRule.metric`, `filter_metric`)."""
     from dapo_mega.algo import select_informative_groups
 
+    metric = filter_metric(groups, metric)
     rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
     correct = torch.tensor([s.correct for g in groups for s in g.samples]) if metric == "acc" else None
     index = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
@@ -99,6 +109,7 @@ class BatchFill:
         self.samples: List[ScoredSample] = []
         """The step's ledger rows so far (rejected and stale groups; kept ones are added last)."""
         self.counts = {"rounds": 0, "seen": 0, "all_correct": 0, "all_wrong": 0, "requested": 0,
+                       "score_filtered_groups": 0,
                        **{k: 0 for k in SET_ASIDE_COUNTS + PARTIAL_COUNTS}}
         self.round_prompts: Sequence[PromptItem] = ()
         self.decided = 0
@@ -134,6 +145,8 @@ class BatchFill:
                 s.score = reward
         if self.rule.dynamic_sampling:
             sel = select_groups(groups, self.rule.metric)
+            if filter_metric(groups, self.rule.metric) != self.rule.metric:
+                self.counts["score_filtered_groups"] += len(groups)
             self.counts["all_correct"] += sel.num_all_correct
             self.counts["all_wrong"] += sel.num_all_wrong
             offset = 0

@@ -221,6 +221,8 @@ class RolloutManager:
                         "rollout/carried_groups": len(sampling.carry), "rollout/dead_engines": len(self.dead),
                         "rollout/prompts_requested": counts["requested"],
                         "rollout/pending_prompts": len(sampling.pending),
+                        # groups the filter read on the score: the reward gave no verdict
+                        "rollout/score_filtered_groups": counts["score_filtered_groups"],
                         **{f"rollout/{k}": counts[k] for k in SET_ASIDE_COUNTS + PARTIAL_COUNTS}}
         if sampling.keep_rate is not None:
             self.metrics["rollout/keep_rate_estimate"] = sampling.keep_rate

@@ -96,7 +96,8 @@ class ScoredSample:
         return self.score.reward
 
     @property
-    def correct(self) -> bool:
+    def correct(self) -> Optional[bool]:
+        """The verdict; None when the reward gave none."""
         return self.score.correct
 
     @property

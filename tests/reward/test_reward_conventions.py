@@ -26,18 +26,20 @@ VERL_FILE = EXAMPLES / "verl_compute_score.py"
 
 
 @pytest.mark.parametrize("value, expected", [
-    (1.0, VerifyResult(correct=True, reward=1.0)),
-    (0.0, VerifyResult(correct=False, reward=0.0)),  # verl's 1/0 rewards: 0 is wrong
-    (-1, VerifyResult(correct=False, reward=-1.0)),
-    (0.25, VerifyResult(correct=True, reward=0.25)),
+    (1.0, VerifyResult(correct=None, reward=1.0)),  # a score, no verdict: accuracy never reads one from it
+    (0.0, VerifyResult(correct=None, reward=0.0)),
+    (-1, VerifyResult(correct=None, reward=-1.0)),
+    (0.1, VerifyResult(correct=None, reward=0.1)),  # a format credit for a wrong answer: not "correct"
     ({"score": 0.0, "acc": True, "pred": 7}, VerifyResult(correct=True, reward=0.0, extracted="7")),
     ({"score": 1.0, "acc": 0.0}, VerifyResult(correct=False, reward=1.0)),  # acc decides, not the score
-    ({"score": -0.5}, VerifyResult(correct=False, reward=-0.5)),
+    ({"score": -0.5}, VerifyResult(correct=None, reward=-0.5)),
+    ({"score": 0.1, "format": 0.1}, VerifyResult(correct=None, reward=0.1, components=(("format", 0.1),))),
     ({"score": 2, "acc": False, "pred": None, "fmt": True, "len": 3, "note": "kept out", "ids": [1]},
      VerifyResult(correct=False, reward=2.0, components=(("fmt", 1.0), ("len", 3.0)))),
     (True, VerifyResult(correct=True, reward=1.0)),  # verl: float(res); a bool is a verdict
     (False, VerifyResult(correct=False, reward=0.0)),
-    ((1.0, "7"), VerifyResult(correct=True, reward=1.0)),  # verl's float(res[0]): prime_math's pairs
+    ((1.0, "7"), VerifyResult(correct=None, reward=1.0)),  # verl's float(res[0]): prime_math's pairs
+    ((True, "7"), VerifyResult(correct=True, reward=1.0)),
     ([False, None], VerifyResult(correct=False, reward=0.0)),
     (RewardResult(score=0.5, correct=True, components={"b": 1, "a": 2}, extracted="x" * 300),
      VerifyResult(correct=True, reward=0.5, extracted="x" * 200, components=(("a", 2.0), ("b", 1.0)))),
@@ -49,8 +51,8 @@ def test_each_accepted_return_form_by_hand(value, expected):
 def test_a_bad_return_names_the_reward_what_it_returned_and_what_is_accepted():
     with pytest.raises(TypeError) as info:
         to_verify_result("reward plugin m:f", ["1.0"])
-    assert str(info.value) == ("reward plugin m:f returned list ['1.0']; accepted: a finite number (the score; "
-                               "correct when > 0), a bool (the verdict), a tuple whose first item is one of those "
+    assert str(info.value) == ("reward plugin m:f returned list ['1.0']; accepted: a finite number (the score, no "
+                               "verdict), a bool (the verdict), a tuple whose first item is one of those "
                                "(verl reads res[0]), a dict with a finite 'score' (optional 'acc' verdict, 'pred' "
                                "answer, other numeric keys as components), or dapo_mega.reward.RewardResult")
     for bad in ((), (float("nan"), 1), float("-inf"), "1.0", {"acc": True}):
@@ -113,18 +115,18 @@ def test_verl_and_slime_signatures_are_called_as_their_trainers_call_them(conven
     def score(function, response="Answer: 7"):
         return build_verifier(f"{conventions}:{function}").score(response, "7", meta)
 
-    assert score("verl_style") == VerifyResult(correct=True, reward=1.0,
+    assert score("verl_style") == VerifyResult(correct=None, reward=1.0,
                                                components=(("index_is_id", 1.0), ("source", 1.0)))
-    assert score("verl_style", "Answer: 8").correct is False
-    assert score("verl_kwargs") == VerifyResult(correct=True, reward=1.0)
-    assert score("slime_style") == VerifyResult(correct=True, reward=1.0,
+    assert score("verl_style", "Answer: 8").reward == 0.0
+    assert score("verl_kwargs") == VerifyResult(correct=None, reward=1.0)
+    assert score("slime_style") == VerifyResult(correct=None, reward=1.0,
                                                 components=(("id_seen", 1.0), ("prompt_len", 12.0)))
     assert score("slime_reads_args").reward == 1.0
     with pytest.raises(AttributeError, match=r"gives a slime reward the Sample fields prompt, response, label and "
                                              r"metadata, not 'tokens'"):
         score("slime_reads_tokens")
     assert score("native").reward == 0.5
-    assert score("verl_batch") == VerifyResult(correct=True, reward=1.0, components=(("id_seen", 1.0), ("n", 1.0)))
+    assert score("verl_batch") == VerifyResult(correct=None, reward=1.0, components=(("id_seen", 1.0), ("n", 1.0)))
     with pytest.raises(TypeError, match=r"verl batch reward returned float for one response; it must return a list"):
         score("verl_batch_one_value")
     with pytest.raises(Exception, match=r"verl's batch solution_strs .* or write the per-sample form "
@@ -147,8 +149,8 @@ def test_a_verl_file_loads_by_its_path_with_verls_default_function(monkeypatch, 
     assert verifier.score("Answer: 46", "46", {}) == VerifyResult(
         correct=True, reward=1.0, extracted="46", components=(("format_ok", 1.0),))
     named = build_verifier(f"{relative}:exact_match_reward")
-    assert named.score("Answer: 46.", "46", {}) == VerifyResult(correct=True, reward=1.0)
-    assert named.score("no answer", "46", {}) == VerifyResult(correct=False, reward=-1.0)
+    assert named.score("Answer: 46.", "46", {}) == VerifyResult(correct=None, reward=1.0)  # a float: no verdict
+    assert named.score("no answer", "46", {}) == VerifyResult(correct=None, reward=-1.0)
     copy = tmp_path / "verl_compute_score.py"  # a second file of the same name is another module
     copy.write_text(VERL_FILE.read_text().replace('"score": 1.0 if acc', '"score": 2.0 if acc'))
     assert build_verifier(str(copy)).score("Answer: 46", "46", {}).reward == 2.0
@@ -165,7 +167,9 @@ def test_the_shipped_verl_and_slime_examples_score_in_the_worker_pool(monkeypatc
                                              answer_prefixes=["Answer:"] * 3, pool=pool, metadata=[{"id": "a"}] * 3)
         finally:
             pool.close()
-        assert [r.correct for r in results] == [True, False, False], spec
+        assert [r.reward for r in results] == [1.0, -1.0, -1.0], spec
+        # verl's dict carries its verdict ('acc'); slime's float is a score, no verdict
+        assert [r.correct for r in results] == ([True, False, False] if spec == str(VERL_FILE) else [None] * 3)
         assert [r.reward for r in results] == [1.0, -1.0, -1.0] and stats.num_errors == 0, spec
         assert stats.num_in_pool == 3
 

@@ -43,7 +43,8 @@ class RewardServer:
         return f"{scheme}://127.0.0.1:{self.port}{path}"
 
     def grade(self, response, truth):
-        return {"score": 1.0 if response.strip().endswith(truth) else -1.0, "pred": response.strip()[-2:]}
+        right = response.strip().endswith(truth)
+        return {"score": 1.0 if right else -1.0, "acc": right, "pred": response.strip()[-2:]}
 
     def answer(self, number, payload):
         """(status, reply) of POST number `number`."""

@@ -140,7 +140,7 @@ BAD_RESULTS = [
     ("return RewardResult(score=1.0, correct=1)", r"correct 1 is not a bool"),
     ("return RewardResult(score=1.0, correct=True, components={'len': 'x'})", r"component 'len'='x' is not"),
     ("return {'correct': True}", r"returned a dict without 'score' \(keys \['correct'\]\); accepted: a finite number"),
-    ("return 'yes'", r"returned str 'yes'; accepted: a finite number \(the score; correct when > 0\), a bool"),
+    ("return 'yes'", r"returned str 'yes'; accepted: a finite number \(the score, no verdict\), a bool"),
     ("return float('nan')", r"returned float nan; accepted: a finite number"),
     ("return None", r"returned NoneType None; accepted"),
     ("return {'score': float('inf'), 'acc': True}", r"'score' inf is not a finite number; accepted"),

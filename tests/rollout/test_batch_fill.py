@@ -104,3 +104,25 @@ def test_the_filter_metric_acc_drops_an_all_correct_group_that_score_keeps():
     assert kept == {"acc": ["p1"], "score": ["p0", "p1"]}
     with pytest.raises(ConfigError, match="algo.dynamic_sampling_metric"):
         validate_config(load_config(["algo.dynamic_sampling_metric=seq_reward"]))
+
+
+def test_a_bare_score_is_no_verdict_so_the_filter_reads_the_score():
+    """Issue #37, item 7: a plugin's float carries no verdict. p0's answers are both wrong, one
+    given a 0.1 format credit (rewards 0.1 and 0.0); p1's are both wrong and both formatted
+    (0.1, 0.1). Before, `score > 0` read 0.1 as correct: p0 counted as a mixed group by its
+    "verdicts" and p1 as all correct. Now neither has a verdict: the default metric "acc"
+    falls back to the score for them (p0 varies: kept; p1 does not: dropped), counted as
+    score-filtered, and no sample is correct."""
+    def rewards(groups):
+        return [[SampleReward(0.1, None), SampleReward(0.0, None)] if g.prompt_id == "p0"
+                else [SampleReward(0.1, None), SampleReward(0.1, None)] for g in groups]
+
+    mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
+    fill = BatchFill(1, 0, rewards, SamplingRule(train_batch_size=2, gen_batch_size=2, stream=False), carried=[],
+                     observe_keep_rate=mgr.sampling.observe_keep_rate)
+    prompts = [Prompt("p0", [1]), Prompt("p1", [2])]
+    fill.start_round(prompts)
+    fill.take([group(p) for p in prompts])
+    assert [g.prompt_id for g in fill.kept] == ["p0"]
+    assert fill.counts["score_filtered_groups"] == 2
+    assert all(s.correct is None for g in fill.kept for s in g.samples)

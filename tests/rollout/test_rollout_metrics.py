@@ -68,3 +68,22 @@ def test_rollout_entropy_estimate_converges_to_the_sampling_entropy():
     draws = np.random.default_rng(0).choice(4, size=200_000, p=p)
     estimate = rollout_entropy_estimate([SimpleNamespace(logprobs=list(np.log(p[draws])))])
     assert abs(estimate - float(-(p * np.log(p)).sum())) < 0.01
+
+
+def test_accuracy_counts_verdicts_only_and_the_step_line_says_when_there_are_none():
+    """A bare score is no verdict (issue #37, item 7): accuracy and the all-correct /
+    all-wrong rates count verdicts only; a step without any prints no acc and says so."""
+    from dataclasses import replace
+
+    from dapo_mega.records.console import format_console_line
+
+    scored = [replace(rec("a", None, "kept"), reward=0.1), replace(rec("a", None, "kept"), reward=0.0)]
+    m = compute_rollout_metrics(scored, seconds=1.0)
+    assert "rollout/accuracy" not in m and m["rollout/verdict_rate"] == 0.0
+    assert m["rollout/all_correct_rate"] == 0.0 and m["rollout/all_wrong_rate"] == 0.0
+    line = format_console_line({"step": 1, **m, "rollout/score_filtered_groups": 1.0})
+    assert " acc " not in line and "verdicts 0.00, filter on score" in line, line
+    mixed = compute_rollout_metrics(scored + [rec("b", True, "kept"), rec("b", False, "kept")], seconds=1.0)
+    assert mixed["rollout/accuracy"] == 0.5 and mixed["rollout/verdict_rate"] == 0.5
+    assert "acc 0.500" in format_console_line({"step": 1, **mixed}) and "verdicts 0.50" in \
+        format_console_line({"step": 1, **mixed})
