@@ -138,6 +138,12 @@ class AlgoConfig:
     """icepop: tokens with ρ_t below this get weight 0 (IcePop α = 0.5)."""
     icepop_high: float = 5.0
     """icepop: tokens with ρ_t above this get weight 0 (IcePop β = 5)."""
+    masked_tokens_in_denominator: bool = True
+    """Whether a token the off-policy correction masks (weight 0) keeps its place in the
+    token-mean denominator: true (ours, IcePop's 1/|o| as written: the update shrinks by the
+    kept fraction), false (verl's rollout_rs and slime: rejected tokens leave the loss mask,
+    and the kept tokens' mean is the loss; done exactly by scaling the accumulated gradient by
+    all/kept tokens of the mini-batch before clipping). false needs loss_agg_mode=token-mean."""
     use_engine_logprobs: bool = False
     """Take old log-probs from the engine instead of recomputing them on the learner."""
     # --- sampling ---
@@ -290,6 +296,10 @@ class AlgoConfig:
                       f"set algo.tis_cap=null to use {mode}, or algo.off_policy_correction=tis")
         if mode in ("tis", "geo_mask_tis") and a.tis_cap is None:
             raise err("algo.off_policy_correction", f"is {mode} but algo.tis_cap is null", "set algo.tis_cap=2.0")
+        if not a.masked_tokens_in_denominator and a.loss_agg_mode != "token-mean":
+            raise err("algo.masked_tokens_in_denominator", f"is false but algo.loss_agg_mode={a.loss_agg_mode}: "
+                      "the masked tokens leave a token-mean denominator only",
+                      "set algo.loss_agg_mode=token-mean, or algo.masked_tokens_in_denominator=true")
         if mode != "none" and a.use_engine_logprobs:
             raise err("algo.off_policy_correction", f"is {mode} but algo.use_engine_logprobs=true makes the "
                       "engine's log-probs π_old, so the ratio it corrects is 1 by construction",
@@ -459,6 +469,11 @@ class RolloutConfig:
     nothing when a batch fills (whole rounds; weight syncs pause with retract). It also makes
     what a step trains on depend on timing (how far each aborted request got), so two seeded
     runs may differ. true outside the synchronous modes with an age limit >= 1 is refused."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """slime's --mask-offpolicy-in-partial-rollout: a resumed sample's tokens sampled under a
+    weight version older than its newest (the prefix carried from an earlier step) carry no
+    loss; only the tokens of the policy that finished it train (rollout/partial.py
+    `offpolicy_prefix_mask`). Needs partial rollouts on."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""
@@ -1108,6 +1123,10 @@ def partial_rollout_enabled(cfg: DapoConfig) -> bool:
 
 def _check_partial_rollout(cfg: DapoConfig) -> None:
     c, err = cfg.cluster, _field_error
+    if cfg.rollout.mask_offpolicy_in_partial_rollout and not partial_rollout_enabled(cfg):
+        raise err("rollout.mask_offpolicy_in_partial_rollout", "is true but partial rollouts are off (rollout."
+                  f"partial_rollout={cfg.rollout.partial_rollout}, cluster.max_staleness={c.max_staleness}): no "
+                  "sample is resumed", "set rollout.partial_rollout=true in a synchronous mode, or this to false")
     if not cfg.rollout.partial_rollout:
         return
     if c.max_staleness > 0:

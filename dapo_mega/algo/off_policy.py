@@ -42,12 +42,13 @@ Bounds are inclusive (a ratio exactly at a bound is kept, as in verl and SkyRL).
 compared in log space, so nothing overflows; Δ is clamped to ±20 nats before exp, as verl
 does. Positions outside `response_mask` get weight 1 (neutral; the loss masks them).
 
-Departure from verl and slime: a masked token keeps its place in the token-mean denominator
-(Eq. 12 of DAPO): the denominator of a mini-batch is fixed before the forward pass that
-computes π_old, and leaving rejected tokens out of it would need one more forward pass over
-every mini-batch. A masked token is thus a weight of 0, as IcePop's equation (which keeps
-the 1/|o_i| normalisation) and TIS's truncation write it; the update is scaled by the kept
-fraction, which `off_policy/masked_token_frac` reports.
+The denominator: by default a masked token keeps its place in the token-mean denominator
+(Eq. 12 of DAPO), a weight of 0, as IcePop's equation (which keeps the 1/|o_i|
+normalisation) and TIS's truncation write it; the update is scaled by the kept fraction,
+which `off_policy/masked_token_frac` reports. `algo.masked_tokens_in_denominator=false`
+leaves it out, as verl and slime do (the rejected token leaves the loss mask): the mini-batch's
+denominator is fixed before the forward pass that computes π_old, so the learner scales the
+accumulated gradient by all / kept tokens instead (`MegatronLearner._leave_masked_tokens_out`).
 """
 
 from __future__ import annotations

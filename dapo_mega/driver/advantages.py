@@ -20,11 +20,15 @@ from dapo_mega.config import AlgoConfig
 from dapo_mega.rollout.samples import Group
 
 
-def build_train_samples(groups: Sequence[Group], algo: AlgoConfig) -> List[TrainSample]:
+def build_train_samples(groups: Sequence[Group], algo: AlgoConfig, mask_offpolicy: bool = False) -> List[TrainSample]:
     """TrainSamples of `groups` in order (group by group, sample by sample).
 
     algo: an AlgoConfig (adv_eps, normalize_adv_std, overlong_filter).
+    mask_offpolicy: rollout.mask_offpolicy_in_partial_rollout (with partial rollouts on): a
+        resumed sample's tokens of older weight versions carry no loss (`offpolicy_prefix_mask`).
     """
+    from dapo_mega.rollout.partial import offpolicy_prefix_mask
+
     rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float32)
     if rewards.numel() == 0:
         return []
@@ -36,8 +40,8 @@ def build_train_samples(groups: Sequence[Group], algo: AlgoConfig) -> List[Train
         prompt_ids = list(g.prompt_input)
         for s in g.samples:
             masked = algo.overlong_filter and s.truncated
+            loss_mask = [0] * len(s.token_ids) if masked else (offpolicy_prefix_mask(s) if mask_offpolicy else None)
             out.append(TrainSample(prompt_ids=prompt_ids, response_ids=list(s.token_ids), advantage=float(adv[k]),
-                                   engine_log_probs=s.logprobs, loss_mask=[0] * len(s.token_ids) if masked else None,
-                                   age=s.age))
+                                   engine_log_probs=s.logprobs, loss_mask=loss_mask, age=s.age))
             k += 1
     return out

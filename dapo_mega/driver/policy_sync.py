@@ -139,7 +139,7 @@ class PolicySync:
 
     def _incarnations(self) -> Dict[str, str]:
         """Each engine's process as the engines role last announced it (`engine_memory.py`)."""
-        from dapo_mega.engines.fleet import engine_incarnations
+        from dapo_mega.engines.process import engine_incarnations
 
         return engine_incarnations(self.cfg.rollout)
 

@@ -174,7 +174,10 @@ class DriverRole(LearnerRankRole):
 
     def advantage_step(self, batch: RolloutBatch) -> list:
         """Group-relative advantages and token lists of the kept groups."""
-        return advantages.build_train_samples(batch.groups, self.cfg.algo)
+        from dapo_mega.config import partial_rollout_enabled
+
+        mask = self.cfg.rollout.mask_offpolicy_in_partial_rollout and partial_rollout_enabled(self.cfg)
+        return advantages.build_train_samples(batch.groups, self.cfg.algo, mask_offpolicy=mask)
 
     def train_samples(self, batch: RolloutBatch) -> list:
         return self.broadcast(self.advantage_step(batch))

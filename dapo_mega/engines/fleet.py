@@ -110,22 +110,6 @@ LEARNERS_READY_FILE = "learners-ready.json"
 optimizer state (`announce_learners_ready`); cleared with the registry by `prepare`."""
 
 
-def engine_incarnations(rollout: RolloutConfig) -> Dict[str, str]:
-    """Engine url -> the process the engines role last announced at it ("pid P at T", from
-    `engine-<i>.json` in `rollout.engine_registry`): a restart at the same address announces a
-    new one. {} without a registry (engines started here, or attached by URL)."""
-    if not rollout.engine_registry:
-        return {}
-    found = {}
-    for path in Path(rollout.engine_registry).glob("engine-*.json"):
-        try:
-            record = json.loads(path.read_text())
-            found[str(record["url"]).rstrip("/")] = f"pid {record['pid']} at {record['time']}"
-        except (OSError, ValueError, KeyError):  # being replaced, or not an engine's record
-            continue
-    return found
-
-
 def announce_learners_ready(registry: Path) -> None:
     """The learners are initialised: colocated engines may now start and size their KV pool
     from the memory the learners left free (SGLang measures free memory when it starts)."""

@@ -18,13 +18,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
 from dapo_mega.distributed import free_port
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.run_files.checkpoints import write_text_atomic
 
-__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "free_port", "is_healthy", "listening_inodes",
+if TYPE_CHECKING:
+    from dapo_mega.config import RolloutConfig
+
+__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "engine_incarnations", "free_port", "is_healthy", "listening_inodes",
            "log_tail", "lost_port_race", "resume_process", "socket_inodes", "stop_process"]
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -113,6 +116,22 @@ def announce_engine(registry: Path, index: int, record: dict) -> Path:
     """Write `engine-<index>.json` whole (`run_files.checkpoints.write_text_atomic`): readers never see half a file."""
     registry.mkdir(parents=True, exist_ok=True)
     return write_text_atomic(registry / f"engine-{index}.json", json.dumps(record), durable=False)
+
+
+def engine_incarnations(rollout: "RolloutConfig") -> Dict[str, str]:
+    """Engine url -> the process the engines role last announced at it ("pid P at T", from
+    `engine-<i>.json` in `rollout.engine_registry`): a restart at the same address announces a
+    new one. {} without a registry (engines started here, or attached by URL)."""
+    if not rollout.engine_registry:
+        return {}
+    found = {}
+    for path in Path(rollout.engine_registry).glob("engine-*.json"):
+        try:
+            record = json.loads(path.read_text())
+            found[str(record["url"]).rstrip("/")] = f"pid {record['pid']} at {record['time']}"
+        except (OSError, ValueError, KeyError):  # being replaced, or not an engine's record
+            continue
+    return found
 
 
 class EngineStartError(RuntimeError):

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GroupOrigin", "PARTIAL_COUNTS", "PartialGroup", "ResumeRequest", "cut_chunks",
-           "extend_sample", "merge_spans", "per_prompt", "reply_groups", "resume_request"]
+           "extend_sample", "merge_spans", "offpolicy_prefix_mask", "per_prompt", "reply_groups", "resume_request"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang 0.5.23's max_new_tokens when a request gives none: the budget of such a sample."""
@@ -78,6 +78,20 @@ def extend_sample(sample: ScoredSample, reply: "SampleResult", engine_id: str, l
                    response_text=sample.response_text + reply.text, truncated=reply.truncated, engine_id=engine_id,
                    generation_latency_s=sample.generation_latency_s + float(reply.meta_info.get("e2e_latency",
                                                                                                 latency_s)))
+
+
+def offpolicy_prefix_mask(sample: ScoredSample) -> Optional[List[int]]:
+    """The loss mask of `sample` under rollout.mask_offpolicy_in_partial_rollout: 0 for each
+    token sampled under a weight version older than the sample's newest (the prefix a partial
+    rollout carried from an earlier step: slime masks the earlier request's tokens the same
+    way), 1 for the rest; None when every token is of the newest version."""
+    newest = sample.policy_version_max
+    mask = [1] * len(sample.token_ids)
+    for span in sample.weight_versions:
+        if parse_version(span["version"]) < newest:
+            for t in range(int(span["start"]), min(int(span["end"]), len(mask))):
+                mask[t] = 0
+    return None if all(mask) else mask
 
 
 def is_open(reply: "SampleResult", tokens: int, budget: int) -> bool:

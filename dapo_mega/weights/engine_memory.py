@@ -11,7 +11,7 @@ after. The libraries behind that forgive nothing:
 
 So the driver keeps, per engine URL, whether it released the engine and which process it
 released (its incarnation: the pid and start the engines role announced in the registry,
-`engines.fleet.engine_incarnations`). A release goes only to engines holding their memory, a
+`engines.process.engine_incarnations`). A release goes only to engines holding their memory, a
 resume only to engines it released, and an engine whose process changed since (restarted at
 its address while the learner trained) is neither: its new process holds its memory already,
 so it is named as restarted and rejoins the weight sync like any engine found dead and back.

@@ -212,7 +212,7 @@ class WeightSyncer:
                  cpu_tensor_format: str = SHM_LOAD_FORMAT,
                  incarnations: Optional[Callable[[], Mapping[str, str]]] = None):
         """`incarnations`: each engine's process as its launcher announced it (url -> id,
-        `engines.fleet.engine_incarnations`), read by the memory ledger (`engine_memory.py`).
+        `engines.process.engine_incarnations`), read by the memory ledger (`engine_memory.py`).
         `cpu_tensor_format`: how colocated mode hands tensors over: "shared_memory_json"
         (the embedded engine, which never unpickles and runs on the CPU: GPU tensors are copied
         to the host file too) or "sglang" (SGLang's own serializer: CUDA IPC handles for GPU

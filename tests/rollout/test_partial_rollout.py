@@ -240,3 +240,25 @@ def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_ne
         assert all(json.loads(r.weight_versions)[0]["version"] == "0" for r in mixed)
     finally:
         fleet.close()
+
+
+def test_a_resumed_prefix_of_older_weights_can_be_masked_from_the_loss():
+    """rollout.mask_offpolicy_in_partial_rollout (slime's flag, issue #37 item 8): sample 1 was
+    cut after 3 tokens under version 4 and finished under 5; its 3 version-4 tokens carry no
+    loss, its 4 version-5 tokens do; a sample of one version is untouched. The overlong filter
+    still masks a truncated sample whole. Off (the default), nothing is masked."""
+    from dapo_mega.driver.advantages import build_train_samples
+    from dapo_mega.rollout.partial import offpolicy_prefix_mask
+
+    pg = cut_group([reply([1, 2], 4, "stop", index=0), reply([5, 6, 7], 4, index=1)])
+    done = pg.merge([reply([8, 9, 10, 11], 5, "stop")], "e1", 1.0)
+    whole, resumed = done.group.samples
+    assert offpolicy_prefix_mask(resumed) == [0, 0, 0, 1, 1, 1, 1] and offpolicy_prefix_mask(whole) is None
+    for s, r in zip(done.group.samples, (1.0, -1.0)):
+        s.score = SampleReward(r, r > 0)
+    cfg = load_config(["cluster.max_sample_age=1", "rollout.mask_offpolicy_in_partial_rollout=true"])
+    masked = build_train_samples([done.group], cfg.algo, mask_offpolicy=True)
+    assert [t.response_loss_mask() for t in masked] == [[1, 1], [0, 0, 0, 1, 1, 1, 1]]
+    assert all(t.loss_mask is None for t in build_train_samples([done.group], cfg.algo))
+    with pytest.raises(ConfigError, match="rollout.mask_offpolicy_in_partial_rollout.*partial rollouts are off"):
+        load_config(["rollout.mask_offpolicy_in_partial_rollout=true"])

@@ -22,8 +22,8 @@ from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.config import RolloutConfig
 from dapo_mega.distributed import free_port
-from dapo_mega.engines.fleet import EngineFleet, engine_incarnations
-from dapo_mega.engines.process import announce_engine
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.engines.process import announce_engine, engine_incarnations
 from dapo_mega.engines.sglang.client import EngineClient
 from dapo_mega.weights import transport
 from dapo_mega.weights.engine_memory import EngineMemory

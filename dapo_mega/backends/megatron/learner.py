@@ -297,6 +297,19 @@ class MegatronLearner:
         local_bad = 0.0 if all_finite(grads) else 1.0
         return self._all_reduce_sum([local_bad])[0] == 0.0
 
+    def _leave_masked_tokens_out(self, tokens: float, kept: float) -> float:
+        """algo.masked_tokens_in_denominator=false: the accumulated gradient of Σ w ℓ / N (every
+        loss token of the mini-batch, all DP ranks) becomes that of Σ w ℓ / K (the tokens the
+        correction kept) by one scale, N / K, on every rank's reduced gradient before clipping:
+        exactly verl's loss with the rejected tokens out of its response mask, without another
+        forward pass. Returns the scale (the loss is reported with it too)."""
+        scale = tokens / kept
+        for chunk in self.ddp_chunks:
+            for param in chunk.parameters():
+                if getattr(param, "main_grad", None) is not None:
+                    param.main_grad.mul_(scale)
+        return scale
+
     def _zero_grads(self) -> None:
         for chunk in self.ddp_chunks:
             chunk.zero_grad_buffer()
@@ -307,16 +320,19 @@ class MegatronLearner:
         self._zero_grads()
         outputs = self._run_schedule(micro_batches, loss_func, forward_only=False)
         keys = self._metric_keys
-        local = [0.0] * (3 + len(keys))  # loss, tokens, entropy·n, metric·n...
+        local = [0.0] * (4 + len(keys))  # loss, tokens, entropy·n, kept tokens, metric·n...
         if self._is_loss_rank():
             for out in outputs:
                 n = float(out["num_tokens"])
                 local[0] += float(out["loss"])
                 local[1] += n
                 local[2] += float(out["entropy_sum"])
+                local[3] += float(out.get("kept_tokens", n))
                 for k, key in enumerate(keys):
-                    local[3 + k] += float(out.get(key, 0.0)) * n
+                    local[4 + k] += float(out.get(key, 0.0)) * n
         totals = self._all_reduce_sum(local)
+        if not self.cfg.algo.masked_tokens_in_denominator and 0 < totals[3] < totals[1]:
+            totals[0] *= self._leave_masked_tokens_out(totals[1], totals[3])
         mismatch = empty_mismatch_stats(self._age_buckets)
         correction = empty_correction_stats(self._age_buckets)
         for out in outputs if self._is_loss_rank() else ():
@@ -330,7 +346,7 @@ class MegatronLearner:
                                 "finite": finite, "mismatch": mismatch,  # this rank's, reduced per step
                                 "off_policy": correction}
         for k, key in enumerate(keys):
-            info[key] = totals[3 + k] / max(tokens, 1.0)
+            info[key] = totals[4 + k] / max(tokens, 1.0)
         if not finite:
             self._zero_grads()
             self.skipped_updates += 1
@@ -390,6 +406,9 @@ class MegatronLearner:
         num_tokens = mask.sum().to(torch.int)
         reduced = {key: metrics[key] for key in _POLICY_METRICS}
         reduced.update(correction_metrics)
+        # loss tokens the correction did not mask (algo.masked_tokens_in_denominator)
+        reduced["kept_tokens"] = num_tokens.detach() if weights is None else \
+            (mask.bool() & (weights > 0)).sum().to(torch.int)
         if measure_mismatch and ages is not None and mb.engine_log_probs is not None:
             # the learner's π_old: `old`, or (engine log-probs as π_old) this first update's own
             learner_old = gather_responses(log_probs.detach(), mb) if algo.use_engine_logprobs else old

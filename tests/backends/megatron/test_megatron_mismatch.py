@@ -145,3 +145,41 @@ def test_each_off_policy_correction_trains_and_masks_what_its_bounds_say():
         (4 * math.exp(0.4) + 3 * math.exp(0.3)) / 37, abs=1e-4)
     assert results["icepop_all"]["loss/pg"] == 0.0 and results["icepop_all"]["actor/grad_norm"] == 0.0
     assert results["none"]["loss/pg"] != 0.0
+
+
+def _denominator_runs(rank, world):
+    """geo_mask masks every age-0 sequence (ρ_geo = e^-0.3 < 0.8). Returns the step metrics of:
+    masked tokens left out of the denominator, kept in it (ours), and the reference: mode none
+    on the age-1 samples alone (what verl trains on once its rollout_rs drops the rest from the
+    loss mask). lr ~ 0: both updates of each step read the same weights, so their gradient
+    norms compare update by update."""
+    import dataclasses
+    import warnings
+
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    warnings.filterwarnings("ignore")
+    geo = {"off_policy_correction": "geo_mask", "geo_mask_low": 0.8, "geo_mask_high": 1.25, "lr": 1e-30}
+    out = {"out": _offset_step(_config(masked_tokens_in_denominator=False, **geo), world),
+           "in": _offset_step(_config(**geo), world)}
+    cfg = _config(lr=1e-30, n_samples_per_prompt=2)
+    hf = tiny_hf_config(cfg.model)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
+    learner = MegatronLearner(cfg, hf, layout)
+    old = [s for s in _samples() if s.age == 1]
+    out["reference"] = learner.train_step([dataclasses.replace(s, age=0) for s in old], step=1)
+    return out
+
+
+def test_masked_tokens_leave_the_denominator_as_verl_drops_them_from_the_loss_mask():
+    """Issue #37 item 8: algo.masked_tokens_in_denominator=false gives the gradient and loss of
+    the kept tokens' own mean, the same as training on the kept samples alone; true (ours)
+    gives those scaled down by the kept fraction (each update: 10 of 18, then 8 of 19 tokens)."""
+    results = run_distributed(_denominator_runs, 1, timeout_s=300)[0]
+    out, kept_in, reference = results["out"], results["in"], results["reference"]
+    assert out["actor/grad_norm"] == pytest.approx(reference["actor/grad_norm"], rel=1e-4)
+    assert out["loss/pg"] == pytest.approx(reference["loss/pg"], rel=1e-4, abs=1e-7)
+    assert out["off_policy/masked_token_frac"] == pytest.approx(19 / 37, abs=1e-9)
+    assert kept_in["actor/grad_norm"] < 0.7 * reference["actor/grad_norm"]
