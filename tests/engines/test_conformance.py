@@ -399,6 +399,38 @@ def restore_original_weights(server, reference) -> None:
     assert greedy(server, PROMPT, 8).token_ids == hf_greedy(reference(server.dtype), PROMPT, 8)
 
 
+def test_a_request_retracted_across_a_weight_update_reports_both_version_spans(server):
+    """The syncer pauses in mode retract: running requests go back to the queue, keeping their
+    tokens, and continue under the new weights. Their replies say which version made which
+    tokens: SGLang 0.5.23 records a version change for every live request (running or queued,
+    `record_weight_version_change`), and a request cut by it has two spans, [VERSION) then the
+    new one, back to back over all its tokens (issue #37 item 8: what partial rollouts and the
+    ledger's `weight_versions` read)."""
+    new = "7-retracted"
+    result = {}
+    t = start_long_generation(server, result, max_new_tokens=60)
+    deadline = time.monotonic() + 60  # some tokens made under VERSION first
+    while time.monotonic() < deadline and run(lambda c: c.loads(), server)[0]["num_used_tokens"] < 4 * MAX_RUNNING:
+        time.sleep(0.05)
+    try:
+        assert run(lambda c: c.pause_generation("retract"), server)["status"] == "ok"
+        run(lambda c: c.update_weight_version(new), server)
+    finally:
+        run(lambda c: c.continue_generation(), server)
+    t.join(timeout=180)
+    run(lambda c: c.update_weight_version(VERSION), server)  # as the other tests expect
+    assert not t.is_alive() and "error" not in result, result
+    replies = result["reply"]
+    for r in replies:
+        spans = r.weight_versions
+        assert spans[0]["start"] == 0 and spans[-1]["end"] == len(r.token_ids), spans
+        assert all(a["end"] == b["start"] for a, b in zip(spans, spans[1:])), spans
+        assert [s["version"] for s in spans] in ([VERSION], [new], [VERSION, new]), spans
+    cut = [r for r in replies if len(r.weight_versions) == 2]
+    assert cut, [r.weight_versions for r in replies]
+    assert all(0 < r.weight_versions[0]["end"] < len(r.token_ids) for r in cut)
+
+
 def test_release_right_after_an_abort_waits_until_the_engine_is_idle(server, reference):
     """The rollout aborts the requests still in flight once its batch is full and the
     colocated learner then releases engine memory. SGLang 0.5.23 asserts that its scheduler is
