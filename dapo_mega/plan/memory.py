@@ -340,6 +340,21 @@ saver (kept while the engine is released for training)."""
 ENGINE_RUNTIME_GIB = 3.0
 """Assumed: SGLang's CUDA graphs and forward activations on one engine GPU, what its
 (1 − mem_fraction_static) share of the free memory is left for."""
+WEIGHT_UPDATE_GROUP_GIB = 0.25
+"""Assumed: NCCL's buffers for one weight-update communicator on one GPU: each channel keeps
+NCCL_BUFFSIZE (4 MiB) for the Simple protocol, about as much for LL128 and 0.25 MiB for LL,
+per ring peer; ~16 channels between nodes make ~0.15-0.3 GiB. An engine GPU joins one group
+per learner PP stage, after SGLang sized its pool (`/init_weights_update_group`), so these
+come out of its (1 − mem_fraction_static) share; the stage's source learner rank joins one."""
+
+
+def weight_update_groups_per_engine_gpu(cfg: DapoConfig) -> int:
+    """NCCL weight-update communicators on each engine GPU: one per learner PP stage where
+    weights travel over groups (disaggregated, on GPUs: `placement.weight_update_group`); none
+    colocated (the hand-over, `weights/handover.py`) or on a CPU cluster (gloo, host memory)."""
+    if cfg.cluster.device == "cpu" or cfg.cluster.mode != "disaggregated":
+        return 0
+    return cfg.megatron.pipeline_model_parallel_size
 
 
 def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> KvRoom:
@@ -535,8 +550,9 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
 
     stages = learner_stages(cfg, shape, dp)
     worst = max(stages, key=lambda st: st.total_bytes)
-    if worst.total_bytes > 0.9 * c.gpu_memory_gib * GIB:
-        warnings.append(f"learner does not fit: stage {worst.stage} needs {worst.total_bytes / GIB:.1f} GiB of "
+    group = WEIGHT_UPDATE_GROUP_GIB * GIB if weight_update_groups_per_engine_gpu(cfg) else 0.0  # a stage source's
+    if worst.total_bytes + group > 0.9 * c.gpu_memory_gib * GIB:
+        warnings.append(f"learner does not fit: stage {worst.stage} needs {(worst.total_bytes + group) / GIB:.1f} GiB of "
                         f"{c.gpu_memory_gib:.0f} GiB (keep 10% for the CUDA context and fragmentation); raise TP/PP, "
                         "enable megatron.recompute_granularity=full or lower micro_batch_tokens")
     phi = total_params(shape)
@@ -667,11 +683,22 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[St
                                 f"{phase}: {used / GIB:.1f} of {c.gpu_memory_gib:.0f} GiB (dapo-mega plan's "
                                 "colocated lines); lower rollout.mem_fraction_static or micro_batch_tokens, "
                                 "or raise TP/PP")
+    groups = weight_update_groups_per_engine_gpu(cfg)
+    outside = (1 - r.mem_fraction_static) * room.free_at_start if c.device != "cpu" else 0.0
+    needed = (ENGINE_RUNTIME_GIB + groups * WEIGHT_UPDATE_GROUP_GIB) * GIB if c.device != "cpu" else 0.0
+    if outside < needed:
+        warnings.append(f"an engine GPU keeps {outside / GIB:.1f} GiB outside SGLang's pool ((1 - "
+                        f"rollout.mem_fraction_static {r.mem_fraction_static}) x free memory at start) for CUDA graphs "
+                        f"and activations (~{ENGINE_RUNTIME_GIB:.0f} GiB) and {groups} weight-update group(s)' NCCL "
+                        f"buffers (~{WEIGHT_UPDATE_GROUP_GIB} GiB each, made after the pool): "
+                        f"{needed / GIB:.1f} GiB; the first weight sync would run out of memory. Lower "
+                        "rollout.mem_fraction_static")
     return EngineMemory(num_engines=r.num_engines, gpus_per_engine=gpus, kv_room_bytes=max(0.0, engine_room),
                         kv_bytes_per_token=per_token, kv_tokens=kv_tokens,
                         max_full_length_sequences=kv_tokens // seq_tokens if seq_tokens else 0,
                         mem_fraction_static=r.mem_fraction_static, kv_per_gpu_bytes=kv_per_gpu,
-                        weights_per_gpu_bytes=room.weights, colocated=colocated)
+                        weights_per_gpu_bytes=room.weights, colocated=colocated, weight_update_groups=groups,
+                        outside_pool_bytes=outside, outside_pool_needed_bytes=needed)
 
 
 def _node_layout(cfg: DapoConfig, placement: Placement) -> List[NodeRoles]:
@@ -744,6 +771,10 @@ def _memory_lines(plan: Plan) -> List[str]:
               f"= {eng.max_full_length_sequences} full-length sequences (SGLang: mem_fraction_static "
               f"{eng.mem_fraction_static} x free memory at start - {eng.weights_per_gpu_bytes / GIB:.1f} GiB "
               "weights, per GPU)"]
+    if eng.outside_pool_needed_bytes:
+        lines.append(f"  outside the pool, per engine GPU: {eng.outside_pool_bytes / GIB:.1f} GiB for graphs and "
+                     f"activations ~{ENGINE_RUNTIME_GIB:.0f} + {eng.weight_update_groups} weight-update group(s) x "
+                     f"~{WEIGHT_UPDATE_GROUP_GIB} GiB of NCCL buffers = {eng.outside_pool_needed_bytes / GIB:.1f} GiB")
     for fit in eng.colocated:
         lines.append(f"  colocated stage-{fit.stage} GPU, rollout: learner {fit.learner_resident / GIB:.1f} + "
                      f"CUDA contexts {fit.contexts / GIB:.1f} + engine weights {fit.engine_weights / GIB:.1f} + "

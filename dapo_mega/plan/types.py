@@ -230,6 +230,14 @@ class EngineMemory:
     weights_per_gpu_bytes: float
     colocated: List[ColocatedFit]
     """One per learner stage; empty when disaggregated."""
+    weight_update_groups: int = 0
+    """NCCL weight-update communicators each engine GPU joins (one per learner PP stage,
+    disaggregated on GPUs; none colocated: the hand-over uses no group)."""
+    outside_pool_bytes: float = 0.0
+    """What one engine GPU keeps outside its static pool, (1 − mem_fraction_static)·B: CUDA
+    graphs, activations and the weight-update groups' NCCL buffers, all made after the pool."""
+    outside_pool_needed_bytes: float = 0.0
+    """ENGINE_RUNTIME_GIB + weight_update_groups × WEIGHT_UPDATE_GROUP_GIB."""
 
 
 @dataclass(frozen=True)

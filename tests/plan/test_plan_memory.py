@@ -155,3 +155,25 @@ def test_plan_cli_json_and_exit_status(capsys):
     assert "46.8*s*h/t" in text and "colocated stage-1 GPU, rollout:" in text
     assert cli_main(["plan", "+experiment=dapo_qwen2.5_32b", "cluster.gpu_memory_gib=16"]) == 1
     assert "WARNING: learner does not fit" in capsys.readouterr().out
+
+
+def test_the_weight_update_groups_nccl_buffers_come_out_of_the_engines_share_outside_its_pool(monkeypatch):
+    """Issue #37 item 5: an engine GPU joins one NCCL weight-update group per learner PP stage
+    (disaggregated), after SGLang sized its pool, so the groups' buffers come out of the
+    (1 - mem_fraction_static) share beside CUDA graphs. With that share set between what the
+    graphs alone and the graphs plus two groups need, the 32B disaggregated recipe (PP 2)
+    warns, naming the groups; without the groups it would not. Colocated runs join none."""
+    import dapo_mega.plan.memory as memory
+
+    cfg = load_config(["+experiment=dapo_qwen2.5_32b_disagg"])
+    assert memory.weight_update_groups_per_engine_gpu(cfg) == cfg.megatron.pipeline_model_parallel_size == 2
+    assert memory.weight_update_groups_per_engine_gpu(load_config(["+experiment=dapo_qwen2.5_32b"])) == 0
+    free = memory.engine_kv_room(cfg, memory.total_params(memory.resolve_model_shape(cfg)[0]), 0.0).free_at_start
+    share = (memory.ENGINE_RUNTIME_GIB + memory.WEIGHT_UPDATE_GROUP_GIB) * memory.GIB  # between 3.0 and 3.5 GiB
+    cfg.rollout.mem_fraction_static = 1 - share / free
+    plan = compute_plan(cfg)
+    assert plan.engines.weight_update_groups == 2
+    assert plan.engines.outside_pool_bytes < plan.engines.outside_pool_needed_bytes
+    assert any("2 weight-update group(s)' NCCL buffers" in w for w in plan.warnings), plan.warnings
+    monkeypatch.setattr(memory, "WEIGHT_UPDATE_GROUP_GIB", 0.0)
+    assert not any("weight-update group" in w for w in compute_plan(cfg).warnings)
