@@ -7,7 +7,16 @@ reachable, `pip download --no-deps --only-binary=:all: --python-version 3.12 meg
 and carry it to the node):
 
     pip install --no-deps megatron_core-0.16.1-cp312-*.whl && pip install -e . --no-deps \
-        && python bench/gpu_node.py
+        && python bench/gpu_node.py --sglang-python /path/to/sglang-venv/bin/python
+
+SGLang runs from its own venv, as `docs/cluster.md` installs it (its torch pins would replace
+the learner's): `--sglang-python` (default $DAPO_MEGA_SGLANG_PYTHON) is that venv's
+interpreter. The SGLang parts use it, as a run does through `rollout.engine_python`: the
+server is started with it, check d's receiver unpickles the learner's payload in it (two
+torch releases on each side of the hand-over, as in a colocated run), and check e's run is
+given it, so its preflight also reads the NCCL each side loads (`plan.check_nccl_agreement`).
+Without it, sglang in this Python is used where it imports; else the SGLang halves are
+skipped, saying so. Transformer Engine is the learner's, in this Python.
 
 It assumes: the repository's runtime dependencies already in that Python (hydra-core,
 omegaconf, safetensors, aiohttp, ... as pyproject lists them; `--no-deps` keeps the node's
@@ -73,7 +82,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -149,6 +157,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--rollout-n", type=int, default=8)
     ap.add_argument("--rollout-tokens", type=int, default=1024)
     ap.add_argument("--skip-sglang", action="store_true", help="no SGLang server measurement")
+    ap.add_argument("--sglang-python", default=os.environ.get("DAPO_MEGA_SGLANG_PYTHON", ""),
+                    help="the SGLang venv's interpreter (default $DAPO_MEGA_SGLANG_PYTHON; empty: this Python "
+                         "where sglang imports in it)")
     ap.add_argument("--checks-only", action="store_true", help="the five checks, no measurement")
     ap.add_argument("--budget-s", type=float, default=570,
                     help="wall-clock budget of the whole run: measurements whose timeout no longer fits are skipped")
@@ -431,7 +442,8 @@ def part_sglang(args) -> Dict[str, Any]:
         t0 = time.perf_counter()
         model_dir = _write_model_dir(shape, Path(tmp) / "model")
         rollout_cfg = RolloutConfig(backend="sglang", mem_fraction_static=0.6, max_running_requests=512,
-                                    health_timeout_s=600, request_timeout_s=900)
+                                    health_timeout_s=600, request_timeout_s=900,
+                                    engine_python=sglang_python(args) or "")
         fleet = EngineFleet(rollout_cfg, str(model_dir), Path(tmp), device="cuda")
         try:
             started = time.perf_counter()
@@ -507,12 +519,25 @@ print(json.dumps({"seconds": seconds, "tensors": len(kept), "device": str(kept[0
 """
 
 
-def handover_round_trip(shape: ModelShape, via_sglang: bool) -> Dict[str, Any]:
+def sglang_python(args) -> Optional[str]:
+    """The interpreter SGLang runs in here: `--sglang-python` when it finds sglang, else this
+    Python when sglang imports in it, else None (the SGLang halves are skipped)."""
+    from dapo_mega.plan.preflight import python_has_sglang
+
+    for python in (args.sglang_python, sys.executable):
+        if python and python_has_sglang(python):
+            return python
+    return None
+
+
+def handover_round_trip(shape: ModelShape, via_sglang: bool, receiver_python: str = sys.executable
+                        ) -> Dict[str, Any]:
     """The colocated weight path on one GPU: this process (the learner) builds the CUDA-IPC
     payload of the project's hand-over (`transport.serialize_cuda_ipc`: torch's reductions
     patched to name the GPU by UUID) for the shape's layer tensors; a second process on the
     same GPU (the engine's side) unpickles it (through SGLang's own functions when
-    `via_sglang`) and copies each tensor out; the bytes must arrive unchanged (checksum), and
+    `via_sglang`, in `receiver_python`: the SGLang venv's interpreter, whose torch may differ from
+    this one's) and copies each tensor out; the bytes must arrive unchanged (checksum), and
     GB/s is what the copy-out sustains."""
     import torch
 
@@ -533,7 +558,7 @@ def handover_round_trip(shape: ModelShape, via_sglang: bool) -> Dict[str, Any]:
     t0 = time.perf_counter()
     payload = transport.serialize_cuda_ipc(named)
     serialize_s = time.perf_counter() - t0
-    proc = subprocess.run([sys.executable, "-c", HANDOVER_RECEIVER, "sglang" if via_sglang else "project"],
+    proc = subprocess.run([receiver_python, "-c", HANDOVER_RECEIVER, "sglang" if via_sglang else "project"],
                           input=payload, capture_output=True, text=True, timeout=150, cwd=REPO,
                           env=repo_env())
     if proc.returncode != 0:
@@ -550,8 +575,9 @@ def handover_round_trip(shape: ModelShape, via_sglang: bool) -> Dict[str, Any]:
 
 def part_handover(args) -> Dict[str, Any]:
     """Measurement: the hand-over of `--layers` layers of the 7B shape."""
-    return handover_round_trip(replace(QWEN25_7B, num_layers=args.layers),
-                               via_sglang=importlib.util.find_spec("sglang") is not None)
+    python = sglang_python(args)
+    return handover_round_trip(replace(QWEN25_7B, num_layers=args.layers), via_sglang=python is not None,
+                               receiver_python=python or sys.executable)
 
 
 # ============================================================================ the checks (GPU)
@@ -654,8 +680,10 @@ def check_eval_two_engines(args) -> Dict[str, Any]:
 
 def check_handover_sglang(args) -> Dict[str, Any]:
     """d) the colocated hand-over, the receiver unpickling through SGLang's own code."""
-    sglang = importlib.util.find_spec("sglang") is not None
-    out = handover_round_trip(replace(QWEN25_7B, num_layers=1), via_sglang=sglang)
+    python = sglang_python(args)
+    sglang = python is not None
+    out = handover_round_trip(replace(QWEN25_7B, num_layers=1), via_sglang=sglang,
+                              receiver_python=python or sys.executable)
     if "error" in out:
         return {"passed": False, "reason": first_line(out["error"]), **out}
     ok = out["bytes_unchanged"] and out["receiver_device"] == "cuda:0"
@@ -678,10 +706,12 @@ TINY_GPU_OVERRIDES = (
 """A GPU run of the tiny model: 2 rollout steps of 4 prompts x 4 samples, bf16 learner."""
 
 
-def train_overrides(engine: str, te_imports: bool, gpus: int, out_dir: str) -> List[str]:
-    """`dapo-mega train` overrides of check e for `engine` (sglang or embedded)."""
+def train_overrides(engine: str, te_imports: bool, gpus: int, out_dir: str, engine_python: str = "") -> List[str]:
+    """`dapo-mega train` overrides of check e for `engine` (sglang or embedded); `engine_python`:
+    the SGLang venv's interpreter (rollout.engine_python; empty: the learner's Python)."""
     engine_args = (["rollout=sglang", "rollout.num_engines=1", "rollout.mem_fraction_static=0.3",
-                    "rollout.extra_server_args=[--max-total-tokens,4096]"] if engine == "sglang"
+                    "rollout.extra_server_args=[--max-total-tokens,4096]"]
+                   + ([f"rollout.engine_python={engine_python}"] if engine_python else []) if engine == "sglang"
                    else ["rollout=embedded", "rollout.num_engines=1"])
     return [*TINY_GPU_OVERRIDES, f"megatron.transformer_impl={'transformer_engine' if te_imports else 'local'}",
             f"cluster.gpus_per_node={gpus}", f"trainer.output_dir={out_dir}", "trainer.run_name=gpu_node_tiny",
@@ -695,11 +725,12 @@ def check_train_tiny(args) -> Dict[str, Any]:
     from dapo_mega.backends.megatron.model import transformer_engine_import_error
     from dapo_mega.driver.weight_probe import BF16_MAX_ABS_MEAN
 
-    engine = args.train_engine
+    engine, python = args.train_engine, sglang_python(args)
     if engine == "auto":
-        engine = "sglang" if importlib.util.find_spec("sglang") is not None else "embedded"
+        engine = "sglang" if python is not None else "embedded"
     with tempfile.TemporaryDirectory(prefix="gpu_node_train_") as tmp:
-        overrides = train_overrides(engine, transformer_engine_import_error() is None, torch.cuda.device_count(), tmp)
+        overrides = train_overrides(engine, transformer_engine_import_error() is None, torch.cuda.device_count(), tmp,
+                                    engine_python=python if python and python != sys.executable else "")
         try:
             proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", *overrides], capture_output=True,
                                   text=True, timeout=args.train_timeout_s, cwd=REPO,
@@ -803,7 +834,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from dapo_mega.backends.megatron.model import transformer_engine_import_error
 
     te_error = transformer_engine_import_error()
-    sglang = importlib.util.find_spec("sglang") is not None
+    sglang = sglang_python(args) is not None
     t0 = time.perf_counter()
     results = run_parts(args, argv, te_error, sglang)
     rows = table_rows(results)

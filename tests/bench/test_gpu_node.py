@@ -194,3 +194,22 @@ def test_the_learner_measurement_runs_its_updates_here_on_the_cpu():
     assert len(out["update_seconds"]) == 2 and all(s > 0 for s in out["update_seconds"])
     assert out["seconds"] == pytest.approx(sum(out["update_seconds"]))
     assert out["layer_spec"] == "local" and out["micro_batches"] >= 1 and out["computed_tokens"] >= 4 * 16, out
+
+
+def test_sglang_runs_from_its_own_venv_as_the_docs_install_it(tmp_path, monkeypatch):
+    """Issue #37 item 5: the SGLang parts use `--sglang-python` (the venv of docs/cluster.md),
+    not the learner's Python: check e's run gets it as rollout.engine_python (and so its NCCL
+    preflight), the server and the hand-over receiver run in it. An interpreter without sglang
+    is passed over (the learner's Python, where sglang imports, else none: parts skipped)."""
+    from dapo_mega.config import load_config
+    from sglang_venv import sglang_python_or_skip
+
+    venv = str(sglang_python_or_skip())
+    args = gpu_node.parse_args(["--sglang-python", venv])
+    assert gpu_node.sglang_python(args) == venv
+    monkeypatch.delenv("DAPO_MEGA_SGLANG_PYTHON", raising=False)
+    assert gpu_node.parse_args([]).sglang_python == ""
+    assert gpu_node.sglang_python(gpu_node.parse_args(["--sglang-python", sys.executable])) is None  # no sglang here
+    cfg = load_config(gpu_node.train_overrides("sglang", te_imports=False, gpus=1, out_dir=str(tmp_path),
+                                               engine_python=venv))
+    assert cfg.rollout.engine_python == venv and cfg.rollout.backend == "sglang"
