@@ -909,8 +909,9 @@ class ChecksConfig:
     checksum: bool = True
     """After every weight sync, compare a checksum of every tensor each engine holds (SGLang's
     /weights_checker, action checksum) with the learner's of what it sent: exact, at any
-    learning rate, naming the tensors that differ. Embedded engines; SGLang engines are judged
-    by the probe (driver/policy_sync.py `checksum_layout` says why)."""
+    learning rate, naming the tensors that differ. Embedded engines and SGLang engines of TP 1
+    (on a CPU or a GPU: SGLang hashes each with its own kernel, and so does the learner); the
+    probe judges the rest (driver/policy_sync.py `held_as` says which)."""
     probe: bool = True
     """After every weight sync, compare each engine's log-probs of a fixed token sequence
     (/generate with input_ids and logprob_start_len=0) with the learner's, and the weight

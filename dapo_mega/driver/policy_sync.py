@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
 from urllib.parse import urlsplit
 
 import torch
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.backends.placement import Placement
     from dapo_mega.engines.sglang.endpoint import EngineEndpoint
+    from dapo_mega.weights.checksum import HeldAs
     from dapo_mega.weights.handover import HandoverPlan
     from dapo_mega.weights.sync import WeightSyncer
 
@@ -64,7 +65,7 @@ class PolicySync:
         """Engines back in the weight sync since the last push: they serve once it is done."""
         self.sent_checksums: Optional[Dict[str, str]] = None
         """The checksum of every tensor the last push sent, as the engines should hold it (every
-        rank); None where the engines' checksums are not compared (`checksum_layout`)."""
+        rank); None where the engines' checksums are not compared (`held_as`)."""
 
     @classmethod
     def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
@@ -245,12 +246,12 @@ class PolicySync:
         formed again with the survivors), and the sync done again, at most once per engine."""
         from dapo_mega.weights.sync import EngineLostError
 
-        layout = self.checksum_layout()
+        held = self.held_as()
         for _attempt in range(self.cfg.rollout.num_engines):
             self.drop_dead_engines()
-            checksums: Optional[Dict[str, str]] = {} if layout is not None else None
+            checksums: Optional[Dict[str, str]] = {} if held is not None else None
             try:
-                stats = self._sync(learner, version, checksums, layout)
+                stats = self._sync(learner, version, checksums, held)
                 break
             except EngineLostError as exc:
                 self.role.engines_lost(exc.lost)  # the driver's dead list: every rank drops them next
@@ -258,7 +259,7 @@ class PolicySync:
             raise RuntimeError(f"the weight sync of version {version} lost an engine on each of "
                                f"{self.cfg.rollout.num_engines} tries (rollout.num_engines); see the engines' logs")
         # every weight source's checksums, on every rank (collective)
-        self.sent_checksums = merge_dicts(checksums) if layout is not None else None
+        self.sent_checksums = merge_dicts(checksums) if held is not None else None
         rejoined, self.rejoined = self.rejoined, []
         self.role.engines_serve(version, rejoined)
         metrics = stats.as_metrics() if stats is not None else {}
@@ -270,25 +271,32 @@ class PolicySync:
         """The engines the last push reached (the driver's syncer's; [] on other ranks)."""
         return [c.url for c in self.syncer.clients] if self.syncer is not None else []
 
-    def checksum_layout(self) -> Optional[Tuple[torch.dtype, str]]:
-        """(the dtype the engines hold their weights in, their layout: `weights.checksum`)
-        where their checksums are compared with what the learner sent (`checks.checksum`):
-        embedded engines (HF names). Not SGLang yet: a freshly loaded server's checksums are
-        the learner's in its fused layout (`SGLANG_TP1`, the conformance suite), but after a
-        weight sync in a training run every tensor differed (issue #37's note), and on a GPU it
-        hashes with its own kernel; the probe judges SGLang engines. Not the CUDA-IPC
-        hand-over either, which sends per engine TP rank."""
+    def held_as(self) -> Optional["HeldAs"]:
+        """How the engines hold and hash what they are sent (`weights.checksum.HeldAs`), where
+        their checksums are compared with the learner's (`checks.checksum`): embedded engines
+        (HF names, SHA-256); SGLang engines of TP 1 (q/k/v and gate/up fused, SHA-256 on a CPU,
+        SGLang's GPU hash on GPUs, computed on the learner's GPU: `gpu_tensor_checksum`). Not
+        SGLang at TP > 1 (each rank holds its own shards), nor with `--quantization` among its
+        server args (it reports dequantized weights), nor the CUDA-IPC hand-over (it sends per
+        engine TP rank): the probe judges those."""
+        from dapo_mega.backends.placement import engine_uses_gpu
         from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
         from dapo_mega.engines.sglang.commands import resolve_engine_dtype
-        from dapo_mega.weights.checksum import HF
+        from dapo_mega.weights.checksum import CPU_HASH, GPU_HASH, HF, SGLANG_TP1, HeldAs
 
         r = self.cfg.rollout
-        if not self.cfg.checks.checksum or self.handover is not None or r.backend != "embedded":
+        if not self.cfg.checks.checksum or self.handover is not None:
             return None
-        return TORCH_DTYPES[resolve_engine_dtype(r.dtype, r.backend)], HF
+        dtype = TORCH_DTYPES[resolve_engine_dtype(r.dtype, r.backend)]
+        if r.backend == "embedded":
+            return HeldAs(dtype, HF, CPU_HASH)
+        if r.engine_tp_size != 1 or any(a.startswith("--quantization") for a in r.extra_server_args):
+            return None
+        on_gpu = engine_uses_gpu(r.backend, self.cfg.cluster.device != "cpu" and torch.cuda.is_available())
+        return HeldAs(dtype, SGLANG_TP1, GPU_HASH if on_gpu else CPU_HASH)
 
     def _sync(self, learner: "MegatronLearner", version: int, checksums: Optional[Dict[str, str]] = None,
-              checksum_layout: Optional[Tuple[torch.dtype, str]] = None):
+              held_as: Optional["HeldAs"] = None):
         from dapo_mega.weights.sync import sync_learner_weights
 
         if self.handover is not None:
@@ -299,7 +307,7 @@ class PolicySync:
                 self.handover, self.cfg.rollout.weight_sync_bucket_mb << 20,
                 torch.device("cuda", torch.cuda.current_device()))
         return sync_learner_weights(self.syncer, learner.model_chunks, learner.info, self.layout, str(version),
-                                    checksums, checksum_layout)
+                                    checksums, held_as)
 
     def close(self) -> None:
         for syncer in [self.syncer, *self.posters.values()]:

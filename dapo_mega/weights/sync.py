@@ -59,6 +59,7 @@ from dapo_mega.engines.sglang.api import FLATTENED_BUCKET
 from dapo_mega.engines.sglang.client import EngineClient, EngineError
 from dapo_mega.engines.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
 from dapo_mega.weights import transport
+from dapo_mega.weights.checksum import HeldAs
 from dapo_mega.weights.engine_memory import EngineMemory
 
 logger = log.get(__name__)
@@ -660,12 +661,12 @@ def run_stages_in_turn(num_stages: int, my_stage: int, send: Callable[[], T],
 
 def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weight_version: str,
                          checksums: Optional[Dict[str, str]] = None,
-                         checksum_layout: Optional[Tuple[torch.dtype, str]] = None) -> Optional[SyncStats]:
+                         held_as: Optional[HeldAs] = None) -> Optional[SyncStats]:
     """Sync a Megatron learner: every TP rank of DP rank 0 drains `iter_megatron_to_hf`
     (its TP gathers are collective); only each stage's weight source sends, and the
     stages take turns (`run_stages_in_turn`). `checksums` (a dict): each weight source keeps
-    there the checksum of every tensor it sent, as an engine holding them in
-    `checksum_layout` (dtype, layout) will report it (`weights.checksum`).
+    there the checksum of every tensor it sent, as an engine holding them as `held_as` (dtype,
+    layout, hash kernel) will report it (`weights.checksum`).
 
     An engine lost before or during the sync (`EngineLostError` on the rank that saw it)
     raises `EngineLostError` on every rank, with every rank's lost engines, once the
@@ -693,8 +694,7 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
         stream = iter_megatron_to_hf(model_chunks, info, layout)
         if layout.is_weight_source:
             if checksums is not None:
-                dtype, held_as = checksum_layout or (None, "hf")
-                stream = record_checksums(stream, checksums, dtype, held_as)
+                stream = record_checksums(stream, checksums, held_as or HeldAs())
             try:
                 return syncer.sync(stream, weight_version, is_last_stage=layout.is_last_stage, pause=False), {}
             except EngineLostError as exc:

@@ -201,8 +201,9 @@ def test_sglang_runs_from_its_own_venv_as_the_docs_install_it(tmp_path, monkeypa
     not the learner's Python: check e's run gets it as rollout.engine_python (and so its NCCL
     preflight), the server and the hand-over receiver run in it. An interpreter without sglang
     is passed over (the learner's Python, where sglang imports, else none: parts skipped)."""
-    from dapo_mega.config import load_config
     from sglang_venv import sglang_python_or_skip
+
+    from dapo_mega.config import load_config
 
     venv = str(sglang_python_or_skip())
     args = gpu_node.parse_args(["--sglang-python", venv])

@@ -22,6 +22,7 @@ the default 16 tokens and a 4-token buffer, ~7% of steps had no gradient at all.
 """
 
 import glob
+import json
 import subprocess
 from pathlib import Path
 
@@ -54,6 +55,12 @@ def test_train_colocated_with_real_sglang(tmp_path):
         table = pq.read_table(glob.glob(str(run / "ledger" / f"step_{step:08d}.parquet"))[0]).to_pydict()
         assert set(map(int, table["learner_version"])) == {step - 1}
         assert set(map(int, table["policy_version_min"])) == set(map(int, table["policy_version_max"])) == {step - 1}
+    # every sync checked exactly: the engine's checksum of every tensor it holds (q/k/v and
+    # gate/up fused, SGLang's CPU hash) is the learner's of what it sent (issue #37 item 4)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    checked = [r for r in rows if "checksum/tensors" in r]
+    assert len(checked) == 2 and all(r["checksum/tensors"] > 10 and r["checksum/engines"] == 1
+                                     and r["checksum/errors"] == 0 for r in checked), checked
 
 
 # ------------------------------------------------------------------------------------------------

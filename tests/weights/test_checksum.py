@@ -7,8 +7,10 @@ import torch
 from dapo_mega.driver.weight_probe import judge_checksums
 from dapo_mega.weights.checksum import (
     SGLANG_TP1,
+    HeldAs,
     differing_tensors,
     engine_checksum,
+    gpu_tensor_checksum,
     overall_checksum,
     record_checksums,
     reported_checksums,
@@ -37,7 +39,7 @@ def test_a_checksum_sees_one_changed_bit_and_the_dtype():
 def test_recording_passes_the_stream_through_in_the_engines_dtype():
     a, b = torch.ones(3), torch.zeros(2, dtype=torch.bfloat16)
     into = {}
-    out = list(record_checksums(iter([("a", a), ("b", b)]), into, torch.bfloat16))
+    out = list(record_checksums(iter([("a", a), ("b", b)]), into, HeldAs(torch.bfloat16)))
     assert [n for n, _ in out] == ["a", "b"] and out[0][1] is a  # unchanged, as sent
     assert into == {"a": tensor_checksum(a.to(torch.bfloat16)), "b": tensor_checksum(b)}
 
@@ -78,7 +80,7 @@ def test_recording_in_sglangs_tp1_layout_fuses_qkv_and_gate_up_as_sglang_holds_t
         "model.layers.0.mlp.gate_proj.weight": (16, 8), "model.norm.weight": (8,),
         "lm_head.weight": (128, 8)}.items()}
     into = {}
-    out = list(record_checksums(iter(t.items()), into, torch.float32, SGLANG_TP1))
+    out = list(record_checksums(iter(t.items()), into, HeldAs(torch.float32, SGLANG_TP1)))
     assert [n for n, _ in out] == list(t)
     layer = "model.layers.0"
     assert into == {
@@ -91,3 +93,59 @@ def test_recording_in_sglangs_tp1_layout_fuses_qkv_and_gate_up_as_sglang_holds_t
         "model.norm.weight": tensor_checksum(t["model.norm.weight"]),
         "lm_head.weight": tensor_checksum(t["lm_head.weight"]),  # 128 rows: not padded
     }
+
+
+GPU_HASH_REFERENCE = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"  # triton's interpreter runs SGLang's kernels on the CPU
+import torch, triton
+from safetensors.torch import load_file
+from sglang.kernels.ops.memory import gpu_tensor_hash as g
+
+def sglang_hash(t):  # gpu_tensor_hash's own steps, without its is_cuda asserts
+    tb = t.contiguous().reshape(-1).view(torch.uint8)
+    pad = (4 - (tb.numel() & 3)) & 3
+    if pad:
+        tb = torch.cat([tb, torch.zeros(pad, dtype=torch.uint8)])
+    u32, seed = tb.view(torch.uint32), 0x243F6A88
+    n = u32.numel()
+    partials = torch.empty(triton.cdiv(n, 8192), dtype=torch.uint64)
+    g.hash_tiles32_kernel_blocked[(partials.numel(),)](
+        u32, partials, n, seed1=seed & 0xFFFFFFFF, seed2=((seed * 0x9E3779B1) ^ 0xDEADBEEF) & 0xFFFFFFFF,
+        FM_C1=g.FMIX32_C1, FM_C2=g.FMIX32_C2, POS_A=g.POS_C1, POS_B=g.POS_C2, TILE=8192, BLOCK=256, USE_CG=True)
+    cur = partials
+    while cur.numel() > 1:
+        nxt = torch.empty(triton.cdiv(cur.numel(), 1024), dtype=torch.uint64)
+        g.add_tree_reduce_u64_kernel[(nxt.numel(),)](cur, nxt, cur.numel(), CHUNK=1024)
+        cur = nxt
+    return f"{g._final_splitmix64(int(cur.item()) & ((1 << 64) - 1)):016x}"
+
+print(json.dumps({name: sglang_hash(t) for name, t in load_file(sys.argv[1]).items()}))
+"""
+
+
+def test_the_gpu_hash_is_sglangs_triton_kernel(tmp_path):
+    """What SGLang 0.5.23 reports for weights on a GPU (`gpu_tensor_hash`, a triton kernel) is
+    what the learner computes with torch ops (`gpu_tensor_checksum`): SGLang's own kernels, run
+    by triton's interpreter in the SGLang venv, on tensors of 1 to 4 tiles, of several dtypes
+    and of byte counts that are not multiples of 4 (zero-padded). One bit flipped changes it."""
+    import json
+    import subprocess
+
+    from safetensors.torch import save_file
+    from sglang_venv import sglang_python_or_skip
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32_3_tiles": torch.randn(3 * 8192 + 5, generator=g),
+               "bf16_odd": torch.randn(4099, generator=g).to(torch.bfloat16),
+               "u8_7_bytes": torch.arange(7, dtype=torch.uint8), "f32_2d": torch.randn(64, 33, generator=g)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    proc = subprocess.run([str(sglang_python_or_skip()), "-c", GPU_HASH_REFERENCE, str(tmp_path / "t.safetensors")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sglang = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {name: gpu_tensor_checksum(t) for name, t in tensors.items()} == sglang
+    assert gpu_tensor_checksum(tensors["f32_3_tiles"], chunk_tiles=1) == sglang["f32_3_tiles"]  # chunked passes
+    flipped = tensors["bf16_odd"].clone()
+    flipped.view(torch.int16)[100] ^= 1
+    assert gpu_tensor_checksum(flipped) != sglang["bf16_odd"]
