@@ -63,6 +63,9 @@ class PolicySync:
         """Engines already left out (the same on every rank: the dead list is the driver's)."""
         self.rejoined: List[str] = []
         """Engines back in the weight sync since the last push: they serve once it is done."""
+        self.engine_dtype: Optional[str] = None
+        """The parameter dtype every engine reports (`/server_info`), None when they do not
+        report one dtype: their checksums are then not compared (`held_as`)."""
         self.sent_checksums: Optional[Dict[str, str]] = None
         """The checksum of every tensor the last push sent, as the engines should hold it (every
         rank); None where the engines' checksums are not compared (`held_as`)."""
@@ -81,6 +84,8 @@ class PolicySync:
         urls = role.broadcast(engine_urls, resolve_health_timeout_s(cfg) + cfg.cluster.driver_stall_timeout_s)
         placement = trainer_placement(cfg, layout.world_size, torch.cuda.is_available(), os.environ)
         endpoints = [endpoint_of(u, cfg.rollout) for u in urls]
+        if cfg.checks.checksum:  # what the engines say they hold, not what this config would start
+            sync.engine_dtype = role.broadcast(sync._engines_dtype(endpoints) if role.is_driver else None)
         if placement.transport == CUDA_IPC:
             sync._start_handover(endpoints, placement)
             return sync
@@ -271,6 +276,30 @@ class PolicySync:
         """The engines the last push reached (the driver's syncer's; [] on other ranks)."""
         return [c.url for c in self.syncer.clients] if self.syncer is not None else []
 
+    def _engines_dtype(self, endpoints: List["EngineEndpoint"]) -> Optional[str]:
+        """The dtype every engine says it holds its weights in (`/server_info`, the `--dtype` it
+        was started with: an engine attached by URL may hold another than this config would
+        start), or None, said once, where they differ or one does not tell (`auto`)."""
+        import asyncio
+
+        from dapo_mega.engines.sglang.client import EngineClient
+
+        async def ask(endpoint) -> str:
+            try:
+                async with EngineClient(endpoint) as client:
+                    return str((await client.server_info()).get("dtype", ""))
+            except Exception as exc:  # noqa: BLE001 - named below
+                return f"no answer ({type(exc).__name__})"
+        async def ask_all() -> List[str]:
+            return await asyncio.gather(*(ask(e) for e in endpoints))
+        dtypes = asyncio.run(ask_all())
+        known = set(dtypes) <= {"float32", "bfloat16", "float16"} and len(set(dtypes)) == 1
+        if not known:
+            self.role.say(f"[weight check] checksums not compared: the engines report dtypes {sorted(set(dtypes))} "
+                          "(/server_info), not one dtype; the probe judges every sync", error=True)
+            return None
+        return dtypes[0]
+
     def held_as(self) -> Optional["HeldAs"]:
         """How the engines hold and hash what they are sent (`weights.checksum.HeldAs`), where
         their checksums are compared with the learner's (`checks.checksum`): embedded engines
@@ -281,13 +310,12 @@ class PolicySync:
         engine TP rank): the probe judges those."""
         from dapo_mega.backends.placement import engine_uses_gpu
         from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
-        from dapo_mega.engines.sglang.commands import resolve_engine_dtype
         from dapo_mega.weights.checksum import CPU_HASH, GPU_HASH, HF, SGLANG_TP1, HeldAs
 
         r = self.cfg.rollout
-        if not self.cfg.checks.checksum or self.handover is not None:
+        if not self.cfg.checks.checksum or self.handover is not None or self.engine_dtype is None:
             return None
-        dtype = TORCH_DTYPES[resolve_engine_dtype(r.dtype, r.backend)]
+        dtype = TORCH_DTYPES[self.engine_dtype]
         if r.backend == "embedded":
             return HeldAs(dtype, HF, CPU_HASH)
         if r.engine_tp_size != 1 or any(a.startswith("--quantization") for a in r.extra_server_args):

@@ -16,7 +16,7 @@ Three checks, thresholds in `checks` (config.ChecksConfig), each stopping the ru
   sampled against the learner's π_old of the same tokens, age-0 samples only) above
   `checks.step_max_abs_mean`.
 - the weight checksum, after every weight sync and before the probe (`checks.checksum`,
-  embedded engines): each engine's checksum of every tensor it holds (SGLang's
+  embedded engines and SGLang engines of TP 1: `PolicySync.held_as`): each engine's checksum of every tensor it holds (SGLang's
   /weights_checker, action checksum) against the learner's of what it sent
   (`weights.checksum`). Exact, so it sees what the probe cannot: a defect whose effect is
   below the two implementations' numerical noise (one bucket skipped, an engine that kept the

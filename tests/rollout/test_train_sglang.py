@@ -208,6 +208,11 @@ def test_disaggregated_parallel_learners_sync_two_sglang_engines(tmp_path, two_s
             assert updates - updates_before >= 2 and begins == ends and begins - begins_before >= 2, (log, counts)
         engine_logs_before = counts
 
+        # the sync checked exactly on both engines: their checksums, in the dtype they report
+        # (fp32, started by the fixture; this config alone would say bf16), are the learner's
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        assert rows[-1]["checksum/engines"] == 2 and rows[-1]["checksum/errors"] == 0, rows[-1]
+
         export = tmp_path / f"hf-{steps}"
         export_megatron_checkpoint(run, export, hf_config_from=learner_model, progress=False)
         want = _hf_greedy(export)

@@ -271,6 +271,11 @@ class EngineClient:
     async def weight_version(self) -> str:
         return str((await self.model_info())["weight_version"])
 
+    async def server_info(self) -> Dict[str, object]:
+        """SGLang's GET /server_info: the server's arguments as resolved at start (its `dtype`
+        among them), and live scheduler state."""
+        return await self._request("GET", "/server_info")
+
     # ---------------------------------------------------------------- control
     async def pause_generation(self, mode: str = "abort") -> Dict[str, object]:
         if mode not in PAUSE_MODES:
