@@ -114,8 +114,17 @@ class Session:
             self._load_initial_weights()
         if is_driver:
             self.role = self._start_driver()
-        self.policy_sync = PolicySync.start(cfg, self.layout, self.role, self.engine_urls)
+        self.policy_sync = PolicySync.start(cfg, self.layout, self.role, self.engine_urls,
+                                            incarnations=self._engine_incarnations if is_driver else None)
         self.probe = WeightProbe(cfg, self.role, self.learner, str(self.model_dir))
+
+    def _engine_incarnations(self) -> Dict[str, str]:
+        """Each engine's process (`weights/engine_memory.py`): as the engines role announced it
+        in the registry, and for the engines this trainer started, their pids."""
+        from dapo_mega.engines.process import engine_incarnations
+
+        started = {e.url: f"pid {e.pid}" for e in self.fleet.engines} if self.fleet is not None else {}
+        return {**engine_incarnations(self.cfg.rollout), **started}
 
     def _model_dir(self) -> Path:
         return model_dir_of(self.cfg)

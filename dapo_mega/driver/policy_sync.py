@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional
 from urllib.parse import urlsplit
 
 import torch
@@ -71,13 +71,17 @@ class PolicySync:
         rank); None where the engines' checksums are not compared (`held_as`)."""
 
     @classmethod
-    def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]]) -> "PolicySync":
-        """Collective: the driver's engine URLs reach every rank, each takes its part."""
+    def start(cls, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole, engine_urls: Optional[List[str]],
+              incarnations: Optional[Callable[[], Dict[str, str]]] = None) -> "PolicySync":
+        """Collective: the driver's engine URLs reach every rank, each takes its part.
+        `incarnations`: each engine's process (the driver's; default: the registry's records)."""
         from dapo_mega.backends.placement import CUDA_IPC, SHARED_MEMORY, trainer_placement
         from dapo_mega.engines.fleet import endpoint_of
         from dapo_mega.weights.sync import run_stages_in_turn
 
         sync = cls(cfg, layout, role)
+        if incarnations is not None:
+            sync._incarnations = incarnations  # type: ignore[method-assign]
         from dapo_mega.plan.clock import resolve_health_timeout_s
 
         # the driver starts the engines meanwhile: their start bound comes on top

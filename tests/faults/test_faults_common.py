@@ -24,6 +24,10 @@ fault hits a deterministic point of a real run without any hook in the product c
     engine:KILL:K:N:sync  SIGKILL to engine K in the weight sync after step N, as the learner
                           POSTs it its first bucket (the engines are paused in the sync's
                           session, the other engines' POSTs already wait in the broadcast)
+    engine:RESTART:K:N    engine K is killed after step N's first optimizer update and started
+                          again at its port (rollout.base_port), as the Slurm engines role does:
+                          the colocated engines are released then, and the new process holds its
+                          memory (weights/engine_memory.py)
     verifier:RAISE:HANG   the verifier raises on ground truths in RAISE and never returns on
                           those in HANG (comma-separated; it runs in the verifier pool)
 
@@ -167,6 +171,9 @@ def _install(fault: str) -> None:
                 raise OSError(errno.ENOSPC, "No space left on device", str(ckpt_dir))
             return original(state, ckpt_dir)
         C.save_dist_checkpoint = save_dist_checkpoint
+    elif kind == "engine" and rest.startswith("RESTART:"):
+        _, k, step = rest.split(":")
+        _install_engine_restart(int(k), int(step))
     elif kind == "engine":
         sig, k, step, *when = rest.split(":")
         if when == ["sync"]:
@@ -250,6 +257,41 @@ def _install_kill(phase: str, step: int) -> None:
         Session.save_checkpoint = save_checkpoint
     else:
         raise SystemExit(f"unknown phase {phase!r}")
+
+
+def _capture_fleets() -> List:
+    """The run's engine fleets, whoever in the trainer starts them."""
+    from dapo_mega.engines.fleet import EngineFleet
+
+    fleets: List = []
+    original_start = EngineFleet.start
+
+    def start(self, *args, **kwargs):
+        fleets.append(self)
+        return original_start(self, *args, **kwargs)
+    EngineFleet.start = start
+    return fleets
+
+
+def _install_engine_restart(engine_index: int, step: int) -> None:
+    from dapo_mega.backends.megatron.learner import MegatronLearner
+
+    _track_steps()
+    fleets = _capture_fleets()
+    original = MegatronLearner._update
+    done = [False]
+
+    def _update(self, *args, **kwargs):
+        info = original(self, *args, **kwargs)
+        if _current_step[0] == step and not done[0]:
+            done[0] = True
+            old = fleets[0].get(engine_index)
+            fleets[0].restart(engine_index)
+            new = fleets[0].get(engine_index)
+            print(f"[fault] engine {engine_index} ({old.url}) pid {old.pid} restarted during step {step}'s "
+                  f"training as pid {new.pid} at {new.url}", flush=True)
+        return info
+    MegatronLearner._update = _update
 
 
 def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Optional[str] = None) -> None:

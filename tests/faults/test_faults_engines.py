@@ -12,6 +12,8 @@ tested in test_rollout_manager.py.)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_faults_common import read_metric_rows, run_trainer
 
@@ -49,8 +51,6 @@ def test_engine_killed_then_engine_hung_run_completes_on_the_rest_and_the_hung_o
     urls = {}
     for r in read_records(run_dir):
         urls.setdefault(r.step, set()).add(r.engine_id)
-    import re
-
     killed = re.search(r"SIGKILL to engine 1 \((\S+)\)", out).group(1)
     stopped = re.search(r"SIGSTOP to engine 2 \((\S+)\)", out).group(1)
     # no sample of a step comes from an engine that failed in it or before
@@ -126,3 +126,54 @@ def test_engine_killed_in_the_middle_of_a_weight_sync_is_dropped_and_the_sync_do
         recs = read_records(tmp_path / "synckill", steps=[step])
         assert recs and {r.policy_version_min for r in recs} == {step - 1}  # engine 0 got the redone sync
         assert len({r.engine_id for r in recs}) == 1
+
+
+def free_port_pair() -> int:
+    """A base port P with P and P + 1 free (rollout.base_port for two engines)."""
+    import socket
+
+    from dapo_mega.distributed import free_port
+
+    for _ in range(50):
+        base = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def restarted_while_released(tmp_path, name: str, overrides, timeout_s: float):
+    """A colocated run of 4 steps whose engine 1 is killed after step 2's first optimizer update
+    and started again at its port (as the Slurm engines role restarts an engine): the engines
+    were released for the learner's step, and the new process holds its memory. The driver's
+    ledger (weights/engine_memory.py) sees the new pid and does not resume it (SGLang's
+    scheduler dies of a resume never released, the memory saver of a second release), the
+    engine rejoins at step 2's push and serves again. Returns the run's output and records."""
+    result = run_trainer(tmp_path, name, [
+        "cluster.mode=colocated", "trainer.total_steps=4", "trainer.save_interval=0", "rollout.num_engines=2",
+        f"rollout.base_port={free_port_pair()}", f"rollout.liveness_probe_interval_s={PROBE_S}",
+        *overrides], faults=["engine:RESTART:1:2"], timeout_s=timeout_s)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    restarted = re.search(r"engine 1 \((\S+)\) pid \d+ restarted during step 2's training", out)
+    assert restarted, out[-4000:]
+    url = restarted.group(1)
+    assert f"engine {url} restarted while the learner trained" in out, out[-4000:]
+    rows = read_metric_rows(tmp_path / name)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["sync/engines"] for r in rows] == [2, 2, 2, 2], rows
+    served = {step: {r.engine_id for r in read_records(tmp_path / name, steps=[step])} for step in (3, 4)}
+    assert url in served[3] | served[4], served  # back in the rollouts, with the learner's weights
+    for step in (3, 4):
+        assert {r.policy_version_min for r in read_records(tmp_path / name, steps=[step])} == {step - 1}
+    return out
+
+
+def test_a_colocated_engine_restarted_while_released_rejoins_and_serves(tmp_path):
+    """The embedded engine keeps torch_memory_saver's contract (--enable-memory-saver, as the
+    colocated fleet starts it): before the ledger the resume ended the new process, and the
+    engine never served again (issue #37 item 2)."""
+    restarted_while_released(tmp_path, "restart", ["algo.n_samples_per_prompt=2", "algo.train_batch_size=8",
+                                                    "algo.gen_batch_size=8", "algo.mini_batch_size=4"], 400)

@@ -85,3 +85,19 @@ def test_sglang_engine_killed_mid_request_loses_and_duplicates_no_prompt(tmp_pat
         assert {r.policy_version_min for r in recs} == {r.policy_version_max for r in recs} == {step - 1}
     survivors = {r.engine_id for r in read_records(run_dir, steps=[2])}
     assert len(survivors) == 1 and killed not in survivors
+
+
+@pytest.mark.slow  # two SGLang engines, one started again, four tiny steps: ~2.5 min here
+@pytest.mark.sglang
+def test_a_colocated_sglang_engine_restarted_while_released_rejoins_and_serves(tmp_path):
+    """test_faults_engines.py's restart with real SGLang 0.5.23 engines: on this CPU without a
+    memory saver, but its scheduler still dies of a resume of memory it never released
+    (`offload_tags.remove`), which is what the driver sent the restarted engine before its
+    ledger (issue #37 item 2)."""
+    from test_faults_engines import restarted_while_released
+
+    restarted_while_released(tmp_path, "sglrestart", [
+        "rollout.backend=sglang", f"rollout.engine_python={sglang_python_or_skip()}",
+        "rollout.extra_server_args=[--max-total-tokens,4096]", "rollout.request_timeout_s=120",
+        "algo.n_samples_per_prompt=2", "algo.train_batch_size=8", "algo.gen_batch_size=8",
+        "algo.mini_batch_size=4"], 900)
