@@ -1,4 +1,5 @@
-"""The one record of a model's shape, read from a Hugging Face config (Qwen2 / Qwen2.5 / Qwen3 / Llama).
+"""The one record of a model's shape, read from a Hugging Face config (Qwen2 / Qwen2.5 / Qwen3 / Llama,
+and Qwen3-MoE: sized by `dapo-mega plan`, refused by the learner until it builds MoE layers).
 
     shape = ModelShape.from_hf_config("/models/Qwen2.5-32B")   # or a config object or dict
 
@@ -18,15 +19,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 from dapo_mega.config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+HF_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM"}
 """HF `config.architectures[0]` of each supported `model_type`."""
 
 HfConfigDict = Dict[str, Any]
@@ -80,12 +82,41 @@ class ModelShape:
     """Megatron's vocabulary: `vocab_size` rounded up for the tensor-parallel split (rows
     [vocab_size, padded_vocab_size) are padding, zero at init, masked out of log-probs and
     never written to HF). Equal to `vocab_size` until `with_padded_vocab` sets it."""
+    # --- mixture of experts (Qwen3-MoE: transformers' Qwen3MoeConfig); 0 experts = dense ---
+    num_experts: int = 0
+    """Routed experts of each sparse layer (HF `num_experts`); 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_ffn_hidden_size: int = 0
+    """SwiGLU inner size of one expert (HF `moe_intermediate_size`); `ffn_hidden_size` is the
+    dense MLP of the layers that have one (`mlp_only_layers`)."""
+    norm_topk_prob: bool = False
+    """The top-k routing weights are renormalised to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: Tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
+    """Weight of the router's load-balancing loss (HF `router_aux_loss_coef`)."""
 
     def __post_init__(self) -> None:
         if not self.padded_vocab_size:
             object.__setattr__(self, "padded_vocab_size", self.vocab_size)
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has routed experts instead of a dense MLP
+        (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.is_moe and layer not in self.mlp_only_layers
+                and (layer + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(self.num_layers))
 
     @property
     def hf_architecture(self) -> str:
@@ -108,7 +139,7 @@ class ModelShape:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model.hf_path: model_type {model_type!r} is not supported; "
                               f"use one of {SUPPORTED_MODEL_TYPES}")
-        if model_type == "qwen3":
+        if model_type in ("qwen3", "qwen3_moe"):
             _check_qwen3(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -126,12 +157,28 @@ class ModelShape:
             # Qwen2 always has QKV bias (there is no config switch); Llama follows attention_bias;
             # Qwen3 with attention_bias is refused above (it would bias o_proj too).
             qkv_bias=True if model_type == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_layernorm=model_type == "qwen3",
+            qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             **rope,
+            **_moe(cfg) if model_type == "qwen3_moe" else {},
         )
+
+
+def _moe(cfg: HfConfigDict) -> Dict[str, Any]:
+    """Qwen3-MoE's routing fields, as ModelShape keyword arguments (transformers' defaults)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    top_k = int(cfg.get("num_experts_per_tok", 0))
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ConfigError(f"model.hf_path: a Qwen3-MoE config with num_experts={experts} and "
+                          f"num_experts_per_tok={top_k}; a MoE routes each token to 1 <= k <= num_experts experts")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_ffn_hidden_size": int(cfg.get("moe_intermediate_size", 0)),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.0))}
 
 
 def _check_qwen3(cfg: Mapping[str, object]) -> None:

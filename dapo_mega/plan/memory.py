@@ -66,7 +66,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, Placement, place
-from dapo_mega.config import DapoConfig
+from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan.types import (
     AssumedBatch,
@@ -108,6 +108,11 @@ KNOWN_MODELS: Dict[str, ModelShape] = {
                            num_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                            tie_word_embeddings=False, qkv_bias=False, qk_layernorm=True, rope_theta=1e6,
                            max_position_embeddings=40960),
+    "qwen3-30b-a3b": ModelShape(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, ffn_hidden_size=6144,
+                                num_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                tie_word_embeddings=False, qkv_bias=False, qk_layernorm=True, rope_theta=1e6,
+                                max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                                moe_ffn_hidden_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
 
 
@@ -124,29 +129,55 @@ def resolve_model_shape(cfg: DapoConfig) -> Tuple[ModelShape, str]:
     return ModelShape.from_hf_config(tiny_hf_config(cfg.model)), "tiny"
 
 
-def layer_params(shape: ModelShape) -> Dict[str, int]:
-    """Parameters of one transformer layer, split into what TP shards and what it replicates."""
+def layer_params(shape: ModelShape, layer: int = 0) -> Dict[str, int]:
+    """Parameters of transformer layer `layer`: what TP shards (attention, a dense MLP), what
+    it replicates (norms, a MoE layer's router), and a MoE layer's routed experts (each a
+    SwiGLU of moe_ffn_hidden_size; sharded over EP: `experts`, 0 in a dense layer)."""
     h, hd = shape.hidden_size, shape.head_dim
     q_out, kv_out = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
     attention = h * q_out + 2 * h * kv_out + q_out * h
     bias = _qkv_bias(shape)
-    mlp = 3 * h * shape.ffn_hidden_size  # SwiGLU: gate, up, down
     qk_norms = 2 * hd if shape.qk_layernorm else 0  # Qwen3's q_norm, k_norm: one [head_dim] weight each
-    return {"sharded": attention + bias + mlp, "replicated": 2 * h + qk_norms}  # + 2 RMSNorm weights
+    if shape.is_sparse_layer(layer):
+        experts = shape.num_experts * 3 * h * shape.moe_ffn_hidden_size
+        return {"sharded": attention + bias, "replicated": 2 * h + qk_norms + h * shape.num_experts,
+                "experts": experts}
+    mlp = 3 * h * shape.ffn_hidden_size  # SwiGLU: gate, up, down
+    return {"sharded": attention + bias + mlp, "replicated": 2 * h + qk_norms, "experts": 0}  # + 2 RMSNorm weights
 
 
 def total_params(shape: ModelShape) -> int:
-    per_layer = layer_params(shape)
+    """Every parameter of the model (Qwen3-30B-A3B: 30.5 B)."""
+    layers = sum(sum(layer_params(shape, i).values()) for i in range(shape.num_layers))
     embedding = shape.vocab_size * shape.hidden_size
     output = 0 if shape.tie_word_embeddings else embedding
-    return shape.num_layers * (per_layer["sharded"] + per_layer["replicated"]) + embedding + output + shape.hidden_size
+    return layers + embedding + output + shape.hidden_size
 
 
-def stage_params_per_gpu(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
-    """Φ_s: parameters one GPU of pipeline stage `stage` holds (layers split evenly)."""
-    per_layer = layer_params(shape)
-    layers = stage_layers(shape, pp, stage)
-    params = layers * (math.ceil(per_layer["sharded"] / tp) + per_layer["replicated"])
+def active_params(shape: ModelShape) -> int:
+    """Parameters one token computes with: all but the routed experts it is not sent to
+    (num_experts_per_tok of num_experts in each sparse layer; Qwen3-30B-A3B: 3.3 B). A dense
+    model's are all of them."""
+    idle = shape.num_sparse_layers * (shape.num_experts - shape.num_experts_per_tok) * 3 * shape.hidden_size \
+        * shape.moe_ffn_hidden_size
+    return total_params(shape) - idle
+
+
+def stage_params_per_gpu(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Φ_s: parameters one GPU of pipeline stage `stage` holds (layers split evenly; routed
+    experts split over EP, whole on each expert rank: expert TP 1)."""
+    return sum(stage_param_split(shape, tp, pp, stage, ep))
+
+
+def stage_param_split(shape: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> Tuple[int, int]:
+    """(the dense parameters, the routed experts' parameters) one GPU of `stage` holds: the
+    distributed optimizer shards the first over DP and the second over expert DP."""
+    first = sum(stage_layers(shape, pp, s) for s in range(stage))
+    params, experts = 0, 0
+    for layer in range(first, first + stage_layers(shape, pp, stage)):
+        part = layer_params(shape, layer)
+        params += math.ceil(part["sharded"] / tp) + part["replicated"]
+        experts += part["experts"] // ep
     embedding = padded_vocab_per_gpu(shape, tp) * shape.hidden_size
     if stage == 0:
         params += embedding
@@ -154,7 +185,7 @@ def stage_params_per_gpu(shape: ModelShape, tp: int, pp: int, stage: int) -> int
         params += shape.hidden_size  # final norm
         if not shape.tie_word_embeddings or pp > 1:  # tied + pp>1: Megatron keeps a copy on the last stage
             params += embedding
-    return params
+    return params, experts
 
 
 def padded_vocab_per_gpu(shape: ModelShape, tp: int) -> int:
@@ -317,8 +348,9 @@ def fp8_cache_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> float:
             layers -= min(layers, m.fp8.num_layers_at_start_in_bf16)
         if stage == pp - 1:
             layers -= min(layers, m.fp8.num_layers_at_end_in_bf16)
-    linear = layer_params(shape)["sharded"] - _qkv_bias(shape)
-    return 2.0 * max(0, layers) * math.ceil(linear / tp)
+    part = layer_params(shape, shape.num_layers - 1)  # a sparse layer where the model has any
+    linear = math.ceil((part["sharded"] - _qkv_bias(shape)) / tp) + part["experts"] // m.expert_model_parallel_size
+    return 2.0 * max(0, layers) * linear
 
 
 def _qkv_bias(shape: ModelShape) -> int:
@@ -580,6 +612,7 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     sync_bytes = 2 * phi
     return Plan(
         model=ModelSummary(name=cfg.model.name, source=source, shape=shape), total_params=phi,
+        active_params=active_params(shape),
         cluster=ClusterSummary(mode=c.mode, num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
                                learner_nodes=learner_nodes, engine_nodes=engine_nodes,
                                gpu_memory_gib=c.gpu_memory_gib),
@@ -622,6 +655,7 @@ def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List
         from dapo_mega.backends.megatron.learner import check_learner_supports
 
         check_learner_supports(ParallelLayout.from_config(m, world))
+    check_expert_layout(shape, m.expert_model_parallel_size, tp * learner_data_parallel(cfg))
     model_parallel = tp * pp * cp
     if world % model_parallel:
         warnings.append(f"learner GPUs {world} not divisible by tp*pp*cp = {model_parallel}")
@@ -636,21 +670,46 @@ def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List
     return learner_data_parallel(cfg)
 
 
+def check_expert_layout(shape: ModelShape, ep: int, tp_times_dp: int) -> None:
+    """ConfigError, naming megatron.expert_model_parallel_size, where EP does not fit the model
+    and the learner ranks: a dense model has no experts to split; EP must divide the routed
+    experts (each rank holds num_experts / EP whole experts) and TP x DP (megatron-core lays
+    the expert ranks out as EP x expert-DP over the same GPUs, expert TP 1)."""
+    if ep == 1:
+        return
+    field = "megatron.expert_model_parallel_size"
+    if not shape.is_moe:
+        raise ConfigError(f"{field}: {ep} for a dense model ({shape.model_type}): it has no experts to split. "
+                          "Fix: set it to 1")
+    if shape.num_experts % ep:
+        raise ConfigError(f"{field}: {ep} does not divide the model's {shape.num_experts} experts. Fix: use a divisor "
+                          f"of {shape.num_experts}")
+    if tp_times_dp % ep:
+        raise ConfigError(f"{field}: {ep} does not divide TP x DP = {tp_times_dp} learner ranks of a stage. Fix: use "
+                          f"a divisor of {tp_times_dp}")
+
+
 def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[StageMemory]:
     """Memory of one learner GPU of each pipeline stage (bytes; module docstring). bf16
     params: param 2 + main grad 4 + (master, m, v) 12 per parameter; fp32 params (CPU): 4 +
     4 + (m, v) 8; the optimizer's share divided by DP under the distributed optimizer."""
     m = cfg.megatron
     _, e = learner_spec_and_bytes(cfg)
+    ep = m.expert_model_parallel_size
+    edp = max(1, dp * m.tensor_model_parallel_size // ep)  # expert DP (expert TP 1): EP x EDP = TP x DP
     optimizer_share = (12 if e == 2 else 8) / (dp if m.use_distributed_optimizer else 1)
+    expert_share = (12 if e == 2 else 8) / (edp if m.use_distributed_optimizer else 1)
     stages = []
     for stage in range(m.pipeline_model_parallel_size):
-        params = stage_params_per_gpu(shape, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, stage)
-        state = params * (e + 4 + optimizer_share)
+        dense, experts = stage_param_split(shape, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                           stage, ep)
+        params = dense + experts
+        state = params * (e + 4) + dense * optimizer_share + experts * expert_share
+        optimizer_bytes = dense * optimizer_share + experts * expert_share
         acts = stage_activation_bytes(cfg, shape, stage)
         fp8 = fp8_cache_bytes(cfg, shape, stage)
         stages.append(StageMemory(stage=stage, params=params, param_bytes=params * e, grad_bytes=params * 4,
-                                  optimizer_bytes=params * optimizer_share, model_state_bytes=state,
+                                  optimizer_bytes=optimizer_bytes, model_state_bytes=state,
                                   fp8_cache_bytes=fp8, per_layer_activation_bytes=acts.per_layer,
                                   activation_kept_bytes=acts.kept, recompute_bytes=acts.recompute + acts.workspace,
                                   logits_bytes=acts.logits, activation_bytes=acts.peak,
@@ -719,7 +778,9 @@ def format_plan(plan: Plan, sections: Sequence[str] = ()) -> str:
     """The plan as a fixed-width table; `sections` (e.g. the clock of `dapo_mega.plan.clock`) are
     printed before the warnings."""
     p, mdl, cl = plan.parallel, plan.model, plan.cluster
-    lines = [f"model {mdl.name} ({mdl.source}): {plan.total_params / 1e9:.2f} B params, "
+    moe = (f" ({plan.active_params / 1e9:.2f} B active: {mdl.shape.num_experts_per_tok} of "
+           f"{mdl.shape.num_experts} experts per token)" if mdl.shape.is_moe else "")
+    lines = [f"model {mdl.name} ({mdl.source}): {plan.total_params / 1e9:.2f} B params{moe}, "
              f"{mdl.shape.num_layers} layers, hidden {mdl.shape.hidden_size}",
              f"cluster {cl.mode}: {cl.num_nodes} nodes x {cl.gpus_per_node} GPUs ({cl.gpu_memory_gib:.0f} GiB)",
              f"learners: TP {p.tp} PP {p.pp} CP {p.cp} DP {p.dp} (world {p.world_size}), "

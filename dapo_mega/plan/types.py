@@ -368,6 +368,8 @@ class Plan:
     model: ModelSummary
     total_params: int
     """Φ."""
+    active_params: int
+    """Parameters one token computes with (a MoE's routed experts counted top-k of them; Φ when dense)."""
     cluster: ClusterSummary
     parallel: LearnerParallel
     learner_memory: LearnerMemory

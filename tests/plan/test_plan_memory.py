@@ -177,3 +177,79 @@ def test_the_weight_update_groups_nccl_buffers_come_out_of_the_engines_share_out
     assert any("2 weight-update group(s)' NCCL buffers" in w for w in plan.warnings), plan.warnings
     monkeypatch.setattr(memory, "WEIGHT_UPDATE_GROUP_GIB", 0.0)
     assert not any("weight-update group" in w for w in compute_plan(cfg).warnings)
+
+
+def _tiny_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                  mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
+    fields.update(overrides)
+    return Qwen3MoeConfig(**fields)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"decoder_sparse_step": 2, "mlp_only_layers": []},
+                                       {"tie_word_embeddings": True}])
+def test_moe_parameters_are_transformers_own_count(overrides):
+    """Issue #38 item 7: a Qwen3-MoE's total parameters are the ones transformers'
+    Qwen3MoeForCausalLM holds (dense MLP layers, sparse layers with a router and routed
+    experts), and its active ones leave out the experts a token is not routed to."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dapo_mega.models.shape import ModelShape
+    from dapo_mega.plan.memory import active_params, total_params
+
+    hf = _tiny_moe_config(**overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    named = dict(model.named_parameters())
+    total = sum(p.numel() for p in named.values())
+    experts = sum(p.numel() for n, p in named.items() if ".mlp.experts." in n)
+    shape = ModelShape.from_hf_config(hf.to_dict())
+    assert shape.is_moe and experts > 0
+    assert total_params(shape) == total
+    assert active_params(shape) == total - experts * (hf.num_experts - hf.num_experts_per_tok) // hf.num_experts
+
+
+def test_the_plan_of_qwen3_30b_a3b_prints_its_total_and_active_parameters_and_refuses_experts_that_do_not_split(
+        tmp_path):
+    """30.5 B parameters and 3.3 B active (Qwen's model card: 30.5B, 3.3B activated), from the
+    table and from a config.json with the published fields; EP shards the experts' memory and
+    is refused where it does not divide them, or on a dense model, naming the field."""
+    import json
+
+    from dapo_mega.config import ConfigError
+
+    plan = compute_plan(load_config(["model=qwen3_30b_a3b"]))
+    assert round(plan.total_params / 1e9, 1) == 30.5 and 3.3 <= plan.active_params / 1e9 < 3.4
+    published = _tiny_moe_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                 num_experts=128, num_experts_per_tok=8, mlp_only_layers=[]).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    from_json = compute_plan(load_config(["model=qwen3_30b_a3b", f"model.hf_path={tmp_path}"]))
+    assert (from_json.total_params, from_json.active_params) == (plan.total_params, plan.active_params)
+    assert "30.53 B params (3.35 B active: 8 of 128 experts per token)" in \
+        __import__("dapo_mega.plan.memory", fromlist=["format_plan"]).format_plan(plan)
+    one, eight = (compute_plan(load_config(["model=qwen3_30b_a3b", f"megatron.expert_model_parallel_size={ep}"]))
+                  for ep in (1, 8))
+    experts = 48 * 128 * 3 * 2048 * 768  # 29.0 B of the 30.5: EP 8 keeps 16 of each layer's 128 experts per GPU
+    assert one.learner_memory.stages[0].params - eight.learner_memory.stages[0].params == experts * 7 // 8
+    with pytest.raises(ConfigError, match=r"megatron.expert_model_parallel_size: 3 does not divide the model's 128"):
+        compute_plan(load_config(["model=qwen3_30b_a3b", "megatron.expert_model_parallel_size=3"]))
+    with pytest.raises(ConfigError, match=r"megatron.expert_model_parallel_size: 2 for a dense model"):
+        compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "megatron.expert_model_parallel_size=2"]))
+
+
+def test_the_learner_refuses_a_mixture_of_experts_naming_why():
+    """Every entry point builds through `plan_transformer_config`: a Qwen3-MoE is refused there
+    in one line (the plan sizes it; the learner is issue #38's)."""
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.model import plan_transformer_config
+    from dapo_mega.config import ConfigError, MegatronConfig
+    from dapo_mega.models.shape import ModelShape
+
+    shape = ModelShape.from_hf_config(_tiny_moe_config().to_dict())
+    with pytest.raises(ConfigError, match=r"a mixture of experts \(qwen3_moe, 8 experts, 2 per token\).*issue #38"):
+        plan_transformer_config(shape, MegatronConfig(), ParallelLayout.from_config(MegatronConfig(), 1), False, None)

@@ -184,6 +184,11 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
     megatron-core rejects bf16 edge layers under *delayed* scaling ("Delayed scaling does not
     support first / last layer in BF16"), so there they are dropped with a note.
     """
+    if arch.is_moe:  # every entry point builds through here: train, eval, conversion, verify, benchmarks
+        raise ConfigError(f"model.hf_path: a mixture of experts ({arch.model_type}, {arch.num_experts} experts, "
+                          f"{arch.num_experts_per_tok} per token) but the Megatron learner builds dense layers only "
+                          "so far (issue #38: MoE layers, expert parallelism, routing replay). `dapo-mega plan` "
+                          "sizes it. Fix: use a dense model (Qwen2.5, Qwen3, Llama)")
     spec = choose_layer_spec(mcfg.transformer_impl, has_gpu, te_error)
     if mcfg.params_dtype == "auto":
         params_dtype = "bfloat16" if has_gpu else "float32"
