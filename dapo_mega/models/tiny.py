@@ -66,7 +66,13 @@ def build_char_tokenizer():
     )
 
 
-TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                mlp_only_layers=[0], router_aux_loss_coef=0.001)
+"""The tiny Qwen3-MoE's routing: 8 experts, 2 per token, renormalised top-k (Qwen3-30B-A3B's
+choices at 1/16 the experts), and its first layer dense (`mlp_only_layers`), so that both kinds
+of layer and the rule between them are exercised; each expert's SwiGLU is half the dense
+MLP's size."""
 QWEN3_HEAD_DIM_FACTOR = 2
 """A tiny Qwen3's head_dim is this many times hidden / heads, so that the code paths that
 must read `head_dim` rather than divide the hidden size are exercised (Qwen3-8B: 128 = 4096/32,
@@ -75,7 +81,7 @@ Qwen3-0.6B: 128 != 1024/16)."""
 
 def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: str = "qwen2",
                    rope_scaling: Optional[Dict[str, float]] = None):
-    """The transformers config of the tiny model (Qwen2 by default, Qwen3 or Llama).
+    """The transformers config of the tiny model (Qwen2 by default, Qwen3, Llama or Qwen3-MoE).
 
     `rope_scaling` (Llama only): the Llama-3 scaling fields `factor`, `low_freq_factor`,
     `high_freq_factor`, `original_max_position_embeddings` (rope_type "llama3").
@@ -113,6 +119,12 @@ def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, arc
             common["rope_parameters"] = {"rope_type": "llama3", "rope_theta": common.pop("rope_theta"),
                                          **rope_scaling}
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    if architecture == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        head_dim = QWEN3_HEAD_DIM_FACTOR * model_cfg.tiny_hidden_size // model_cfg.tiny_num_attention_heads
+        return Qwen3MoeConfig(head_dim=head_dim, attention_bias=False,
+                              moe_intermediate_size=max(1, model_cfg.tiny_intermediate_size // 2), **TINY_MOE, **common)
     raise ValueError(f"tiny model architecture {architecture!r}: use one of {TINY_ARCHITECTURES}")
 
 

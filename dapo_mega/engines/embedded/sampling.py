@@ -58,6 +58,10 @@ class Sequence_:
     output_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     spans: List[Dict[str, object]] = field(default_factory=list)
+    routed: Optional[List["torch.Tensor"]] = None
+    """A MoE engine capturing routed experts (`--enable-return-routed-experts`): per token
+    position computed so far, the int32 [num_layers, top_k] experts each layer chose (zeros in
+    dense layers), as SGLang's capturer keeps them; a re-prefill overwrites them."""
     finish_reason: Optional[dict] = None
     enqueue_time: float = field(default_factory=time.monotonic)
     start_time: Optional[float] = None

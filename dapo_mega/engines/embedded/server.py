@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import logging
 import os
 import signal
@@ -182,7 +183,8 @@ class EngineServer:
         if not self.engine.submit([s for _, s in seqs]):
             raise BadGenerateRequest("The request queue is full.", status=503)
         await done
-        replies = [self._reply(seq, seq.rid, bool(rl_list[i]), input_logprobs[i]) for i, seq in seqs]
+        experts_from = self._routed_experts_start(body, prompts)
+        replies = [self._reply(seq, seq.rid, bool(rl_list[i]), input_logprobs[i], experts_from) for i, seq in seqs]
         if is_single and n == 1:
             return web.json_response(replies[0])
         return web.json_response(replies)
@@ -214,7 +216,24 @@ class EngineServer:
             out.append([[v, t, None] for v, t in zip(values, prompt[int(first):])])
         return out
 
-    def _reply(self, seq: Sequence_, rid: str, return_logprob: bool, input_logprobs: list) -> dict:
+    def _routed_experts_start(self, body: dict, prompts: List[List[int]]) -> Optional[int]:
+        """SGLang's `return_routed_experts`: the first position reported (`routed_experts_start_len`,
+        refused as SGLang's scheduler refuses it), or None when not asked for or not captured
+        (a dense model, or no --enable-return-routed-experts: SGLang then reports none)."""
+        if not body.get("return_routed_experts"):
+            return None
+        start = int(body.get("routed_experts_start_len") or 0)
+        if start < 0:
+            raise BadGenerateRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a "
+                                     "non-negative routed_experts_start_len.")
+        if any(start > len(p) for p in prompts):
+            raise BadGenerateRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                                     f"tokens len(req.origin_input_ids)={min(len(p) for p in prompts)}. Please use a "
+                                     "smaller routed_experts_start_len.")
+        return start if self.runner.capture_experts and self.runner.routing is not None else None
+
+    def _reply(self, seq: Sequence_, rid: str, return_logprob: bool, input_logprobs: list,
+               experts_from: Optional[int] = None) -> dict:
         reason = seq.finish_reason or {"type": "abort", "message": "unfinished"}
         out_ids = list(seq.output_ids)
         matched = reason.get("matched")
@@ -239,6 +258,12 @@ class EngineServer:
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
             meta["input_token_logprobs"] = input_logprobs
+        if experts_from is not None and seq.routed:
+            # positions [start, prompt + output - 1): the last token was sampled, never fed
+            end = len(seq.prompt_ids) + n_out - 1
+            rows = seq.routed[min(experts_from, end):end]
+            data = torch.stack(rows).numpy().tobytes() if rows else b""
+            meta["routed_experts"] = base64.b64encode(data).decode()
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -269,6 +294,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="refuse /generate with 503 beyond this many waiting sequences (default: no bound)")
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="a mixture of experts records each token's routed experts; /generate with "
+                        "return_routed_experts reports them (SGLang's flag and format)")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="hold torch_memory_saver's contract: a second release, or a weight update while "
                         "released, ends the engine as it would on a GPU")
@@ -304,6 +332,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                               seed=args.random_seed, enable_weights_cpu_backup=args.enable_weights_cpu_backup,
                               max_queued_requests=args.max_queued_requests,
                               decode_delay_s=args.test_decode_delay_ms / 1000)
+    engine.runner.capture_experts = args.enable_return_routed_experts
     served = {k: v for k, v in vars(args).items() if k != "api_key"}
     server = EngineServer(engine, api_key=args.api_key, served_args=served, memory_saver=args.enable_memory_saver)
     freeze_startup_objects()  # full GC passes stalled generation 100-200 ms (heap.py)

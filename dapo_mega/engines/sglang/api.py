@@ -96,7 +96,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 #: GenerateReqInput fields the embedded engine implements.
 GENERATE_FIELDS_SUPPORTED = frozenset({
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "stream",
-    "rid", "return_text_in_logprobs", "top_logprobs_num", "log_metrics", "no_logs"})
+    "rid", "return_text_in_logprobs", "top_logprobs_num", "log_metrics", "no_logs", "return_routed_experts",
+    "routed_experts_start_len"})
 
 #: Other GenerateReqInput fields of sglang 0.5.23: accepted only when null/false/default.
 GENERATE_FIELDS_OTHER = frozenset({
@@ -104,8 +105,7 @@ GENERATE_FIELDS_OTHER = frozenset({
     "mm_content_hashes", "use_audio_in_video", "video_config", "watermark",
     "token_ids_logprob", "return_sampling_mask", "sampling_logprobs_mode",
     "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
-    "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_routed_experts",
-    "routed_experts_start_len", "return_indexer_topk", "modalities", "session_params",
+    "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_indexer_topk", "modalities", "session_params",
     "lora_path", "lora_id", "custom_logit_processor", "positional_embed_overrides",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
     "decode_tp_size", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",
