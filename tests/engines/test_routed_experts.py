@@ -97,3 +97,4 @@ def test_routed_experts_only_when_asked_and_a_start_past_the_prompt_is_refused(e
                 "return_routed_experts": True, "routed_experts_start_len": 4})
     with pytest.raises(Exception, match="routed_experts_start_len=4 is higher than the number of input tokens"):
         asyncio.run(refused())
+

@@ -56,7 +56,7 @@ class ModelRunner:
         with torch.no_grad():
             self.flat.allocate("current")
         self.weights_released = False
-        self.routing = Routing.of(self.model.config)
+        self.routing = Routing.of(self.model)
         """The model's routed experts (a mixture of experts), else None; `capture_experts` records them."""
         self.capture_experts = False
         # model_lock: held by every forward step and every weight load / release.
@@ -91,17 +91,14 @@ class ModelRunner:
             mask[i, width - len(s):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1, **self._router_kwargs())
-        return out.logits[:, -1].float(), cache_of(out), mask, self._experts(out, len(seqs), width)
+                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float(), cache_of(out), mask, self._experts(len(seqs), width)
 
-    def _router_kwargs(self) -> Dict[str, bool]:
-        return {"output_router_logits": True} if self.capture_experts and self.routing is not None else {}
-
-    def _experts(self, out, batch: int, width: int) -> Optional[torch.Tensor]:
+    def _experts(self, batch: int, width: int) -> Optional[torch.Tensor]:
         """[batch, width, num_layers, top_k] int32 experts of each position (`Routing.experts`)."""
-        if not self._router_kwargs():
+        if not self.capture_experts or self.routing is None:
             return None
-        return self.routing.experts(out.router_logits, batch, width)
+        return self.routing.experts(batch, width)
 
     def prompt_logprobs(self, ids: Sequence[int], start: int) -> List[Optional[float]]:
         """SGLang's `input_token_logprobs` values of `ids[start:]` with logprob_start_len=`start`:
@@ -123,8 +120,8 @@ class ModelRunner:
         pos = mask.sum(-1, keepdim=True) - 1
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1,
-                         **{CACHE_KWARG: cache}, **self._router_kwargs())
-        experts = self._experts(out, len(rows), 1)
+                         **{CACHE_KWARG: cache})
+        experts = self._experts(len(rows), 1)
         if experts is not None:
             for row, e in zip(rows, experts):
                 if row.routed is not None:
@@ -214,29 +211,35 @@ class ModelRunner:
 class Routing:
     """A mixture of experts' routing as the engine reports it (SGLang 0.5.23's routed-experts
     capturer: int32 [positions, num_hidden_layers, num_experts_per_tok], zeros for the layers
-    without experts), from transformers' router logits (`output_router_logits=True`: one
-    [batch x width, num_experts] tensor per sparse layer, in layer order). The top-k of the
-    logits is the top-k of the softmax transformers routes by."""
+    without experts): the experts transformers' router of each sparse layer picked
+    (`Qwen3MoeTopKRouter`'s indices, read by a forward hook, so the forward computes nothing
+    else; its `output_router_logits` would also compute the load-balancing loss, which fails on
+    a decode step with an attention mask)."""
 
-    def __init__(self, num_layers: int, sparse_layers: List[int], top_k: int):
+    def __init__(self, model, num_layers: int, sparse_layers: List[int], top_k: int):
         self.num_layers, self.sparse_layers, self.top_k = num_layers, sparse_layers, top_k
+        self.captured: Dict[int, torch.Tensor] = {}
+        for layer in sparse_layers:
+            model.model.layers[layer].mlp.gate.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int):
+        def keep(_module, _inputs, output) -> None:
+            self.captured[layer] = output[2].detach()  # (router logits, scores, indices)
+        return keep
 
     @classmethod
-    def of(cls, hf_config) -> Optional["Routing"]:
-        if getattr(hf_config, "model_type", "") != "qwen3_moe":
+    def of(cls, model) -> Optional["Routing"]:
+        if getattr(model.config, "model_type", "") != "qwen3_moe":
             return None
         from dapo_mega.models.shape import ModelShape
 
-        shape = ModelShape.from_hf_config(hf_config.to_dict())
-        return cls(shape.num_layers, [i for i in range(shape.num_layers) if shape.is_sparse_layer(i)],
+        shape = ModelShape.from_hf_config(model.config.to_dict())
+        return cls(model, shape.num_layers, [i for i in range(shape.num_layers) if shape.is_sparse_layer(i)],
                    shape.num_experts_per_tok)
 
-    def experts(self, router_logits, batch: int, width: int) -> torch.Tensor:
+    def experts(self, batch: int, width: int) -> torch.Tensor:
+        """[batch, width, num_layers, top_k] of the last forward (the hooks' capture, then cleared)."""
         out = torch.zeros((batch, width, self.num_layers, self.top_k), dtype=torch.int32)
-        if len(router_logits) != len(self.sparse_layers):
-            raise RuntimeError(f"{len(router_logits)} router outputs for {len(self.sparse_layers)} sparse layers")
-        for layer, logits in zip(self.sparse_layers, router_logits):
-            top = torch.topk(logits.float(), self.top_k, dim=-1).indices.to(torch.int32).cpu()
-            out[:, :, layer] = top.view(batch, width, self.top_k)
+        for layer in self.sparse_layers:
+            out[:, :, layer] = self.captured.pop(layer).to(torch.int32).cpu().view(batch, width, self.top_k)
         return out
-
