@@ -210,7 +210,13 @@ def test_sglang_runs_from_its_own_venv_as_the_docs_install_it(tmp_path, monkeypa
     assert gpu_node.sglang_python(args) == venv
     monkeypatch.delenv("DAPO_MEGA_SGLANG_PYTHON", raising=False)
     assert gpu_node.parse_args([]).sglang_python == ""
-    assert gpu_node.sglang_python(gpu_node.parse_args(["--sglang-python", sys.executable])) is None  # no sglang here
+    import dapo_mega.plan.preflight as preflight
+
+    has = {venv}  # which interpreters find sglang (in the full suite a stand-in may be importable here)
+    monkeypatch.setattr(preflight, "python_has_sglang", lambda python: python in has)
+    assert gpu_node.sglang_python(gpu_node.parse_args(["--sglang-python", "/no/such/python"])) is None
+    has.add(sys.executable)
+    assert gpu_node.sglang_python(gpu_node.parse_args(["--sglang-python", "/no/such/python"])) == sys.executable
     cfg = load_config(gpu_node.train_overrides("sglang", te_imports=False, gpus=1, out_dir=str(tmp_path),
                                                engine_python=venv))
     assert cfg.rollout.engine_python == venv and cfg.rollout.backend == "sglang"
