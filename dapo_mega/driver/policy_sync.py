@@ -45,8 +45,14 @@ logger = log.get(__name__)
 class PolicySync:
     """This rank's part in pushing weights to the engines (see the module docstring)."""
 
-    def __init__(self, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole):
+    def __init__(self, cfg: DapoConfig, layout: "ParallelLayout", role: LearnerRankRole,
+                 incarnations: Optional[Callable[[], Dict[str, str]]] = None):
+        from dapo_mega.engines.process import engine_incarnations
+
         self.cfg, self.layout, self.role = cfg, layout, role
+        self.incarnations = incarnations or (lambda: engine_incarnations(cfg.rollout))
+        """Each engine's process (`weights/engine_memory.py`): the caller's (the driver's Session:
+        the registry's records and the pids of engines it started), else the registry's."""
         self.syncer: Optional["WeightSyncer"] = None
         """WeightSyncer of this rank: the driver's (pause/resume, memory) or a stage source's."""
         self.handover: Optional["HandoverPlan"] = None
@@ -79,9 +85,7 @@ class PolicySync:
         from dapo_mega.engines.fleet import endpoint_of
         from dapo_mega.weights.sync import run_stages_in_turn
 
-        sync = cls(cfg, layout, role)
-        if incarnations is not None:
-            sync._incarnations = incarnations  # type: ignore[method-assign]
+        sync = cls(cfg, layout, role, incarnations)
         from dapo_mega.plan.clock import resolve_health_timeout_s
 
         # the driver starts the engines meanwhile: their start bound comes on top
@@ -128,7 +132,7 @@ class PolicySync:
                                    # colocated hand-over: SGLang loads its own serializer's format,
                                    # the embedded engine only shared-memory JSON (it never unpickles)
                                    cpu_tensor_format="sglang" if cfg.rollout.backend == "sglang"
-                                   else "shared_memory_json", incarnations=self._incarnations)
+                                   else "shared_memory_json", incarnations=self.incarnations)
         if not colocated and layout.is_weight_source:
             self.syncer.init_group(free_port(), stage=layout.pp_rank)
 
@@ -145,13 +149,7 @@ class PolicySync:
         self.posters = {e: WeightSyncer([endpoints[e]], mode="colocated") for e in self.handover.posts}
         if self.role.is_driver:
             self.syncer = WeightSyncer(endpoints, mode="colocated", engine_tp_size=self.cfg.rollout.engine_tp_size,
-                                       incarnations=self._incarnations)
-
-    def _incarnations(self) -> Dict[str, str]:
-        """Each engine's process as the engines role last announced it (`engine_memory.py`)."""
-        from dapo_mega.engines.process import engine_incarnations
-
-        return engine_incarnations(self.cfg.rollout)
+                                       incarnations=self.incarnations)
 
     def drop_dead_engines(self) -> None:
         """Engines the rollout manager found dead (hung past rollout.liveness_timeout_s,
@@ -215,7 +213,7 @@ class PolicySync:
                                           for u in probed} if self.role.is_driver else None)
             if memory is not None:
                 memory.mark_released([u for u, state in states.items() if state == RELEASED and
-                                      u not in memory.released], self._incarnations())
+                                      u not in memory.released], self.incarnations())
                 memory.forget([u for u, state in states.items() if state == GONE])
             require_dropped_engines_released(states, self.handover_gpus)
 

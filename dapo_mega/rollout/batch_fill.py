@@ -144,8 +144,9 @@ class BatchFill:
             for s, reward in zip(g.samples, rewards):
                 s.score = reward
         if self.rule.dynamic_sampling:
-            sel = select_groups(groups, self.rule.metric)
-            if filter_metric(groups, self.rule.metric) != self.rule.metric:
+            metric = filter_metric(groups, self.rule.metric)
+            sel = select_groups(groups, metric)
+            if metric != self.rule.metric:
                 self.counts["score_filtered_groups"] += len(groups)
             self.counts["all_correct"] += sel.num_all_correct
             self.counts["all_wrong"] += sel.num_all_wrong

@@ -297,17 +297,10 @@ def _install_engine_restart(engine_index: int, step: int) -> None:
 def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Optional[str] = None) -> None:
     """`in_flight`: None (before the request), "" (the engine's process, once the request is in
     flight) or a child's title after `sglang::` (that child instead)."""
-    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.engines.sglang.client import EngineClient
 
     _track_steps()
-    fleets: List = []  # the run's engine fleet, whoever in the trainer starts it
-    original_start = EngineFleet.start
-
-    def start(self, *args, **kwargs):
-        fleets.append(self)
-        return original_start(self, *args, **kwargs)
-    EngineFleet.start = start
+    fleets = _capture_fleets()
     original = EngineClient.generate
     done = [False]
     signalled = [False]  # the in-flight fault acts on one request (several may go to engine K at once)
@@ -339,17 +332,10 @@ def _install_engine_fault(sig: int, engine_index: int, step: int, in_flight: Opt
 
 
 def _install_engine_sync_fault(sig: int, engine_index: int, step: int) -> None:
-    from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.engines.sglang.client import EngineClient
 
     _track_steps()
-    fleets: List = []
-    original_start = EngineFleet.start
-
-    def start(self, *args, **kwargs):
-        fleets.append(self)
-        return original_start(self, *args, **kwargs)
-    EngineFleet.start = start
+    fleets = _capture_fleets()
     original = EngineClient.update_weights_from_distributed
     done = [False]
 

@@ -66,6 +66,28 @@ def test_a_broadcast_that_waits_for_a_gone_engine_ends_when_its_post_fails():
         syncer.close()
 
 
+def grouped_syncer(fleet) -> WeightSyncer:
+    """A distributed syncer of every engine of `fleet`, its group formed (0.05 MiB buckets)."""
+    syncer = WeightSyncer([e.url for e in fleet.engines], bucket_mb=0.05, mode="distributed", backend="gloo",
+                          timeout_s=120)
+    syncer.init_group(master_port=free_port(), stage=0)
+    return syncer
+
+
+def killing_halfway(model_dir, victim, then=lambda: None):
+    """The model's weights as a sync stream that SIGKILLs `victim` once half went by (a bucket
+    of 0.05 MiB already in each engine), then runs `then`."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for i, item in enumerate(state.items()):
+        if i == len(state) // 2:
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.proc.wait(timeout=30)
+            then()
+        yield item
+
+
 @pytest.fixture
 def two_engines(tiny_models):
     model_dir = tiny_models(5)
@@ -77,24 +99,13 @@ def two_engines(tiny_models):
 @pytest.mark.slow  # two engine starts: ~15-30 s here
 def test_an_engine_killed_mid_sync_is_named_and_the_survivor_takes_the_next_group(two_engines):
     from test_sync_engines import check_engines, perturbed_state
-    from transformers import AutoModelForCausalLM
 
     fleet, model_dir = two_engines
     victim, survivor = fleet.engines[1], fleet.engines[0]
-    syncer = WeightSyncer([e.url for e in fleet.engines], bucket_mb=0.05, mode="distributed", backend="gloo",
-                          timeout_s=120)
+    syncer = grouped_syncer(fleet)
     try:
-        syncer.init_group(master_port=free_port(), stage=0)
-        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-
-        def stream():  # the engine dies with the sync half done (a bucket of 0.05 MiB in each engine)
-            for i, item in enumerate(state.items()):
-                if i == len(state) // 2:
-                    os.kill(victim.pid, signal.SIGKILL)
-                    victim.proc.wait(timeout=30)
-                yield item
         with pytest.raises(EngineLostError) as info:
-            syncer.sync(stream(), weight_version="1")
+            syncer.sync(killing_halfway(model_dir, victim), weight_version="1")
         assert list(info.value.lost) == [victim.url] and "process is gone" in info.value.lost[victim.url]
         assert syncer.group is None and syncer.generation == 1  # aborted here, not left waiting
 
@@ -116,29 +127,17 @@ def test_a_survivor_stuck_in_the_aborted_group_is_lost_too_within_the_bound(two_
     bound (here 3 s), so `push` drops both and the run goes on; before, the survivor's leave
     was only logged, and the continue that followed waited for it the whole control timeout,
     then failed the run with a plain error (issue #37, item 3)."""
-    from transformers import AutoModelForCausalLM
-
     import dapo_mega.weights.sync as sync_module
 
     monkeypatch.setattr(sync_module, "SURVIVOR_WAIT_S", 3.0)
     fleet, model_dir = two_engines
     victim, survivor = fleet.engines[1], fleet.engines[0]
-    syncer = WeightSyncer([e.url for e in fleet.engines], bucket_mb=0.05, mode="distributed", backend="gloo",
-                          timeout_s=120)
+    syncer = grouped_syncer(fleet)
     try:
-        syncer.init_group(master_port=free_port(), stage=0)
-        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-
-        def stream():
-            for i, item in enumerate(state.items()):
-                if i == len(state) // 2:
-                    os.kill(victim.pid, signal.SIGKILL)
-                    victim.proc.wait(timeout=30)
-                    os.kill(survivor.pid, signal.SIGSTOP)
-                yield item
         start = time.monotonic()
         with pytest.raises(EngineLostError) as info:
-            syncer.sync(stream(), weight_version="1")
+            syncer.sync(killing_halfway(model_dir, victim, lambda: os.kill(survivor.pid, signal.SIGSTOP)),
+                        weight_version="1")
         took = time.monotonic() - start
         assert sorted(info.value.lost) == sorted([victim.url, survivor.url]), info.value
         assert "did not leave the aborted weight-update group" in info.value.lost[survivor.url]

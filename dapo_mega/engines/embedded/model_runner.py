@@ -56,9 +56,8 @@ class ModelRunner:
         with torch.no_grad():
             self.flat.allocate("current")
         self.weights_released = False
-        self.routing = Routing.of(self.model)
-        """The model's routed experts (a mixture of experts), else None; `capture_experts` records them."""
-        self.capture_experts = False
+        self.routing: Optional[Routing] = None
+        """Records each forward's routed experts, once `enable_expert_capture` found a mixture of experts."""
         # model_lock: held by every forward step and every weight load / release.
         self.model_lock = threading.RLock()
 
@@ -94,11 +93,15 @@ class ModelRunner:
                          position_ids=pos.to(self.device), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float(), cache_of(out), mask, self._experts(len(seqs), width)
 
+    def enable_expert_capture(self) -> bool:
+        """--enable-return-routed-experts: a mixture of experts records its routers' choices from
+        now on (hooks on them; a dense model has none). Whether it does."""
+        self.routing = Routing.of(self.model)
+        return self.routing is not None
+
     def _experts(self, batch: int, width: int) -> Optional[torch.Tensor]:
         """[batch, width, num_layers, top_k] int32 experts of each position (`Routing.experts`)."""
-        if not self.capture_experts or self.routing is None:
-            return None
-        return self.routing.experts(batch, width)
+        return None if self.routing is None else self.routing.experts(batch, width)
 
     def prompt_logprobs(self, ids: Sequence[int], start: int) -> List[Optional[float]]:
         """SGLang's `input_token_logprobs` values of `ids[start:]` with logprob_start_len=`start`:

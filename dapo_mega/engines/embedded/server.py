@@ -230,7 +230,7 @@ class EngineServer:
             raise BadGenerateRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
                                      f"tokens len(req.origin_input_ids)={min(len(p) for p in prompts)}. Please use a "
                                      "smaller routed_experts_start_len.")
-        return start if self.runner.capture_experts and self.runner.routing is not None else None
+        return start if self.runner.routing is not None else None
 
     def _reply(self, seq: Sequence_, rid: str, return_logprob: bool, input_logprobs: list,
                experts_from: Optional[int] = None) -> dict:
@@ -332,7 +332,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                               seed=args.random_seed, enable_weights_cpu_backup=args.enable_weights_cpu_backup,
                               max_queued_requests=args.max_queued_requests,
                               decode_delay_s=args.test_decode_delay_ms / 1000)
-    engine.runner.capture_experts = args.enable_return_routed_experts
+    if args.enable_return_routed_experts:
+        engine.runner.enable_expert_capture()
     served = {k: v for k, v in vars(args).items() if k != "api_key"}
     server = EngineServer(engine, api_key=args.api_key, served_args=served, memory_saver=args.enable_memory_saver)
     freeze_startup_objects()  # full GC passes stalled generation 100-200 ms (heap.py)
