@@ -306,6 +306,10 @@ class RoundDispatcher(EngineLiveness):
                 return False
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            if await self._connection_failed_not_engine(url, exc):
+                self._requeue(c, f"{url}: {type(exc).__name__}: {exc} (the engine answers /health: "
+                                 "retried, not dropped)", False)
+                return True
             m._mark_dead(url, f"{type(exc).__name__}: {exc}")
             self._requeue(c, f"{url}: {m.dead[url]}", False)
             return False
@@ -317,6 +321,17 @@ class RoundDispatcher(EngineLiveness):
                 self.open_prompts -= len(idx)
         self._finish(url, c, inputs, params, resume, samples, t0)
         return True
+
+    async def _connection_failed_not_engine(self, url: str, exc: BaseException) -> bool:
+        """A request's connection dropped (closed or reset: not refused) while the engine still
+        answers /health on a new one: the connection failed, not the engine (a server closing
+        an idle keep-alive connection as it is reused resets it)."""
+        dropped = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) \
+            and not isinstance(exc, aiohttp.ClientConnectorError)
+        if not dropped or url in self.m.dead:
+            return False
+        async with EngineClient(self.m.endpoints[url]) as probe:
+            return await probe.health(timeout_s=self.m.probe_interval_s)
 
     def _request(self, idx: List[int]):
         """(inputs, sampling params, ResumeRequest or None) of the chunk of prompts `idx`."""

@@ -12,9 +12,11 @@
   scheduler has produced output since the probe began), and an engine that answers no
   probe and finishes no request for `liveness_timeout_s` is hung: its requests are
   abandoned, it is marked dead, and its chunks go back to the queue for the others. A
-  request that fails (connection refused or reset, HTTP 5xx, the endpoint's optional hard
-  `timeout_s`) marks its engine dead the same way; an aborted reply (the engine was paused
-  with mode abort) is retried without marking the engine. A chunk's samples are taken only
+  request that fails (connection refused, HTTP 5xx, the endpoint's optional hard
+  `timeout_s`) marks its engine dead the same way, and so does a connection closed or reset
+  mid-request unless the engine answers /health on a new one (then the connection failed,
+  not the engine: the chunk is retried, one of `max_retries`); an aborted reply (the engine
+  was paused with mode abort) is retried without marking the engine. A chunk's samples are taken only
   from a complete reply, so a lost engine loses no prompt and duplicates none.
 * A dead engine is not dead forever: `probe_dead` (the policy sync calls it before each
   weight sync) finds those that answer again, which then rejoin the weight sync and, once

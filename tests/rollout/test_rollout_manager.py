@@ -16,7 +16,13 @@ from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.dispatch import finished_requests
-from dapo_mega.rollout.manager import DynamicSamplingExhausted, RolloutManager, drop_stale_groups, request_seed
+from dapo_mega.rollout.manager import (
+    DynamicSamplingExhausted,
+    RolloutManager,
+    drop_stale_groups,
+    request_seed,
+    run_coroutine,
+)
 
 
 def start_engines(model_dir, count, weight_version):
@@ -245,3 +251,73 @@ def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_pa
         assert len(ledger.read_records(tmp_path)) == G
     finally:
         engines[0].kill()
+
+
+class ResettingProxy:
+    """A TCP proxy in front of an engine (its own event loop in a thread) that resets (RST) the
+    first `resets` connections carrying a `POST /generate`, as a server closing an idle
+    keep-alive connection does to the request that reuses it; the rest it forwards."""
+
+    def __init__(self, upstream_port: int, resets: int):
+        import asyncio
+        self.upstream_port, self.resets_left, self.resets_done, self.generates_forwarded = upstream_port, resets, 0, 0
+        self.loop = asyncio.new_event_loop()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def _serve(self, reader, writer):
+        import asyncio
+        import socket
+        import struct
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def client_to_engine():
+            while chunk := await reader.read(65536):
+                if chunk.startswith(b"POST /generate"):
+                    if self.resets_left > 0:
+                        self.resets_left -= 1
+                        self.resets_done += 1
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        writer.transport.abort()  # RST, not FIN
+                        up_writer.close()
+                        return
+                    self.generates_forwarded += 1
+                up_writer.write(chunk)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def engine_to_client():
+            while chunk := await up_reader.read(65536):
+                writer.write(chunk)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(client_to_engine(), engine_to_client(), return_exceptions=True)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def test_a_reset_connection_to_a_healthy_engine_is_retried_not_a_dead_engine(model_dir):
+    """A request whose connection is reset while the engine still answers /health goes again
+    (one of max_retries), and the engine keeps serving: a killed engine is refused at /health."""
+    engines = start_engines(model_dir, 1, weight_version="0")
+    proxy = ResettingProxy(engines[0].port, resets=2)
+    try:
+        mgr = RolloutManager([EngineEndpoint(proxy.url, timeout_s=60)], n_samples=2,
+                             sampling_params={"max_new_tokens": 8, "temperature": 1.0}, prompts_per_request=1,
+                             max_retries=3, requests_per_engine=2)
+        groups = run_coroutine(mgr.generate_groups([Prompt(id=f"p{i}", prompt=[4 + i, 5]) for i in range(4)]))
+        assert proxy.resets_done == 2
+        assert mgr.dead_engines() == {}, mgr.dead_engines()
+        assert len(groups) == 4 and all(len(g.samples) == 2 for g in groups)
+        assert proxy.generates_forwarded == 4  # each prompt's request answered once
+    finally:
+        proxy.close()
+        for e in engines:
+            e.kill()

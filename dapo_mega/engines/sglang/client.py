@@ -31,6 +31,11 @@ from dapo_mega.engines.sglang.endpoint import EngineAddress, as_endpoint
 NO_LIMIT_S = 10.0 * 365 * 24 * 3600
 """What "no time limit" is passed to aiohttp as (a total of None would fall back to a default)."""
 
+IDLE_CONNECTION_S = 2.0
+"""How long an idle connection is kept for the next request: less than the 5 s after which
+SGLang 0.5.23's uvicorn closes one (SGLANG_TIMEOUT_KEEP_ALIVE). aiohttp's default, 15 s, sends
+requests on connections the server is closing; they fail with a reset from a healthy engine."""
+
 PromptInput = Union[str, Sequence[int]]
 """What an engine is given for one prompt: its text, or its token ids."""
 
@@ -189,7 +194,8 @@ class EngineClient:
     async def _request(self, method: str, path: str, body: Optional[Dict[str, object]] = None,
                        timeout_s: Optional[float] = None, expect_json: bool = True) -> Any:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self.endpoint.headers())
+            self._session = aiohttp.ClientSession(
+                headers=self.endpoint.headers(), connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S))
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.endpoint.control_timeout_s)
         async with self._session.request(method, self.url + path, json=body, timeout=timeout) as resp:
             text = await resp.text()
