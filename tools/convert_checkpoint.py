@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pp", type=int, default=1, help="pipeline parallel size the conversion runs at")
     ver.add_argument("--tp", type=int, default=1, help="tensor parallel size of the Megatron forward")
     for p in (imp, exp, ver):
+        p.add_argument("--ep", type=int, default=1,
+                       help="expert parallel size (a mixture of experts; each rank holds num_experts / EP whole "
+                            "experts); the conversion adds data-parallel ranks where TP has fewer than EP")
+    for p in (imp, exp, ver):
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                        help="where the ranks run: cpu (default: gloo, GPUs hidden) or cuda (rank r on GPU r; "
                             "at most as many ranks as the node's GPUs)")
@@ -95,16 +99,18 @@ def main(argv=None) -> int:
     try:
         if args.command == "import":
             summary = convert.import_hf_checkpoint(args.hf_path, args.megatron_path, tp=args.tp, pp=args.pp,
-                                                   dtype=_DTYPES.get(args.dtype), device=args.device)
+                                                   dtype=_DTYPES.get(args.dtype), device=args.device, ep=args.ep)
         elif args.command == "export":
             summary = convert.export_megatron_checkpoint(
                 args.megatron_path, args.hf_path, hf_config_from=args.hf_config_from, tp=args.tp, pp=args.pp,
-                max_shard_bytes=parse_size(args.max_shard_size), dtype=_DTYPES.get(args.dtype), device=args.device)
+                max_shard_bytes=parse_size(args.max_shard_size), dtype=_DTYPES.get(args.dtype), device=args.device,
+                ep=args.ep)
         else:
             summary = verify.verify_conversion(
                 args.hf_path, args.megatron_path, tp=args.tp, tolerance=args.tolerance,
                 compute=_DTYPES.get(args.compute, args.compute), text=args.text, seeds=args.seeds,
-                random_tokens=tuple(args.random_tokens) if args.random_tokens else None, device=args.device)
+                random_tokens=tuple(args.random_tokens) if args.random_tokens else None, device=args.device,
+                ep=args.ep)
     except (WeightMappingError, ConfigError, FileNotFoundError, verify.VerifyInputError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

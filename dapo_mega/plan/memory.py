@@ -64,6 +64,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from dapo_mega.backends.megatron.layout import check_expert_layout
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, Placement, place
 from dapo_mega.config import ConfigError, DapoConfig
@@ -668,25 +669,6 @@ def _check_layout(cfg: DapoConfig, shape: ModelShape, world: int, warnings: List
     if shape.num_layers % pp:
         warnings.append(f"{shape.num_layers} layers do not split evenly over PP {pp}")
     return learner_data_parallel(cfg)
-
-
-def check_expert_layout(shape: ModelShape, ep: int, tp_times_dp: int) -> None:
-    """ConfigError, naming megatron.expert_model_parallel_size, where EP does not fit the model
-    and the learner ranks: a dense model has no experts to split; EP must divide the routed
-    experts (each rank holds num_experts / EP whole experts) and TP x DP (megatron-core lays
-    the expert ranks out as EP x expert-DP over the same GPUs, expert TP 1)."""
-    if ep == 1:
-        return
-    field = "megatron.expert_model_parallel_size"
-    if not shape.is_moe:
-        raise ConfigError(f"{field}: {ep} for a dense model ({shape.model_type}): it has no experts to split. "
-                          "Fix: set it to 1")
-    if shape.num_experts % ep:
-        raise ConfigError(f"{field}: {ep} does not divide the model's {shape.num_experts} experts. Fix: use a divisor "
-                          f"of {shape.num_experts}")
-    if tp_times_dp % ep:
-        raise ConfigError(f"{field}: {ep} does not divide TP x DP = {tp_times_dp} learner ranks of a stage. Fix: use "
-                          f"a divisor of {tp_times_dp}")
 
 
 def learner_stages(cfg: DapoConfig, shape: ModelShape, dp: int) -> List[StageMemory]:

@@ -92,6 +92,7 @@ class ConversionSummary:
     seconds: float = 0.0
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     dtype: str = ""
     notes: List[str] = field(default_factory=list)
     max_abs_diff: Optional[float] = None
@@ -103,7 +104,7 @@ class ConversionSummary:
     def lines(self) -> List[str]:
         out = [f"{self.action}: {self.source} -> {self.destination}",
                f"  tensors: {self.num_tensors}  size: {self.total_bytes / 1e6:.1f} MB  dtype: {self.dtype}  "
-               f"TP={self.tp} PP={self.pp}  time: {self.seconds:.1f} s"]
+               f"TP={self.tp} PP={self.pp}{f' EP={self.ep}' if self.ep > 1 else ''}  time: {self.seconds:.1f} s"]
         out += [f"  note: {n}" for n in self.notes]
         if self.passed is not None:
             out.append(f"  -> {'PASS' if self.passed else 'FAIL'}")
@@ -148,8 +149,14 @@ def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def conversion_world_size(tp: int, pp: int, ep: int = 1) -> int:
+    """Ranks a conversion runs on: TP x PP, and data-parallel copies where EP needs more ranks
+    than TP has (expert TP 1: a stage's TP x DP ranks hold EP x expert-DP)."""
+    return tp * pp * (ep // math.gcd(tp, ep))
+
+
 def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch.dtype, rank: int = 0,
-           device: str = CPU):
+           device: str = CPU, ep: int = 1):
     """Initialise the layout on this rank and build the model chunks in `dtype`, uninitialised.
 
     `device`: cpu, or cuda for rank `rank` on its own GPU of the node by the device rule
@@ -166,7 +173,8 @@ def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch
     # The local spec on a GPU too: the checkpoint is the same for both specs (megatron-core maps
     # the norms to TE's fused names), a TE learner loads it, and a node without Transformer
     # Engine converts (the first GPU run: `auto` refused the import there).
-    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, transformer_impl="local",
+    mcfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          expert_model_parallel_size=ep, transformer_impl="local",
                           params_dtype="float32" if not torch.cuda.is_available() else "auto")
     cuda_device = None if torch.distributed.is_initialized() else \
         conversion_cuda_index(rank, world_size, device, torch.cuda.device_count() if device != CPU else 0)
@@ -203,7 +211,7 @@ def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object], 
     if torch.distributed.is_initialized():
         if torch.distributed.get_world_size() != world_size:
             raise ValueError(f"torch.distributed has {torch.distributed.get_world_size()} ranks, conversion "
-                             f"needs tp*pp = {world_size}")
+                             f"needs {world_size} (tp*pp, times EP's data-parallel copies)")
         return [fn(torch.distributed.get_rank(), world_size, *args)]
     from dapo_mega.weights.spawn import SpawnedRankError, spawn_ranks
 
@@ -224,7 +232,8 @@ def run_on_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object], 
 
 
 def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, pp: int = 1,
-                         dtype: Optional[str] = None, progress: bool = True, device: str = CPU) -> ConversionSummary:
+                         dtype: Optional[str] = None, progress: bool = True, device: str = CPU,
+                         ep: int = 1) -> ConversionSummary:
     """HF safetensors directory → Megatron distributed checkpoint (see the module docstring);
     `device`: cpu (the default) or cuda, where the ranks run."""
     start = time.time()
@@ -232,20 +241,20 @@ def import_hf_checkpoint(hf_path: Path | str, megatron_path: Path | str, tp: int
     HFCheckpointReader(hf_path)  # fail fast, in this process, on a missing shard
     out = Path(megatron_path)
     (out / CONVERTED_MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
-    results = run_on_ranks(_import_worker, tp * pp, (str(hf_path), str(out), tp, pp, dtype, progress, device),
-                           device)
+    results = run_on_ranks(_import_worker, conversion_world_size(tp, pp, ep),
+                           (str(hf_path), str(out), tp, pp, dtype, progress, device, ep), device)
     summary = results[0]
     summary.seconds = time.time() - start
     return summary
 
 
 def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, pp: int,
-                   dtype_name: Optional[str], progress: bool, device: str) -> Optional[ConversionSummary]:
+                   dtype_name: Optional[str], progress: bool, device: str, ep: int = 1) -> Optional[ConversionSummary]:
     from dapo_mega.weights.stream import load_hf_into_megatron
 
     hf_cfg = read_hf_config_dict(hf_path)
     dtype = _target_dtype(dtype_name, hf_cfg)
-    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, dtype, rank, device)
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, dtype, rank, device, ep)
     reader = HFCheckpointReader(hf_path)
     used = load_hf_into_megatron(chunks, info, layout, reader)
     all_used = [None] * world_size
@@ -258,13 +267,13 @@ def _import_worker(rank: int, world_size: int, hf_path: str, out: str, tp: int, 
     info_dict = info.to_dict()
     info_dict["params_dtype"] = _dtype_str(dtype)
     meta = {"format_version": 1, "model_info": info_dict, "hf_config": hf_cfg, "source": str(hf_path),
-            "saved_with": {"tp": tp, "pp": pp}, "dtype": _dtype_str(dtype)}
+            "saved_with": {"tp": tp, "pp": pp, "ep": ep}, "dtype": _dtype_str(dtype)}
     (Path(out) / MODEL_META_FILE).write_text(json.dumps(meta, indent=2))
     copy_hf_side_files(hf_path, Path(out) / CONVERTED_HF_CONFIG_SUBDIR)
     notes = [f"HF tensors not used: {', '.join(unused)}"] if unused else []
     return ConversionSummary(action="import", source=hf_path, destination=out, num_tensors=len(used_all),
                              total_bytes=_bytes_of(reader, used_all, dtype),
-                             tp=tp, pp=pp, dtype=_dtype_str(dtype), notes=notes)
+                             tp=tp, pp=pp, ep=ep, dtype=_dtype_str(dtype), notes=notes)
 
 
 def _consume_into_save_state(chunks) -> ShardedStateDict:
@@ -307,7 +316,7 @@ def _bytes_of(reader: HFCheckpointReader, names, dtype: torch.dtype) -> int:
 def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
                                hf_config_from: Optional[Path | str] = None, tp: int = 1, pp: int = 1,
                                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: Optional[str] = None,
-                               progress: bool = True, device: str = CPU) -> ConversionSummary:
+                               progress: bool = True, device: str = CPU, ep: int = 1) -> ConversionSummary:
     """Megatron (converted or training) checkpoint → HF directory loadable by from_pretrained;
     `device`: cpu (the default) or cuda, where the ranks run."""
     start = time.time()
@@ -323,9 +332,9 @@ def export_megatron_checkpoint(megatron_path: Path | str, hf_path: Path | str,
     stored = _stored_dtype(src["meta"])
     out = Path(hf_path)
     out.mkdir(parents=True, exist_ok=True)
-    results = run_on_ranks(_export_worker, tp * pp, (str(src["ckpt_dir"]), str(out), hf_cfg, tp, pp,
-                                                      max_shard_bytes, dtype or (stored and _dtype_str(stored)),
-                                                      stored, progress, device), device)
+    results = run_on_ranks(_export_worker, conversion_world_size(tp, pp, ep),
+                           (str(src["ckpt_dir"]), str(out), hf_cfg, tp, pp, max_shard_bytes,
+                            dtype or (stored and _dtype_str(stored)), stored, progress, device, ep), device)
     summary: ConversionSummary = results[0]
     copied = copy_hf_side_files(side_dir, out, include_config=False) if side_dir else []
     _write_hf_config(out, hf_cfg, summary.dtype)
@@ -352,16 +361,16 @@ def _write_generation_config(out: Path, hf_cfg: HfConfigDict) -> None:
 
 def _export_worker(rank: int, world_size: int, ckpt_dir: str, out: str, hf_cfg: HfConfigDict, tp: int, pp: int,
                    max_shard_bytes: int, dtype_name: Optional[str], stored_dtype: Optional[torch.dtype],
-                   progress: bool, device: str) -> Optional[ConversionSummary]:
+                   progress: bool, device: str, ep: int = 1) -> Optional[ConversionSummary]:
     """Build in the dtype the checkpoint stores (so the load casts nothing), write `dtype_name`."""
     dtype = dtype_from_name(dtype_name) or torch.float32
-    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, stored_dtype or dtype, rank, device)
+    layout, chunks, info = _build(hf_cfg, tp, pp, world_size, stored_dtype or dtype, rank, device, ep)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)
     summary = export_learner_to_hf(chunks, info, layout, out, max_shard_bytes=max_shard_bytes, dtype=dtype,
                                    progress=progress)
     if rank != 0:
         return None
-    summary.tp, summary.pp = tp, pp
+    summary.tp, summary.pp, summary.ep = tp, pp, ep
     return summary
 
 

@@ -203,7 +203,7 @@ def handover_learner_weights(posters: Mapping[int, WeightSyncer], model_chunks, 
     stats = None
     for stage in range(layout.pp):
         source = layout.stage_source_rank(stage)
-        drains = layout.pp_rank == stage and layout.dp_rank == 0 and layout.cp_rank == 0
+        drains = layout.pp_rank == stage and layout.drains_weights
         buckets = iter_buckets(iter_megatron_to_hf(model_chunks, info, layout), bucket_bytes) if drains else None
         start, total, count, num = time.perf_counter(), 0, 0, 0
         while True:

@@ -1,4 +1,4 @@
-"""The one Megatron ⇄ Hugging Face name/shape mapping (Qwen2 / Qwen2.5, Qwen3 and Llama).
+"""The one Megatron ⇄ Hugging Face name/shape mapping (Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE and Llama).
 
 Pure functions over tensors and the model's `ModelShape` (`dapo_mega/models/shape.py`,
 with Megatron's padded vocabulary): no process groups here (the distributed streaming that uses
@@ -42,6 +42,18 @@ Tensor parallelism (tp ranks, rank r holds slice r):
         (`self_attention.q_layernorm.weight` ⇄ `self_attn.q_norm.weight`, k likewise,
         [head_dim]) are replicated too: every head on every rank shares one weight.
 
+Mixture of experts (Qwen3-MoE). A sparse layer's router and experts (expert TP 1: each
+expert whole on one expert-parallel rank; `megatron.expert_model_parallel_size` ranks hold
+num_experts / EP experts each):
+
+    mlp.router.weight [E, h]                          ⇄ mlp.gate.weight              (replicated)
+    mlp.experts.local_experts.K.linear_fc1.weight     ⇄ mlp.experts.K.{gate,up}_proj.weight (Eq. FC1)
+    mlp.experts.local_experts.K.linear_fc2.weight     ⇄ mlp.experts.K.down_proj.weight
+
+where K in a *global* name is the global expert index (`local_expert_indices` of the rank's
+layer; megatron-core's own checkpoints number them so too), and Transformer Engine's grouped
+GEMM spelling `mlp.experts.linear_fc1.weightK` is read as the same name.
+
 Tied embeddings (`tie_word_embeddings`): HF stores only `model.embed_tokens.weight`; the
 Megatron output layer is skipped on export and, where a pipeline stage holds a separate
 copy of it (PP > 1), it is filled from `lm_head.weight` when present, else the embedding.
@@ -57,9 +69,8 @@ import torch
 
 from dapo_mega.models.shape import HF_ARCHITECTURES, ModelShape
 
-SUPPORTED_ARCHITECTURES = tuple(arch for model_type, arch in HF_ARCHITECTURES.items() if model_type != "qwen3_moe")
-"""HF `config.architectures[0]` values this mapping knows (dense: the experts' mapping is issue
-#38's). Anything else is refused."""
+SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES.values())
+"""HF `config.architectures[0]` values this mapping knows. Anything else is refused."""
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -131,6 +142,18 @@ _LAYER_TABLE: Dict[str, ParamSpec] = {
     "mlp.linear_fc2.weight": ParamSpec(("model.layers.{layer}.mlp.down_proj.weight",), ROW),
 }
 
+_ROUTER = "mlp.router.weight"
+_LAYER_TABLE[_ROUTER] = ParamSpec(("model.layers.{layer}.mlp.gate.weight",), REPLICATED)
+EXPERT = "expert"
+"""How an expert tensor is split: not over TP (expert TP 1), whole on its EP rank."""
+_EXPERT_TABLE: Dict[str, ParamSpec] = {
+    "linear_fc1.weight": ParamSpec(("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                                    "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"), EXPERT, GATE_UP),
+    "linear_fc2.weight": ParamSpec(("model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",), EXPERT),
+}
+_EXPERT_NAME = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT_NAME = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
 _GLOBAL_TABLE: Dict[str, ParamSpec] = {
     "embedding.word_embeddings.weight": ParamSpec(("model.embed_tokens.weight",), VOCAB),
     "decoder.final_layernorm.weight": ParamSpec(("model.norm.weight",), REPLICATED),
@@ -154,7 +177,24 @@ def canonical_megatron_name(name: str) -> str:
     m = _LAYER_NAME.match(name)
     if m and m.group(2) in _TE_TO_LOCAL:
         return f"decoder.layers.{m.group(1)}.{_TE_TO_LOCAL[m.group(2)]}"
+    grouped = _GROUPED_EXPERT_NAME.match(m.group(2)) if m else None
+    if grouped:
+        return f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight"
     return name
+
+
+def expert_of(name: str) -> Optional[Tuple[int, str]]:
+    """(expert index, suffix after it) of an expert tensor's layer-relative or full name, else None."""
+    m = _LAYER_NAME.match(canonical_megatron_name(name))
+    expert = _EXPERT_NAME.match(m.group(2) if m else name)
+    return (int(expert.group(1)), expert.group(2)) if expert else None
+
+
+def with_expert(name: str, expert: int) -> str:
+    """`name` (an expert tensor's) with its expert index replaced by `expert`."""
+    m = _LAYER_NAME.match(canonical_megatron_name(name))
+    suffix = _EXPERT_NAME.sub(lambda e: f"mlp.experts.local_experts.{expert}.{e.group(2)}", m.group(2))
+    return f"decoder.layers.{m.group(1)}.{suffix}"
 
 
 def is_megatron_extra_state(name: str) -> bool:
@@ -171,13 +211,18 @@ def lookup(global_name: str) -> Tuple[ParamSpec, Optional[int]]:
     m = _LAYER_NAME.match(name)
     if m:
         spec = _LAYER_TABLE.get(m.group(2))
+        expert = _EXPERT_NAME.match(m.group(2))
+        if expert and expert.group(2) in _EXPERT_TABLE:
+            row = _EXPERT_TABLE[expert.group(2)]
+            spec = ParamSpec(tuple(n.replace("{expert}", expert.group(1)) for n in row.hf_names), row.tp_split,
+                             row.fuse)
         if spec is not None:
             return spec, int(m.group(1))
     elif name in _GLOBAL_TABLE:
         return _GLOBAL_TABLE[name], None
     raise WeightMappingError(
         f"Megatron parameter {global_name!r} has no Hugging Face mapping (supported: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)} dense models)")
+        f"{', '.join(SUPPORTED_ARCHITECTURES)})")
 
 
 def hf_names_of(global_name: str) -> Tuple[str, ...]:
@@ -254,7 +299,7 @@ def split_for_tp(full: torch.Tensor, spec: ParamSpec, tp_size: int, tp_rank: int
     COLUMN: dim 0 in tp slices; for GATE_UP the gate and up halves are sliced separately
     and concatenated, [gate_r; up_r]. ROW: dim 1 in tp slices. VOCAB: dim 0.
     """
-    if tp_size == 1 or spec.tp_split == REPLICATED:
+    if tp_size == 1 or spec.tp_split in (REPLICATED, EXPERT):
         return full
     if spec.tp_split == COLUMN and spec.fuse == GATE_UP:
         gate, up = torch.chunk(full, 2, dim=0)
@@ -268,7 +313,7 @@ def split_for_tp(full: torch.Tensor, spec: ParamSpec, tp_size: int, tp_rank: int
 
 def merge_tp_shards(shards: Sequence[torch.Tensor], spec: ParamSpec) -> torch.Tensor:
     """Inverse of `split_for_tp`: the per-rank slices (rank order) → the full tensor."""
-    if len(shards) == 1 or spec.tp_split == REPLICATED:
+    if len(shards) == 1 or spec.tp_split in (REPLICATED, EXPERT):
         return shards[0]
     if spec.tp_split == COLUMN and spec.fuse == GATE_UP:
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
@@ -331,6 +376,11 @@ def expected_hf_shape(hf_name: str, shape: ModelShape) -> Optional[Tuple[int, ..
     """The shape an HF tensor must have for this model shape (None for names not in the table)."""
     h, d = shape.hidden_size, shape.head_dim
     leaf = hf_name.split(".")[-2] + "." + hf_name.split(".")[-1]
+    if ".mlp.experts." in hf_name:
+        f = shape.moe_ffn_hidden_size
+        return {"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)}.get(leaf)
+    if hf_name.endswith(".mlp.gate.weight"):
+        return (shape.num_experts, h)
     shapes = {
         "embed_tokens.weight": (shape.vocab_size, h), "lm_head.weight": (shape.vocab_size, h),
         "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),

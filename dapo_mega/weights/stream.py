@@ -11,7 +11,10 @@ Contract of `iter_megatron_to_hf(model_chunks, info, layout)`:
 * Who calls it: every rank of a pipeline stage's tensor-parallel group, in lockstep (each
   tensor-parallel parameter is all-gathered over the TP group, one parameter at a time).
   Only data/context-parallel rank 0 needs the weights; other DP/CP replicas may skip the
-  call (their TP groups are separate, so skipping deadlocks nothing). Different pipeline
+  call (their TP groups are separate, so skipping deadlocks nothing). With expert
+  parallelism (EP > 1) every rank of the stage calls it (`ParallelLayout.drains_weights`):
+  each expert tensor is all-gathered over the expert-parallel group, which spans DP ranks,
+  so that every rank yields every expert. Different pipeline
   stages yield different tensors (each stage yields the layers it holds, with global
   layer numbers); the caller broadcasts/writes per stage.
 * What it yields: `(hf_name, tensor)` with the HF name (`model.layers.17.self_attn.q_proj
@@ -49,7 +52,21 @@ def global_param_name(model: torch.nn.Module, local_name: str) -> str:
     if not m:
         return name
     layer = model.decoder.layers[int(m.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+    name = f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
+    expert = M.expert_of(name)
+    if expert is not None:  # a local expert's index on this EP rank -> the model's
+        name = M.with_expert(name, layer.mlp.local_expert_indices[expert[0]])
+    return name
+
+
+def _ep_group_size_rank(layout) -> Tuple[Optional[object], int, int]:
+    """The expert-parallel process group, its size and this rank's index (1 and 0 at EP 1)."""
+    if getattr(layout, "ep", 1) == 1:
+        return None, 1, 0
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    return group, torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
 
 
 def _tp_group_size_rank(layout) -> Tuple[Optional[object], int, int]:
@@ -81,13 +98,17 @@ def iter_megatron_to_hf(model_chunks: List[torch.nn.Module], info: ModelInfo,
     """
     shape = info.shape
     group, tp_size, _ = _tp_group_size_rank(layout)
+    ep_group, ep_size, _ = _ep_group_size_rank(layout)
     for chunk in model_chunks:
         for name, _, param in _named_weights(chunk):
             if name == M.OUTPUT_LAYER_NAME and shape.tie_word_embeddings:
                 continue  # HF ties lm_head to embed_tokens
             spec, _ = M.lookup(name)
             local = param.detach()
-            if tp_size > 1 and spec.tp_split != M.REPLICATED:
+            if spec.tp_split == M.EXPERT and ep_size > 1:
+                yield from _gathered_experts(name, local, ep_group, ep_size, shape)
+                continue
+            if tp_size > 1 and spec.tp_split not in (M.REPLICATED, M.EXPERT):
                 local = local.contiguous()
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
                 torch.distributed.all_gather(shards, local, group=group)
@@ -96,6 +117,18 @@ def iter_megatron_to_hf(model_chunks: List[torch.nn.Module], info: ModelInfo,
             else:
                 full = local
             yield from M.megatron_to_hf_tensors(name, full, shape)
+
+
+def _gathered_experts(name: str, local: torch.Tensor, group, ep_size: int, shape) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The HF tensors of one local expert tensor on every EP rank (all-gathered over the EP
+    group: rank r's local expert K is the model's expert `local_expert_indices` of rank r)."""
+    index, _ = M.expert_of(name)
+    per_rank = shape.num_experts // ep_size
+    local_k = index % per_rank
+    shards = [torch.empty_like(local.contiguous()) for _ in range(ep_size)]
+    torch.distributed.all_gather(shards, local.contiguous(), group=group)
+    for rank, shard in enumerate(shards):
+        yield from M.megatron_to_hf_tensors(M.with_expert(name, rank * per_rank + local_k), shard, shape)
 
 
 @torch.no_grad()

@@ -662,7 +662,8 @@ def run_stages_in_turn(num_stages: int, my_stage: int, send: Callable[[], T],
 def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weight_version: str,
                          checksums: Optional[Dict[str, str]] = None,
                          held_as: Optional[HeldAs] = None) -> Optional[SyncStats]:
-    """Sync a Megatron learner: every TP rank of DP rank 0 drains `iter_megatron_to_hf`
+    """Sync a Megatron learner: every TP rank of DP rank 0 (every rank at EP > 1:
+    `layout.drains_weights`) drains `iter_megatron_to_hf`
     (its TP gathers are collective); only each stage's weight source sends, and the
     stages take turns (`run_stages_in_turn`). `checksums` (a dict): each weight source keeps
     there the checksum of every tensor it sent, as an engine holding them as `held_as` (dtype,
@@ -689,7 +690,7 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
     lost = agree_on_lost(lost)
 
     def send() -> Tuple[Optional[SyncStats], Dict[str, str]]:
-        if layout.dp_rank != 0 or lost:
+        if not layout.drains_weights or lost:
             return None, {}
         stream = iter_megatron_to_hf(model_chunks, info, layout)
         if layout.is_weight_source:

@@ -41,6 +41,7 @@ from dapo_mega.weights.convert import (
     _dtype_str,
     _release_freed_memory,
     _stored_dtype,
+    conversion_world_size,
     read_hf_config_dict,
     run_on_ranks,
 )
@@ -309,15 +310,17 @@ class VerifySummary(ConversionSummary):
 
 def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 1, tolerance: Optional[float] = None,
                       compute: str = "auto", text: Optional[str] = None, seeds: Sequence[int] = (0,),
-                      random_tokens: Optional[Tuple[int, int]] = None, device: str = CPU) -> VerifySummary:
+                      random_tokens: Optional[Tuple[int, int]] = None, device: str = CPU,
+                      ep: int = 1) -> VerifySummary:
     """Compare the HF model with the Megatron checkpoint (see the module docstring).
 
     `compute`: auto (fp32 where memory allows, else the stored dtype), stored, or fp32 / bf16 /
     fp16. `seeds`: one draw of probe tokens each (`probe_token_ids`), all through the same two
     loaded models; every draw must pass. The Megatron model is built from the config the
     checkpoint recorded (as training builds it), the HF one from `hf_path`. `tp`: the Megatron
-    forward's tensor parallelism (spawned ranks on `device`); the HF reference runs on the CPU
-    of rank 0.
+    forward's tensor parallelism (spawned ranks on `device`), `ep` its expert parallelism (a
+    mixture of experts: every rank runs the probes, the experts' tokens cross the EP group); the
+    HF reference runs on the CPU of rank 0.
     """
     start = time.time()
     hf_cfg = read_hf_config_dict(hf_path)
@@ -328,8 +331,9 @@ def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 
                                                   available_host_bytes())
     probes = [probe_token_ids(hf_path, hf_cfg, text=text, seed=seed, random_tokens=random_tokens)
               for seed in (seeds if text is None else seeds[:1])]
-    results = run_on_ranks(_verify_worker, tp, (str(hf_path), str(src["ckpt_dir"]), recorded or hf_cfg, tp,
-                                                [ids for ids, _ in probes], run_dtype, device), device)
+    results = run_on_ranks(_verify_worker, conversion_world_size(tp, 1, ep),
+                           (str(hf_path), str(src["ckpt_dir"]), recorded or hf_cfg, tp,
+                            [ids for ids, _ in probes], run_dtype, device, ep), device)
     draws = results[0]
     verdicts = [judge(agreement, run_dtype, tolerance) for agreement, _, _ in draws]
     worst = max(range(len(draws)), key=lambda i: (not verdicts[i].passed, draws[i][0].mean_kl))
@@ -344,7 +348,7 @@ def verify_conversion(hf_path: Path | str, megatron_path: Path | str, tp: int = 
     passed = logits_passed and not differences
     hint = None if passed else layer_hint(ref_layers, meg_layers, run_dtype)
     notes += [hint] if hint else []
-    return VerifySummary(action="verify", source=str(hf_path), destination=str(megatron_path), tp=tp, pp=1,
+    return VerifySummary(action="verify", source=str(hf_path), destination=str(megatron_path), tp=tp, pp=1, ep=ep,
                          dtype=_dtype_str(run_dtype), max_abs_diff=agreement.max_abs_diff,
                          mean_abs_diff=agreement.mean_abs_diff, passed=passed, notes=notes,
                          seconds=time.time() - start, agreement=agreement, logits_passed=logits_passed,
@@ -379,13 +383,13 @@ def _record_outputs(modules: Sequence[torch.nn.Module], seq_first: bool) -> Tupl
 
 
 def _verify_worker(rank: int, world_size: int, hf_path: str, ckpt_dir: str, meg_cfg: HfConfigDict, tp: int,
-                   probes: List[torch.Tensor], dtype: torch.dtype, device: str):
+                   probes: List[torch.Tensor], dtype: torch.dtype, device: str, ep: int = 1):
     """Rank 0 returns, per probe, (LogitAgreement, HF hidden states, Megatron hidden states);
     other ranks None. Each model is loaded once and reads every probe."""
     if dtype == torch.float32:  # TF32 matmuls would round to 10 bits of mantissa: no fp32 comparison
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    _, chunks, info = _build(meg_cfg, tp, 1, world_size, dtype, rank, device)
+    _, chunks, info = _build(meg_cfg, tp, 1, world_size, dtype, rank, device, ep)
     load_model_from_dist_checkpoint(chunks, ckpt_dir)
     model = chunks[0]
     meg = []

@@ -30,6 +30,15 @@ The substitutions, process-wide:
    (`without_function_mode`), which saves its per-op cost. The schedule skeletons (their
    `device="cuda"` token counters), p2p, DDP's grad sync and the optimizer stay under it.
 
+8. CUDA streams and events (the MoE all-to-all token dispatcher copies its split sizes to
+   the host on a side stream): `torch.cuda.Stream()` and `torch.cuda.current_stream()` are
+   one null stream, so the dispatcher sees no side stream; `torch.cuda.stream(s)` is a no-op
+   context and the stream's events are complete when recorded (CPU work is synchronous).
+
+9. The MoE all-to-all's split sizes become host lists (`moe_utils.maybe_move_tensor_to_cpu`
+   with `as_numpy`, in the token dispatcher): megatron-core converts only tensors on a GPU,
+   so on the CPU they stayed tensors, which `all_to_all_single` refuses as split sizes.
+
 7. megatron-core's fusions stay eager: its `jit_fuser` (`torch.compile` since torch 2.2)
    wraps 38 functions as megatron-core is imported, which costs ~1.7 s of a core per process
    (it imports torch's inductor) and would compile nothing a CPU run uses. The package's
@@ -147,6 +156,51 @@ def _outside_function_mode(func):
     return wrapper
 
 
+class _NullEvent:
+    """A CUDA event of the null stream: the CPU work it marks has already happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: object = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullStream:
+    """The one stream of a CPU process (substitution 8)."""
+
+    def __new__(cls, *args, **kwargs):
+        global _NULL_STREAM
+        if _NULL_STREAM is None:
+            _NULL_STREAM = super().__new__(cls)
+        return _NULL_STREAM
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def record_event(self, event: object = None) -> _NullEvent:
+        return _NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_NULL_STREAM: Optional[_NullStream] = None
+
+
+def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's `maybe_move_tensor_to_cpu` for tensors already on the CPU (substitution 9)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def enable_cpu_support(force: bool = False) -> bool:
     """Install the CPU substitutions for megatron-core. Idempotent.
 
@@ -163,6 +217,9 @@ def enable_cpu_support(force: bool = False) -> bool:
 
         torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
         torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+        torch.cuda.Stream = _NullStream  # type: ignore[assignment,misc]
+        torch.cuda.current_stream = lambda device=None: _NullStream()  # type: ignore[assignment]
+        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
         torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
         torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)  # type: ignore
         # Not torch.manual_seed: it calls torch.cuda.manual_seed_all (a lazy no-op without
@@ -174,6 +231,11 @@ def enable_cpu_support(force: bool = False) -> bool:
         import megatron.core.pipeline_parallel.schedules as schedules
         import megatron.core.transformer.utils as transformer_utils
 
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+        moe_utils.maybe_move_tensor_to_cpu = _host_splits
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_splits
         transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
         fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
         schedules.forward_step = _outside_function_mode(schedules.forward_step)

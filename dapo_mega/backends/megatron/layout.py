@@ -1,6 +1,7 @@
 """The parallel layout of the Megatron learner: one object, validated, passed explicitly.
 
-    world = TP · PP · CP · DP          (expert parallel stays 1: dense models)
+    world = TP · PP · CP · DP
+    TP · CP · DP = EP · expert DP      (the experts of a mixture: expert TP 1)
 
 `ParallelLayout.from_config` computes DP from the world size; `validate()` checks every
 rule against the model *before* any process group exists and raises `ConfigError` naming
@@ -20,6 +21,31 @@ import torch
 
 from dapo_mega.config import ConfigError, MegatronConfig
 from dapo_mega.models.shape import HfConfigSource, ModelShape
+
+
+EXPERT_TP = 1
+"""Expert tensor parallelism: each expert whole on one rank (the peers' layouts for
+Qwen3-30B-A3B; the plan's memory counts the same)."""
+
+
+def check_expert_layout(shape: ModelShape, ep: int, ranks_of_a_stage: int) -> None:
+    """ConfigError, naming megatron.expert_model_parallel_size, where EP does not fit the model
+    and the learner ranks: a dense model has no experts to split; EP must divide the routed
+    experts (each rank holds num_experts / EP whole experts) and the TP x CP x DP ranks of a
+    pipeline stage (megatron-core lays the expert ranks out as EP x expert-DP over the same
+    GPUs, expert TP 1)."""
+    if ep == 1:
+        return
+    field = "megatron.expert_model_parallel_size"
+    if not shape.is_moe:
+        raise ConfigError(f"{field}: {ep} for a dense model ({shape.model_type}): it has no experts to split. "
+                          "Fix: set it to 1")
+    if shape.num_experts % ep:
+        raise ConfigError(f"{field}: {ep} does not divide the model's {shape.num_experts} experts. Fix: use a divisor "
+                          f"of {shape.num_experts}")
+    if ranks_of_a_stage % ep:
+        raise ConfigError(f"{field}: {ep} does not divide TP x CP x DP = {ranks_of_a_stage} learner ranks of a stage. "
+                          f"Fix: use a divisor of {ranks_of_a_stage}")
 
 
 @dataclass
@@ -62,15 +88,13 @@ class ParallelLayout:
                                virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
                                expert_model_parallel_size=self.ep, sequence_parallel=self.sequence_parallel)
         sizes.validate()
-        if self.ep != 1:
-            raise ConfigError(f"megatron.expert_model_parallel_size: {self.ep} but the learner builds dense "
-                              "models only. Fix: set it to 1")
         if sizes.check_world_size(self.world_size) != self.dp:
             raise ConfigError(
                 f"megatron.tensor_model_parallel_size: tp*pp*cp*dp = {self.tp}*{self.pp}*{self.cp}*{self.dp} "
                 f"!= world size {self.world_size}. Fix: build the layout with ParallelLayout.from_config")
         if self.hf_config is not None:
             arch = ModelShape.from_hf_config(self.hf_config)
+            check_expert_layout(arch, self.ep, self.tp * self.cp * self.dp)
             if arch.num_attention_heads % self.tp:
                 raise ConfigError(
                     f"megatron.tensor_model_parallel_size: {self.tp} does not divide the model's "
@@ -133,7 +157,8 @@ class ParallelLayout:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             virtual_pipeline_model_parallel_size=self.vpp, context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep, distributed_timeout_minutes=max(timeout_s // 60, 1))
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=EXPERT_TP,
+            distributed_timeout_minutes=max(timeout_s // 60, 1))
         return self
 
     # ------------------------------------------------------------------ ranks
@@ -168,6 +193,13 @@ class ParallelLayout:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    @property
+    def drains_weights(self) -> bool:
+        """True on the ranks that stream the weights out (`weights.stream.iter_megatron_to_hf`):
+        the TP ranks of DP 0 / CP 0, and with expert parallelism every rank (the expert
+        gathers run over EP groups that span the DP ranks)."""
+        return self.ep > 1 or (self.dp_rank == 0 and self.cp_rank == 0)
 
     @property
     def is_weight_source(self) -> bool:

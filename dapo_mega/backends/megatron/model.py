@@ -184,11 +184,6 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
     megatron-core rejects bf16 edge layers under *delayed* scaling ("Delayed scaling does not
     support first / last layer in BF16"), so there they are dropped with a note.
     """
-    if arch.is_moe:  # every entry point builds through here: train, eval, conversion, verify, benchmarks
-        raise ConfigError(f"model.hf_path: a mixture of experts ({arch.model_type}, {arch.num_experts} experts, "
-                          f"{arch.num_experts_per_tok} per token) but the Megatron learner builds dense layers only "
-                          "so far (issue #38: MoE layers, expert parallelism, routing replay). `dapo-mega plan` "
-                          "sizes it. Fix: use a dense model (Qwen2.5, Qwen3, Llama)")
     spec = choose_layer_spec(mcfg.transformer_impl, has_gpu, te_error)
     if mcfg.params_dtype == "auto":
         params_dtype = "bfloat16" if has_gpu else "float32"
@@ -222,7 +217,6 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
         sequence_parallel=layout.sequence_parallel,
-        expert_model_parallel_size=1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == "bfloat16",
@@ -241,6 +235,8 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         recompute_method=mcfg.recompute_method if mcfg.recompute_granularity == "full" else None,
         recompute_num_layers=mcfg.recompute_num_layers if mcfg.recompute_granularity == "full" else None,
     )
+    if arch.is_moe:
+        kwargs.update(moe_config_kwargs(arch, layout.ep, spec))
     if mcfg.fp8.enabled:
         if spec != TE_SPEC:
             raise ConfigError("megatron.fp8.enabled: FP8 needs the Transformer Engine layer spec (GPU + TE). "
@@ -269,6 +265,55 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
                 kwargs.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
                               num_layers_at_end_in_bf16=end)
     return TransformerPlan(config_kwargs=kwargs, layer_spec=spec, params_dtype=params_dtype, notes=notes)
+
+
+def moe_config_kwargs(arch: ModelShape, ep: int, spec: str) -> Dict[str, Any]:
+    """TransformerConfig fields of a Qwen3-MoE (module docstring, Mixture of experts)."""
+    from dapo_mega.backends.megatron.layout import EXPERT_TP
+
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.num_experts_per_tok,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layer_freq=[int(arch.is_sparse_layer(i)) for i in range(arch.num_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=arch.router_aux_loss_coef,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=spec == TE_SPEC,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=EXPERT_TP,
+    )
+
+
+def _moe_router_without_te() -> None:
+    """megatron-core 0.16.1's `moe_utils` binds `te_general_gemm` only when Transformer Engine
+    imports, yet its router's gating tests it against None: without TE (the CPU learner, the
+    local spec) the first routing is a NameError. Bound to None there, as that test intends."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _block_spec(spec: str, config, vp_stage: Optional[int]):
+    """The decoder's layer specs of a mixture of experts: dense and expert layers by
+    `config.moe_layer_freq` (megatron-core's own block spec), the local spec's core attention
+    through torch's SDPA as for dense models."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from dapo_mega.backends.megatron.attention import SdpaDotProductAttention
+
+    _moe_router_without_te()
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=spec == TE_SPEC, normalization="RMSNorm",
+                                       vp_stage=vp_stage)
+    if spec != TE_SPEC:
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    return block
 
 
 def _layer_spec(spec: str, qk_layernorm: bool = False):
@@ -390,9 +435,10 @@ def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: Paralle
         vp = vp_stage if layout.vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        chunk_spec = _block_spec(plan.layer_spec, config, vp) if arch.is_moe else layer_spec
         with _block_norm_of(layer_spec, plan.layer_spec):
             model = GPTModel(
-                config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab,
+                config=config, transformer_layer_spec=chunk_spec, vocab_size=padded_vocab,
                 max_sequence_length=arch.max_position_embeddings, pre_process=pre, post_process=post,
                 parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
                 position_embedding_type="rope", rotary_base=arch.rope_theta, vp_stage=vp)
