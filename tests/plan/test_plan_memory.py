@@ -242,14 +242,27 @@ def test_the_plan_of_qwen3_30b_a3b_prints_its_total_and_active_parameters_and_re
         compute_plan(load_config(["+experiment=dapo_qwen2.5_32b", "megatron.expert_model_parallel_size=2"]))
 
 
-def test_the_learner_refuses_a_mixture_of_experts_naming_why():
-    """Every entry point builds through `plan_transformer_config`: a Qwen3-MoE is refused there
-    in one line (the plan sizes it; the learner is issue #38's)."""
+def test_a_mixture_of_experts_becomes_megatron_cores_moe_config_and_its_layout_is_checked():
+    """Every entry point builds through `plan_transformer_config`: a Qwen3-MoE's routing becomes
+    megatron-core's (the sparse layers from decoder_sparse_step / mlp_only_layers, renormalised
+    top-k as softmax over the chosen logits, grouped GEMM with TE only), at the layout's EP."""
     from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.model import plan_transformer_config
+    from dapo_mega.backends.megatron.model import LOCAL_SPEC, TE_SPEC, moe_config_kwargs, plan_transformer_config
     from dapo_mega.config import ConfigError, MegatronConfig
     from dapo_mega.models.shape import ModelShape
 
-    shape = ModelShape.from_hf_config(_tiny_moe_config().to_dict())
-    with pytest.raises(ConfigError, match=r"a mixture of experts \(qwen3_moe, 8 experts, 2 per token\).*issue #38"):
-        plan_transformer_config(shape, MegatronConfig(), ParallelLayout.from_config(MegatronConfig(), 1), False, None)
+    hf = _tiny_moe_config(decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True).to_dict()
+    shape = ModelShape.from_hf_config(hf)
+    mcfg = MegatronConfig(expert_model_parallel_size=2)
+    kwargs = plan_transformer_config(shape, mcfg, ParallelLayout.from_config(mcfg, 2, hf).validate(), False,
+                                     None).config_kwargs
+    assert kwargs["moe_layer_freq"] == [0, 1, 0, 0]  # HF: (i + 1) % 2 == 0 and i not in mlp_only_layers
+    assert (kwargs["num_moe_experts"], kwargs["moe_router_topk"], kwargs["moe_ffn_hidden_size"]) == (8, 2, 32)
+    assert kwargs["moe_router_pre_softmax"] is False and kwargs["expert_model_parallel_size"] == 2
+    assert kwargs["moe_grouped_gemm"] is False and moe_config_kwargs(shape, 2, TE_SPEC)["moe_grouped_gemm"] is True
+    unnormalised = ModelShape.from_hf_config(_tiny_moe_config(norm_topk_prob=False).to_dict())
+    assert moe_config_kwargs(unnormalised, 1, LOCAL_SPEC)["moe_router_pre_softmax"] is True
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size: 3 does not divide the model's 8 experts"):
+        ParallelLayout.from_config(MegatronConfig(expert_model_parallel_size=3), 3, hf).validate()
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size: 4 does not divide TP x CP x DP = 2"):
+        ParallelLayout.from_config(MegatronConfig(expert_model_parallel_size=4), 2, hf).validate()

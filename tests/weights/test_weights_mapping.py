@@ -98,3 +98,22 @@ def test_unsupported_architecture_is_named():
     with pytest.raises(M.UnsupportedArchitectureError, match="MistralForCausalLM"):
         M.check_architecture({"architectures": ["MistralForCausalLM"]})
     assert M.check_architecture("LlamaForCausalLM") == "LlamaForCausalLM"
+
+
+def test_expert_names_map_by_global_index_in_both_spellings():
+    """A Qwen3-MoE sparse layer: the router is replicated, each expert's fc1 holds its gate and
+    up projections, and TE's grouped-GEMM spelling (`linear_fc1.weightK`) is the same tensor as
+    the local spec's `local_experts.K.linear_fc1.weight`."""
+    local = "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert M.canonical_megatron_name("module.decoder.layers.3.mlp.experts.linear_fc1.weight5") == local
+    assert M.hf_names_of(local) == ("model.layers.3.mlp.experts.5.gate_proj.weight",
+                                    "model.layers.3.mlp.experts.5.up_proj.weight")
+    assert M.hf_names_of("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight") == (
+        "model.layers.3.mlp.experts.5.down_proj.weight",)
+    assert M.hf_names_of("decoder.layers.3.mlp.router.weight") == ("model.layers.3.mlp.gate.weight",)
+    assert M.expert_of(local) == (5, "linear_fc1.weight") and M.expert_of("decoder.layers.3.mlp.linear_fc1.weight") is None
+    assert M.with_expert(local, 13) == "decoder.layers.3.mlp.experts.local_experts.13.linear_fc1.weight"
+    spec, layer = M.lookup(local)
+    assert (spec.tp_split, spec.fuse, layer) == (M.EXPERT, M.GATE_UP, 3)
+    full = torch.arange(12.0).reshape(4, 3)
+    assert M.split_for_tp(full, spec, 2, 1) is full  # expert TP 1: an expert is never cut over TP
