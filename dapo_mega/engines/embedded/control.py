@@ -309,7 +309,7 @@ class EngineControl:
             with self.runner.model_lock:
                 if self.runner.weights_released:
                     raise BadRequest("/weights_checker: the weights are released (resume_memory_occupation first)")
-                return {name: tensor_checksum(p) for name, p in self.runner.params.items()
+                return {name: tensor_checksum(self.runner.tensor(name)) for name in self.runner.views
                         if not any(pattern in name for pattern in skip)}
         checksums = await asyncio.to_thread(compute)
         digest = overall_checksum(checksums)

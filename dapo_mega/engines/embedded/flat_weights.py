@@ -258,7 +258,7 @@ class BucketReceiver:
         with runner.model_lock:  # a forward step never sees a half-received bucket
             if runner.weights_released:
                 raise RuntimeError("weights are released; call /resume_memory_occupation first")
-            if len(self._sent_order) > len(runner.params):  # syncs that never set a version
+            if len(self._sent_order) > len(runner.views):  # syncs that never set a version
                 self._sent_order, self._misplaced = [], False
             self._sent_order.extend(names)
             target = flat.span(names, dtypes, nbytes)

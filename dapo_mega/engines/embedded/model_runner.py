@@ -11,12 +11,17 @@ load or release here, so a step never sees half-loaded weights. Weights are load
 name (`load_named_tensors`) after `check_named_meta` has checked every name, dtype and
 shape against the model. The parameters are views into one flat storage per dtype
 (`flat_weights.FlatParameters`), so a flattened bucket sent in their order is received in place.
+
+Names are the checkpoint's, as SGLang's `load_weights` takes them: where transformers fuses a
+mixture's experts into one parameter per layer (Qwen3-MoE's `mlp.experts.gate_up_proj`
+[E, 2f, h] and `mlp.experts.down_proj` [E, h, f]), each expert's `gate_proj` / `up_proj` /
+`down_proj` is a view into it (`checkpoint_views`).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +32,40 @@ from dapo_mega.engines.embedded.sampling import Sequence_
 TORCH_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "half": torch.float16, "auto": torch.float32}
 """`--dtype` values (sglang.launch_server's names) -> the dtype the model is loaded in."""
+
+
+class CheckpointView(NamedTuple):
+    """Where a checkpoint tensor lives: `params[param][index]` (the whole parameter when None)."""
+
+    param: str
+    index: Optional[Tuple[object, ...]]
+    shape: Tuple[int, ...]
+
+
+_FUSED_GATE_UP = ".mlp.experts.gate_up_proj"
+_FUSED_DOWN = ".mlp.experts.down_proj"
+
+
+def checkpoint_views(params: Dict[str, torch.Tensor]) -> Dict[str, CheckpointView]:
+    """Checkpoint name -> CheckpointView of every tensor of a transformers model's state dict;
+    fused experts (gate_up_proj [E, 2f, h]: gate rows first, as transformers' forward chunks
+    them; down_proj [E, h, f]) are split into their per-expert checkpoint names."""
+    views: Dict[str, CheckpointView] = {}
+    for name, p in params.items():
+        shape = tuple(p.shape)
+        if name.endswith(_FUSED_GATE_UP):
+            prefix, (experts, two_f, h) = name[: -len("gate_up_proj")], shape
+            f = two_f // 2
+            for k in range(experts):
+                views[f"{prefix}{k}.gate_proj.weight"] = CheckpointView(name, (k, slice(0, f)), (f, h))
+                views[f"{prefix}{k}.up_proj.weight"] = CheckpointView(name, (k, slice(f, two_f)), (f, h))
+        elif name.endswith(_FUSED_DOWN):
+            prefix, (experts, h, f) = name[: -len("down_proj")], shape
+            for k in range(experts):
+                views[f"{prefix}{k}.down_proj.weight"] = CheckpointView(name, (k,), (h, f))
+        else:
+            views[name] = CheckpointView(name, None, shape)
+    return views
 
 
 class ModelRunner:
@@ -50,8 +89,10 @@ class ModelRunner:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.params: Dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
-        self._param_shapes = {k: tuple(v.shape) for k, v in self.params.items()}
-        self.flat = FlatParameters(self.params, self._param_shapes)
+        self.views: Dict[str, CheckpointView] = checkpoint_views(self.params)
+        """Checkpoint name -> where it lives in `params` (module docstring)."""
+        self._param_shapes = {name: view.shape for name, view in self.views.items()}
+        self.flat = FlatParameters(self.params, {k: tuple(v.shape) for k, v in self.params.items()})
         self.flat.plan(list(self.params))  # the HF state-dict order, until a sync sends another
         with torch.no_grad():
             self.flat.allocate("current")
@@ -170,21 +211,27 @@ class ModelRunner:
                 for name, tensor in named:
                     if self.tied_embeddings and name == "lm_head.weight":
                         continue
-                    self.params[name].copy_(tensor.to(self.device))
+                    self.tensor(name).copy_(tensor.to(self.device))
             if weight_version is not None:
                 self.weight_version = str(weight_version)
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A float32 host copy of one parameter, taken under the model lock (a sync or a release
         never shows half of it)."""
-        if name not in self.params:
+        if name not in self.views:
             raise KeyError(f"unknown parameter name {name!r}")
         if self.tied_embeddings and name == "lm_head.weight":
             name = "model.embed_tokens.weight"
         with self.model_lock:
             if self.weights_released:
                 raise RuntimeError("weights are released; call /resume_memory_occupation first")
-            return self.params[name].detach().to(device="cpu", dtype=torch.float32, copy=True)
+            return self.tensor(name).detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The live tensor of checkpoint name `name` (a view where transformers fuses it)."""
+        view = self.views[name]
+        t = self.params[view.param]
+        return t if view.index is None else t[view.index]
 
     def release_weights(self) -> None:
         """Free the parameter storage (SGLang's release of the `weights` tag).
