@@ -292,6 +292,19 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
         load_config(base + ["megatron.optimizer_sharding=zero3"]).validate()
 
 
+def test_a_mixtures_optimizer_state_does_not_resume_across_ep1_and_ep_above_1():
+    """megatron-core chains a dense and an expert optimizer at EP > 1, one optimizer at EP 1:
+    preflight names the field and the way out instead of megatron's KeyError of every key."""
+    from dapo_mega.backends.megatron.checkpoint import resume_expert_problem
+
+    saved = {"learner_layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 2, "ep": 2}}
+    problem = resume_expert_problem(saved, {"ep": 1}, "ckpt/step_000002")
+    assert problem and "saved at expert parallelism 2, and this run is EP 1" in problem and "Resume at EP > 1" in problem
+    assert resume_expert_problem(saved, {"ep": 4}, "c") is None and resume_expert_problem(saved, {"ep": 2}, "c") is None
+    assert resume_expert_problem({"learner_layout": {"tp": 1}}, {"ep": 1}, "c") is None  # before EP was recorded: 1
+    assert "Resume at EP 1" in resume_expert_problem({"learner_layout": {"tp": 1}}, {"ep": 2}, "c")
+
+
 def test_eval_runs_beside_the_next_step_by_default_only_when_disaggregated():
     from dapo_mega.config import eval_beside
 

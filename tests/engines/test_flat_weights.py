@@ -250,7 +250,7 @@ def test_a_bucket_mixing_dtypes_goes_through_scratch_and_never_asks_for_a_relayo
         for name, tensor in named:
             params[name].data.copy_(tensor)
 
-    runner = SimpleNamespace(flat=flat, model_lock=lock, weights_released=False, params=params,
+    runner = SimpleNamespace(flat=flat, model_lock=lock, weights_released=False, params=params, views=params,
                              device=torch.device("cpu"), load_named_tensors=load)
     receiver = BucketReceiver(runner)
     pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{free_port()}", 1, 0, "mixed_dtypes")

@@ -390,7 +390,7 @@ class CheckpointLayoutError(RuntimeError):
     """A checkpoint's optimizer state cannot be loaded at this parallel layout; nothing was loaded."""
 
 
-LAYOUT_KEYS = ("tp", "pp", "vpp", "dp")
+LAYOUT_KEYS = ("tp", "pp", "vpp", "dp", "ep")
 """What `learner_layout` records of the saving learner's ParallelLayout."""
 
 
@@ -432,6 +432,22 @@ def resume_layout_problem(trainer_state: Dict[str, Any], here: Mapping[str, Opti
             f"{_describe_layout(saved, dp=False)} (any DP), or export the weights alone "
             "(tools/convert_checkpoint.py export) and start a new run from them. Runs that may change layout on "
             "resume: megatron.optimizer_sharding=fully_reshardable. Nothing was loaded")
+
+
+def resume_expert_problem(trainer_state: Dict[str, Any], here: Mapping[str, Optional[int]], ckpt: Path | str
+                          ) -> Optional[str]:
+    """Why a mixture's optimizer state saved at one expert parallelism cannot load at `here`'s,
+    or None. megatron-core keeps the state in two optimizers (dense and expert parameters, a
+    ChainedOptimizer) at EP > 1 and in one at EP 1, so the keys of the one are not in the
+    other (its own error: a KeyError naming every key). Pure, as `resume_layout_problem`."""
+    saved = int((trainer_state.get("learner_layout") or {}).get("ep") or 1)
+    wanted = int(here.get("ep") or 1)
+    if (saved > 1) == (wanted > 1):
+        return None
+    return (f"{ckpt} was saved at expert parallelism {saved}, and this run is EP {wanted}: megatron-core keeps a "
+            "mixture's optimizer state in separate expert and dense optimizers at EP > 1 and in one at EP 1, so it "
+            f"does not load across. Resume at EP {'> 1' if saved > 1 else '1'}, or export the weights alone "
+            "(tools/convert_checkpoint.py export) and start a new run from them. Nothing was loaded")
 
 
 def _load_fully_reshardable_with_torch_adam(optimizer, state: StateDict) -> None:
