@@ -67,7 +67,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dapo_mega.backends.megatron.layout import check_expert_layout
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, Placement, place
-from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.config import DapoConfig
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan.types import (
     AssumedBatch,

@@ -229,10 +229,9 @@ def enable_cpu_support(force: bool = False) -> bool:
         mp_random._set_cuda_rng_state = _cpu_set_rng_state
         import megatron.core.fusions.fused_softmax as fused_softmax
         import megatron.core.pipeline_parallel.schedules as schedules
-        import megatron.core.transformer.utils as transformer_utils
-
         import megatron.core.transformer.moe.moe_utils as moe_utils
         import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+        import megatron.core.transformer.utils as transformer_utils
 
         moe_utils.maybe_move_tensor_to_cpu = _host_splits
         token_dispatcher.maybe_move_tensor_to_cpu = _host_splits

@@ -22,7 +22,6 @@ import torch
 from dapo_mega.config import ConfigError, MegatronConfig
 from dapo_mega.models.shape import HfConfigSource, ModelShape
 
-
 EXPERT_TP = 1
 """Expert tensor parallelism: each expert whole on one rank (the peers' layouts for
 Qwen3-30B-A3B; the plan's memory counts the same)."""
