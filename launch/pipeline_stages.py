@@ -94,6 +94,7 @@ class Pipeline:
         self.rollout = cfg.rollout
         self.mode = cfg.cluster.mode
         self.tp, self.pp = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size
+        self.ep = cfg.megatron.expert_model_parallel_size
         self.total_steps = cfg.trainer.total_steps
         self.cpu = cfg.cluster.device == "cpu"
         self.learners_per_node = args.learners_per_node or cfg.cluster.gpus_per_node
@@ -212,11 +213,11 @@ class Pipeline:
                                               "--aime", str(a.aime.resolve()), "--out", str(self.data_dir)]))
         if STAGES.index(a.start) <= STAGES.index("import"):
             steps.append(self._stage("import", [py, "tools/convert_checkpoint.py", "import", "--hf-path", hf,
-                                                "--megatron-path", meg, "--tp", str(self.tp), "--pp", str(self.pp)],
-                                     cpus=self.conversion_cpus))
+                                                "--megatron-path", meg, "--tp", str(self.tp), "--pp", str(self.pp),
+                                                *self.expert_args], cpus=self.conversion_cpus))
         if STAGES.index(a.start) <= STAGES.index("verify"):
             steps.append(self._stage("verify", [py, "tools/convert_checkpoint.py", "verify", "--hf-path", hf,
-                                                "--megatron-path", meg], cpus=self.conversion_cpus))
+                                                "--megatron-path", meg, *self.expert_args], cpus=self.conversion_cpus))
         before_train = [steps[-1].name] if steps else []
         if STAGES.index(a.start) <= STAGES.index("train"):
             for i in range(1, a.chain + 1):
@@ -227,7 +228,7 @@ class Pipeline:
         if STAGES.index(a.start) <= STAGES.index("export"):
             steps.append(self._stage("export", ["bash", "launch/export_final.sh", str(self.run_dir),
                                                 str(self.total_steps), str(self.hf_out), "--tp", str(self.tp),
-                                                "--pp", str(self.pp)], cpus=self.conversion_cpus))
+                                                "--pp", str(self.pp), *self.expert_args], cpus=self.conversion_cpus))
         engines = [f"rollout.num_engines={self.eval_engines}"] if self.eval_engines else []
         steps.append(self._stage("eval", [py, "-m", "dapo_mega.cli", "eval", *self.overrides, *engines,
                                           f"eval.checkpoint={_hydra(self.hf_out)}",
@@ -251,10 +252,19 @@ class Pipeline:
             o for o in a.sbatch_opt if gpu or not requests_gpus(o)]
 
     @property
+    def expert_args(self) -> List[str]:
+        """A mixture's conversions at the run's EP (each rank holds its share of the experts, not
+        all of them); nothing for a dense model."""
+        return ["--ep", str(self.ep)] if self.ep > 1 else []
+
+    @property
     def conversion_cpus(self) -> int:
         """CPUs of a conversion stage: one per rank of the layout (import and export spawn tp·pp
-        gloo ranks; verify's one rank takes them all as torch threads, `spawn.torch_threads_per_rank`)."""
-        return self.tp * self.pp
+        gloo ranks, times EP's data-parallel copies for a mixture; verify's one rank takes them
+        all as torch threads, `spawn.torch_threads_per_rank`)."""
+        from dapo_mega.backends.placement import conversion_world_size
+
+        return conversion_world_size(self.tp, self.pp, self.ep)
 
     @property
     def eval_cpus(self) -> int:

@@ -407,6 +407,13 @@ def rank_cuda_index(rank: int, ranks_on_node: int, device: str, gpus_on_node: in
     return node_gpu_blocks(ranks_on_node, 1, gpus_on_node, f"{who}: {ranks_on_node} ranks, one GPU each,", fix)[rank][0]
 
 
+def conversion_world_size(tp: int, pp: int, ep: int = 1) -> int:
+    """Ranks a conversion runs on: TP x PP, and data-parallel copies where EP needs more ranks
+    than TP has (expert TP 1: a stage's TP x DP ranks hold EP x expert-DP). Conversion, verify
+    and the launch pipeline's conversion stages (their CPUs) all count with it."""
+    return tp * pp * (ep // math.gcd(tp, ep))
+
+
 def conversion_cuda_index(rank: int, ranks_on_node: int, device: str, gpus_on_node: int) -> Optional[int]:
     """The GPU of conversion rank `rank` of a node (`tools/convert_checkpoint.py`, tp·pp
     ranks): None on the CPU (`device` cpu, the default), else the rank's own GPU; refuses

@@ -55,7 +55,7 @@ from dapo_mega.backends.megatron.checkpoint import (
     resolve_megatron_source,
     save_dist_checkpoint,
 )
-from dapo_mega.backends.placement import CPU, conversion_cuda_index
+from dapo_mega.backends.placement import CPU, conversion_cuda_index, conversion_world_size
 from dapo_mega.run_files.checkpoints import MODEL_META_FILE
 from dapo_mega.weights import mapping as M
 from dapo_mega.weights.hf_io import (
@@ -147,12 +147,6 @@ def _target_dtype(name: Optional[str], hf_cfg: HfConfigDict) -> torch.dtype:
 
 def _dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def conversion_world_size(tp: int, pp: int, ep: int = 1) -> int:
-    """Ranks a conversion runs on: TP x PP, and data-parallel copies where EP needs more ranks
-    than TP has (expert TP 1: a stage's TP x DP ranks hold EP x expert-DP)."""
-    return tp * pp * (ep // math.gcd(tp, ep))
 
 
 def _build(hf_cfg: HfConfigDict, tp: int, pp: int, world_size: int, dtype: torch.dtype, rank: int = 0,

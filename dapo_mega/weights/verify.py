@@ -34,14 +34,13 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import torch
 
 from dapo_mega.backends.megatron.checkpoint import load_model_from_dist_checkpoint, resolve_megatron_source
-from dapo_mega.backends.placement import CPU
+from dapo_mega.backends.placement import CPU, conversion_world_size
 from dapo_mega.weights.convert import (
     ConversionSummary,
     _build,
     _dtype_str,
     _release_freed_memory,
     _stored_dtype,
-    conversion_world_size,
     read_hf_config_dict,
     run_on_ranks,
 )
