@@ -146,6 +146,11 @@ class AlgoConfig:
     all/kept tokens of the mini-batch before clipping). false needs loss_agg_mode=token-mean."""
     use_engine_logprobs: bool = False
     """Take old log-probs from the engine instead of recomputing them on the learner."""
+    routing_replay: bool = False
+    """A mixture of experts: the learner routes each token to the experts the engine chose for
+    it (R3; megatron-core's `moe_enable_routing_replay`), where the engine reported them
+    (`return_routed_experts`); tokens without them keep the learner's own routing. Off until
+    measured (issue #38); `moe/router_agreement` is logged either way."""
     # --- sampling ---
     n_samples_per_prompt: int = 16
     """G: responses sampled per prompt."""

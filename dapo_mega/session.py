@@ -188,6 +188,7 @@ class Session:
                                  liveness_timeout_s=cfg.rollout.liveness_timeout_s,
                                  probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision,
                                  partial_rollout=partial_rollout_enabled(cfg))
+        manager.return_routed_experts = self.fleet.returns_routed_experts
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "

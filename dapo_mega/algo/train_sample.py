@@ -21,6 +21,10 @@ class TrainSample:
     """Log-probs the rollout engine reported while sampling (for TIS / use_engine_logprobs)."""
     loss_mask: Optional[List[int]] = None
     """Per response token, 1 = carries loss (default all 1; overlong filtering zeroes it)."""
+    routed_experts: Optional[str] = None
+    """A mixture of experts: the experts the engine routed each token to, as SGLang reports them
+    (base64 of int32 [prompt + response - 1, num_hidden_layers, top_k]; None when not reported);
+    `backends.megatron.routing` reads it."""
     age: int = 0
     """Policy versions between the oldest weights that sampled it and the learner that trains
     on it (`ScoredSample.age`): the age bucket of its log-prob mismatch (algo/mismatch.py)."""

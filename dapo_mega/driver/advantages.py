@@ -42,6 +42,7 @@ def build_train_samples(groups: Sequence[Group], algo: AlgoConfig, mask_offpolic
             masked = algo.overlong_filter and s.truncated
             loss_mask = [0] * len(s.token_ids) if masked else (offpolicy_prefix_mask(s) if mask_offpolicy else None)
             out.append(TrainSample(prompt_ids=prompt_ids, response_ids=list(s.token_ids), advantage=float(adv[k]),
-                                   engine_log_probs=s.logprobs, loss_mask=loss_mask, age=s.age))
+                                   engine_log_probs=s.logprobs, loss_mask=loss_mask, age=s.age,
+                                   routed_experts=s.routed_experts))
             k += 1
     return out

@@ -47,6 +47,7 @@ from dapo_mega.engines.process import (
 from dapo_mega.engines.sglang.api import SERVER_FLAGS
 from dapo_mega.engines.sglang.commands import build_engine_command
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
+from dapo_mega.models.shape import ModelShape
 from dapo_mega.run_files.checkpoints import write_text_atomic
 from dapo_mega.tether import popen_tethered
 
@@ -63,6 +64,8 @@ CPU_SGLANG_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 glibc ignores the tunable."""
 
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang's (and the embedded engine's) flag that records each token's experts for /generate."""
 DEFAULT_START_TIMEOUT_S = 300.0
 """Engine start bound when neither rollout.health_timeout_s nor a derived one is given (the
 tiny engines of tests and tools; `open_fleet` derives the run's from its model and engines)."""
@@ -218,6 +221,20 @@ class EngineFleet:
 
         return engine_uses_gpu(self.rollout.backend, torch.cuda.is_available())
 
+    @property
+    def returns_routed_experts(self) -> bool:
+        """Whether the engines started here report each token's experts (the fleet passes
+        `--enable-return-routed-experts`): a mixture of experts, on the embedded engine or SGLang
+        on GPUs. SGLang 0.5.23 on a CPU dies at start with the flag (its capturer pins host
+        memory through CUDA). Engines attached by URL or from a registry: False (not known)."""
+        if self.attached or not self.model_path:
+            return False
+        try:
+            moe = ModelShape.from_hf_config(self.model_path).is_moe
+        except (OSError, ValueError, KeyError):  # no config.json there (a test's stand-in model path)
+            return False
+        return moe and (self.rollout.backend != "sglang" or self.on_gpu())
+
     def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
         """argv of one engine on `port`: the shared command line plus what this machine needs."""
         r = self.rollout
@@ -227,6 +244,8 @@ class EngineFleet:
         argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
                                     host=self.bind_host, python=self.python, memory_saver=memory_saver,
                                     base_gpu_id=base_gpu_id)
+        if self.returns_routed_experts and ROUTED_EXPERTS_FLAG not in r.extra_server_args:
+            argv.append(ROUTED_EXPERTS_FLAG)
         if r.backend == "sglang":
             if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
                 argv += [SERVER_FLAGS["device"], "cpu"]

@@ -260,12 +260,24 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     # What the model provider will decide on this machine (layer spec, dtype, FP8), as build_model does;
     # on a GPU, TE's import error stops the run here.
     plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
-                            transformer_engine_import_error())
+                            transformer_engine_import_error(), cfg.algo.routing_replay)
+    check_routing_replay(cfg)
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
     check_engine_python(cfg.rollout)
     check_nccl_agreement(cfg)
     check_resume_layout(cfg, layout)
+
+
+def check_routing_replay(cfg: DapoConfig) -> None:
+    """Routing replay with full activation recompute under pipeline parallelism would replay a
+    later micro-batch's experts in a recomputed forward (backends/megatron/routing.py)."""
+    m = cfg.megatron
+    if cfg.algo.routing_replay and m.recompute_granularity == "full" and m.pipeline_model_parallel_size > 1:
+        raise ConfigError("algo.routing_replay: with megatron.recompute_granularity=full and PP "
+                          f"{m.pipeline_model_parallel_size}, the recomputed forward in backward would route by "
+                          "another micro-batch's experts. Fix: megatron.recompute_granularity=selective, "
+                          "megatron.pipeline_model_parallel_size=1, or algo.routing_replay=false")
 
 
 def check_resume_layout(cfg: DapoConfig, layout: ParallelLayout) -> None:

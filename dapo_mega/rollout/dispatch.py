@@ -289,7 +289,8 @@ class RoundDispatcher(EngineLiveness):
         self.open_prompts += len(idx)
         failed = True
         try:  # a resumed chunk with nothing open (every sample had finished) needs no request
-            samples = await self._until_hung(url, client.generate(inputs, params, return_logprob=m.return_logprob)) \
+            samples = await self._until_hung(url, client.generate(inputs, params, return_logprob=m.return_logprob,
+                                                                    return_routed_experts=m.return_routed_experts)) \
                 if inputs else []
             if any(s.aborted for s in samples):
                 if self.stop.is_set():  # our own abort: the prompts go back unsent (their partials kept)

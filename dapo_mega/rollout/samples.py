@@ -75,6 +75,9 @@ class ScoredSample:
     queue_delay_s: float
     """Seconds from the start of the generation round to the request's start."""
     generation_latency_s: float
+    routed_experts: Optional[str] = None
+    """A mixture of experts: the engine's `meta_info.routed_experts` (base64 int32 [positions,
+    num_hidden_layers, top_k] over the prompt and response but the last token), when asked for."""
     gen_round: int = 0
     """Dynamic-sampling round of its step that generated it."""
     dataset_revision: str = ""
@@ -226,4 +229,4 @@ def scored_sample(reply: "SampleResult", prompt: PromptItem, seed: Optional[int]
         truncated=reply.truncated, seed=seed, engine_id=engine_id, queue_delay_s=queue_delay_s,
         generation_latency_s=float(reply.meta_info.get("e2e_latency", latency_s)), gen_round=gen_round,
         dataset_revision=str(getattr(prompt, "dataset_revision", "") or dataset_revision),
-        prompt_text=text if isinstance(text, str) else "")
+        prompt_text=text if isinstance(text, str) else "", routed_experts=reply.meta_info.get("routed_experts"))

@@ -1,9 +1,10 @@
 """`dapo-mega train` on the tiny Qwen3-MoE (issue #38) with 2 learner processes at expert
-parallelism 2 (each holds 4 of the 8 experts of its sparse layer), the embedded engine
-colocated: 3 steps whose every weight sync reaches the engine exactly (all 47 tensors'
+parallelism 2 (each holds 4 of the 8 experts of its sparse layer) with routing replay, the
+embedded engine colocated: 3 steps whose every weight sync reaches the engine exactly (all 47 tensors'
 checksums equal the learner's, experts gathered from both EP ranks), and whose engine
 log-probs equal the learner's (the mismatch metric, fp32 on both sides: transformers' fused
-experts on the engine, megatron-core's MoE layer with its all-to-all dispatcher on the learner).
+experts on the engine, megatron-core's MoE layer with its all-to-all dispatcher on the learner),
+and whose learner router picks the experts the engine reported (`moe/router_agreement`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def test_moe_trains_three_steps_at_ep2_and_every_expert_reaches_the_engine(tmp_p
     model = build_tiny_model_dir(tmp_path / "moe", seed=5, architecture="qwen3_moe")
     tensors = len(HFCheckpointReader(model).keys())
     run_train(tmp_path, f"model.hf_path={model}", "model.name=tiny-qwen3-moe", "trainer.sft_warmup_steps=0",
-              "cluster.num_learner_processes=2", "megatron.expert_model_parallel_size=2", timeout_s=420)
+              "cluster.num_learner_processes=2", "megatron.expert_model_parallel_size=2", "algo.routing_replay=true",
+              timeout_s=420)
     run_dir = tmp_path / RUN_NAME
     (run_dir / "base_model").symlink_to(model)  # where the records check finds the synced bytes
     check_records_of_run(run_dir, total_steps=3, max_staleness=0)
@@ -31,3 +33,7 @@ def test_moe_trains_three_steps_at_ep2_and_every_expert_reaches_the_engine(tmp_p
     for r in rows:
         assert (r["checksum/tensors"], r["checksum/errors"]) == (tensors, 0), r
         assert r["mismatch/logp_abs_max"] < 1e-4 and math.isfinite(r["actor/grad_norm"]), r
+        # the engines report every sample's experts (the fleet passes --enable-return-routed-experts for
+        # a mixture), and the learner's router chooses as transformers' does at the same weights
+        assert r["moe/unreported_samples"] == 0 and r["moe/router_choices_compared"] > 0, r
+        assert r["moe/router_agreement"] > 0.99 and r["moe/routing_replay"] == 1.0, r

@@ -75,6 +75,7 @@ from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
 from dapo_mega.backends.megatron.model import TE_SPEC, build_model
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
 from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
+from dapo_mega.backends.megatron.routing import RouterWatch
 from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.models.shape import HfConfigSource
 
@@ -112,7 +113,13 @@ class MegatronLearner:
         self.cfg = cfg
         self.layout = layout
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.model_chunks, self.info = build_model(hf_config, cfg.megatron, layout, initialize=initialize)
+        self.model_chunks, self.info = build_model(hf_config, cfg.megatron, layout, initialize=initialize,
+                                                   routing_replay=cfg.algo.routing_replay)
+        # a mixture of experts: the engines' experts per token (agreement, replay: routing.py)
+        self._routing = RouterWatch(self.model_chunks, self.info.shape, cfg.algo.routing_replay,
+                                    layout.sequence_parallel, layout.tp_rank, layout.tp) if self.info.shape.is_moe else None
+        self._routing_samples: Optional[Sequence[TrainSample]] = None
+        """The samples the micro-batches now run index (train_step's), else None."""
         self.config = self.model_chunks[0].config
         self.ddp_chunks = wrap_with_ddp(self.model_chunks, cfg.megatron)
         self.optimizer = build_optimizer(self.ddp_chunks, cfg.algo, cfg.megatron, bf16=self.info.params_dtype == "bfloat16")
@@ -210,6 +217,8 @@ class MegatronLearner:
 
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
+            if self._routing is not None:
+                self._routing.begin(mb, self._routing_samples)
             output = model(mb.tokens, mb.position_ids, mb.attention_mask,
                            packed_seq_params=self._packed_seq_params(mb))
             return output, partial(loss_func, mb)
@@ -445,6 +454,18 @@ class MegatronLearner:
                 raise ValueError(f"algo.use_engine_logprobs=true but {len(missing)} samples have no engine_log_probs")
             samples = [dataclasses.replace(s, old_log_probs=list(s.engine_log_probs)) for s in samples]
         micro_per_update = self._schedule_passes(samples, shards)
+        self._check_routing_reports(samples)
+        self._routing_samples = samples
+        try:
+            return self._train_passes(samples, mini_batches, micro_per_update, start)
+        finally:
+            self._routing_samples = None
+            self._count_routing(False)
+
+    def _train_passes(self, samples: List[TrainSample], mini_batches: List[List[int]],
+                      micro_per_update: List[List[MicroBatch]], start: float) -> Dict[str, float]:
+        """train_step's passes: old log-probs, then one update per mini-batch; its metrics."""
+        algo = self.cfg.algo
         if not algo.use_engine_logprobs:
             # π_old of the first update is the policy it starts from: its loss detaches its own
             # log-probs (dropout is off, so the training forward computes what a forward-only
@@ -455,6 +476,7 @@ class MegatronLearner:
                 mb.old_log_probs = None
             later = micro_per_update[1:]
             passes = later if self.layout.pp > 1 else [[mb for mbs in later for mb in mbs]]
+            self._count_routing(True)  # the later mini-batches at the weights that sampled them
             for micro_batches in passes:
                 if micro_batches:
                     self._write_old_log_probs(micro_batches)
@@ -477,6 +499,7 @@ class MegatronLearner:
             useful += sum(mb.real_tokens for mb in micro_batches)
             computed += sum(mb.tokens.numel() for mb in micro_batches)
             measured = k_update == 0 or not algo.use_engine_logprobs
+            self._count_routing(k_update == 0)
             info = self._update(micro_batches, partial(self._policy_loss_func, max(global_tokens, 1.0),
                                                        max(global_seqs, 1.0), ages=ages, measure_mismatch=measured),
                                 lr=None)
@@ -496,6 +519,7 @@ class MegatronLearner:
         metrics = {key: (value / applied if applied else float("nan")) for key, value in totals.items()}
         metrics.update(self._layout_metrics(useful, computed))
         metrics.update(summarize_mismatch(self._reduce_stats(mismatch, max_column=2)))
+        metrics.update(self._routing_metrics(samples))
         if self._correction != "none":
             metrics.update(summarize_correction(self._reduce_stats(correction)))
         metrics.update({
@@ -506,6 +530,36 @@ class MegatronLearner:
             "train/skipped_updates": float(len(mini_batches) - applied),
         })
         return metrics
+
+    # ------------------------------------------------------------------ a mixture's routing
+    def _count_routing(self, on: bool) -> None:
+        """Whether the next forwards count towards `moe/router_agreement`: each sample once, at
+        the weights that sampled it; on one rank of a TP group unless sequence parallelism
+        splits the tokens over it."""
+        if self._routing is not None:
+            self._routing.counting = on and (self.layout.sequence_parallel or self.layout.tp_rank == 0)
+
+    def _check_routing_reports(self, samples: Sequence[TrainSample]) -> None:
+        """Routing replay with no sample reporting its experts replays nothing: stop at the step."""
+        if self._routing is not None and self.cfg.algo.routing_replay and samples \
+                and all(s.routed_experts is None for s in samples):
+            raise RuntimeError("algo.routing_replay=true, but the engines reported no routed experts for any of "
+                               f"the step's {len(samples)} samples: the learner would route by itself. Fix: start "
+                               "the engines with --enable-return-routed-experts (the trainer's own fleet does for a "
+                               "mixture of experts, on the embedded engine or SGLang on GPUs; engines attached by "
+                               "URL are not asked), or set algo.routing_replay=false")
+
+    def _routing_metrics(self, samples: Sequence[TrainSample]) -> Dict[str, float]:
+        """moe/router_agreement (the share of the engines' token-expert choices the learner's own
+        router makes too), the choices compared and the samples with no report; {} for a dense model."""
+        if self._routing is None:
+            return {}
+        matches, compared, _ = self._routing.take_counts()
+        matches, compared = self._all_reduce_sum([float(matches), float(compared)])
+        return {"moe/router_agreement": matches / compared if compared else float("nan"),
+                "moe/router_choices_compared": compared,
+                "moe/unreported_samples": float(sum(s.routed_experts is None for s in samples)),
+                "moe/routing_replay": float(self.cfg.algo.routing_replay)}
 
     def _reduce_stats(self, local: torch.Tensor, max_column: Optional[int] = None) -> torch.Tensor:
         """Every loss rank's [K, C] statistics (mismatch, off-policy correction) merged: sums

@@ -174,10 +174,12 @@ def choose_layer_spec(transformer_impl: str, has_gpu: bool, te_error: Optional[s
 
 
 def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: ParallelLayout, has_gpu: bool,
-                            te_error: Optional[str]) -> TransformerPlan:
+                            te_error: Optional[str], routing_replay: bool = False) -> TransformerPlan:
     """Pure mapping config -> TransformerConfig kwargs + layer spec + dtype (no imports of TE).
 
     `te_error`: None when Transformer Engine imports, else why not (`choose_layer_spec`).
+    `routing_replay` (`algo.routing_replay`): a mixture's routers get megatron-core's
+    RouterReplay (`backends/megatron/routing.py` feeds it); ConfigError for a dense model.
 
     FP8 (TE only): fp8 = format ("e4m3" | "hybrid"), fp8_recipe = recipe, amax history and
     algorithm for delayed scaling, and `first_last_layers_bf16` with the start/end counts.
@@ -235,8 +237,11 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         recompute_method=mcfg.recompute_method if mcfg.recompute_granularity == "full" else None,
         recompute_num_layers=mcfg.recompute_num_layers if mcfg.recompute_granularity == "full" else None,
     )
+    if routing_replay and not arch.is_moe:
+        raise ConfigError(f"algo.routing_replay: true, but {arch.model_type} is a dense model: there is no routing "
+                          "to replay. Fix: set algo.routing_replay=false")
     if arch.is_moe:
-        kwargs.update(moe_config_kwargs(arch, layout.ep, spec))
+        kwargs.update(moe_config_kwargs(arch, layout.ep, spec), moe_enable_routing_replay=routing_replay)
     if mcfg.fp8.enabled:
         if spec != TE_SPEC:
             raise ConfigError("megatron.fp8.enabled: FP8 needs the Transformer Engine layer spec (GPU + TE). "
@@ -389,7 +394,8 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> List[str]:
 
 def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: ParallelLayout,
                 device: Optional[torch.device] = None, initialize: bool = True,
-                params_dtype: Optional[torch.dtype] = None) -> Tuple[List[torch.nn.Module], ModelInfo]:
+                params_dtype: Optional[torch.dtype] = None,
+                routing_replay: bool = False) -> Tuple[List[torch.nn.Module], ModelInfo]:
     """Build this rank's GPTModel chunks (one per virtual pipeline stage) and the ModelInfo.
 
     `initialize=False` when weights are loaded next (conversion, every training start): the
@@ -415,7 +421,7 @@ def build_model(hf_config: HfConfigSource, mcfg: MegatronConfig, layout: Paralle
 
     arch = ModelShape.from_hf_config(hf_config)
     has_gpu = torch.cuda.is_available()
-    plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_import_error())
+    plan = plan_transformer_config(arch, mcfg, layout, has_gpu, transformer_engine_import_error(), routing_replay)
     kwargs = dict(plan.config_kwargs)
     if params_dtype is not None:
         kwargs.update(params_dtype=_dtype_str(params_dtype), pipeline_dtype=_dtype_str(params_dtype),

@@ -209,15 +209,20 @@ class EngineClient:
 
     # ---------------------------------------------------------------- generation
     async def generate(self, prompts: Sequence[PromptInput], sampling_params: RequestSamplingParams,
-                       return_logprob: bool = True, timeout_s: Optional[float] = None) -> List[SampleResult]:
+                       return_logprob: bool = True, timeout_s: Optional[float] = None,
+                       return_routed_experts: bool = False) -> List[SampleResult]:
         """Batched /generate; returns len(prompts) * n SampleResults, prompt-major.
 
         `sampling_params`: one dict for every prompt, or a list of one dict per prompt (same n).
+        `return_routed_experts`: a mixture of experts' engine started with
+        `--enable-return-routed-experts` reports each token's experts (`meta_info.routed_experts`).
         """
         first = sampling_params[0] if isinstance(sampling_params, list) else sampling_params
         n = int(first.get("n", 1))
         sent_prompts, sent_params, sent_n = expand_seeded_samples(prompts, sampling_params)
         body = build_generate_body(sent_prompts, sent_params, return_logprob)
+        if return_routed_experts:
+            body["return_routed_experts"] = True
         # no total limit unless one is set: a 20k-token answer decodes for minutes (liveness
         # is the rollout manager's probes, not this request's duration)
         limit = timeout_s or self.endpoint.timeout_s or NO_LIMIT_S

@@ -1,0 +1,152 @@
+"""A mixture of experts on the learner: router agreement with the engines, and routing replay.
+
+The engines report the experts each token was routed to (SGLang's `return_routed_experts`:
+base64 of int32 [positions, num_hidden_layers, top_k] over the prompt and response but the
+last token, which was sampled and never fed; zeros in the dense layers). A sample carries them
+(`TrainSample.routed_experts`). `RouterWatch` holds every router of this rank's model chunks and
+a forward pre-hook on each; before each micro-batch's forward the learner hands it the
+micro-batch (`begin`), and at each router's call the hook:
+
+* computes the learner's own top-k (the router's logits in fp32; top-k of the logits is top-k of
+  their softmax, so pre- and post-softmax routing choose alike), and counts, over the tokens
+  whose engine choice is known, how many of the engine's k experts the learner's own choice
+  holds: `moe/router_agreement` = matches / (tokens x k), over every sparse layer and token of
+  the samples it counts (`counting`: each sample once, at the weights that sampled it, as the
+  log-prob mismatch is);
+* with `algo.routing_replay`, hands megatron-core's `RouterReplay` of that router (built by
+  `moe_enable_routing_replay`) the target experts: the engine's where known, the learner's own
+  elsewhere (padding, the last token, samples without a report), so a forward without reports
+  routes exactly as without replay.
+
+Token order: megatron-core's router sees a micro-batch's [B, S] tokens as [S, B] flattened
+(`index = s * B + b`), with sequence parallelism this TP rank's S / TP rows of it. A pipeline
+stage's routers are its own layers; with full activation recompute the recomputed forward
+calls the hook again with the micro-batch of the moment, which is the one recomputed only
+without pipeline parallelism (config.py refuses replay with recompute under PP > 1).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dapo_mega.algo.train_sample import TrainSample
+from dapo_mega.backends.megatron.batch import MicroBatch
+from dapo_mega.backends.megatron.model import unwrap_chunk
+from dapo_mega.models.shape import ModelShape
+
+__all__ = ["RouterWatch", "decode_routed_experts", "routing_targets"]
+
+
+def decode_routed_experts(data: Optional[str], positions: int, num_layers: int, top_k: int) -> Optional[np.ndarray]:
+    """[positions, num_layers, top_k] int32 of an engine's report, or None when there is none or
+    its size is not that (a report of another model or another span of positions)."""
+    if not data or positions <= 0:
+        return None
+    raw = np.frombuffer(base64.b64decode(data), dtype=np.int32)
+    if raw.size != positions * num_layers * top_k:
+        return None
+    return raw.reshape(positions, num_layers, top_k)
+
+
+def routing_targets(mb: MicroBatch, samples: Sequence[TrainSample], shape: ModelShape,
+                    layers: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(experts [B, S, len(layers), k] int64, known [B, S] bool, samples without a report) of a
+    micro-batch: each sample's reported experts of `layers` (global layer indices) at its
+    columns; -1 where nothing is known."""
+    rows, width = mb.tokens.shape
+    k = shape.num_experts_per_tok
+    experts = torch.full((rows, width, len(layers), k), -1, dtype=torch.long)
+    known = torch.zeros(rows, width, dtype=torch.bool)
+    missing = 0
+    for p in mb.placements:
+        n = p.prompt_length + p.response_length - 1
+        report = decode_routed_experts(samples[p.sample_index].routed_experts, n, shape.num_layers, k)
+        if report is None:
+            missing += 1
+            continue
+        experts[p.row, p.start:p.start + n] = torch.from_numpy(report[:, list(layers), :].astype(np.int64))
+        known[p.row, p.start:p.start + n] = True
+    return experts, known, missing
+
+
+class RouterWatch:
+    """The routers of this rank's model chunks, their agreement with the engines' choices, and
+    routing replay (module docstring)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], shape: ModelShape, replay: bool,
+                 sequence_parallel: bool = False, tp_rank: int = 0, tp: int = 1):
+        self.shape, self.replay = shape, replay
+        self.split = (tp_rank, tp) if sequence_parallel and tp > 1 else None
+        self.routers: List[Tuple[int, torch.nn.Module]] = []
+        for chunk in chunks:
+            for layer in unwrap_chunk(chunk).decoder.layers:
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:
+                    self.routers.append((layer.layer_number - 1, router))
+        self.layers = [layer for layer, _ in self.routers]
+        self.counting = False
+        """Whether the forwards now running count towards the agreement."""
+        self.matches = 0
+        self.compared = 0
+        """Token-expert choices compared (tokens x k) since `take_counts`."""
+        self.unreported = 0
+        """Samples whose engine reported no experts, since `take_counts`."""
+        self._experts: Optional[torch.Tensor] = None  # [tokens, layers, k] in the routers' order
+        self._known: Optional[torch.Tensor] = None  # [tokens]
+        self._hooks = [router.register_forward_pre_hook(self._hook(i)) for i, (_, router) in enumerate(self.routers)]
+
+    def begin(self, mb: MicroBatch, samples: Optional[Sequence[TrainSample]]) -> None:
+        """The micro-batch whose forward runs next (None samples: no reports, own routing)."""
+        if samples is None or not self.routers:
+            self._experts = self._known = None
+            return
+        experts, known, missing = routing_targets(mb, samples, self.shape, self.layers)
+        if self.counting:
+            self.unreported += missing
+        rows, width = known.shape
+        experts = experts.transpose(0, 1).reshape(width * rows, len(self.layers), -1)  # megatron's [S, B] order
+        known = known.transpose(0, 1).reshape(width * rows)
+        if self.split is not None:
+            rank, size = self.split
+            part = width * rows // size
+            experts, known = experts[rank * part:(rank + 1) * part], known[rank * part:(rank + 1) * part]
+        self._experts, self._known = experts, known
+
+    def _hook(self, index: int):
+        def before_router(router: torch.nn.Module, args) -> None:
+            hidden = args[0]
+            with torch.no_grad():
+                logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
+                own = logits.topk(self.shape.num_experts_per_tok, dim=-1).indices
+            experts = self._experts
+            if experts is None or experts.shape[0] != own.shape[0]:
+                known = None
+            else:
+                engine = experts[:, index].to(own.device)
+                known = self._known.to(own.device)
+                if self.counting:
+                    same = (own.unsqueeze(-1) == engine.unsqueeze(-2)).any(-1)  # [tokens, k]: own holds engine's
+                    self.matches += int(same[known].sum())
+                    self.compared += int(known.sum()) * own.shape[1]
+            if self.replay:
+                target = own if known is None else torch.where(known.unsqueeze(-1), engine, own)
+                from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+                router.router_replay.clear_indices()
+                router.router_replay.set_target_indices(target)
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return before_router
+
+    def take_counts(self) -> Tuple[int, int, int]:
+        """(matches, compared, samples without a report) since the last call; reset."""
+        counts = (self.matches, self.compared, self.unreported)
+        self.matches = self.compared = self.unreported = 0
+        return counts
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

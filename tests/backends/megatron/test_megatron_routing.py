@@ -1,0 +1,138 @@
+"""A mixture of experts on the learner (issue #38 item 6, backends/megatron/routing.py): the
+learner's router agrees with transformers' (the embedded engine's router) on every token-expert
+choice at the same weights, `moe/router_agreement` falls when the reports are wrong, and routing
+replay makes the learner's forward use the reported experts: with transformers' own reports it
+changes nothing, with wrong ones the log-probs and the entropy move (the same weights, lr 0).
+
+Two gloo ranks at expert parallelism 2 (4 of the 8 experts each); the reports are computed with
+transformers' Qwen3MoeForCausalLM on the same checkpoint, as the embedded engine computes them."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+from dist_helpers import run_distributed
+
+from dapo_mega.algo.train_sample import TrainSample
+from dapo_mega.backends.megatron.batch import collate_packed_micro_batch
+from dapo_mega.backends.megatron.routing import decode_routed_experts, routing_targets
+from dapo_mega.models.shape import ModelShape
+from dapo_mega.models.tiny import build_tiny_model_dir
+
+
+def _report(array: np.ndarray) -> str:
+    return base64.b64encode(array.astype(np.int32).tobytes()).decode()
+
+
+def test_reports_land_on_each_samples_columns_and_odd_sizes_are_no_report():
+    shape = ModelShape(model_type="qwen3_moe", num_layers=3, hidden_size=8, ffn_hidden_size=8, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=4, tie_word_embeddings=False, qkv_bias=False,
+                       vocab_size=50, num_experts=4, num_experts_per_tok=2,
+                       moe_ffn_hidden_size=4, mlp_only_layers=(0,))
+    a = TrainSample(prompt_ids=[3, 4, 5], response_ids=[6, 7])          # 4 positions reported
+    b = TrainSample(prompt_ids=[8], response_ids=[9, 10])              # 2 positions
+    report_a = np.arange(4 * 3 * 2).reshape(4, 3, 2) % 4
+    a.routed_experts = _report(report_a)
+    b.routed_experts = _report(np.zeros((5, 3, 2)))                    # the wrong number of positions
+    assert decode_routed_experts(b.routed_experts, 2, 3, 2) is None
+    mb = collate_packed_micro_batch([a, b], [[0, 1]], seq_len=10)
+    experts, known, missing = routing_targets(mb, [a, b], shape, layers=[1, 2])
+    assert missing == 1 and known[0].tolist() == [True] * 4 + [False] * 6
+    assert torch.equal(experts[0, :4], torch.from_numpy(report_a[:, 1:, :]).long())
+    assert (experts[0, 4:] == -1).all()
+
+
+def _transformers_reports(hf_dir, samples):
+    """Each sample's experts as transformers' router picks them (the embedded engine's `Routing`)."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_mega.engines.embedded.model_runner import Routing
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    routing = Routing.of(model)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            model(input_ids=ids)
+            out.append(routing.experts(1, ids.shape[1])[0, :-1].numpy())  # the last token is never fed
+    return out
+
+
+def _samples(n=8):
+    rng = np.random.default_rng(0)
+    return [TrainSample(prompt_ids=rng.integers(3, 90, int(rng.integers(3, 7))).tolist(),
+                        response_ids=rng.integers(3, 90, int(rng.integers(2, 8))).tolist(),
+                        advantage=1.0 if i % 2 else -1.0) for i in range(n)]
+
+
+def _learner(cfg, hf_dir, world, replay):
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.learner import MegatronLearner
+    from dapo_mega.weights.hf_io import HFCheckpointReader
+    from dapo_mega.weights.stream import load_hf_into_megatron
+
+    cfg.algo.routing_replay = replay
+    layout = ParallelLayout.from_config(cfg.megatron, world, str(hf_dir)).initialize()
+    learner = MegatronLearner(cfg, str(hf_dir), layout, initialize=False)
+    load_hf_into_megatron(learner.model_chunks, learner.info, layout, HFCheckpointReader(hf_dir))
+    learner.optimizer.reload_model_params()
+    return learner
+
+
+def _agreement_and_replay(rank, world, hf_dir):
+    import dataclasses
+
+    from dist_helpers import make_config
+
+    cfg = make_config(micro_batch_tokens=64, train_batch_size=2, mini_batch_size=2, n=4, lr=0.0)
+    cfg.megatron.expert_model_parallel_size = world
+    samples = _samples()
+    reports = _transformers_reports(hf_dir, samples)
+    shape = ModelShape.from_hf_config(str(hf_dir))
+    out = {}
+    own = _learner(cfg, hf_dir, world, replay=False)
+    # the engine's log-probs: the learner's own without replay, so the mismatch metric shows
+    # by how much a replayed forward's log-probs move
+    own_lp = own.compute_log_probs(samples)
+    samples = [dataclasses.replace(s, engine_log_probs=lp.tolist()) for s, lp in zip(samples, own_lp)]
+    right = [dataclasses.replace(s, routed_experts=_report(r)) for s, r in zip(samples, reports)]
+    rotated = [dataclasses.replace(s, routed_experts=_report((r + 1) % shape.num_experts)) for s, r in zip(samples, reports)]
+    out["own_right"] = own.train_step(right, step=1)
+    out["own_rotated"] = own.train_step(rotated, step=1)
+    replay = _learner(cfg, hf_dir, world, replay=True)
+    out["replay_right"] = replay.train_step(right, step=1)
+    out["replay_rotated"] = replay.train_step(rotated, step=1)
+    try:
+        replay.train_step(samples, step=1)  # no reports at all: replay would do nothing
+    except RuntimeError as exc:
+        out["no_reports"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return build_tiny_model_dir(tmp_path_factory.mktemp("moe"), seed=4, architecture="qwen3_moe")
+
+
+def test_router_agreement_and_replay_at_ep2(moe_dir):
+    runs = run_distributed(_agreement_and_replay, 2, args=(str(moe_dir),), timeout_s=300)
+    r = runs[0]
+    keys = ("moe/router_agreement", "moe/router_choices_compared", "actor/entropy", "mismatch/logp_abs_max")
+    assert r["own_right"]["moe/router_agreement"] == pytest.approx(1.0, abs=0.01), {k: r["own_right"][k] for k in keys}
+    assert r["own_right"]["moe/router_choices_compared"] > 0 and r["own_right"]["moe/unreported_samples"] == 0
+    assert r["own_rotated"]["moe/router_agreement"] < 0.5
+    # replay of transformers' own choices: the forward routes as it would alone
+    assert r["replay_right"]["actor/entropy"] == pytest.approx(r["own_right"]["actor/entropy"], abs=1e-5)
+    # replay of other experts: the learner's forward uses them (the agreement is its own router's)
+    assert abs(r["replay_rotated"]["actor/entropy"] - r["own_right"]["actor/entropy"]) > 1e-4
+    assert r["replay_rotated"]["moe/router_agreement"] < 0.5 and r["replay_rotated"]["moe/routing_replay"] == 1.0
+    # the log-probs the loss is made of move with the replayed experts (the loss's value at ratio 1
+    # is the advantages' alone): against the learner's own, 0 with the right reports, not with wrong ones
+    assert r["own_right"]["mismatch/logp_abs_max"] < 1e-5 and r["replay_right"]["mismatch/logp_abs_max"] < 1e-5
+    assert r["replay_rotated"]["mismatch/logp_abs_max"] > 1e-4
+    assert r["replay_right"]["actor/grad_norm"] == pytest.approx(r["own_right"]["actor/grad_norm"], rel=1e-4)
+    assert "reported no routed experts for any of the step's 8 samples" in r["no_reports"]
