@@ -917,6 +917,11 @@ class ChecksConfig:
     learning rate, naming the tensors that differ. Embedded engines and SGLang engines of TP 1
     (on a CPU or a GPU: SGLang hashes each with its own kernel, and so does the learner); the
     probe judges the rest (driver/policy_sync.py `held_as` says which)."""
+    router_agreement_every: int = 8
+    """A mixture of experts without routing replay: one request in this many asks its engine for
+    each token's experts (`return_routed_experts`), which `moe/router_agreement` compares with
+    the learner's router (every request with algo.routing_replay; 0: none). A report is a byte
+    per token, layer and chosen expert: 384 B a token for Qwen3-30B-A3B."""
     probe: bool = True
     """After every weight sync, compare each engine's log-probs of a fixed token sequence
     (/generate with input_ids and logprob_start_len=0) with the learner's, and the weight
@@ -933,6 +938,8 @@ class ChecksConfig:
 
     def validate(self) -> None:
         c, err = self, _field_error
+        if c.router_agreement_every < 0:
+            raise err("checks.router_agreement_every", f"must be >= 0, got {c.router_agreement_every}", "use 8")
         if c.mismatch_age_buckets < 1:
             raise err("checks.mismatch_age_buckets", f"must be >= 1, got {c.mismatch_age_buckets}", "use 3")
         for name in ("step_max_abs_mean", "probe_max_abs_mean"):

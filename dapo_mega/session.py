@@ -188,7 +188,8 @@ class Session:
                                  liveness_timeout_s=cfg.rollout.liveness_timeout_s,
                                  probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision,
                                  partial_rollout=partial_rollout_enabled(cfg))
-        manager.return_routed_experts = self.fleet.returns_routed_experts
+        if self.fleet.returns_routed_experts:  # a mixture: replay needs every report, agreement a sample
+            manager.routed_experts_every = 1 if cfg.algo.routing_replay else cfg.checks.router_agreement_every
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "

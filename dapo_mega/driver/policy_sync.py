@@ -253,7 +253,7 @@ class PolicySync:
         formed again with the survivors), and the sync done again, at most once per engine."""
         from dapo_mega.weights.sync import EngineLostError
 
-        held = self.held_as()
+        held = self.held_as(mixture=learner.info.shape.is_moe)
         for _attempt in range(self.cfg.rollout.num_engines):
             self.drop_dead_engines()
             checksums: Optional[Dict[str, str]] = {} if held is not None else None
@@ -302,14 +302,16 @@ class PolicySync:
             return None
         return dtypes[0]
 
-    def held_as(self) -> Optional["HeldAs"]:
+    def held_as(self, mixture: bool = False) -> Optional["HeldAs"]:
         """How the engines hold and hash what they are sent (`weights.checksum.HeldAs`), where
         their checksums are compared with the learner's (`checks.checksum`): embedded engines
         (HF names, SHA-256); SGLang engines of TP 1 (q/k/v and gate/up fused, SHA-256 on a CPU,
         SGLang's GPU hash on GPUs, computed on the learner's GPU: `gpu_tensor_checksum`). Not
         SGLang at TP > 1 (each rank holds its own shards), nor with `--quantization` among its
         server args (it reports dequantized weights), nor the CUDA-IPC hand-over (it sends per
-        engine TP rank): the probe judges those."""
+        engine TP rank), nor a mixture of experts on SGLang (it fuses each layer's experts into
+        `w13_weight` / `w2_weight`, which the learner's per-expert tensors do not hash to): the
+        probe judges those."""
         from dapo_mega.backends.placement import engine_uses_gpu
         from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
         from dapo_mega.weights.checksum import CPU_HASH, GPU_HASH, HF, SGLANG_TP1, HeldAs
@@ -320,7 +322,7 @@ class PolicySync:
         dtype = TORCH_DTYPES[self.engine_dtype]
         if r.backend == "embedded":
             return HeldAs(dtype, HF, CPU_HASH)
-        if r.engine_tp_size != 1 or any(a.startswith("--quantization") for a in r.extra_server_args):
+        if mixture or r.engine_tp_size != 1 or any(a.startswith("--quantization") for a in r.extra_server_args):
             return None
         on_gpu = engine_uses_gpu(r.backend, self.cfg.cluster.device != "cpu" and torch.cuda.is_available())
         return HeldAs(dtype, SGLANG_TP1, GPU_HASH if on_gpu else CPU_HASH)

@@ -289,8 +289,9 @@ class RoundDispatcher(EngineLiveness):
         self.open_prompts += len(idx)
         failed = True
         try:  # a resumed chunk with nothing open (every sample had finished) needs no request
+            reports = bool(m.routed_experts_every) and c % m.routed_experts_every == 0
             samples = await self._until_hung(url, client.generate(inputs, params, return_logprob=m.return_logprob,
-                                                                    return_routed_experts=m.return_routed_experts)) \
+                                                                    return_routed_experts=reports)) \
                 if inputs else []
             if any(s.aborted for s in samples):
                 if self.stop.is_set():  # our own abort: the prompts go back unsent (their partials kept)

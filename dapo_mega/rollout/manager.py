@@ -86,9 +86,9 @@ class RolloutManager:
         self.requests_per_engine = max(1, requests_per_engine)
         self.run_id = run_id
         self.return_logprob = return_logprob
-        self.return_routed_experts = False
-        """Ask for each token's experts (a mixture of experts whose engines report them: the
-        fleet knows, `EngineFleet.returns_routed_experts`)."""
+        self.routed_experts_every = 0
+        """Ask one request in this many for each token's experts (0: none; a mixture of experts
+        whose engines report them: the fleet knows, `EngineFleet.returns_routed_experts`)."""
         self.prompt_to_input = prompt_to_input or (lambda p: p.prompt)
         self.seed = seed
         self.dataset_revision = dataset_revision

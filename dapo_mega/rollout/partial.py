@@ -29,7 +29,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Container, Dict, List, Optional, Sequence, Tuple
 
-from dapo_mega.rollout.samples import Group, PromptFactory, PromptItem, ScoredSample, parse_version, scored_sample
+from dapo_mega.rollout.samples import (
+    Group,
+    PromptFactory,
+    PromptItem,
+    ScoredSample,
+    compact_routed_experts,
+    parse_version,
+    scored_sample,
+)
 
 if TYPE_CHECKING:
     from dapo_mega.engines.sglang.client import (
@@ -77,7 +85,9 @@ def extend_sample(sample: ScoredSample, reply: "SampleResult", engine_id: str, l
                    weight_versions=merge_spans(sample.weight_versions, reply.weight_versions, len(sample.token_ids)),
                    response_text=sample.response_text + reply.text, truncated=reply.truncated, engine_id=engine_id,
                    generation_latency_s=sample.generation_latency_s + float(reply.meta_info.get("e2e_latency",
-                                                                                                latency_s)))
+                                                                                                latency_s)),
+                   # the resumed request routed the prompt and the carried tokens again: its report covers them all
+                   routed_experts=compact_routed_experts(reply.meta_info.get("routed_experts")))
 
 
 def offpolicy_prefix_mask(sample: ScoredSample) -> Optional[List[int]]:

@@ -94,6 +94,10 @@ class ParallelLayout:
         if self.hf_config is not None:
             arch = ModelShape.from_hf_config(self.hf_config)
             check_expert_layout(arch, self.ep, self.tp * self.cp * self.dp)
+            if arch.is_moe and self.tp > 1 and not self.sequence_parallel:
+                raise ConfigError(f"megatron.sequence_parallel: false with TP {self.tp} for a mixture of experts; "
+                                  "megatron-core's MoE layer refuses to train so (its first forward raises). Fix: "
+                                  "megatron.sequence_parallel=true")
             if arch.num_attention_heads % self.tp:
                 raise ConfigError(
                     f"megatron.tensor_model_parallel_size: {self.tp} does not divide the model's "

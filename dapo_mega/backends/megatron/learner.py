@@ -120,6 +120,8 @@ class MegatronLearner:
                                     layout.sequence_parallel, layout.tp_rank, layout.tp) if self.info.shape.is_moe else None
         self._routing_samples: Optional[Sequence[TrainSample]] = None
         """The samples the micro-batches now run index (train_step's), else None."""
+        self._router_loss_coeff = float(getattr(self.model_chunks[0].config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        """The load-balancing loss's weight per token (HF router_aux_loss_coef; `_scale_router_loss`)."""
         self.config = self.model_chunks[0].config
         self.ddp_chunks = wrap_with_ddp(self.model_chunks, cfg.megatron)
         self.optimizer = build_optimizer(self.ddp_chunks, cfg.algo, cfg.megatron, bf16=self.info.params_dtype == "bfloat16")
@@ -500,6 +502,7 @@ class MegatronLearner:
             computed += sum(mb.tokens.numel() for mb in micro_batches)
             measured = k_update == 0 or not algo.use_engine_logprobs
             self._count_routing(k_update == 0)
+            self._scale_router_loss(sum(samples[i].length for i in mini_batch))
             info = self._update(micro_batches, partial(self._policy_loss_func, max(global_tokens, 1.0),
                                                        max(global_seqs, 1.0), ages=ages, measure_mismatch=measured),
                                 lr=None)
@@ -538,6 +541,15 @@ class MegatronLearner:
         splits the tokens over it."""
         if self._routing is not None:
             self._routing.counting = on and (self.layout.sequence_parallel or self.layout.tp_rank == 0)
+
+    def _scale_router_loss(self, tokens: int) -> None:
+        """The load-balancing loss of an update, per token of its mini-batch (`tokens`, every DP
+        rank's), as the policy loss is: megatron-core's router multiplies each micro-batch's aux
+        loss by its token count under `calculate_per_token_loss` and leaves the division to
+        `finalize_model_grads`, which this learner does not ask for (its loss is already per
+        token), so the weight itself is divided here (the router reads it at each forward)."""
+        if self._router_loss_coeff:
+            self.config.moe_aux_loss_coeff = self._router_loss_coeff / max(tokens, 1)
 
     def _check_routing_reports(self, samples: Sequence[TrainSample]) -> None:
         """Routing replay with no sample reporting its experts replays nothing: stop at the step."""
@@ -605,6 +617,7 @@ class MegatronLearner:
             return loss, num_tokens, {"loss": loss.detach(), "num_tokens": num_tokens, "entropy_sum": (entropy * mask).sum()}
 
         shard = self._shard(samples, indices)
+        self._scale_router_loss(sum(s.length for s in samples))
         info = self._update(self._schedule_passes(samples, [shard])[0], loss_func, lr=lr)
         elapsed = time.perf_counter() - start
         return {"sft/loss": info["loss"], "sft/grad_norm": info["grad_norm"], "sft/lr": lr,

@@ -22,7 +22,8 @@ Token order: megatron-core's router sees a micro-batch's [B, S] tokens as [S, B]
 (`index = s * B + b`), with sequence parallelism this TP rank's S / TP rows of it. A pipeline
 stage's routers are its own layers; with full activation recompute the recomputed forward
 calls the hook again with the micro-batch of the moment, which is the one recomputed only
-without pipeline parallelism (config.py refuses replay with recompute under PP > 1).
+without pipeline parallelism (preflight refuses replay with full recompute under PP > 1); a
+router counts once per micro-batch, so a recomputed forward adds nothing to the agreement.
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ from dapo_mega.models.shape import ModelShape
 __all__ = ["RouterWatch", "decode_routed_experts", "routing_targets"]
 
 
+_COMPACT = {"u8": np.uint8, "u16": np.uint16}
+
+
 def decode_routed_experts(data: Optional[str], positions: int, num_layers: int, top_k: int) -> Optional[np.ndarray]:
-    """[positions, num_layers, top_k] int32 of an engine's report, or None when there is none or
-    its size is not that (a report of another model or another span of positions)."""
+    """[positions, num_layers, top_k] of an engine's report (SGLang's base64 int32, or the
+    compact form a sample keeps: `rollout.samples.compact_routed_experts`), or None when there
+    is none or its size is not that (a report of another model or another span of positions)."""
     if not data or positions <= 0:
         return None
-    raw = np.frombuffer(base64.b64decode(data), dtype=np.int32)
+    kind, _, body = data.partition(":") if data.startswith(("u8:", "u16:")) else ("", "", data)
+    raw = np.frombuffer(base64.b64decode(body), dtype=_COMPACT.get(kind, np.int32))
     if raw.size != positions * num_layers * top_k:
         return None
     return raw.reshape(positions, num_layers, top_k)
@@ -95,12 +101,15 @@ class RouterWatch:
         """Token-expert choices compared (tokens x k) since `take_counts`."""
         self.unreported = 0
         """Samples whose engine reported no experts, since `take_counts`."""
+        self._counted: set = set()
+        """Routers that counted the micro-batch now running (a recomputed forward counts nothing)."""
         self._experts: Optional[torch.Tensor] = None  # [tokens, layers, k] in the routers' order
         self._known: Optional[torch.Tensor] = None  # [tokens]
         self._hooks = [router.register_forward_pre_hook(self._hook(i)) for i, (_, router) in enumerate(self.routers)]
 
     def begin(self, mb: MicroBatch, samples: Optional[Sequence[TrainSample]]) -> None:
         """The micro-batch whose forward runs next (None samples: no reports, own routing)."""
+        self._counted = set()
         if samples is None or not self.routers:
             self._experts = self._known = None
             return
@@ -128,7 +137,8 @@ class RouterWatch:
             else:
                 engine = experts[:, index].to(own.device)
                 known = self._known.to(own.device)
-                if self.counting:
+                if self.counting and index not in self._counted:
+                    self._counted.add(index)
                     same = (own.unsqueeze(-1) == engine.unsqueeze(-2)).any(-1)  # [tokens, k]: own holds engine's
                     self.matches += int(same[known].sum())
                     self.compared += int(known.sum()) * own.shape[1]

@@ -136,3 +136,36 @@ def test_router_agreement_and_replay_at_ep2(moe_dir):
     assert r["replay_rotated"]["mismatch/logp_abs_max"] > 1e-4
     assert r["replay_right"]["actor/grad_norm"] == pytest.approx(r["own_right"]["actor/grad_norm"], rel=1e-4)
     assert "reported no routed experts for any of the step's 8 samples" in r["no_reports"]
+
+
+def _router_loss_grad_norms(rank, world, hf_dir):
+    """Gradient norms of an update whose only loss is the router's load-balancing loss (every
+    advantage 0, weight 0.5): per token of the mini-batch (the learner's), and as megatron-core
+    leaves it (the weight as given); the batch's tokens."""
+    import dataclasses
+
+    from dist_helpers import make_config
+
+    cfg = make_config(micro_batch_tokens=64, train_batch_size=2, mini_batch_size=2, n=4, lr=0.0)
+    learner = _learner(cfg, hf_dir, world, replay=False)
+    batch = [dataclasses.replace(s, advantage=0.0) for s in _samples()]
+    learner._router_loss_coeff = 0.5
+    per_token = learner.train_step(batch, step=1)["actor/grad_norm"]
+    learner._router_loss_coeff = 0.0  # megatron-core's own scaling
+    learner.config.moe_aux_loss_coeff = 0.5
+    as_given = learner.train_step(batch, step=1)["actor/grad_norm"]
+    learner.config.moe_aux_loss_coeff = 0.0
+    none = learner.train_step(batch, step=1)["actor/grad_norm"]
+    return per_token, as_given, none, sum(s.length for s in batch)
+
+
+def test_the_router_loss_is_per_token_as_the_policy_loss(moe_dir):
+    """megatron-core multiplies each micro-batch's load-balancing loss by its tokens under
+    calculate_per_token_loss and leaves the division to finalize_model_grads, which this learner
+    does not run (its loss is per token already): the learner divides the weight by the
+    mini-batch's tokens. Without that division the gradient is the tokens' count times larger
+    (at 32B: millions), and it would swamp the policy gradient."""
+    per_token, as_given, none, tokens = run_distributed(_router_loss_grad_norms, 1, args=(str(moe_dir),),
+                                                        timeout_s=300)[0]
+    assert none == 0.0 < per_token  # with every advantage 0 the router loss is the only gradient
+    assert as_given / per_token == pytest.approx(tokens, rel=1e-4), (per_token, as_given, tokens)
