@@ -266,3 +266,7 @@ def test_a_mixture_of_experts_becomes_megatron_cores_moe_config_and_its_layout_i
         ParallelLayout.from_config(MegatronConfig(expert_model_parallel_size=3), 3, hf).validate()
     with pytest.raises(ConfigError, match=r"expert_model_parallel_size: 4 does not divide TP x CP x DP = 2"):
         ParallelLayout.from_config(MegatronConfig(expert_model_parallel_size=4), 2, hf).validate()
+    # megatron-core's MoE layer refuses to train at TP > 1 without sequence parallelism: said before it starts
+    with pytest.raises(ConfigError, match=r"^megatron.sequence_parallel: false with TP 2 for a mixture of experts"):
+        ParallelLayout.from_config(MegatronConfig(tensor_model_parallel_size=2), 2, hf).validate()
+    ParallelLayout.from_config(MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 2, hf).validate()

@@ -85,6 +85,27 @@ def test_cut_resume_and_merge_concatenate_tokens_logprobs_and_versions():
     assert again.open == [1] and again.group.samples[1].weight_versions == [{"version": "4", "start": 0, "end": 4}]
 
 
+def test_a_resumed_sample_keeps_the_report_of_its_last_request():
+    """A mixture's routed experts (SGLang's base64 int32 [positions, layers, k]): the resumed
+    request routes the prompt and the carried tokens again, so its report covers the whole
+    sample; the first request's would be short by the tokens after it."""
+    import base64
+
+    import numpy as np
+
+    from dapo_mega.backends.megatron.routing import decode_routed_experts
+
+    def routed(r, positions, value):
+        r.meta_info["routed_experts"] = base64.b64encode(np.full((positions, 2, 2), value, np.int32).tobytes()).decode()
+        return r
+
+    pg = cut_group([routed(reply([1, 2], 4, "stop", index=0), 4, 1), routed(reply([5, 6, 7], 4, index=1), 5, 2)])
+    assert pg.group.samples[1].routed_experts.startswith("u8:")  # kept as a byte per choice
+    done = pg.merge([routed(reply([8, 9], 5, "stop"), 3 + 5 - 1, 3)], "e1", 1.0)
+    report = decode_routed_experts(done.group.samples[1].routed_experts, 3 + 5 - 1, 2, 2)
+    assert report is not None and (report == 3).all()
+
+
 def test_merge_spans_shift_drop_empty_and_join():
     old = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 2}]
     new = [{"version": "1", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 4}]

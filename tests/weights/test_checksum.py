@@ -178,3 +178,21 @@ def test_checksums_follow_the_dtype_the_engines_report_and_stop_where_they_do_no
     reports["http://127.0.0.1:6"] = "bfloat16"
     sync.engine_dtype = sync._engines_dtype(engines)
     assert sync.held_as() is None and "checksums not compared" in said[0] and "bfloat16" in said[0]
+
+
+def test_a_mixture_on_sglang_is_left_to_the_probe():
+    """SGLang fuses each layer's experts (`w13_weight`, `w2_weight`), which the learner's
+    per-expert tensors do not hash to: a mixture's checksums on SGLang are not compared (every
+    expert would look missing and stop the run at step 1); the embedded engine keeps them."""
+    from dapo_mega.config import load_config
+    from dapo_mega.driver.policy_sync import PolicySync
+    from dapo_mega.weights.checksum import CPU_HASH, HF, SGLANG_TP1
+
+    role = type("Role", (), {"say": lambda self, message, error=False: None})()
+    sglang = PolicySync(load_config(["rollout.backend=sglang", "cluster.device=cpu"]), layout=None, role=role)
+    sglang.engine_dtype = "float32"
+    assert sglang.held_as(mixture=False) == HeldAs(torch.float32, SGLANG_TP1, CPU_HASH)
+    assert sglang.held_as(mixture=True) is None
+    embedded = PolicySync(load_config([]), layout=None, role=role)
+    embedded.engine_dtype = "float32"
+    assert embedded.held_as(mixture=True) == HeldAs(torch.float32, HF, CPU_HASH)

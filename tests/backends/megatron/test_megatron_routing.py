@@ -21,6 +21,7 @@ from dapo_mega.backends.megatron.batch import collate_packed_micro_batch
 from dapo_mega.backends.megatron.routing import decode_routed_experts, routing_targets
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.models.tiny import build_tiny_model_dir
+from dapo_mega.rollout.samples import compact_routed_experts
 
 
 def _report(array: np.ndarray) -> str:
@@ -38,6 +39,10 @@ def test_reports_land_on_each_samples_columns_and_odd_sizes_are_no_report():
     a.routed_experts = _report(report_a)
     b.routed_experts = _report(np.zeros((5, 3, 2)))                    # the wrong number of positions
     assert decode_routed_experts(b.routed_experts, 2, 3, 2) is None
+    wide = np.arange(300, dtype=np.int32).reshape(50, 3, 2)  # more than 256 experts: two bytes a choice
+    assert compact_routed_experts(_report(wide)).startswith("u16:")
+    assert (decode_routed_experts(compact_routed_experts(_report(wide)), 50, 3, 2) == wide).all()
+    assert (decode_routed_experts(compact_routed_experts(_report(report_a)), 4, 3, 2) == report_a).all()
     mb = collate_packed_micro_batch([a, b], [[0, 1]], seq_len=10)
     experts, known, missing = routing_targets(mb, [a, b], shape, layers=[1, 2])
     assert missing == 1 and known[0].tolist() == [True] * 4 + [False] * 6
