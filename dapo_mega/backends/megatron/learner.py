@@ -55,6 +55,7 @@ from dapo_mega.algo import (
     summarize_mismatch,
     summarize_tis_weights,
 )
+from dapo_mega.algo.mismatch import age_bucket_label
 from dapo_mega.backends.megatron.batch import (
     ATTENTION_MASK,
     ATTENTION_THD,
@@ -117,7 +118,8 @@ class MegatronLearner:
                                                    routing_replay=cfg.algo.routing_replay)
         # a mixture of experts: the engines' experts per token (agreement, replay: routing.py)
         self._routing = RouterWatch(self.model_chunks, self.info.shape, cfg.algo.routing_replay,
-                                    layout.sequence_parallel, layout.tp_rank, layout.tp) if self.info.shape.is_moe else None
+                                    layout.sequence_parallel, layout.tp_rank, layout.tp,
+                                    cfg.checks.mismatch_age_buckets) if self.info.shape.is_moe else None
         self._routing_samples: Optional[Sequence[TrainSample]] = None
         """The samples the micro-batches now run index (train_step's), else None."""
         self._router_loss_coeff = float(getattr(self.model_chunks[0].config, "moe_aux_loss_coeff", 0.0) or 0.0)
@@ -566,10 +568,14 @@ class MegatronLearner:
         router makes too), the choices compared and the samples with no report; {} for a dense model."""
         if self._routing is None:
             return {}
-        matches, compared, _ = self._routing.take_counts()
-        matches, compared = self._all_reduce_sum([float(matches), float(compared)])
-        return {"moe/router_agreement": matches / compared if compared else float("nan"),
-                "moe/router_choices_compared": compared,
+        matches, compared = self._routing.take_counts()
+        buckets = len(matches)
+        totals = self._all_reduce_sum([float(v) for v in matches + compared])
+        matches, compared = totals[:buckets], totals[buckets:]
+        by_age = {f"moe/{age_bucket_label(k, buckets)}/router_agreement": (m / c if c else float("nan"))
+                  for k, (m, c) in enumerate(zip(matches, compared))}
+        return {"moe/router_agreement": sum(matches) / sum(compared) if sum(compared) else float("nan"),
+                "moe/router_choices_compared": sum(compared), **by_age,
                 "moe/unreported_samples": float(sum(s.routed_experts is None for s in samples)),
                 "moe/routing_replay": float(self.cfg.algo.routing_replay)}
 

@@ -59,24 +59,26 @@ def decode_routed_experts(data: Optional[str], positions: int, num_layers: int, 
 
 
 def routing_targets(mb: MicroBatch, samples: Sequence[TrainSample], shape: ModelShape,
-                    layers: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """(experts [B, S, len(layers), k] int64, known [B, S] bool, samples without a report) of a
-    micro-batch: each sample's reported experts of `layers` (global layer indices) at its
-    columns; -1 where nothing is known."""
+                    layers: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(experts [B, S, len(layers), k] int64, known [B, S] bool, samples without a report, ages
+    [B, S] int64) of a micro-batch: each sample's reported experts of `layers` (global layer
+    indices) at its columns, -1 where nothing is known; each column's sample's policy-version age."""
     rows, width = mb.tokens.shape
     k = shape.num_experts_per_tok
     experts = torch.full((rows, width, len(layers), k), -1, dtype=torch.long)
     known = torch.zeros(rows, width, dtype=torch.bool)
+    ages = torch.zeros(rows, width, dtype=torch.long)
     missing = 0
     for p in mb.placements:
         n = p.prompt_length + p.response_length - 1
+        ages[p.row, p.start:p.start + n] = samples[p.sample_index].age
         report = decode_routed_experts(samples[p.sample_index].routed_experts, n, shape.num_layers, k)
         if report is None:
             missing += 1
             continue
         experts[p.row, p.start:p.start + n] = torch.from_numpy(report[:, list(layers), :].astype(np.int64))
         known[p.row, p.start:p.start + n] = True
-    return experts, known, missing
+    return experts, known, missing, ages
 
 
 class RouterWatch:
@@ -84,7 +86,7 @@ class RouterWatch:
     routing replay (module docstring)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], shape: ModelShape, replay: bool,
-                 sequence_parallel: bool = False, tp_rank: int = 0, tp: int = 1):
+                 sequence_parallel: bool = False, tp_rank: int = 0, tp: int = 1, age_buckets: int = 1):
         self.shape, self.replay = shape, replay
         self.split = (tp_rank, tp) if sequence_parallel and tp > 1 else None
         self.routers: List[Tuple[int, torch.nn.Module]] = []
@@ -96,34 +98,34 @@ class RouterWatch:
         self.layers = [layer for layer, _ in self.routers]
         self.counting = False
         """Whether the forwards now running count towards the agreement."""
-        self.matches = 0
-        self.compared = 0
-        """Token-expert choices compared (tokens x k) since `take_counts`."""
-        self.unreported = 0
-        """Samples whose engine reported no experts, since `take_counts`."""
+        self.age_buckets = max(1, age_buckets)
+        self.matches = [0] * self.age_buckets
+        self.compared = [0] * self.age_buckets
+        """Token-expert choices compared (tokens x k) since `take_counts`, by policy-version age
+        (the last bucket holds every older age, as the mismatch's)."""
         self._counted: set = set()
         """Routers that counted the micro-batch now running (a recomputed forward counts nothing)."""
         self._experts: Optional[torch.Tensor] = None  # [tokens, layers, k] in the routers' order
         self._known: Optional[torch.Tensor] = None  # [tokens]
+        self._ages: Optional[torch.Tensor] = None  # [tokens], bucketed
         self._hooks = [router.register_forward_pre_hook(self._hook(i)) for i, (_, router) in enumerate(self.routers)]
 
     def begin(self, mb: MicroBatch, samples: Optional[Sequence[TrainSample]]) -> None:
         """The micro-batch whose forward runs next (None samples: no reports, own routing)."""
         self._counted = set()
         if samples is None or not self.routers:
-            self._experts = self._known = None
+            self._experts = self._known = self._ages = None
             return
-        experts, known, missing = routing_targets(mb, samples, self.shape, self.layers)
-        if self.counting:
-            self.unreported += missing
+        experts, known, missing, ages = routing_targets(mb, samples, self.shape, self.layers)
         rows, width = known.shape
         experts = experts.transpose(0, 1).reshape(width * rows, len(self.layers), -1)  # megatron's [S, B] order
         known = known.transpose(0, 1).reshape(width * rows)
+        ages = ages.clamp(max=self.age_buckets - 1).transpose(0, 1).reshape(width * rows)
         if self.split is not None:
             rank, size = self.split
-            part = width * rows // size
-            experts, known = experts[rank * part:(rank + 1) * part], known[rank * part:(rank + 1) * part]
-        self._experts, self._known = experts, known
+            part = slice(rank * width * rows // size, (rank + 1) * width * rows // size)
+            experts, known, ages = experts[part], known[part], ages[part]
+        self._experts, self._known, self._ages = experts, known, ages
 
     def _hook(self, index: int):
         def before_router(router: torch.nn.Module, args) -> None:
@@ -140,8 +142,11 @@ class RouterWatch:
                 if self.counting and index not in self._counted:
                     self._counted.add(index)
                     same = (own.unsqueeze(-1) == engine.unsqueeze(-2)).any(-1)  # [tokens, k]: own holds engine's
-                    self.matches += int(same[known].sum())
-                    self.compared += int(known.sum()) * own.shape[1]
+                    ages = self._ages.to(own.device)
+                    for bucket in range(self.age_buckets):
+                        where = known & (ages == bucket)
+                        self.matches[bucket] += int(same[where].sum())
+                        self.compared[bucket] += int(where.sum()) * own.shape[1]
             if self.replay:
                 target = own if known is None else torch.where(known.unsqueeze(-1), engine, own)
                 from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -151,10 +156,10 @@ class RouterWatch:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         return before_router
 
-    def take_counts(self) -> Tuple[int, int, int]:
-        """(matches, compared, samples without a report) since the last call; reset."""
-        counts = (self.matches, self.compared, self.unreported)
-        self.matches = self.compared = self.unreported = 0
+    def take_counts(self) -> Tuple[List[int], List[int]]:
+        """(matches, compared) by age bucket since the last call; reset."""
+        counts = (self.matches, self.compared)
+        self.matches, self.compared = [0] * self.age_buckets, [0] * self.age_buckets
         return counts
 
     def remove(self) -> None:

@@ -10,6 +10,7 @@ transformers' Qwen3MoeForCausalLM on the same checkpoint, as the embedded engine
 from __future__ import annotations
 
 import base64
+import math
 
 import numpy as np
 import pytest
@@ -44,8 +45,10 @@ def test_reports_land_on_each_samples_columns_and_odd_sizes_are_no_report():
     assert (decode_routed_experts(compact_routed_experts(_report(wide)), 50, 3, 2) == wide).all()
     assert (decode_routed_experts(compact_routed_experts(_report(report_a)), 4, 3, 2) == report_a).all()
     mb = collate_packed_micro_batch([a, b], [[0, 1]], seq_len=10)
-    experts, known, missing = routing_targets(mb, [a, b], shape, layers=[1, 2])
+    a.age, b.age = 2, 0
+    experts, known, missing, ages = routing_targets(mb, [a, b], shape, layers=[1, 2])
     assert missing == 1 and known[0].tolist() == [True] * 4 + [False] * 6
+    assert ages[0, :4].tolist() == [2] * 4 and ages[0, 5:7].tolist() == [0, 0]  # each column's sample's age
     assert torch.equal(experts[0, :4], torch.from_numpy(report_a[:, 1:, :]).long())
     assert (experts[0, 4:] == -1).all()
 
@@ -129,6 +132,8 @@ def test_router_agreement_and_replay_at_ep2(moe_dir):
     keys = ("moe/router_agreement", "moe/router_choices_compared", "actor/entropy", "mismatch/logp_abs_max")
     assert r["own_right"]["moe/router_agreement"] == pytest.approx(1.0, abs=0.01), {k: r["own_right"][k] for k in keys}
     assert r["own_right"]["moe/router_choices_compared"] > 0 and r["own_right"]["moe/unreported_samples"] == 0
+    assert r["own_right"]["moe/age_0/router_agreement"] == r["own_right"]["moe/router_agreement"]  # every sample age 0
+    assert math.isnan(r["own_right"]["moe/age_1/router_agreement"])
     assert r["own_rotated"]["moe/router_agreement"] < 0.5
     # replay of transformers' own choices: the forward routes as it would alone
     assert r["replay_right"]["actor/entropy"] == pytest.approx(r["own_right"]["actor/entropy"], abs=1e-5)
