@@ -38,17 +38,17 @@ from dapo_mega.engines.process import (
     EngineProcess,
     EngineStartError,
     announce_engine,
+    announce_learners_ready,
     free_port,
     is_healthy,
     lost_port_race,
     resume_process,
     stop_process,
+    wait_for_learners,
 )
 from dapo_mega.engines.sglang.api import SERVER_FLAGS
-from dapo_mega.engines.sglang.commands import build_engine_command
+from dapo_mega.engines.sglang.commands import build_engine_command, reports_routed_experts
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
-from dapo_mega.models.shape import ModelShape
-from dapo_mega.run_files.checkpoints import write_text_atomic
 from dapo_mega.tether import popen_tethered
 
 logger = log.get(__name__)
@@ -64,8 +64,6 @@ CPU_SGLANG_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 glibc ignores the tunable."""
 
 
-ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
-"""SGLang's (and the embedded engine's) flag that records each token's experts for /generate."""
 DEFAULT_START_TIMEOUT_S = 300.0
 """Engine start bound when neither rollout.health_timeout_s nor a derived one is given (the
 tiny engines of tests and tools; `open_fleet` derives the run's from its model and engines)."""
@@ -106,32 +104,6 @@ def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: 
     engines = trainer_placement(cfg, learner_ranks, fleet.on_gpu(), {}).engines if fleet.on_gpu() else ()
     fleet.start(gpu_ids=[list(e.gpu_ids) for e in engines], base_gpu_ids=[e.base_gpu_id for e in engines])
     return fleet
-
-
-LEARNERS_READY_FILE = "learners-ready.json"
-"""Written in the engine registry by the driver once the learners hold their model and
-optimizer state (`announce_learners_ready`); cleared with the registry by `prepare`."""
-
-
-def announce_learners_ready(registry: Path) -> None:
-    """The learners are initialised: colocated engines may now start and size their KV pool
-    from the memory the learners left free (SGLang measures free memory when it starts)."""
-    registry.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(registry / LEARNERS_READY_FILE, json.dumps({"time": time.time()}))
-
-
-def wait_for_learners(registry: Path, timeout_s: float) -> None:
-    """Colocated engines start after the learners initialise (`announce_learners_ready`):
-    started together, SGLang would size its KV pool from whatever the learners had allocated
-    by then, and its TP ranks' memory-balance check can fail. Bounded by `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    logger.info(f"[fleet] waiting for the learners to initialise ({registry / LEARNERS_READY_FILE})",
-                extra=log.EVERY_RANK)
-    while not (registry / LEARNERS_READY_FILE).exists():
-        if time.monotonic() > deadline:
-            raise EngineStartError(f"the learners did not initialise within {timeout_s:.0f} s "
-                                   f"(cluster.driver_stall_timeout_s); see the learner logs")
-        time.sleep(0.5)
 
 
 class EngineFleet:
@@ -223,17 +195,9 @@ class EngineFleet:
 
     @property
     def returns_routed_experts(self) -> bool:
-        """Whether the engines started here report each token's experts (the fleet passes
-        `--enable-return-routed-experts`): a mixture of experts, on the embedded engine or SGLang
-        on GPUs. SGLang 0.5.23 on a CPU dies at start with the flag (its capturer pins host
-        memory through CUDA). Engines attached by URL or from a registry: False (not known)."""
-        if self.attached or not self.model_path:
-            return False
-        try:
-            moe = ModelShape.from_hf_config(self.model_path).is_moe
-        except (OSError, ValueError, KeyError):  # no config.json there (a test's stand-in model path)
-            return False
-        return moe and (self.rollout.backend != "sglang" or self.on_gpu())
+        """Whether the engines started here report each token's experts (`reports_routed_experts`);
+        engines attached by URL or from a registry: False (not known)."""
+        return not self.attached and reports_routed_experts(self.rollout.backend, self.on_gpu(), self.model_path)
 
     def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
         """argv of one engine on `port`: the shared command line plus what this machine needs."""
@@ -243,9 +207,7 @@ class EngineFleet:
         memory_saver = self.memory_saver and (r.backend != "sglang" or self.on_gpu())
         argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
                                     host=self.bind_host, python=self.python, memory_saver=memory_saver,
-                                    base_gpu_id=base_gpu_id)
-        if self.returns_routed_experts and ROUTED_EXPERTS_FLAG not in r.extra_server_args:
-            argv.append(ROUTED_EXPERTS_FLAG)
+                                    base_gpu_id=base_gpu_id, routed_experts=self.returns_routed_experts)
         if r.backend == "sglang":
             if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
                 argv += [SERVER_FLAGS["device"], "cpu"]

@@ -14,12 +14,14 @@ import json
 import os
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Set
 
+from dapo_mega import log
 from dapo_mega.distributed import free_port
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.run_files.checkpoints import write_text_atomic
@@ -27,8 +29,10 @@ from dapo_mega.run_files.checkpoints import write_text_atomic
 if TYPE_CHECKING:
     from dapo_mega.config import RolloutConfig
 
-__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "engine_incarnations", "free_port", "is_healthy", "listening_inodes",
+__all__ = ["EngineProcess", "EngineStartError", "announce_engine", "announce_learners_ready", "wait_for_learners", "engine_incarnations", "free_port", "is_healthy", "listening_inodes",
            "log_tail", "lost_port_race", "resume_process", "socket_inodes", "stop_process"]
+
+logger = log.get(__name__)
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
 """Per-request timeout of one /health probe (SGLang answers after ~1 s of work)."""
@@ -209,3 +213,29 @@ def resume_process(proc: subprocess.Popen) -> None:
             os.kill(proc.pid, signal.SIGCONT)
     except ProcessLookupError:
         pass
+
+
+LEARNERS_READY_FILE = "learners-ready.json"
+"""Written in the engine registry by the driver once the learners hold their model and
+optimizer state (`announce_learners_ready`); cleared with the registry by `prepare`."""
+
+
+def announce_learners_ready(registry: Path) -> None:
+    """The learners are initialised: colocated engines may now start and size their KV pool
+    from the memory the learners left free (SGLang measures free memory when it starts)."""
+    registry.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(registry / LEARNERS_READY_FILE, json.dumps({"time": time.time()}))
+
+
+def wait_for_learners(registry: Path, timeout_s: float) -> None:
+    """Colocated engines start after the learners initialise (`announce_learners_ready`):
+    started together, SGLang would size its KV pool from whatever the learners had allocated
+    by then, and its TP ranks' memory-balance check can fail. Bounded by `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    logger.info(f"[fleet] waiting for the learners to initialise ({registry / LEARNERS_READY_FILE})",
+                extra=log.EVERY_RANK)
+    while not (registry / LEARNERS_READY_FILE).exists():
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"the learners did not initialise within {timeout_s:.0f} s "
+                                   f"(cluster.driver_stall_timeout_s); see the learner logs")
+        time.sleep(0.5)

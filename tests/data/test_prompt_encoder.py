@@ -139,7 +139,8 @@ def _train_path_ids(cfg, problems, monkeypatch):
             return lambda *a, **k: None
 
     def fake_start_engines(self):
-        self.fleet = SimpleNamespace(endpoints=["http://127.0.0.1:9"], engines=[], close=lambda: None)
+        self.fleet = SimpleNamespace(endpoints=["http://127.0.0.1:9"], engines=[], close=lambda: None,
+                                     returns_routed_experts=False)
         return ["http://127.0.0.1:9"]
 
     monkeypatch.setattr(Session, "_start_engines", fake_start_engines)

@@ -229,7 +229,11 @@ def test_every_experiment_every_stage_has_a_time_and_gpus_only_where_used(name, 
                                         "eval"]
     clock = estimate_clock(cfg)
     lead = math.ceil(max(600, clock.stop_signal_lead_s))
-    ranks = cfg.megatron.tensor_model_parallel_size * cfg.megatron.pipeline_model_parallel_size
+    # a conversion rank per TP x PP rank, and for a mixture data-parallel copies where EP exceeds TP
+    # (each rank holds its share of the experts: EP 8 at TP 4 is 8 ranks)
+    m = cfg.megatron
+    ranks = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * \
+        (m.expert_model_parallel_size // math.gcd(m.tensor_model_parallel_size, m.expert_model_parallel_size))
     for stage in stages:
         components = " ".join(stage.sbatch).split(" : ")
         assert all(len(re.findall(r"--time=(?:\d+-)?\d\d:\d\d:00\b", c)) == 1 for c in components), stage.sbatch

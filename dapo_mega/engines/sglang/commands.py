@@ -35,6 +35,7 @@ def build_engine_command(
     python: str = sys.executable,
     memory_saver: bool = False,
     base_gpu_id: Optional[int] = None,
+    routed_experts: bool = False,
 ) -> List[str]:
     """argv of one engine: `[python, -m, <module>, --model-path, ..., *extra_server_args]`.
 
@@ -48,6 +49,7 @@ def build_engine_command(
     base_gpu_id: SGLang `--base-gpu-id` (the first GPU the engine uses among those visible
         to it); the placement narrows CUDA_VISIBLE_DEVICES per engine and passes 0.
         SGLang only: the embedded CPU engine has no GPUs.
+    routed_experts: `--enable-return-routed-experts` (`reports_routed_experts` says when).
     """
     host = host or cfg.host
     require_api_key(host, cfg.api_key, "rollout.api_key")
@@ -69,8 +71,29 @@ def build_engine_command(
         argv.append(f["enable_memory_saver"])
     if base_gpu_id is not None and cfg.backend == "sglang":
         argv += [f["base_gpu_id"], str(base_gpu_id)]
+    if routed_experts and ROUTED_EXPERTS_FLAG not in cfg.extra_server_args:
+        argv.append(ROUTED_EXPERTS_FLAG)
     argv += list(cfg.extra_server_args)
     return argv
+
+
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang's (and the embedded engine's) flag that records each token's experts for /generate."""
+
+
+def reports_routed_experts(backend: str, on_gpu: bool, model_path: str) -> bool:
+    """Whether engines started on `model_path` report each token's experts: a mixture of
+    experts, on the embedded engine or SGLang on GPUs. SGLang 0.5.23 on a CPU dies at start
+    with the flag (its capturer pins host memory through CUDA)."""
+    from dapo_mega.models.shape import ModelShape
+
+    if not model_path:
+        return False
+    try:
+        moe = ModelShape.from_hf_config(model_path).is_moe
+    except (OSError, ValueError, KeyError, TypeError):  # no readable config.json (a stand-in model path)
+        return False
+    return moe and (backend != "sglang" or on_gpu)
 
 
 def build_router_command(

@@ -250,7 +250,7 @@ def test_resume_at_another_tp_or_pp_with_fully_reshardable_optimizer_state(tmp_p
     straight = spawn_gloo(_save_after_one_step, 2, args=(run_dir, "fully_reshardable"), timeout_s=240)[0]
     state = json.loads((Path(run_dir) / "checkpoints" / "step_000001" / R.TRAINER_STATE_FILE).read_text())
     assert state["optimizer_sharding"] == "fully_reshardable"
-    assert state["learner_layout"] == {"tp": 1, "pp": 1, "vpp": None, "dp": 2}
+    assert state["learner_layout"] == {"tp": 1, "pp": 1, "vpp": None, "dp": 2, "ep": 1}
     for tp, pp in ((2, 1), (1, 2)):
         resumed = _union(r["weights"] for r in spawn_gloo(_resume_and_step, 2, args=(run_dir, tp, pp), timeout_s=240))
         assert resumed.keys() == straight.keys(), (tp, pp)
