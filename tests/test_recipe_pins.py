@@ -96,6 +96,37 @@ def _get(cfg, dotted):
     return value
 
 
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+HEADER_KINDS = ("cluster", "learners", "engines", "model", "run_name")
+"""The kinds of difference a variant's file header names (`#   cluster ...`)."""
+
+
+def check_variant_of_32b(base, cfg, name: str, documented: set) -> str:
+    """A variant of the 32B recipe (`cfg`, configs/experiment/<name>.yaml) differs from it
+    (`base`) only in `documented` fields, and its header names each kind of difference; returns
+    the file's text."""
+    flat_base, flat_cfg = dict(_flat(dataclasses.asdict(base))), dict(_flat(dataclasses.asdict(cfg)))
+    differs = {k for k in flat_base if flat_base[k] != flat_cfg[k]}
+    assert differs <= documented, f"undocumented differences: {sorted(differs - documented)}"
+    text = (config_dir() / "experiment" / f"{name}.yaml").read_text()
+    for kind in HEADER_KINDS:
+        assert f"#   {kind}" in text, f"the {name} file does not document its {kind} difference"
+    return text
+
+
+def check_run_pins(cfg) -> None:
+    """`cfg` keeps how this system runs the recipe (RUN)."""
+    wrong = [f"{f} = {_get(cfg, f)!r}, pinned {v!r} ({why})" for f, v, why in RUN if _get(cfg, f) != v]
+    assert not wrong, "\n  ".join(wrong)
+
+
 @pytest.fixture(scope="module")
 def configs():
     return {name: load_config([f"+experiment={name}"]) for name in EXPERIMENTS_32B + ["dapo_qwen2.5_7b"]}
@@ -188,25 +219,10 @@ def test_warmup_is_counted_in_rollout_steps(configs):
 
 def test_7b_differs_from_32b_only_where_its_file_says(configs):
     """configs/experiment/dapo_qwen2.5_7b.yaml lists every difference; anything else is drift."""
-    a = dataclasses.asdict(configs["dapo_qwen2.5_32b"])
-    b = dataclasses.asdict(configs["dapo_qwen2.5_7b"])
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-
-    fa, fb = dict(flat(a)), dict(flat(b))
-    differs = {k for k in fa if fa[k] != fb[k]}
-    documented = {"model.name", "model.hf_path", "model.megatron_path", "cluster.num_nodes", "rollout.num_engines",
-                  "rollout.engine_tp_size", "megatron.tensor_model_parallel_size",
-                  "megatron.pipeline_model_parallel_size", "trainer.run_name"}
-    assert differs <= documented, f"undocumented differences: {sorted(differs - documented)}"
-    text = (config_dir() / "experiment" / "dapo_qwen2.5_7b.yaml").read_text()
-    for field in ("cluster", "learners", "engines", "model", "run_name"):
-        assert f"#   {field}" in text, f"the 7B file does not document its {field} difference"
+    check_variant_of_32b(configs["dapo_qwen2.5_32b"], configs["dapo_qwen2.5_7b"], "dapo_qwen2.5_7b",
+                         {"model.name", "model.hf_path", "model.megatron_path", "cluster.num_nodes",
+                          "rollout.num_engines", "rollout.engine_tp_size", "megatron.tensor_model_parallel_size",
+                          "megatron.pipeline_model_parallel_size", "trainer.run_name"})
 
 
 def test_cfg_job_shows_the_recipe(capsys):

@@ -140,10 +140,9 @@ _LAYER_TABLE: Dict[str, ParamSpec] = {
     "mlp.linear_fc1.weight": ParamSpec(
         ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"), COLUMN, GATE_UP),
     "mlp.linear_fc2.weight": ParamSpec(("model.layers.{layer}.mlp.down_proj.weight",), ROW),
+    "mlp.router.weight": ParamSpec(("model.layers.{layer}.mlp.gate.weight",), REPLICATED),  # a mixture's
 }
 
-_ROUTER = "mlp.router.weight"
-_LAYER_TABLE[_ROUTER] = ParamSpec(("model.layers.{layer}.mlp.gate.weight",), REPLICATED)
 EXPERT = "expert"
 """How an expert tensor is split: not over TP (expert TP 1), whole on its EP rank."""
 _EXPERT_TABLE: Dict[str, ParamSpec] = {

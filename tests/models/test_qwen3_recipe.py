@@ -5,11 +5,9 @@ model is the shape transformers builds from those published sizes."""
 
 from __future__ import annotations
 
-import dataclasses
+from test_recipe_pins import check_run_pins, check_variant_of_32b
 
-from test_recipe_pins import RUN, _get
-
-from dapo_mega.config import config_dir, load_config
+from dapo_mega.config import load_config
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan.memory import KNOWN_MODELS, total_params
 
@@ -21,28 +19,13 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidde
             "use_sliding_window": False}
 
 
-def _flat(d, prefix=""):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
 def test_qwen3_8b_differs_from_32b_only_where_its_file_says():
-    base = dict(_flat(dataclasses.asdict(load_config(["+experiment=dapo_qwen2.5_32b"]))))
     cfg = load_config(["+experiment=dapo_qwen3_8b"])
-    got = dict(_flat(dataclasses.asdict(cfg)))
-    differs = {k for k in base if base[k] != got[k]}
-    documented = {"model.name", "model.hf_path", "model.megatron_path", "cluster.num_nodes", "rollout.num_engines",
-                  "rollout.engine_tp_size", "megatron.tensor_model_parallel_size",
-                  "megatron.pipeline_model_parallel_size", "trainer.run_name"}
-    assert differs <= documented, f"undocumented differences: {sorted(differs - documented)}"
-    text = (config_dir() / "experiment" / "dapo_qwen3_8b.yaml").read_text()
-    for field in ("cluster", "learners", "engines", "model", "run_name"):
-        assert f"#   {field}" in text, f"the Qwen3-8B file does not document its {field} difference"
-    wrong = [f"{f} = {_get(cfg, f)!r}, pinned {v!r} ({why})" for f, v, why in RUN if _get(cfg, f) != v]
-    assert not wrong, "\n  ".join(wrong)
+    check_variant_of_32b(load_config(["+experiment=dapo_qwen2.5_32b"]), cfg, "dapo_qwen3_8b",
+                         {"model.name", "model.hf_path", "model.megatron_path", "cluster.num_nodes",
+                          "rollout.num_engines", "rollout.engine_tp_size", "megatron.tensor_model_parallel_size",
+                          "megatron.pipeline_model_parallel_size", "trainer.run_name"})
+    check_run_pins(cfg)
     tp, engine_tp = cfg.megatron.tensor_model_parallel_size, cfg.rollout.engine_tp_size
     assert QWEN3_8B["num_attention_heads"] % tp == 0 and QWEN3_8B["num_key_value_heads"] % tp == 0
     assert QWEN3_8B["num_key_value_heads"] % engine_tp == 0

@@ -116,7 +116,10 @@ class RouterWatch:
         if samples is None or not self.routers:
             self._experts = self._known = self._ages = None
             return
-        experts, known, missing, ages = routing_targets(mb, samples, self.shape, self.layers)
+        experts, known, _, ages = routing_targets(mb, samples, self.shape, self.layers)
+        if not known.any():  # nothing reported: nothing to compare, and replay routes as the learner does
+            self._experts = self._known = self._ages = None
+            return
         rows, width = known.shape
         experts = experts.transpose(0, 1).reshape(width * rows, len(self.layers), -1)  # megatron's [S, B] order
         known = known.transpose(0, 1).reshape(width * rows)
@@ -129,6 +132,8 @@ class RouterWatch:
 
     def _hook(self, index: int):
         def before_router(router: torch.nn.Module, args) -> None:
+            if self._experts is None and not self.replay:  # no report to compare with: no extra work
+                return
             hidden = args[0]
             with torch.no_grad():
                 logits = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
