@@ -292,17 +292,23 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
         load_config(base + ["megatron.optimizer_sharding=zero3"]).validate()
 
 
-def test_a_mixtures_optimizer_state_does_not_resume_across_ep1_and_ep_above_1():
-    """megatron-core chains a dense and an expert optimizer at EP > 1, one optimizer at EP 1:
-    preflight names the field and the way out instead of megatron's KeyError of every key."""
-    from dapo_mega.backends.megatron.checkpoint import resume_expert_problem
+def test_dp_reshardable_state_resumes_only_at_its_ep_and_fully_reshardable_at_any():
+    """dp_reshardable state is a flat buffer per DP rank: at another expert parallelism a
+    mixture's experts sit in other buffers, so the preflight names the way out; the
+    fully_reshardable state of the same layout loads (tests/backends/megatron/
+    test_checkpoint_training.py resumes one at EP 1 from EP 2)."""
+    from dapo_mega.backends.megatron.checkpoint import resume_layout_problem
 
-    saved = {"learner_layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 2, "ep": 2}}
-    problem = resume_expert_problem(saved, {"ep": 1}, "ckpt/step_000002")
-    assert problem and "saved at expert parallelism 2, and this run is EP 1" in problem and "Resume at EP > 1" in problem
-    assert resume_expert_problem(saved, {"ep": 4}, "c") is None and resume_expert_problem(saved, {"ep": 2}, "c") is None
-    assert resume_expert_problem({"learner_layout": {"tp": 1}}, {"ep": 1}, "c") is None  # before EP was recorded: 1
-    assert "Resume at EP 1" in resume_expert_problem({"learner_layout": {"tp": 1}}, {"ep": 2}, "c")
+    layout = {"tp": 1, "pp": 1, "vpp": None, "dp": 2, "ep": 2}
+    saved = {"learner_layout": layout, "optimizer_sharding": "dp_reshardable"}
+    problem = resume_layout_problem(saved, dict(layout, ep=1, dp=2), "ckpt/step_000002")
+    assert problem and "saved at TP 1 / PP 1 / EP 2 / DP 2" in problem and "this run is TP 1 / PP 1 / DP 2" in problem
+    assert "Resume at TP 1 / PP 1 / EP 2 (any DP)" in problem and "Nothing was loaded" in problem
+    assert resume_layout_problem(saved, dict(layout, ep=4), "c") is not None
+    assert resume_layout_problem(saved, dict(layout, dp=4), "c") is None
+    assert resume_layout_problem(dict(saved, optimizer_sharding="fully_reshardable"), dict(layout, ep=1), "c") is None
+    before_ep = {"learner_layout": {"tp": 1, "pp": 1, "vpp": None, "dp": 2}, "optimizer_sharding": "dp_reshardable"}
+    assert resume_layout_problem(before_ep, dict(layout, ep=1), "c") is None  # before EP was recorded: 1
 
 
 def test_eval_runs_beside_the_next_step_by_default_only_when_disaggregated():

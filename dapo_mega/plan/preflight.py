@@ -282,7 +282,7 @@ def check_routing_replay(cfg: DapoConfig) -> None:
 
 def check_resume_layout(cfg: DapoConfig, layout: ParallelLayout) -> None:
     """The checkpoint this run would resume from holds optimizer state this layout can load."""
-    from dapo_mega.backends.megatron.checkpoint import layout_record, resume_expert_problem, resume_layout_problem
+    from dapo_mega.backends.megatron.checkpoint import layout_record, resume_layout_problem
     from dapo_mega.run_files.checkpoints import find_latest_checkpoint, read_trainer_state
 
     latest = find_latest_checkpoint(cfg.run_dir) if cfg.trainer.resume else None
@@ -291,7 +291,5 @@ def check_resume_layout(cfg: DapoConfig, layout: ParallelLayout) -> None:
     state, here = read_trainer_state(latest), layout_record(layout)
     problem = resume_layout_problem(state, here, latest)
     if problem:
-        raise ConfigError(f"megatron.tensor_model_parallel_size / pipeline_model_parallel_size: {problem}")
-    problem = resume_expert_problem(state, here, latest)
-    if problem:
-        raise ConfigError(f"megatron.expert_model_parallel_size: {problem}")
+        raise ConfigError("megatron.tensor_model_parallel_size / pipeline_model_parallel_size / "
+                          f"expert_model_parallel_size: {problem}")

@@ -249,12 +249,12 @@ def _tuplify(x: object) -> object:
 # --------------------------------------------------------------------------- save / load
 
 
-def _full_state(learner, is_loading: bool, optimizer_sharding: str) -> ShardedStateDict:
+def _full_state(learner, is_loading: bool, optimizer_sharding: str, chain_prefix: bool = False) -> ShardedStateDict:
     state = model_sharded_state_dict(learner.model_chunks)
     optimizer = getattr(learner, "optimizer", None)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_sharding})
+            state, is_loading=is_loading, metadata=_optimizer_metadata(optimizer_sharding, chain_prefix))
     scheduler = getattr(learner, "scheduler", None)
     if scheduler is not None and hasattr(scheduler, "state_dict"):
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -411,43 +411,76 @@ def layout_record(layout: ParallelLayout) -> Dict[str, Optional[int]]:
 
 def _describe_layout(layout: Mapping[str, object], dp: bool = True) -> str:
     vpp = f" / VPP {layout['vpp']}" if layout.get("vpp") else ""
-    return f"TP {layout['tp']} / PP {layout['pp']}{vpp}" + (f" / DP {layout['dp']}" if dp else "")
+    ep = f" / EP {layout['ep']}" if int(layout.get("ep") or 1) > 1 else ""
+    return f"TP {layout['tp']} / PP {layout['pp']}{vpp}{ep}" + (f" / DP {layout['dp']}" if dp else "")
 
 
 def resume_layout_problem(trainer_state: Dict[str, Any], here: Mapping[str, Optional[int]], ckpt: Path | str
                           ) -> Optional[str]:
     """Why the optimizer state of the checkpoint `ckpt` (its `trainer_state`) cannot load at
     the layout `here` (a `layout_record`), or None when it can. dp_reshardable state keeps each
-    DP rank's flat buffer shard, which lines up only at the TP, PP and VPP it was saved with
-    (megatron's own error is a shape mismatch deep in its loader); fully_reshardable state,
-    and the model weights alone, load at any layout. Pure: `dapo-mega train`'s preflight asks
-    it before anything is built, `load_checkpoint` before anything is read."""
+    DP rank's flat buffer shard, which lines up only at the TP, PP, VPP and EP it was saved with
+    (megatron's own error is a shape mismatch deep in its loader; at another EP a mixture's
+    experts sit in other buffers); fully_reshardable state, and the model weights alone, load
+    at any layout. Pure: `dapo-mega train`'s preflight asks it before anything is built,
+    `load_checkpoint` before anything is read."""
     saved = trainer_state.get("learner_layout")
     if trainer_state.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING) != "dp_reshardable" or not saved:
         return None
-    if all(saved.get(k) == here.get(k) for k in ("tp", "pp", "vpp")):
+    if all(saved.get(k) == here.get(k) for k in ("tp", "pp", "vpp")) and \
+            int(saved.get("ep") or 1) == int(here.get("ep") or 1):  # before EP was recorded: 1
         return None
     return (f"{ckpt} was saved at {_describe_layout(saved)} with megatron.optimizer_sharding=dp_reshardable, whose "
-            f"optimizer state loads only at the same TP, PP and VPP; this run is {_describe_layout(here)}. Resume at "
-            f"{_describe_layout(saved, dp=False)} (any DP), or export the weights alone "
+            f"optimizer state loads only at the same TP, PP, VPP and EP; this run is {_describe_layout(here)}. Resume "
+            f"at {_describe_layout(saved, dp=False)} (any DP), or export the weights alone "
             "(tools/convert_checkpoint.py export) and start a new run from them. Runs that may change layout on "
             "resume: megatron.optimizer_sharding=fully_reshardable. Nothing was loaded")
 
 
-def resume_expert_problem(trainer_state: Dict[str, Any], here: Mapping[str, Optional[int]], ckpt: Path | str
-                          ) -> Optional[str]:
-    """Why a mixture's optimizer state saved at one expert parallelism cannot load at `here`'s,
-    or None. megatron-core keeps the state in two optimizers (dense and expert parameters, a
-    ChainedOptimizer) at EP > 1 and in one at EP 1, so the keys of the one are not in the
-    other (its own error: a KeyError naming every key). Pure, as `resume_layout_problem`."""
-    saved = int((trainer_state.get("learner_layout") or {}).get("ep") or 1)
-    wanted = int(here.get("ep") or 1)
-    if (saved > 1) == (wanted > 1):
-        return None
-    return (f"{ckpt} was saved at expert parallelism {saved}, and this run is EP {wanted}: megatron-core keeps a "
-            "mixture's optimizer state in separate expert and dense optimizers at EP > 1 and in one at EP 1, so it "
-            f"does not load across. Resume at EP {'> 1' if saved > 1 else '1'}, or export the weights alone "
-            "(tools/convert_checkpoint.py export) and start a new run from them. Nothing was loaded")
+def _optimizer_metadata(sharding: str, chain_prefix: bool = False) -> Dict[str, object]:
+    """What megatron's `sharded_state_dict` is told. fully_reshardable state is keyed by the
+    parameters' own names, with no `chained_<i>.` prefix for the dense and expert optimizers a
+    mixture has at EP > 1 (megatron's `chained_optim_avoid_prefix`), so the same key names
+    the same parameter at every EP. `chain_prefix`: a checkpoint saved before that."""
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": not chain_prefix}
+
+
+def _saved_with_chain_prefix(model_optim_dir: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(model_optim_dir)).read_metadata().state_dict_metadata
+    return any(k.startswith("chained_0.optimizer.state.") for k in keys)
+
+
+def _regroup_optimizer_state(loaded: StateDict, live_commons: List[StateDict]) -> StateDict:
+    """The loaded optimizer state in the live optimizer's shape when the checkpoint's had
+    another number of sub-optimizers (a mixture saved at EP > 1, with dense and expert
+    optimizers, resumed at EP 1, with one, or the reverse), else `loaded` as it is.
+
+    dist_checkpointing fills the live structure's tensors by key (the parameter state:
+    moments and fp32 main params, keyed by parameter) and puts the saved common state (each
+    saved sub-optimizer's param groups) beside them. Each live sub-optimizer keeps its own
+    param groups with the saved step (one per run: megatron synchronizes it across the chain);
+    the learning rate comes from the restored scheduler."""
+    saved_parts = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    live_chain = len(live_commons)
+    if (live_chain == 1) == ("optimizer" in loaded):
+        return loaded
+    steps = {g["step"] for part in saved_parts for g in (part.get("optimizer") or {}).get("param_groups", [])
+             if g.get("step") is not None}
+    if len(steps) != 1:
+        raise CheckpointLayoutError(f"the checkpoint's sub-optimizers are at steps {sorted(steps)}, not one step; "
+                                    "nothing of the optimizer was loaded")
+    step = steps.pop()
+    parts = []
+    for i, common in enumerate(live_commons):
+        part = dict(common)
+        part["optimizer"] = dict(common["optimizer"], param_groups=[
+            dict(g, step=step) for g in common["optimizer"]["param_groups"]])
+        part["param_state"] = (loaded if live_chain == 1 else loaded[i])["param_state"]
+        part["param_state_sharding_type"] = saved_parts[0]["param_state_sharding_type"]
+        parts.append(part)
+    return parts[0] if live_chain == 1 else dict(enumerate(parts))
 
 
 def _load_fully_reshardable_with_torch_adam(optimizer, state: StateDict) -> None:
@@ -552,10 +585,20 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     problem = resume_layout_problem(trainer_state, here, ckpt) if load_optimizer and here else None
     if problem:
         raise CheckpointLayoutError(problem)
+    live_commons: List[StateDict] = []
     if load_optimizer:
-        if getattr(learner, "optimizer", None) is not None:
-            _prepare_optimizer_for_loading(learner.optimizer)
-        state = _full_state(learner, True, sharding)
+        optimizer = getattr(learner, "optimizer", None)
+        chain_prefix = _saved_with_chain_prefix(ckpt / MODEL_OPTIM_DIR)
+        if optimizer is not None:
+            _prepare_optimizer_for_loading(optimizer)
+            live_commons = [opt.state_dict() for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+            if chain_prefix and len(live_commons) == 1:
+                raise CheckpointLayoutError(
+                    f"{ckpt} keeps its expert optimizer's state under megatron's chained_<i>. prefix (saved before "
+                    "this trainer dropped it), which loads only at the expert parallelism it was saved at, "
+                    f"{_describe_layout(trainer_state.get('learner_layout') or {}, dp=False)}. Resume there once "
+                    "(the next checkpoint loads at any EP). Nothing was loaded")
+        state = _full_state(learner, True, sharding, chain_prefix)
     else:
         state = model_sharded_state_dict(learner.model_chunks)
     verify_checkpoint_files(ckpt / MODEL_OPTIM_DIR)
@@ -563,6 +606,7 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     loaded = dist_checkpointing.load(state, str(ckpt / MODEL_OPTIM_DIR))
     load_model_state(learner.model_chunks, loaded)
     if load_optimizer and getattr(learner, "optimizer", None) is not None:
+        loaded["optimizer"] = _regroup_optimizer_state(loaded["optimizer"], live_commons)
         with torch.no_grad():  # copies into fp32 main params, which require grad
             if sharding == "fully_reshardable":
                 _load_fully_reshardable_with_torch_adam(learner.optimizer, loaded["optimizer"])

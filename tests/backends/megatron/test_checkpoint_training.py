@@ -100,7 +100,7 @@ def test_a_restart_from_a_named_step_sets_the_later_steps_aside_once(tmp_path):
 # --------------------------------------------------------------------------- learner
 
 
-def _learner(world, tp=1, pp=1, optimizer_sharding="dp_reshardable"):
+def _learner(world, tp=1, pp=1, optimizer_sharding="dp_reshardable", ep=None):
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -112,7 +112,8 @@ def _learner(world, tp=1, pp=1, optimizer_sharding="dp_reshardable"):
     cfg.megatron.use_distributed_optimizer = True
     cfg.megatron.optimizer_sharding = optimizer_sharding
     cfg.algo.lr_warmup_steps = 3  # the LR schedule position must survive the resume too
-    hf = tiny_hf_config(cfg.model)
+    cfg.megatron.expert_model_parallel_size = ep or 1  # ep None: the dense model; a number: the mixture
+    hf = tiny_hf_config(cfg.model, architecture="qwen3_moe" if ep else "qwen2")
     layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
     return MegatronLearner(cfg, hf, layout)
 
@@ -220,16 +221,16 @@ def test_save_stop_resume_equals_straight_training(tmp_path):
 # --------------------------------------------------------------------------- another layout
 
 
-def _save_after_one_step(rank, world, run_dir, sharding):
-    learner = _learner(world, optimizer_sharding=sharding)
+def _save_after_one_step(rank, world, run_dir, sharding, ep=None):
+    learner = _learner(world, optimizer_sharding=sharding, ep=ep)
     learner.train_step(make_samples(seed=1))
     C.save_checkpoint(learner, run_dir, 1, {"policy_version": 1})
     learner.train_step(make_samples(seed=2))
     return _snapshot(learner)["weights"]
 
 
-def _resume_and_step(rank, world, run_dir, tp, pp, load_optimizer=True):
-    learner = _learner(world, tp=tp, pp=pp, optimizer_sharding="fully_reshardable")
+def _resume_and_step(rank, world, run_dir, tp, pp, load_optimizer=True, ep=None):
+    learner = _learner(world, tp=tp, pp=pp, optimizer_sharding="fully_reshardable", ep=ep)
     try:
         C.load_checkpoint(learner, run_dir, load_optimizer=load_optimizer)
     except C.CheckpointLayoutError as exc:
@@ -259,6 +260,54 @@ def test_resume_at_another_tp_or_pp_with_fully_reshardable_optimizer_state(tmp_p
             torch.testing.assert_close(resumed[name], tensor, atol=1e-5, rtol=1e-5, msg=f"TP {tp} PP {pp}: {name}")
     fresh = _union(r["weights"] for r in spawn_gloo(_resume_and_step, 2, args=(run_dir, 2, 1, False), timeout_s=240))
     assert max((fresh[n] - straight[n]).abs().max().item() for n in straight) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_mixture_saved_at_ep2_resumes_at_ep1_with_its_optimizer_state(tmp_path):
+    """A mixture at EP 2 keeps its experts' Adam state in an expert optimizer beside the dense
+    one (megatron's ChainedOptimizer); at EP 1 there is one. Saved fully_reshardable at EP 2
+    after one step, resumed at EP 1 (DP 2), the second step ends at the straight run's
+    weights; the weights alone (a fresh optimizer) end elsewhere."""
+    import torch
+
+    run_dir = str(tmp_path / "moe")
+    straight = _union(spawn_gloo(_save_after_one_step, 2, args=(run_dir, "fully_reshardable", 2), timeout_s=240))
+    state = json.loads((Path(run_dir) / "checkpoints" / "step_000001" / R.TRAINER_STATE_FILE).read_text())
+    assert state["learner_layout"]["ep"] == 2
+    assert any(".mlp.experts." in n for n in straight), "the tiny mixture has experts"
+    resumed = _union(r["weights"] for r in spawn_gloo(_resume_and_step, 2, args=(run_dir, 1, 1, True, 1),
+                                                      timeout_s=240))
+    assert resumed.keys() == straight.keys()
+    for name, tensor in straight.items():
+        torch.testing.assert_close(resumed[name], tensor, atol=1e-5, rtol=1e-5, msg=f"EP 1: {name}")
+    fresh = _union(r["weights"] for r in spawn_gloo(_resume_and_step, 2, args=(run_dir, 1, 1, False, 1),
+                                                    timeout_s=240))
+    assert max((fresh[n] - straight[n]).abs().max().item() for n in straight if ".experts." in n) > 1e-3
+
+
+def test_optimizer_state_is_regrouped_to_the_live_chain_both_ways():
+    """The state dist_checkpointing hands back when the saved and live optimizers differ in
+    number (the test above runs EP 2 -> EP 1 for real): each live sub-optimizer gets its own
+    param groups at the saved step, its own parameter state, the saved sharding type."""
+    def common(lr, step=0.0):
+        return {"optimizer": {"param_groups": [{"lr": lr, "step": step}]}, "param_state_sharding_type": "x"}
+
+    one, two = {"p": "dense and experts"}, ({"p": "dense"}, {"p": "experts"})
+    # saved at EP 2 (two parts, step 3), live at EP 1
+    loaded = {0: common(1.0, 3.0), 1: common(1.0, 3.0), "param_state": one}
+    out = C._regroup_optimizer_state(loaded, [common(0.5)])
+    assert out == {"optimizer": {"param_groups": [{"lr": 0.5, "step": 3.0}]}, "param_state": one,
+                   "param_state_sharding_type": "x"}
+    # saved at EP 1, live at EP 2
+    loaded = {**common(1.0, 3.0), 0: {"param_state": two[0]}, 1: {"param_state": two[1]}}
+    out = C._regroup_optimizer_state(loaded, [common(0.5), common(0.25)])
+    assert out[0]["param_state"] is two[0] and out[1]["param_state"] is two[1]
+    assert [o["optimizer"]["param_groups"][0] for o in out.values()] == [{"lr": 0.5, "step": 3.0},
+                                                                        {"lr": 0.25, "step": 3.0}]
+    same = dict(common(1.0, 3.0), param_state=one)
+    assert C._regroup_optimizer_state(same, [common(0.5)]) is same  # the same chain: as loaded
+    with pytest.raises(C.CheckpointLayoutError, match="steps"):
+        C._regroup_optimizer_state({0: common(1.0, 3.0), 1: common(1.0, 2.0), "param_state": one}, [common(0.5)])
 
 
 def test_resume_at_another_tp_with_dp_reshardable_state_is_refused_before_reading(tmp_path):
