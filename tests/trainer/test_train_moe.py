@@ -37,3 +37,4 @@ def test_moe_trains_three_steps_at_ep2_and_every_expert_reaches_the_engine(tmp_p
         # a mixture), and the learner's router chooses as transformers' does at the same weights
         assert r["moe/unreported_samples"] == 0 and r["moe/router_choices_compared"] > 0, r
         assert r["moe/router_agreement"] > 0.99 and r["moe/routing_replay"] == 1.0, r
+        assert 0.5 < r["moe/load_balancing_loss"] < 8, r  # 1.0 when the 8 experts share the tokens evenly

@@ -76,7 +76,7 @@ from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
 from dapo_mega.backends.megatron.model import TE_SPEC, build_model
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
 from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
-from dapo_mega.backends.megatron.routing import RouterWatch
+from dapo_mega.backends.megatron.routing import RouterWatch, take_load_balancing_loss
 from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.models.shape import HfConfigSource
 
@@ -459,6 +459,9 @@ class MegatronLearner:
             samples = [dataclasses.replace(s, old_log_probs=list(s.engine_log_probs)) for s in samples]
         micro_per_update = self._schedule_passes(samples, shards)
         self._check_routing_reports(samples)
+        if self._routing is not None:  # what an SFT step or a probe left counts nothing
+            self._routing.take_counts()
+            take_load_balancing_loss()
         self._routing_samples = samples
         try:
             return self._train_passes(samples, mini_batches, micro_per_update, start)
@@ -568,12 +571,14 @@ class MegatronLearner:
         router makes too), the choices compared and the samples with no report; {} for a dense model."""
         if self._routing is None:
             return {}
-        matches, compared = self._routing.take_counts()
+        matches, compared, calls = self._routing.take_counts()
         buckets = len(matches)
-        totals = self._all_reduce_sum([float(v) for v in matches + compared])
-        matches, compared = totals[:buckets], totals[buckets:]
+        totals = self._all_reduce_sum([float(v) for v in matches + compared] + [take_load_balancing_loss(), calls])
+        matches, compared, (balance, calls) = totals[:buckets], totals[buckets:2 * buckets], totals[2 * buckets:]
         by_age = {f"moe/{age_bucket_label(k, buckets)}/router_agreement": (m / c if c else float("nan"))
                   for k, (m, c) in enumerate(zip(matches, compared))}
+        if self._router_loss_coeff:  # megatron computes it only with a weight
+            by_age["moe/load_balancing_loss"] = balance / calls if calls else float("nan")
         return {"moe/router_agreement": sum(matches) / sum(compared) if sum(compared) else float("nan"),
                 "moe/router_choices_compared": sum(compared), **by_age,
                 "moe/unreported_samples": float(sum(s.routed_experts is None for s in samples)),

@@ -103,6 +103,11 @@ class RouterWatch:
         self.compared = [0] * self.age_buckets
         """Token-expert choices compared (tokens x k) since `take_counts`, by policy-version age
         (the last bucket holds every older age, as the mismatch's)."""
+        self.balance_calls = 0
+        """Router calls that added to megatron's load-balancing tracker since `take_counts`
+        (training forwards, recomputed ones too), counted on TP rank 0 (`split`: with sequence
+        parallelism each TP rank adds its tokens' share of one call)."""
+        self._counts_calls = tp_rank == 0
         self._counted: set = set()
         """Routers that counted the micro-batch now running (a recomputed forward counts nothing)."""
         self._experts: Optional[torch.Tensor] = None  # [tokens, layers, k] in the routers' order
@@ -132,6 +137,8 @@ class RouterWatch:
 
     def _hook(self, index: int):
         def before_router(router: torch.nn.Module, args) -> None:
+            if self._counts_calls and router.training and torch.is_grad_enabled():
+                self.balance_calls += 1
             if self._experts is None and not self.replay:  # no report to compare with: no extra work
                 return
             hidden = args[0]
@@ -161,12 +168,36 @@ class RouterWatch:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         return before_router
 
-    def take_counts(self) -> Tuple[List[int], List[int]]:
-        """(matches, compared) by age bucket since the last call; reset."""
-        counts = (self.matches, self.compared)
+    def take_counts(self) -> Tuple[List[int], List[int], int]:
+        """(matches, compared) by age bucket and `balance_calls` since the last call; reset."""
+        counts = (self.matches, self.compared, self.balance_calls)
         self.matches, self.compared = [0] * self.age_buckets, [0] * self.age_buckets
+        self.balance_calls = 0
         return counts
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+LOAD_BALANCING_LOSS = "load_balancing_loss"
+"""megatron-core's name, in its layer-wise tracker, of the `aux_loss` router's balancing loss."""
+
+
+def take_load_balancing_loss() -> float:
+    """This rank's load-balancing loss since the last take, summed over its sparse layers and
+    forwards (`RouterWatch.balance_calls` counts them), and reset. megatron-core's router adds
+    each training forward's loss of each layer, before its coefficient (Switch Transformer's
+    E * sum_i f_i * P_i: 1.0 when the experts share the tokens evenly; transformers'
+    `load_balancing_loss_func` over one layer is top-k times it), to its layer-wise tracker;
+    its own reduce walks the tracker's names, which a pipeline stage without sparse layers
+    lacks, so the learner sums this over all ranks with its other metrics. With sequence
+    parallelism each TP rank holds its tokens' share (MoE at TP > 1 needs it: `layout.py`)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get(LOAD_BALANCING_LOSS)
+    if entry is None:
+        return 0.0
+    total = float(entry["values"].sum())
+    entry["values"].zero_()
+    return total

@@ -70,10 +70,13 @@ def _transformers_reports(hf_dir, samples):
     return out
 
 
-def _samples(n=8):
+EVEN_LENGTH = 9
+
+
+def _samples(n=8, even=False):
     rng = np.random.default_rng(0)
-    return [TrainSample(prompt_ids=rng.integers(3, 90, int(rng.integers(3, 7))).tolist(),
-                        response_ids=rng.integers(3, 90, int(rng.integers(2, 8))).tolist(),
+    return [TrainSample(prompt_ids=rng.integers(3, 90, 4 if even else int(rng.integers(3, 7))).tolist(),
+                        response_ids=rng.integers(3, 90, EVEN_LENGTH - 4 if even else int(rng.integers(2, 8))).tolist(),
                         advantage=1.0 if i % 2 else -1.0) for i in range(n)]
 
 
@@ -156,17 +159,37 @@ def _router_loss_grad_norms(rank, world, hf_dir):
 
     from dist_helpers import make_config
 
-    cfg = make_config(micro_batch_tokens=64, train_batch_size=2, mini_batch_size=2, n=4, lr=0.0)
+    # one sample a micro-batch, no padding: the load-balancing loss of each is its sample's
+    cfg = make_config(micro_batch_tokens=EVEN_LENGTH, train_batch_size=2, mini_batch_size=2, n=4, lr=0.0)
     learner = _learner(cfg, hf_dir, world, replay=False)
-    batch = [dataclasses.replace(s, advantage=0.0) for s in _samples()]
+    batch = [dataclasses.replace(s, advantage=0.0) for s in _samples(even=True)]
     learner._router_loss_coeff = 0.5
-    per_token = learner.train_step(batch, step=1)["actor/grad_norm"]
+    metrics = learner.train_step(batch, step=1)
+    per_token, balance = metrics["actor/grad_norm"], metrics["moe/load_balancing_loss"]
     learner._router_loss_coeff = 0.0  # megatron-core's own scaling
     learner.config.moe_aux_loss_coeff = 0.5
     as_given = learner.train_step(batch, step=1)["actor/grad_norm"]
     learner.config.moe_aux_loss_coeff = 0.0
     none = learner.train_step(batch, step=1)["actor/grad_norm"]
-    return per_token, as_given, none, sum(s.length for s in batch)
+    return per_token, as_given, none, sum(s.length for s in batch), balance, _transformers_balance(hf_dir, batch)
+
+
+def _transformers_balance(hf_dir, samples):
+    """transformers' `load_balancing_loss_func` over each sparse layer's router logits of each
+    sample alone, divided by top-k (megatron-core's per-layer loss: module docstring of
+    `take_load_balancing_loss`), averaged over samples and layers."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    k, experts = model.config.num_experts_per_tok, model.config.num_experts
+    losses = []
+    with torch.no_grad():
+        for s in samples:
+            out = model(input_ids=torch.tensor([s.prompt_ids + s.response_ids]), output_router_logits=True)
+            losses += [float(load_balancing_loss_func((logits,), experts, k)) / k
+                       for logits in out.router_logits if logits is not None]
+    return sum(losses) / len(losses)
 
 
 def test_the_router_loss_is_per_token_as_the_policy_loss(moe_dir):
@@ -175,7 +198,9 @@ def test_the_router_loss_is_per_token_as_the_policy_loss(moe_dir):
     does not run (its loss is per token already): the learner divides the weight by the
     mini-batch's tokens. Without that division the gradient is the tokens' count times larger
     (at 32B: millions), and it would swamp the policy gradient."""
-    per_token, as_given, none, tokens = run_distributed(_router_loss_grad_norms, 1, args=(str(moe_dir),),
-                                                        timeout_s=300)[0]
+    per_token, as_given, none, tokens, balance, reference = run_distributed(
+        _router_loss_grad_norms, 1, args=(str(moe_dir),), timeout_s=300)[0]
+    # the metric, before its weight: transformers' loss of the same tokens, layer by layer
+    assert balance == pytest.approx(reference, rel=1e-4) and balance > 1.0, (balance, reference)
     assert none == 0.0 < per_token  # with every advantage 0 the router loss is the only gradient
     assert as_given / per_token == pytest.approx(tokens, rel=1e-4), (per_token, as_given, tokens)
