@@ -173,10 +173,11 @@ def _plan(cfg, clock_overrides: List[str], as_json: bool) -> int:
     plan.warnings.extend(f"clock: {w}" for w in clock_warnings(cfg, clock))
     lengths = assumptions.lengths.resolved(cfg.algo.max_prompt_length, cfg.algo.max_response_length)
     per_round = ledger_bytes_per_step_of(cfg, lengths.response_moment(1, cfg.algo.max_response_length),
-                                         lengths.prompt_tokens)
+                                         lengths.prompt_tokens, shape=plan.model.shape)
     rounds = max(1, cfg.algo.max_num_gen_batches)
+    routed = ", with routed experts" if cfg.trainer.ledger_routed_experts and plan.model.shape.is_moe else ""
     ledger = (f"ledger: {per_round / 1e6:,.1f} MB per step and generation round (trainer.ledger_text="
-              f"{cfg.trainer.ledger_text}; up to {per_round * rounds / 1e6:,.1f} MB at algo.max_num_gen_batches="
+              f"{cfg.trainer.ledger_text}{routed}; up to {per_round * rounds / 1e6:,.1f} MB at algo.max_num_gen_batches="
               f"{cfg.algo.max_num_gen_batches}), {per_round * cfg.trainer.total_steps / 1e9:,.1f} GB over "
               f"{cfg.trainer.total_steps} steps of one round")
     if as_json:  # the plan's sections, then the clock and the ledger

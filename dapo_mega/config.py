@@ -775,6 +775,11 @@ class TrainerConfig:
     32B recipe writes up to 24,576 responses of up to ~75,000 characters per round."""
     ledger_text_max_chars: int = 2048
     """Characters of a text that head_tail keeps (half head, half tail; the marker adds ~30)."""
+    ledger_routed_experts: bool = False
+    """A mixture of experts: the ledger keeps each reported sample's routed experts (column
+    `routed_experts`, compact: a byte per token, layer and choice, base64). Off by default:
+    Qwen3-30B-A3B's are 512 bytes a token, so with routing replay (every sample reported) a
+    step of the 32B-scale recipe writes gigabytes; `dapo-mega plan` prints the ledger's size."""
 
     def validate(self) -> None:
         """This component's own rules; ConfigError names the field and the fix."""

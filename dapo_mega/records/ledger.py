@@ -104,6 +104,11 @@ class LedgerRecord:
     """The sample's `weight_versions` as JSON: spans {"version", "start", "end"}, response tokens
     [start, end) came from weight `version` (a partial rollout resumed under newer weights has
     several)."""
+    routed_experts: Optional[str] = None
+    """A mixture of experts, with `trainer.ledger_routed_experts`: the experts the engine routed
+    each token to, as the sample carries them (`rollout.samples.compact_routed_experts`: "u8:"
+    or "u16:" + base64 of [positions, layers, top_k]; `backends.megatron.routing.
+    decode_routed_experts` reads it); null for samples the engine did not report."""
 
     def __post_init__(self):
         # Rows of shards written before these columns existed read back as nulls: whole texts.
@@ -141,6 +146,8 @@ class LedgerText:
 
     mode: str = "full"
     max_chars: int = 2048
+    routed_experts: bool = False
+    """Keep a mixture's routed experts too (`trainer.ledger_routed_experts`)."""
 
     def __post_init__(self):
         if self.mode not in LEDGER_TEXT_MODES:
@@ -148,8 +155,8 @@ class LedgerText:
 
     @classmethod
     def of(cls, trainer_cfg: TrainerConfig) -> "LedgerText":
-        """The setting of a TrainerConfig (trainer.ledger_text, trainer.ledger_text_max_chars)."""
-        return cls(trainer_cfg.ledger_text, trainer_cfg.ledger_text_max_chars)
+        """The setting of a TrainerConfig (trainer.ledger_text, ledger_text_max_chars, ledger_routed_experts)."""
+        return cls(trainer_cfg.ledger_text, trainer_cfg.ledger_text_max_chars, trainer_cfg.ledger_routed_experts)
 
     def keep(self, text: str) -> Tuple[str, bool]:
         """(the text to store, whether it is not all of `text`)."""
@@ -187,7 +194,8 @@ def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEX
         extracted_answer=sample.score.extracted, answer_found=sample.score.extracted is not None,
         verifier_error=sample.score.verifier_error, encoder=encoder,
         weight_versions=json.dumps([{"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
-                                    for s in sample.weight_versions]))
+                                    for s in sample.weight_versions]),
+        routed_experts=sample.routed_experts if text.routed_experts else None)
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:
@@ -281,10 +289,11 @@ def ledger_responses_per_step(algo_cfg: AlgoConfig, rounds: int = 1) -> int:
 def ledger_bytes_per_step(responses_per_step: float, mean_response_tokens: float, *, text: str = "full",
                           text_max_chars: int = 2048, group_size: int = 16, prompt_tokens: float = 150.0,
                           chars_per_token: float = CHARS_PER_TOKEN, text_compression: float = TEXT_COMPRESSION,
-                          row_bytes: float = ROW_BYTES) -> float:
+                          row_bytes: float = ROW_BYTES, routed_bytes_per_token: float = 0.0) -> float:
     """Estimated bytes of one step's ledger shard.
 
-        bytes = N · (row_bytes + C(mean_response_tokens) / text_compression)
+        bytes = N · (row_bytes + C(mean_response_tokens) / text_compression
+                 + R · (prompt_tokens + mean_response_tokens))
               + (N / group_size) · C(prompt_tokens) / text_compression
 
     with N = responses_per_step (`ledger_responses_per_step`: dynamic sampling's rounds
@@ -299,6 +308,8 @@ def ledger_bytes_per_step(responses_per_step: float, mean_response_tokens: float
       of synthetic math text the estimate is 0.96-1.11x the written bytes (the tests hold
       it within 1.5x); real reasoning text may compress differently.
     * UTF-8 takes one byte per character (math text is nearly all ASCII).
+    * R = routed_bytes_per_token: a mixture's routed experts kept (`routed_experts_bytes_per_token`),
+      uncompressed (expert indices are close to random bytes); 0 when they are not kept.
     """
     if text not in LEDGER_TEXT_MODES:
         raise ValueError(f"text {text!r} is not one of {LEDGER_TEXT_MODES}")
@@ -312,14 +323,31 @@ def ledger_bytes_per_step(responses_per_step: float, mean_response_tokens: float
         return chars
 
     n = float(responses_per_step)
-    return (n * (row_bytes + stored_chars(mean_response_tokens) / text_compression)
+    routed = routed_bytes_per_token * (prompt_tokens + mean_response_tokens)
+    return (n * (row_bytes + stored_chars(mean_response_tokens) / text_compression + routed)
             + n / max(group_size, 1) * stored_chars(prompt_tokens) / text_compression)
 
 
+def routed_experts_bytes_per_token(num_layers: int, top_k: int, num_experts: int, reported_share: float) -> float:
+    """Bytes per token of a mixture's routed experts in the ledger: base64 (4/3) of a byte per
+    choice (two above 256 experts) over every layer, times the share of samples the engines
+    report (all with routing replay, else one request in checks.router_agreement_every)."""
+    width = 1 if num_experts <= 256 else 2
+    return 4.0 / 3.0 * num_layers * top_k * width * reported_share
+
+
 def ledger_bytes_per_step_of(cfg: DapoConfig, mean_response_tokens: float, prompt_tokens: float = 150.0,
-                             rounds: int = 1) -> float:
+                             rounds: int = 1, shape=None) -> float:
     """`ledger_bytes_per_step` of a DapoConfig: its rows per step (`rounds` generation rounds;
-    algo.max_num_gen_batches is the bound), group size and trainer.ledger_text setting."""
+    algo.max_num_gen_batches is the bound), group size and trainer.ledger_text setting; with
+    trainer.ledger_routed_experts and a mixture's `shape` (models.shape.ModelShape), its
+    routed experts."""
+    routed = 0.0
+    if cfg.trainer.ledger_routed_experts and shape is not None and shape.is_moe:
+        every = cfg.checks.router_agreement_every
+        share = 1.0 if cfg.algo.routing_replay else (1.0 / every if every > 0 else 0.0)
+        routed = routed_experts_bytes_per_token(shape.num_layers, shape.num_experts_per_tok, shape.num_experts, share)
     return ledger_bytes_per_step(ledger_responses_per_step(cfg.algo, rounds), mean_response_tokens,
                                  text=cfg.trainer.ledger_text, text_max_chars=cfg.trainer.ledger_text_max_chars,
-                                 group_size=cfg.algo.n_samples_per_prompt, prompt_tokens=prompt_tokens)
+                                 group_size=cfg.algo.n_samples_per_prompt, prompt_tokens=prompt_tokens,
+                                 routed_bytes_per_token=routed)

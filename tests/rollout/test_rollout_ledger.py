@@ -124,6 +124,49 @@ def test_bytes_per_step_estimate_matches_written_shards(tmp_path, mode):
     assert size / 1.5 < estimate < size * 1.5, (mode, size, estimate)
 
 
+def test_routed_experts_in_the_ledger_and_their_bytes(tmp_path):
+    """A mixture's routed experts, kept (trainer.ledger_routed_experts), read back as the sample
+    carried them and decode to its [positions, layers, top_k]; the estimate counts them within
+    1.5x of the written shard (expert indices barely compress); the 30B-A3B recipe's plan counts
+    them only when asked, for the share of samples reported."""
+    import base64
+
+    import numpy as np
+
+    from dapo_mega.backends.megatron.routing import decode_routed_experts
+    from dapo_mega.models.shape import ModelShape
+    from dapo_mega.rollout.samples import compact_routed_experts
+
+    rng = np.random.default_rng(0)
+    layers, k, experts, positions = 48, 8, 128, 750  # Qwen3-30B-A3B's routing, 150 + 600 tokens
+    rows = synthetic_step(1, 8, 16, 600 * 3.7, int(150 * 3.7), LedgerText("none", 512, routed_experts=True))
+    reports = [rng.integers(0, experts, (positions, layers, k)) for _ in rows]
+    rows = [dataclasses.replace(r, routed_experts=compact_routed_experts(base64.b64encode(
+        e.astype(np.int32).tobytes()).decode())) for r, e in zip(rows, reports)]
+    size = write_step(tmp_path, 1, rows).stat().st_size
+    back = read_records(tmp_path, steps=[1])
+    assert (decode_routed_experts(back[3].routed_experts, positions, layers, k) == reports[3]).all()
+    per_token = ledger.routed_experts_bytes_per_token(layers, k, experts, 1.0)
+    assert per_token == pytest.approx(512.0)
+    estimate = ledger_bytes_per_step(len(rows), 600, text="none", group_size=16, prompt_tokens=150,
+                                     routed_bytes_per_token=per_token)
+    assert size / 1.5 < estimate < size * 1.5, (size, estimate)
+
+    cfg = load_config(["+experiment=dapo_qwen3_30b_a3b"])
+    shape = ModelShape(model_type="qwen3_moe", num_layers=layers, hidden_size=2048, ffn_hidden_size=6144,
+                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                       qkv_bias=False, vocab_size=151936, num_experts=experts, num_experts_per_tok=k,
+                       moe_ffn_hidden_size=768)
+    plain = ledger_bytes_per_step_of(cfg, 4000, shape=shape)
+    assert plain == ledger_bytes_per_step_of(cfg, 4000)  # not kept unless asked
+    cfg.trainer.ledger_routed_experts = True
+    every = cfg.checks.router_agreement_every
+    kept = ledger_bytes_per_step_of(cfg, 4000, shape=shape)
+    assert kept - plain == pytest.approx(ledger_responses_per_step(cfg.algo) * per_token / every * (4000 + 150))
+    cfg.algo.routing_replay = True  # every sample reported
+    assert ledger_bytes_per_step_of(cfg, 4000, shape=shape) - plain == pytest.approx((kept - plain) * every)
+
+
 def test_bytes_per_step_of_the_32b_recipe():
     cfg = load_config(["+experiment=dapo_qwen2.5_32b"])
     algo = cfg.algo
