@@ -215,7 +215,7 @@ def learner_spec_and_bytes(cfg: DapoConfig) -> Tuple[str, int]:
 
 def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parallel: bool,
                       spec: str = "transformer_engine", element_bytes: int = 2,
-                      selective: bool = False) -> Dict[str, float]:
+                      selective: bool = False, layer: Optional[int] = None) -> Dict[str, float]:
     """Bytes one transformer layer keeps for backward for a micro-batch of `tokens` tokens (one
     packed row), tensor by tensor: {what: bytes}. e = element_bytes, s_n = tokens/t under
     sequence parallelism (the norms' side of the layer), tokens otherwise; TP splits heads
@@ -237,6 +237,9 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
     Qwen3's q/k norms (`qk_layernorm`) add their inputs (the query as a copy, the key as a
     view that keeps the whole QKV output alive), 1/rms per head and, unfused, x·(1/rms)
     (measured: tests/plan/test_plan_activations_qwen3.py).
+
+    A sparse layer of a mixture (`layer`, `ModelShape.is_sparse_layer`) keeps `_moe_saved_bytes`
+    in place of the dense FFN's terms.
     """
     h, d, f, s, e = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size, float(tokens), element_bytes
     s_n = s / tp if sequence_parallel else s
@@ -251,9 +254,14 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
         "q": e * s * q,
         "k, v": 2 * e * s * (q if local and not selective else kv),
         "attention output = proj input": e * s * q,
-        "FC1 output = SwiGLU input (gate, up)": 2 * e * s * f / tp,
-        "SwiGLU output = FC2 input": e * s * f / tp,
     }
+    if layer is not None and shape.is_sparse_layer(layer):
+        saved.update(_moe_saved_bytes(shape, s_n, spec, e))
+    else:
+        saved["FC1 output = SwiGLU input (gate, up)"] = 2 * e * s * f / tp
+        saved["SwiGLU output = FC2 input"] = e * s * f / tp
+        if local:
+            saved["silu(gate), up + 0 (unfused SwiGLU)"] = 2 * e * s * f / tp
     if not selective:
         saved["softmax log-sum-exp (fp32)"] = 4 * s * shape.num_attention_heads / tp
     if shape.qk_layernorm:  # Qwen3: an RMSNorm per q and k head, between the QKV GEMM and RoPE
@@ -266,10 +274,44 @@ def layer_saved_bytes(shape: ModelShape, tokens: float, tp: int, sequence_parall
             saved["q, k * 1/rms (unfused q/k norms)"] = e * s * (q + kv)
     if local:
         saved["x * 1/rms of each norm (unfused)"] = 2 * e * s_n * h
-        saved["silu(gate), up + 0 (unfused SwiGLU)"] = 2 * e * s * f / tp
         if not selective:
             saved["SDPA's fp32 additive mask [s, s]"] = 4 * s * s
     return saved
+
+
+def _moe_saved_bytes(shape: ModelShape, s_n: float, spec: str, e: int) -> Dict[str, float]:
+    """What a sparse layer keeps instead of the dense FFN, for s_n tokens on this rank (the
+    sequence shard under SP: megatron-core's all-to-all dispatcher routes each TP rank's own
+    tokens; expert TP 1), from megatron-core 0.16.1's router, alltoall dispatcher and experts:
+
+    * the router: fp32 logits and scores [s, E], top-k indices (int64, twice), the kept
+      probabilities [s, k] (fp32, and permuted with the tokens), the routing map (bool [E, s])
+      and the permutation's index (int64 [s k]);
+    * the experts' input: the all-to-all's output, s k token copies of h (balanced routing: each
+      EP rank receives as many copies as it sends; the load-balancing loss keeps it near);
+    * each expert's SwiGLU over its copies: FC1's output (2 mf) and the SwiGLU's output (mf, FC2's
+      input), and, weighted by the routing probabilities, the unweighted output (mf); the local
+      spec's unfused SwiGLU also keeps silu(gate) and up (2 mf): 6 mf a copy (3 mf fused).
+
+    The local spec's figure is checked against torch's saved-tensor hooks at EP 1 and EP 2
+    (tests/plan/test_plan_activations_moe.py)."""
+    k, n_e, h, mf = shape.num_experts_per_tok, shape.num_experts, shape.hidden_size, shape.moe_ffn_hidden_size
+    copies = s_n * k
+    return {
+        "router logits and scores (fp32 [s, E], twice)": 2 * 4 * s_n * n_e,
+        "router top-k indices (int64, twice), probs (fp32, twice), permutation index": (2 * 8 + 2 * 4 + 8) * copies,
+        "routing map (bool [E, s])": s_n * n_e,
+        "expert input = all-to-all output (s k copies)": e * copies * h,
+        "expert SwiGLU (FC1 output, output, unweighted output)": (6 if spec == "local" else 3) * e * copies * mf,
+    }
+
+
+def moe_workspace_bytes(shape: ModelShape, s_n: float, e: int) -> float:
+    """Transient bytes around one sparse layer beyond what it keeps: the all-to-all buffers
+    (the permuted tokens sent and the expert outputs sent back and received, [s k, h] each;
+    in backward their gradients) and the experts' SwiGLU gradients ([s k, 3 mf])."""
+    copies = s_n * shape.num_experts_per_tok
+    return e * copies * (3 * shape.hidden_size + 3 * shape.moe_ffn_hidden_size)
 
 
 def logits_peak_bytes(tokens: float, vocab_local: int, logits_bytes: int = 2,
@@ -309,22 +351,28 @@ def stage_activation_bytes(cfg: DapoConfig, shape: ModelShape, stage: int) -> St
     s, h, f = m.micro_batch_tokens / m.context_parallel_size, shape.hidden_size, shape.ffn_hidden_size
     s_n = s / tp if m.sequence_parallel else s
     layers, in_flight, last = stage_layers(shape, pp, stage), pp - stage, stage == pp - 1
-    per_layer = sum(layer_saved_bytes(shape, s, tp, m.sequence_parallel, spec, e,
-                                      selective=m.recompute_granularity == "selective").values())
+    first = sum(stage_layers(shape, pp, st) for st in range(stage))
+    each = [sum(layer_saved_bytes(shape, s, tp, m.sequence_parallel, spec, e,
+                                  selective=m.recompute_granularity == "selective", layer=first + i).values())
+            for i in range(layers)]
+    per_layer = max(each, default=0.0)  # the stage's largest: a sparse layer where it has one
     layer_input = e * s_n * h  # what a recompute checkpoint keeps
     if m.recompute_granularity == "full":
         n = max(1, m.recompute_num_layers or 1)
         if m.recompute_method == "block":
             recomputed = min(n, layers)
-            per_micro_batch = recomputed * layer_input + (layers - recomputed) * per_layer
+            per_micro_batch = recomputed * layer_input + sum(each[recomputed:])
             recompute = per_layer if recomputed else 0.0
         else:
             per_micro_batch = math.ceil(layers / n) * layer_input
             recompute = min(n, layers) * per_layer
     else:
-        per_micro_batch, recompute = layers * per_layer, 0.0
-    # backward of one layer: the SwiGLU's input and output gradients, one all-gathered [s, h] GEMM input
+        per_micro_batch, recompute = sum(each), 0.0
+    # backward of one layer: the SwiGLU's input and output gradients, one all-gathered [s, h] GEMM
+    # input; a sparse layer's all-to-all buffers and expert gradients where larger
     workspace = e * s * (3 * f / tp + h)
+    if any(shape.is_sparse_layer(first + i) for i in range(layers)):
+        workspace = max(workspace, e * s * h + moe_workspace_bytes(shape, s_n, e))
     kept = in_flight * per_micro_batch
     logits = 0.0
     if last:
