@@ -516,16 +516,24 @@ CONVERSION_FIXED_BYTES = 0.4e9
 (`bench/bench_conversion_memory.py`: 386 MiB), which does not grow with the model."""
 
 
-def conversion_host_ram_bytes(phi: int, tp: int, largest_tensor: int, dtype_bytes: int = 2) -> ConversionRam:
+def conversion_host_ram_bytes(phi: int, tp: int, largest_tensor: int, dtype_bytes: int = 2, experts: int = 0,
+                              ep: int = 1) -> ConversionRam:
     """Host RAM of `tools/convert_checkpoint.py` at `--tp tp`, by the rule the conversion
     benchmark measured (1.50x / 1.49x / 1.52x of a 929 MiB checkpoint for import / export /
     verify at TP 1): each process holds its share of the model once, in the checkpoint's
     dtype (no random initialisation, HF tensors read one at a time), plus up to two copies
     of the largest HF tensor (`largest_tensor` elements: the embedding or output layer)
-    while it is gathered or padded (one copy at TP 1), plus `CONVERSION_FIXED_BYTES`."""
+    while it is gathered or padded (one copy at TP 1), plus `CONVERSION_FIXED_BYTES`. A
+    mixture at `--ep ep`: its `experts` (parameters) split over EP instead of TP, on
+    `backends.placement.conversion_world_size` processes (an expert tensor is gathered over EP
+    one at a time: small beside the embedding)."""
+    from dapo_mega.backends.placement import conversion_world_size
+
     copies = 2 if tp > 1 else 1
-    per_process = CONVERSION_FIXED_BYTES + dtype_bytes * phi / tp + copies * dtype_bytes * largest_tensor
-    return ConversionRam(tp=tp, per_process_bytes=per_process, total_bytes=tp * per_process)
+    per_process = (CONVERSION_FIXED_BYTES + dtype_bytes * ((phi - experts) / tp + experts / ep)
+                   + copies * dtype_bytes * largest_tensor)
+    processes = conversion_world_size(tp, 1, ep)
+    return ConversionRam(tp=tp, per_process_bytes=per_process, total_bytes=processes * per_process, ep=ep)
 
 
 @dataclass
@@ -659,6 +667,7 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     s_h_t = m.micro_batch_tokens * shape.hidden_size / tp if m.sequence_parallel else None
     embedding = shape.vocab_size * shape.hidden_size  # the largest HF tensor a conversion gathers
     sync_bytes = 2 * phi
+    expert_params = sum(layer_params(shape, i)["experts"] for i in range(shape.num_layers))
     return Plan(
         model=ModelSummary(name=cfg.model.name, source=source, shape=shape), total_params=phi,
         active_params=active_params(shape),
@@ -676,7 +685,8 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
         weight_sync=WeightSync(bytes_per_step=sync_bytes, gib_per_step=sync_bytes / GIB,
                                seconds_at_400gbps=sync_bytes * 8 / 400e9),
         checkpoint=checkpoint_bytes(cfg, phi),
-        conversion_host_ram=ConversionHostRam(import_export=conversion_host_ram_bytes(phi, tp, embedding),
+        conversion_host_ram=ConversionHostRam(import_export=conversion_host_ram_bytes(
+                                                  phi, tp, embedding, experts=expert_params, ep=m.expert_model_parallel_size),
                                               verify=conversion_host_ram_bytes(phi, 1, embedding, dtype_bytes=4),
                                               verify_stored=conversion_host_ram_bytes(phi, 1, embedding)),
         learner_efficiency=efficiency,
@@ -884,7 +894,9 @@ def _memory_lines(plan: Plan) -> List[str]:
                  if ck.hf_export_bytes else "") + f": {ck.disk_peak_bytes / 1e12:,.2f} TB on disk",
               "conversion host RAM (the shard once in bf16 + up to two copies of the embedding + 0.4 GB, "
               "per process): "
-              f"import/export --tp {conv.import_export.tp} {conv.import_export.total_bytes / 1e9:,.0f} GB "
+              f"import/export --tp {conv.import_export.tp}"
+              + (f" --ep {conv.import_export.ep}" if conv.import_export.ep > 1 else "")
+              + f" {conv.import_export.total_bytes / 1e9:,.0f} GB "
               f"({conv.import_export.per_process_bytes / 1e9:,.1f} per process), verify --tp 1 "
               f"{conv.verify.total_bytes / 1e9:,.0f} GB (in fp32, its default; --compute stored: "
               f"{conv.verify_stored.total_bytes / 1e9:,.0f} GB, judged on next-token KL)"]

@@ -279,7 +279,8 @@ class ConversionRam:
     tp: int
     per_process_bytes: float
     total_bytes: float
-    """tp processes."""
+    """Over the conversion's processes (tp; a mixture's --ep may add data-parallel copies)."""
+    ep: int = 1
 
 
 @dataclass(frozen=True)
