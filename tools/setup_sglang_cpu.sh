@@ -67,6 +67,8 @@ import sglang.srt.entrypoints.http_server, sgl_kernel, sglang_router, torch, tor
 from sglang.srt.utils.common import cpu_has_amx_support
 assert sglang.__version__ == '$SGLANG' and torch.__version__.startswith('$TORCH'), (sglang.__version__, torch.__version__)
 assert not cpu_has_amx_support(), 'sgl-kernel registers convert_weight_packed: SGLang would take its AMX paths' 
+import sglang.srt.mem_cache.pool_host.common as host
+assert 'cpu' in host.ALLOC_MEMORY_FUNCS, 'no CPU host buffers (tools/sglang_cpu/cpu_host_buffers.py): --enable-return-routed-experts would die' 
 print('sglang-cpu ready: sglang', sglang.__version__, 'torch', torch.__version__)" 2>&1
 }
 if [ -x "$venv/bin/python" ] && [ $from_source -eq 0 ] && out=$(check_venv); then
@@ -144,6 +146,11 @@ if [ -n "$wheel" ]; then $pip --no-deps --force-reinstall "$wheel"; else build_k
 site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' \
   "$site/torchvision/_meta_registrations.py"
+
+# SGLang's routed-experts host buffer pins memory through CUDA; on a CPU it gets a plain one
+# (tools/sglang_cpu/cpu_host_buffers.py says why), loaded at every interpreter start by a .pth.
+cp "$inputs/cpu_host_buffers.py" "$site/dapo_mega_sglang_cpu_host_buffers.py"
+echo "import dapo_mega_sglang_cpu_host_buffers" > "$site/dapo_mega_sglang_cpu_host_buffers.pth"
 
 rc=0
 out=$(check_venv) || rc=$?
