@@ -292,6 +292,24 @@ def test_preflight_refuses_a_resume_whose_optimizer_state_cannot_load_at_this_la
         load_config(base + ["megatron.optimizer_sharding=zero3"]).validate()
 
 
+def test_sglang_is_refused_for_a_mixture_with_dense_layers(tmp_path):
+    """SGLang 0.5.23 builds every Qwen3-MoE layer sparse and drops a dense layer's MLP weights:
+    the preflight names the dense layers before an engine serves another model; a model whose
+    every layer is sparse (Qwen3-30B-A3B's kind) passes, and the embedded engine takes both."""
+    from sglang_venv import sglang_python_or_skip
+
+    from dapo_mega.models.tiny import build_tiny_model_dir
+    from dapo_mega.plan.preflight import check_before_start
+
+    mixed = build_tiny_model_dir(tmp_path / "mixed", architecture="qwen3_moe", with_weights=False)
+    sparse = build_tiny_model_dir(tmp_path / "sparse", architecture="qwen3_moe", with_weights=False, dense_layers=[])
+    base = ["rollout.backend=sglang", f"rollout.engine_python={sglang_python_or_skip()}", "model.name=tiny-qwen3-moe"]
+    with pytest.raises(ConfigError, match=r"^rollout.backend: SGLang 0.5.23 .* layers \[0\] are dense"):
+        check_before_start(load_config(base + [f"model.hf_path={mixed}"]), world_size=1)
+    check_before_start(load_config(base + [f"model.hf_path={sparse}"]), world_size=1)
+    check_before_start(load_config([f"model.hf_path={mixed}", "model.name=tiny-qwen3-moe"]), world_size=1)
+
+
 def test_dp_reshardable_state_resumes_only_at_its_ep_and_fully_reshardable_at_any():
     """dp_reshardable state is a flat buffer per DP rank: at another expert parallelism a
     mixture's experts sit in other buffers, so the preflight names the way out; the

@@ -197,7 +197,7 @@ class EngineFleet:
     def returns_routed_experts(self) -> bool:
         """Whether the engines started here report each token's experts (`reports_routed_experts`);
         engines attached by URL or from a registry: False (not known)."""
-        return not self.attached and reports_routed_experts(self.rollout.backend, self.on_gpu(), self.model_path)
+        return not self.attached and reports_routed_experts(self.model_path)
 
     def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
         """argv of one engine on `port`: the shared command line plus what this machine needs."""

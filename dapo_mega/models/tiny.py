@@ -17,7 +17,7 @@ import os
 import shutil
 import string
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from dapo_mega.config import ModelConfig
 
@@ -80,11 +80,13 @@ Qwen3-0.6B: 128 != 1024/16)."""
 
 
 def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: str = "qwen2",
-                   rope_scaling: Optional[Dict[str, float]] = None):
+                   rope_scaling: Optional[Dict[str, float]] = None, dense_layers: Optional[Sequence[int]] = None):
     """The transformers config of the tiny model (Qwen2 by default, Qwen3, Llama or Qwen3-MoE).
 
     `rope_scaling` (Llama only): the Llama-3 scaling fields `factor`, `low_freq_factor`,
     `high_freq_factor`, `original_max_position_embeddings` (rope_type "llama3").
+    `dense_layers` (Qwen3-MoE only): its `mlp_only_layers` in place of TINY_MOE's ([] for every
+    layer sparse, as Qwen3-30B-A3B and what SGLang 0.5.23 serves: plan/preflight.py).
     """
     vocab = build_char_vocab()
     common = dict(
@@ -123,14 +125,16 @@ def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, arc
         from transformers import Qwen3MoeConfig
 
         head_dim = QWEN3_HEAD_DIM_FACTOR * model_cfg.tiny_hidden_size // model_cfg.tiny_num_attention_heads
+        routing = dict(TINY_MOE, **({} if dense_layers is None else {"mlp_only_layers": list(dense_layers)}))
         return Qwen3MoeConfig(head_dim=head_dim, attention_bias=False,
-                              moe_intermediate_size=max(1, model_cfg.tiny_intermediate_size // 2), **TINY_MOE, **common)
+                              moe_intermediate_size=max(1, model_cfg.tiny_intermediate_size // 2), **routing, **common)
     raise ValueError(f"tiny model architecture {architecture!r}: use one of {TINY_ARCHITECTURES}")
 
 
 def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] = None, seed: int = 0,
                          architecture: str = "qwen2", with_weights: bool = True,
-                         rope_scaling: Optional[Dict[str, float]] = None) -> Path:
+                         rope_scaling: Optional[Dict[str, float]] = None,
+                         dense_layers: Optional[Sequence[int]] = None) -> Path:
     """Write a tiny HF checkpoint (config, tokenizer, random weights) to `out_dir`.
 
     Deterministic in `seed`. Returns `out_dir`. Existing files are overwritten.
@@ -141,7 +145,8 @@ def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_cfg = model_cfg or ModelConfig()
-    hf_config = tiny_hf_config(model_cfg, architecture=architecture, rope_scaling=rope_scaling)
+    hf_config = tiny_hf_config(model_cfg, architecture=architecture, rope_scaling=rope_scaling,
+                               dense_layers=dense_layers)
     tokenizer = build_char_tokenizer()
     tokenizer.save_pretrained(out)
     if with_weights:

@@ -262,6 +262,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
                             transformer_engine_import_error(), cfg.algo.routing_replay)
     check_routing_replay(cfg)
+    check_engine_serves_model(cfg, ModelShape.from_hf_config(hf_config))
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
     check_engine_python(cfg.rollout)
@@ -278,6 +279,23 @@ def check_routing_replay(cfg: DapoConfig) -> None:
                           f"{m.pipeline_model_parallel_size}, the recomputed forward in backward would route by "
                           "another micro-batch's experts. Fix: megatron.recompute_granularity=selective, "
                           "megatron.pipeline_model_parallel_size=1, or algo.routing_replay=false")
+
+
+def check_engine_serves_model(cfg: DapoConfig, shape) -> None:
+    """SGLang 0.5.23 builds every layer of a Qwen3-MoE (and Qwen2-MoE) sparse: its
+    `Qwen3MoeDecoderLayer` sets `is_layer_sparse = True` whatever `mlp_only_layers` and
+    `decoder_sparse_step` say, and its weight loader skips the dense layers' MLP tensors that
+    have no parameter, leaving those layers' experts uninitialised. The engine would serve
+    another model than the learner trains, silently (a tiny model with one dense layer: other
+    greedy tokens, log-probs off by 0.04). Qwen3-30B-A3B and -235B-A22B have no dense layer."""
+    if cfg.rollout.backend != "sglang" or not shape.is_moe:
+        return
+    dense = [i for i in range(shape.num_layers) if not shape.is_sparse_layer(i)]
+    if dense:
+        raise ConfigError(f"rollout.backend: SGLang 0.5.23 serves every layer of a mixture of experts as sparse, but "
+                          f"this model's layers {dense} are dense (mlp_only_layers / decoder_sparse_step): SGLang "
+                          "would drop their MLP weights and serve another model. Fix: rollout.backend=embedded, "
+                          "or a model whose every layer is sparse")
 
 
 def check_resume_layout(cfg: DapoConfig, layout: ParallelLayout) -> None:

@@ -81,10 +81,10 @@ ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 """SGLang's (and the embedded engine's) flag that records each token's experts for /generate."""
 
 
-def reports_routed_experts(backend: str, on_gpu: bool, model_path: str) -> bool:
+def reports_routed_experts(model_path: str) -> bool:
     """Whether engines started on `model_path` report each token's experts: a mixture of
-    experts, on the embedded engine or SGLang on GPUs. SGLang 0.5.23 on a CPU dies at start
-    with the flag (its capturer pins host memory through CUDA)."""
+    experts, on the embedded engine or SGLang (on a CPU the venv of tools/setup_sglang_cpu.sh
+    gives its capturer a host buffer without CUDA: tools/sglang_cpu/cpu_host_buffers.py)."""
     from dapo_mega.models.shape import ModelShape
 
     if not model_path:
@@ -93,7 +93,7 @@ def reports_routed_experts(backend: str, on_gpu: bool, model_path: str) -> bool:
         moe = ModelShape.from_hf_config(model_path).is_moe
     except (OSError, ValueError, KeyError, TypeError):  # no readable config.json (a stand-in model path)
         return False
-    return moe and (backend != "sglang" or on_gpu)
+    return moe
 
 
 def build_router_command(
