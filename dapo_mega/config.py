@@ -54,6 +54,7 @@ EvalOverlap = Literal["auto", "beside", "inline"]
 Device = Literal["auto", "cpu", "cuda"]
 WandbMode = Literal["offline", "online", "disabled"]
 LedgerTextMode = Literal["full", "head_tail", "none"]
+TinyArchitecture = Literal["qwen2", "qwen3", "llama", "qwen3_moe"]
 
 
 @dataclass
@@ -81,11 +82,15 @@ class ModelConfig:
     """Tie input and output embeddings in the tiny model."""
     tiny_max_position_embeddings: int = 256
     """Context length of the tiny model."""
+    tiny_architecture: str = "qwen2"
+    """The tiny model's architecture: qwen2, qwen3, llama or qwen3_moe (8 experts, 2 per token,
+    its first layer dense: `models/tiny.py` TINY_MOE)."""
 
     def validate(self) -> None:
         """The tiny model's shape (a real model's is checked against its config.json by `preflight`)."""
         if self.hf_path:
             return
+        _check_choice("model.tiny_architecture", self.tiny_architecture, TinyArchitecture)
         for name in ("tiny_hidden_size", "tiny_num_layers", "tiny_num_attention_heads", "tiny_num_key_value_heads",
                      "tiny_intermediate_size", "tiny_max_position_embeddings"):
             if getattr(self, name) < 1:

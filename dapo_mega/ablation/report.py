@@ -15,6 +15,9 @@ Per run (`summarize_run`), from the rows of RL steps (step >= 1):
                         rollout policy's per-token entropy estimate, −mean log p(token)
     clip_frac_low/high  mean of loss/clip_frac_low / loss/clip_frac_high
     truncated_frac      mean of rollout/clip_rate (responses cut at max_response_length)
+    router_agreement    a mixture of experts: mean of moe/router_agreement (the learner's own
+                        router choosing the engines' experts); columns only when a run has it
+    logp_mismatch       mean of mismatch/logp_abs_mean (|engine - learner| log-prob per token)
 
 Per rung: each as mean ± the t-interval over seeds (`stats.mean_interval`), and the
 difference of final avg@k to the rung it is compared with (ladder: the previous rung;
@@ -42,7 +45,9 @@ EVAL_KEY = "eval/avg_at_k"
 ENTROPY_KEY = "rollout/entropy_mc"
 SUMMARY_FIELDS = ("final_avg_at_k", "best_avg_at_k", "steps_to_target", "samples_per_trained", "response_length",
                   "entropy_end", "clip_frac_low", "clip_frac_high", "truncated_frac", "rollouts_per_step",
-                  "length_limit", "peak_memory_gib")
+                  "length_limit", "peak_memory_gib", "router_agreement", "logp_mismatch")
+MOE_COLUMNS = (("router_agreement", "router agreement", 4), ("logp_mismatch", "log-prob mismatch", 5))
+"""Columns of a mixture's runs (summary field, header, digits): shown when any run has them."""
 CURVES = (  # (metric key, panel title) of ablation.png
     (EVAL_KEY, "held-out avg@k"),
     ("rollout/accuracy", "rollout accuracy"),
@@ -72,6 +77,8 @@ class RunSummary:
     """... the response length limit (algo.max_response_length, from the run's config.yaml), ..."""
     peak_memory_gib: Optional[float] = None
     """... and the driver's peak memory over the run's phases (CUDA reserved on a GPU, else RSS)."""
+    router_agreement: Optional[float] = None
+    logp_mismatch: Optional[float] = None
     curves: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
     final_by_set: Dict[str, float] = field(default_factory=dict)
     """Named eval set -> its eval/<name>/avg_at_k at the last step that evaluated it."""
@@ -121,6 +128,8 @@ def summarize_run(rows: List[Row], seed: int, run_dir: str, target: Optional[flo
     s.clip_frac_low = _mean([v for _, v in _series(rl, "loss/clip_frac_low")])
     s.clip_frac_high = _mean([v for _, v in _series(rl, "loss/clip_frac_high")])
     s.truncated_frac = _mean([v for _, v in _series(rl, "rollout/clip_rate")])
+    s.router_agreement = _mean([v for _, v in _series(rl, "moe/router_agreement")])
+    s.logp_mismatch = _mean([v for _, v in _series(rl, "mismatch/logp_abs_mean")])
     s.rollouts_per_step = _mean([v for _, v in _series(rl, "rollout/num_samples")])
     s.peak_memory_gib = peak_memory_gib(rl)
     s.curves = {key: _series(rows, key) for key, _ in CURVES}
@@ -225,6 +234,8 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
             f"Δ final vs {vs} ({pct} Welch)", target_col,
             "generated / trained", "response length", "entropy (end)", "clip low", "clip high", "truncated",
             "rollouts / step", "length limit", "peak memory (GiB)"]
+    moe = [c for c in MOE_COLUMNS if any(row.stats.get(c[0]) is not None for row in results)]
+    head += [title for _, title, _ in moe]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results:
         n = len(row.runs)
@@ -245,7 +256,8 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
                  format_interval(row.stats.get("truncated_frac")),
                  format_interval(row.stats.get("rollouts_per_step"), 0),
                  format_interval(row.stats.get("length_limit"), 0),
-                 format_interval(row.stats.get("peak_memory_gib"), 2)]
+                 format_interval(row.stats.get("peak_memory_gib"), 2),
+                 *(format_interval(row.stats.get(key), digits) for key, _, digits in moe)]
         lines.append("| " + " | ".join(cells) + " |")
     legend = (f"Mean ± {pct} t-interval over seeds (Student, n−1 degrees of freedom). Final avg@k (name): "
               "the named eval set's (eval.sets) avg@k at the run's last evaluation. Δ: difference of "
@@ -256,7 +268,10 @@ def render_table(results: List[RungResult], mode: str, level: float, target: Opt
               "Clip low/high: fraction of tokens clipped by 1−ε_low / 1+ε_high. Truncated: fraction of "
               "responses cut at max_response_length. The resource envelope: responses generated per step, "
               "the response length limit, and the driver's peak memory over the run's phases (GiB; CUDA "
-              "reserved on a GPU, else resident set).")
+              "reserved on a GPU, else resident set)."
+              + (" Router agreement (a mixture of experts): the share of the engines' token-expert choices the "
+                 "learner's own router makes too, mean over steps; log-prob mismatch: mean |engine − learner| "
+                 "log-prob per sampled token." if moe else ""))
     return "\n".join(lines) + "\n\n" + legend + "\n"
 
 

@@ -17,9 +17,9 @@ import os
 import shutil
 import string
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, get_args
 
-from dapo_mega.config import ModelConfig
+from dapo_mega.config import ModelConfig, TinyArchitecture
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -66,7 +66,7 @@ def build_char_tokenizer():
     )
 
 
-TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+TINY_ARCHITECTURES = get_args(TinyArchitecture)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                 mlp_only_layers=[0], router_aux_loss_coef=0.001)
 """The tiny Qwen3-MoE's routing: 8 experts, 2 per token, renormalised top-k (Qwen3-30B-A3B's
@@ -79,15 +79,17 @@ must read `head_dim` rather than divide the hidden size are exercised (Qwen3-8B:
 Qwen3-0.6B: 128 != 1024/16)."""
 
 
-def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: str = "qwen2",
+def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, architecture: Optional[str] = None,
                    rope_scaling: Optional[Dict[str, float]] = None, dense_layers: Optional[Sequence[int]] = None):
     """The transformers config of the tiny model (Qwen2 by default, Qwen3, Llama or Qwen3-MoE).
 
     `rope_scaling` (Llama only): the Llama-3 scaling fields `factor`, `low_freq_factor`,
     `high_freq_factor`, `original_max_position_embeddings` (rope_type "llama3").
+    `architecture`: None takes `model.tiny_architecture`.
     `dense_layers` (Qwen3-MoE only): its `mlp_only_layers` in place of TINY_MOE's ([] for every
     layer sparse, as Qwen3-30B-A3B and what SGLang 0.5.23 serves: plan/preflight.py).
     """
+    architecture = architecture or model_cfg.tiny_architecture
     vocab = build_char_vocab()
     common = dict(
         vocab_size=vocab_size or len(vocab),
@@ -132,7 +134,7 @@ def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, arc
 
 
 def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] = None, seed: int = 0,
-                         architecture: str = "qwen2", with_weights: bool = True,
+                         architecture: Optional[str] = None, with_weights: bool = True,
                          rope_scaling: Optional[Dict[str, float]] = None,
                          dense_layers: Optional[Sequence[int]] = None) -> Path:
     """Write a tiny HF checkpoint (config, tokenizer, random weights) to `out_dir`.
