@@ -12,6 +12,9 @@
                                            durations beside the timeouts), without starting anything
     dapo-mega ablate +ablation=dapo_ladder [overrides] [--slurm] [--report]
                                            rungs x seeds of training runs -> ablation.md/.json/.png
+    dapo-mega sandbox FILE [--wall-s S] [--cpu-s S] [--memory-mb M] [--output-bytes B] [--json]
+                                           run FILE as the python tool would and print what the
+                                           model would see (exit 0 unless the sandbox failed)
 
 Overrides use Hydra syntax (`algo.lr=2e-6`, `+experiment=dapo_qwen2.5_32b`).
 """
@@ -23,7 +26,7 @@ from typing import List, Optional
 
 from dapo_mega.config import ConfigError, describe_fields, load_config, to_yaml
 
-COMMANDS = ("train", "eval", "audit", "plan", "ablate")
+COMMANDS = ("train", "eval", "audit", "plan", "ablate", "sandbox")
 
 
 def _usage() -> str:
@@ -39,6 +42,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command not in COMMANDS:
         print(f"dapo-mega: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if command == "sandbox":
+        from dapo_mega.environments.sandbox import main as sandbox_main
+
+        return sandbox_main(rest)
     if "-h" in rest or "--help" in rest:
         print(_usage())
         print("Config fields (override with key=value):")
