@@ -75,13 +75,13 @@ class SandboxResult:
         if self.stderr.strip():
             room = max(limit - len(text), limit // 4)
             text += ("\n" if text and not text.endswith("\n") else "") + self.stderr[-room:]
-        if len(text) > limit:
-            text, self.truncated = text[:limit], True
+        truncated = self.truncated or len(text) > limit
+        text = text[:limit]
         notes = {"timeout": f"timed out after {self.wall_s:.1f} s", "cpu_limit": "stopped: CPU time limit",
                  "memory": "stopped: memory limit", "output_limit": "stopped: output limit",
                  "crash": f"crashed (exit {self.exit_code})", "sandbox_error": "the sandbox failed to run the code"}
         lines = [text.rstrip("\n")] if text.strip() else []
-        if self.truncated:
+        if truncated:
             lines.append("[output truncated]")
         if self.status in notes:
             lines.append(f"[{notes[self.status]}]")
