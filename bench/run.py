@@ -45,6 +45,7 @@ from timing import spread  # noqa: E402
 # module name -> short name; the order is the order of the table.
 BENCHMARKS = {
     "bench_learner": "learner",
+    "bench_moe": "moe_learner",
     "bench_weight_sync": "weight_sync",
     "bench_engine": "engine",
     "bench_dynamic_sampling": "dynamic_sampling",

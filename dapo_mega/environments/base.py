@@ -1,0 +1,83 @@
+"""What a multi-turn rollout talks to (issue #39 item 3): an environment, loaded by path as
+reward plugins are (`package.module:Class` or `path/file.py:Class`).
+
+    env = load_environment("dapo_mega.environments.python_tool:PythonTool")()
+    env.reset(problem)
+    turn = env.step(model_text)   # the model's turn, up to one of env.stop
+    turn.observation              # text that goes back into the context (as a tool message)
+    turn.done                     # the model answered, or the environment ends the episode
+
+An environment's `stop` strings end a model turn (the engine stops there: SGLang's `stop`);
+`max_turns` and the response-length budget bound the episode from outside. Each step says
+what it cost (tool calls, errors by kind, seconds), which the rollout counts per sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Type
+
+from dapo_mega.config import ConfigError
+
+CLASS_PATH = re.compile(r"^(?P<module>[A-Za-z_]\w*(\.[A-Za-z_]\w*)*|[^:]+\.py):(?P<name>[A-Za-z_]\w*)$")
+
+
+@dataclass
+class StepResult:
+    """One environment turn."""
+
+    observation: str
+    """Text appended to the context after the model's turn ("" when done)."""
+    done: bool
+    reward_parts: Dict[str, float] = field(default_factory=dict)
+    """Parts of the reward the environment adds (summed with the verifier's)."""
+    tool_calls: int = 0
+    tool_errors: Dict[str, int] = field(default_factory=dict)
+    """Errors by kind (the sandbox's statuses: timeout, memory, ...)."""
+    tool_time_s: float = 0.0
+
+
+class Environment:
+    """The interface: `reset` once per sample, `step` after each model turn."""
+
+    stop: List[str] = []
+    """Strings that end a model turn and hand the text to `step`."""
+
+    def reset(self, problem: Any) -> None:
+        """A new episode for `problem` (a `data.Problem`)."""
+
+    def step(self, model_text: str) -> StepResult:
+        """The environment's answer to the model's latest turn `model_text`."""
+        raise NotImplementedError
+
+
+def load_environment(path: str, field_name: str = "rollout.environment") -> Type[Environment]:
+    """The class `path` names; ConfigError naming `field_name` when it cannot be loaded or is
+    not an Environment (it needs `reset` and `step`)."""
+    match = CLASS_PATH.match(path or "")
+    if not match:
+        raise ConfigError(f"{field_name}: {path!r} is not a class path. Fix: package.module:Class or "
+                          "path/to/file.py:Class")
+    module_name, name = match["module"], match["name"]
+    try:
+        if module_name.endswith(".py"):
+            absolute = os.path.abspath(module_name)
+            spec = importlib.util.spec_from_file_location(f"_dapo_mega_env_{abs(hash(absolute))}", absolute)
+            if spec is None or not os.path.isfile(absolute):
+                raise FileNotFoundError(absolute)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- the user's module failed; say which and how
+        raise ConfigError(f"{field_name}: {path!r} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}). "
+                          "Fix: make the module importable (its folder on PYTHONPATH, or a file path)") from None
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and callable(getattr(cls, "step", None)) and callable(getattr(cls, "reset", None))):
+        raise ConfigError(f"{field_name}: {path!r} is not an environment class (it needs reset(problem) and "
+                          "step(model_text)). Fix: subclass dapo_mega.environments.base.Environment")
+    return cls

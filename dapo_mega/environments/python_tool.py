@@ -1,0 +1,58 @@
+"""The built-in `python` tool: tool-integrated reasoning as ReTool writes it (arXiv 2504.11536).
+
+The model writes code between `<code>` and `</code>` (a ```python fence inside is allowed),
+generation stops at `</code>`, the code runs in the sandbox (`sandbox.py`), and what it printed
+comes back between `<interpreter>` and `</interpreter>`: errors, timeouts and the other limits
+as text the model reads, never a trainer failure. A turn without a code block is the model's
+answer: the episode ends.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from dapo_mega.environments.base import Environment, StepResult
+from dapo_mega.environments.sandbox import Sandbox, SandboxLimits
+
+CODE_OPEN, CODE_CLOSE = "<code>", "</code>"
+OUTPUT_OPEN, OUTPUT_CLOSE = "<interpreter>", "</interpreter>"
+FENCE = re.compile(r"^\s*```(?:python|py)?\s*\n(?P<body>.*?)\n?\s*```\s*$", re.DOTALL)
+
+
+def last_code_block(model_text: str) -> Optional[str]:
+    """The code of the turn's last `<code>` block (its ```python fence removed), or None when
+    the turn has none (the turn may end at `</code>`, the stop string, without writing it)."""
+    start = model_text.rfind(CODE_OPEN)
+    if start < 0:
+        return None
+    body = model_text[start + len(CODE_OPEN):]
+    end = body.find(CODE_CLOSE)
+    body = body if end < 0 else body[:end]
+    fenced = FENCE.match(body)
+    return (fenced["body"] if fenced else body).strip("\n")
+
+
+class PythonTool(Environment):
+    """Runs each turn's code block; shared sandbox slots bound the runs at once."""
+
+    stop = [CODE_CLOSE]
+
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), max_concurrent: int = 4,
+                 sandbox: Optional[Sandbox] = None):
+        self.sandbox = sandbox or Sandbox(limits, max_concurrent)
+
+    def reset(self, problem: Any) -> None:
+        """Nothing carries over between episodes (each run is a fresh directory)."""
+
+    def step(self, model_text: str) -> StepResult:
+        code = last_code_block(model_text)
+        if code is None or not code.strip():
+            return StepResult(observation="", done=True)
+        result = self.sandbox.run(code)
+        text = result.model_text(self.sandbox.limits.output_bytes)
+        observation = f"{CODE_CLOSE}\n{OUTPUT_OPEN}\n{text}\n{OUTPUT_CLOSE}\n" if not model_text.rstrip().endswith(
+            CODE_CLOSE) else f"\n{OUTPUT_OPEN}\n{text}\n{OUTPUT_CLOSE}\n"
+        errors = {} if result.status == "ok" else {result.status: 1}
+        return StepResult(observation=observation, done=False, tool_calls=1, tool_errors=errors,
+                          tool_time_s=result.wall_s)
