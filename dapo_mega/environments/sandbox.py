@@ -113,11 +113,13 @@ def read_roots(python: str = sys.executable) -> List[str]:
 
 def _pids_cgroup_root() -> Optional[Path]:
     """The cgroup v2 root when it offers the pids controller, else v1's pids hierarchy, else None."""
-    v2 = Path("/sys/fs/cgroup")
-    if (v2 / "cgroup.controllers").exists():
-        return v2 if "pids" in (v2 / "cgroup.subtree_control").read_text().split() else None
-    v1 = Path("/sys/fs/cgroup/pids")
-    return v1 if (v1 / "cgroup.procs").exists() else None
+    v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/pids")
+    try:
+        if (v2 / "cgroup.controllers").exists():
+            return v2 if "pids" in (v2 / "cgroup.subtree_control").read_text().split() else None
+        return v1 if (v1 / "cgroup.procs").exists() else None
+    except OSError:
+        return None
 
 
 def _make_cgroup(processes: int) -> Optional[Path]:

@@ -14,8 +14,10 @@ writes to its status pipe, `isolation`), with a fallback that holds at least in 
    the Python installation and the system libraries, everything under the working directory,
    nothing else; no TCP bind or connect.
 4. Without namespaces or Landlock: audit hooks (PEP 578) refuse, inside Python, opening a
-   path outside those roots, sockets, and starting processes (fork, exec, subprocess, os.system,
-   ctypes), as the fallback ("no sockets" where the kernel offers no network namespace).
+   path outside those roots, sockets, ctypes, and starting processes (fork, exec, subprocess,
+   os.system: a new process runs outside the hooks, so processes are allowed only where the
+   kernel holds the files and the network and bounds their count), as the fallback ("no
+   sockets" where the kernel offers no network namespace).
 
 The environment is the parent's minimal one (no API keys, tokens or home), the working
 directory fresh."""
@@ -169,12 +171,16 @@ def main():
         run_as_pid_one()
     os.chdir(cfg["workdir"])
     abi = landlock(cfg)
-    isolation = {"processes": "pid namespace + " + bounded if namespaces and bounded else (bounded or "python"),
+    files, network = bool(abi), namespaces or abi >= 4
+    # a new process runs outside this interpreter's hooks: allowed only where the kernel holds
+    # its files and network too, and bounds its count
+    processes = bool(bounded) and files and network
+    isolation = {"processes": ("pid namespace + " if namespaces else "") + bounded if processes else "python",
                  "network": "namespace" if namespaces else ("landlock" if abi >= 4 else "python"),
                  "files": f"landlock abi {abi}" if abi else "python"}
     status.write(json.dumps(isolation) + "\n")
     status.close()
-    audit_fallback(cfg, files=bool(abi), network=namespaces or abi >= 4, processes=bool(bounded))
+    audit_fallback(cfg, files=files, network=network, processes=processes)
     sys.argv = ["main.py"]
     sys.path[0] = cfg["workdir"]
     with open("main.py") as f:

@@ -201,6 +201,9 @@ def test_without_the_kernels_isolation_the_audit_hooks_hold(blocked, monkeypatch
     held = probe.isolation
     assert (held["network"] != "namespace") if blocked == "namespaces" else held["files"] == "python"
     for code in (f"print(open({str(secret)!r}).read())",
-                 "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)"):
+                 "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+                 # a process outside the interpreter's hooks: refused unless the kernel holds its files
+                 f"import subprocess\nout = subprocess.run(['cat', {str(secret)!r}], capture_output=True)\n"
+                 "print(out.stdout, out.stderr)\nraise SystemExit(1)"):
         result = run_code(code, LIMITS)
         assert result.status == "error" and "TOPSECRET" not in result.model_text(), (code, result)
