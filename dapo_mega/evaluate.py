@@ -116,9 +116,10 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
     `run_id`: the run whose model this is (in the settings), when known; `n_samples` /
     `max_response_length`: an eval set's own k and limit (None: eval.n_samples, and
     eval.max_response_length or the training limit)."""
+    from dapo_mega.aio import run_coroutine
     from dapo_mega.engines.sglang.client import build_sampling_params
     from dapo_mega.reward import score_groups
-    from dapo_mega.rollout.manager import RolloutManager, run_coroutine
+    from dapo_mega.rollout.manager import RolloutManager
 
     e = cfg.eval
     samples_per_problem = n_samples or e.n_samples

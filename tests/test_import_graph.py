@@ -36,6 +36,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.heap": 0,
     "dapo_mega.tether": 0,
     "dapo_mega.log": 0,
+    "dapo_mega.aio": 0,
     # 1: backends: Megatron (model, layout, train step, sharded state), the placement, and
     #    SGLang's wire (API tables, endpoint, HTTP client, command lines; nothing imports sglang).
     "dapo_mega.backends": 1,

@@ -118,10 +118,11 @@ def resolve_policy(cfg: DapoConfig, checkpoint: str, workdir: Path) -> Tuple[Pat
 def roll_out(cfg: DapoConfig, hf_dir: Path, problems: Sequence[Problem], encoder: PromptEncoder, seed: int, revision: str,
              run_id: str) -> list:
     """One response per problem with the training sampling, length limit and seeds: Groups in order."""
+    from dapo_mega.aio import run_coroutine
     from dapo_mega.engines.fleet import EngineFleet
     from dapo_mega.engines.sglang.client import build_sampling_params
     from dapo_mega.plan.clock import resolve_health_timeout_s
-    from dapo_mega.rollout.manager import RolloutManager, run_coroutine
+    from dapo_mega.rollout.manager import RolloutManager
 
     a = cfg.algo
     sampling = build_sampling_params(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,

@@ -28,7 +28,6 @@ server's own work is its business.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import re
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
 
 from dapo_mega import log
+from dapo_mega.aio import run_coroutine
 from dapo_mega.config import ConfigError
 from dapo_mega.reward.returns import to_verify_result
 from dapo_mega.reward.types import VerifyResult, VerifyStats, verifier_error_result
@@ -100,7 +100,7 @@ class HttpVerifier:
         parts = urlsplit(url)
         version_url = f"{parts.scheme}://{parts.netloc}/version"
         try:
-            status, body, headers = _run(_get(version_url, timeout_s))
+            status, body, headers = run_coroutine(_get(version_url, timeout_s))
         except _Failed as exc:
             raise ConfigError(f"{FIELD}: reward server {spec!r} did not answer GET {version_url} ({exc}). Fix: start "
                               "the server (docs/rewards.md says what it serves) or correct the URL") from None
@@ -122,7 +122,7 @@ class HttpVerifier:
         """Every response's result, in order; failures counted in `stats` (num_timeouts,
         num_exceptions, num_retries), never raised."""
         items = list(zip(responses, ground_truths, (dict(m) for m in metadata)))
-        return _run(self._score_all(items, timeout_s, stats))
+        return run_coroutine(self._score_all(items, timeout_s, stats))
 
     async def _score_all(self, items, timeout_s: float, stats: VerifyStats) -> List[VerifyResult]:
         import aiohttp
@@ -257,23 +257,3 @@ async def _get(url: str, timeout_s: float) -> Tuple[int, bytes, Dict[str, str]]:
             raise _Failed(f"timeout after {timeout_s:g}s") from None
 
 
-def _run(coro):
-    """Run `coro` on a fresh event loop: in this thread, or in a helper thread when this one
-    already runs a loop (a caller inside async code)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return _run_here(coro)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as helper:
-        return helper.submit(_run_here, coro).result()
-
-
-def _run_here(coro):
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()

@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 
+from dapo_mega.aio import run_coroutine
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, RequestSamplingParams, SamplingParams
 from dapo_mega.engines.sglang.endpoint import EngineAddress, EngineEndpoint, as_endpoint
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, SamplingRule
@@ -62,7 +63,7 @@ from dapo_mega.rollout.samples import (
 )
 
 __all__ = ["DynamicSamplingExhausted", "Group", "RolloutError", "RolloutManager", "SamplingRule", "ScoredSample", "StepInputs",
-           "chunk_size", "drop_stale_groups", "parse_version", "request_seed", "run_coroutine"]
+           "chunk_size", "drop_stale_groups", "parse_version", "request_seed"]
 
 
 class RolloutManager:
@@ -271,20 +272,6 @@ class RolloutManager:
         if capacity:
             out.update({"engine/kv_capacity_tokens": min(capacity), "engine/kv_usage_peak": max(usage)})
         return out
-
-
-def run_coroutine(coro):
-    """Run `coro` to completion on a fresh event loop (what `asyncio.run` does, minus its
-    SIGINT handler: on Python 3.11, checking that handler at exit formats the repr of the
-    finished task, result included, which costs more than a small rollout round)."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()
 
 
 def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:

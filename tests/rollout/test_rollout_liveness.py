@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from dapo_mega.aio import run_coroutine
 from dapo_mega.config import RolloutConfig
 from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
-from dapo_mega.rollout.manager import RolloutError, RolloutManager, chunk_size, run_coroutine
+from dapo_mega.rollout.manager import RolloutError, RolloutManager, chunk_size
 
 pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
 
