@@ -70,9 +70,10 @@ def chain_items(tokenizer, count: int) -> List[Any]:
 
 def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
     """`steps` steps of one side on the engine at `url`: tokens generated and trained, counts."""
+    from dapo_mega.aio import run_coroutine
     from dapo_mega.engines.sglang.client import EngineClient
     from dapo_mega.reward import SampleReward
-    from dapo_mega.rollout.manager import RolloutManager, SamplingRule, run_coroutine
+    from dapo_mega.rollout.manager import RolloutManager, SamplingRule
 
     lengths = {p.id: n for p, _, n in items}
     ids = {p.id: tokens for p, tokens, _ in items}

@@ -204,8 +204,8 @@ def mixed_rewards(groups):
 
 
 def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_new_weights(model_dir, tmp_path):
+    from dapo_mega.aio import run_coroutine
     from dapo_mega.engines.sglang.client import EngineClient
-    from dapo_mega.rollout.manager import run_coroutine
 
     fleet = EngineFleet(RolloutConfig(), str(model_dir), num_threads=1, weight_version="0")
     fleet.start(1)
