@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, get_args
 
-from dapo_mega.run_files.checkpoints import write_text_atomic
-
 
 class ConfigError(ValueError):
     """A configuration that cannot work. The message names the field and the fix."""
@@ -1081,12 +1079,6 @@ def from_yaml(text: str) -> DapoConfig:
     obj = OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.create(text)))
     assert isinstance(obj, DapoConfig)
     return obj
-
-
-def save_config(cfg: DapoConfig, run_dir: Path) -> Path:
-    """Write the resolved config into the run directory (atomically)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
 
 
 def describe_fields(cls: type = DapoConfig, prefix: str = "") -> List[str]:

@@ -3,7 +3,8 @@
 import pytest
 
 from dapo_mega.cli import main as cli_main
-from dapo_mega.config import ConfigError, from_yaml, load_config, save_config, to_yaml, validate_config
+from dapo_mega.config import ConfigError, from_yaml, load_config, to_yaml, validate_config
+from dapo_mega.run_files.identity import save_config
 
 # (overrides, field named in the error)
 BAD = [

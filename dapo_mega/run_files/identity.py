@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, TypedDict
 
-from dapo_mega.config import ConfigError, DapoConfig, from_yaml, save_config
+from dapo_mega.config import ConfigError, DapoConfig, from_yaml, to_yaml
 from dapo_mega.run_files.checkpoints import read_trainer_state, resume_checkpoint, write_text_atomic
 
 RUN_FILE = "run.json"
@@ -96,6 +96,12 @@ class ConfigHistoryRow(TypedDict):
 
 class ConfigChangeRefused(ConfigError):
     """A resume changes guarded fields that trainer.allow_changes does not name."""
+
+
+def save_config(cfg: DapoConfig, run_dir: Path) -> Path:
+    """Write the resolved config into the run directory (atomically) as `config.yaml`."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
 
 
 def _covers(name: str, path: str) -> bool:
