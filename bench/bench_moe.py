@@ -46,7 +46,7 @@ from bench_learner import (  # noqa: E402
     _rank_device,
     _samples,
     _sync,
-    hf_packed_inputs,
+    hf_token_log_probs,
     same_rows,
 )
 from timing import throughput_figure, time_alternating, write_result  # noqa: E402
@@ -97,11 +97,9 @@ class HFMoEBaseline(HFBaseline):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro:
                 self.router_logits.clear()
-                out = self.model(**hf_packed_inputs(mb))
+                log_probs = hf_token_log_probs(self.model, mb, self.cfg.algo.temperature)
                 aux_loss = load_balancing_loss_func(tuple(self.router_logits), self.model.config.num_experts,
                                                     self.model.config.num_experts_per_tok)
-                logits = out.logits.float() / self.cfg.algo.temperature
-                log_probs = torch.log_softmax(logits, -1).gather(-1, mb.labels[..., None])[..., 0]
                 loss, _ = compute_policy_loss(log_probs, mb.old_log_probs, mb.advantages, mb.response_mask,
                                               global_num_tokens=global_tokens)
                 tokens = float(mb.response_mask.sum())  # the balancing loss per token, as the learner weighs it

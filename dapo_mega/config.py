@@ -1081,6 +1081,12 @@ def from_yaml(text: str) -> DapoConfig:
     return obj
 
 
+def routed_experts_every(cfg: DapoConfig) -> int:
+    """One request in this many asks a mixture's engine for its routed experts: every one with
+    routing replay, else checks.router_agreement_every (0: none)."""
+    return 1 if cfg.algo.routing_replay else cfg.checks.router_agreement_every
+
+
 def describe_fields(cls: type = DapoConfig, prefix: str = "") -> List[str]:
     """`name: type = default  # doc` lines for every field (for `--help`)."""
     import ast

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig, partial_rollout_enabled, validate_config
+from dapo_mega.config import DapoConfig, partial_rollout_enabled, routed_experts_every, validate_config
 from dapo_mega.driver.gate import DriverGate, finished_requests
 from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
@@ -189,7 +189,7 @@ class Session:
                                  probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision,
                                  partial_rollout=partial_rollout_enabled(cfg))
         if self.fleet.returns_routed_experts:  # a mixture: replay needs every report, agreement a sample
-            manager.routed_experts_every = 1 if cfg.algo.routing_replay else cfg.checks.router_agreement_every
+            manager.routed_experts_every = routed_experts_every(cfg)
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "

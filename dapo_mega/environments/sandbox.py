@@ -39,8 +39,6 @@ SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIO
             "PYTHONDONTWRITEBYTECODE": "1"}
 """The whole environment of the code (HOME and TMPDIR: its working directory)."""
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory", "output_limit", "crash", "sandbox_error")
-CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/pids")
-"""Where a pids cgroup can be made: the cgroup v2 root, or v1's pids controller."""
 
 
 @dataclass(frozen=True)

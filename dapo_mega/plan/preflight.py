@@ -259,10 +259,11 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     check_learner_supports(layout)
     # What the model provider will decide on this machine (layer spec, dtype, FP8), as build_model does;
     # on a GPU, TE's import error stops the run here.
-    plan_transformer_config(ModelShape.from_hf_config(hf_config), cfg.megatron, layout, torch.cuda.is_available(),
+    shape = ModelShape.from_hf_config(hf_config)
+    plan_transformer_config(shape, cfg.megatron, layout, torch.cuda.is_available(),
                             transformer_engine_import_error(), cfg.algo.routing_replay)
     check_routing_replay(cfg)
-    check_engine_serves_model(cfg, ModelShape.from_hf_config(hf_config))
+    check_engine_serves_model(cfg, shape)
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
     check_engine_python(cfg.rollout)

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple, get_args
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dapo_mega.config import AlgoConfig, DapoConfig, LedgerTextMode, TrainerConfig
+from dapo_mega.config import AlgoConfig, DapoConfig, LedgerTextMode, TrainerConfig, routed_experts_every
 from dapo_mega.rollout.samples import ScoredSample
 from dapo_mega.run_files.checkpoints import atomic_path
 
@@ -344,8 +344,8 @@ def ledger_bytes_per_step_of(cfg: DapoConfig, mean_response_tokens: float, promp
     routed experts."""
     routed = 0.0
     if cfg.trainer.ledger_routed_experts and shape is not None and shape.is_moe:
-        every = cfg.checks.router_agreement_every
-        share = 1.0 if cfg.algo.routing_replay else (1.0 / every if every > 0 else 0.0)
+        every = routed_experts_every(cfg)
+        share = 1.0 / every if every > 0 else 0.0
         routed = routed_experts_bytes_per_token(shape.num_layers, shape.num_experts_per_tok, shape.num_experts, share)
     return ledger_bytes_per_step(ledger_responses_per_step(cfg.algo, rounds), mean_response_tokens,
                                  text=cfg.trainer.ledger_text, text_max_chars=cfg.trainer.ledger_text_max_chars,

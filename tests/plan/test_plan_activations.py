@@ -73,6 +73,24 @@ def _saved_bytes_by_layer(model, run):
     return {k: sum(v.values()) for k, v in saved.items()}
 
 
+def measure_tiny(rank, world, architecture, ep=1):
+    """Saved bytes by layer of a tiny model of `architecture` built by megatron-core (a rank's share at EP `ep`)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.model import build_model
+    from dapo_mega.models.tiny import tiny_hf_config
+
+    cfg = _config(recompute=False)
+    cfg.megatron.expert_model_parallel_size = ep
+    hf = tiny_hf_config(cfg.model, architecture=architecture)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
+    (model,), _ = build_model(hf, cfg.megatron, layout)
+    tokens, position_ids, mask = _inputs(60)
+    return _saved_bytes_by_layer(model, lambda: model(tokens, position_ids, mask))
+
+
 def _peak_new_bytes(fn, existing):
     """Peak bytes of storages created while `fn()` runs (inputs in `existing` not counted): after
     every aten op, the storages still referenced from anywhere but this tracker."""

@@ -8,24 +8,11 @@ router, so the two ranks' sum (each ran the same tokens) meets twice the formula
 from __future__ import annotations
 
 from dist_helpers import run_distributed
-from test_plan_activations import SHAPE, TOKENS, _config, _inputs, _saved_bytes_by_layer
+from test_plan_activations import SHAPE, TOKENS, measure_tiny
 
 
 def _measure_moe(rank, world):
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.model import build_model
-    from dapo_mega.models.tiny import tiny_hf_config
-
-    cfg = _config(recompute=False)
-    cfg.megatron.expert_model_parallel_size = world
-    hf = tiny_hf_config(cfg.model, architecture="qwen3_moe")
-    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
-    (model,), _ = build_model(hf, cfg.megatron, layout)
-    tokens, position_ids, mask = _inputs(60)
-    return _saved_bytes_by_layer(model, lambda: model(tokens, position_ids, mask))
+    return measure_tiny(rank, world, "qwen3_moe", ep=world)
 
 
 def test_plan_sparse_layer_activations_meet_megatrons_moe_layer_at_ep1_and_ep2():

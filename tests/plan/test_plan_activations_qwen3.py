@@ -5,23 +5,11 @@ CPU (the measurement of test_plan_activations.py, on the Qwen3 shape)."""
 from __future__ import annotations
 
 from dist_helpers import run_distributed
-from test_plan_activations import SHAPE, TOKENS, _config, _inputs, _saved_bytes_by_layer
+from test_plan_activations import SHAPE, TOKENS, measure_tiny
 
 
 def _measure_qwen3(rank, world):
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    from dapo_mega.backends.megatron.layout import ParallelLayout
-    from dapo_mega.backends.megatron.model import build_model
-    from dapo_mega.models.tiny import tiny_hf_config
-
-    cfg = _config(recompute=False)
-    hf = tiny_hf_config(cfg.model, architecture="qwen3")
-    layout = ParallelLayout.from_config(cfg.megatron, world, hf).initialize()
-    (model,), _ = build_model(hf, cfg.megatron, layout)
-    tokens, position_ids, mask = _inputs(60)
-    return _saved_bytes_by_layer(model, lambda: model(tokens, position_ids, mask))
+    return measure_tiny(rank, world, "qwen3", ep=1)
 
 
 def test_plan_layer_activations_meet_a_tiny_qwen3():

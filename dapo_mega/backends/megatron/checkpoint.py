@@ -462,10 +462,10 @@ def _regroup_optimizer_state(loaded: StateDict, live_commons: List[StateDict]) -
     saved sub-optimizer's param groups) beside them. Each live sub-optimizer keeps its own
     param groups with the saved step (one per run: megatron synchronizes it across the chain);
     the learning rate comes from the restored scheduler."""
-    saved_parts = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
     live_chain = len(live_commons)
     if (live_chain == 1) == ("optimizer" in loaded):
         return loaded
+    saved_parts = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
     steps = {g["step"] for part in saved_parts for g in (part.get("optimizer") or {}).get("param_groups", [])
              if g.get("step") is not None}
     if len(steps) != 1:
@@ -588,7 +588,7 @@ def load_checkpoint(learner, ckpt_dir: Path | str, load_optimizer: bool = True,
     live_commons: List[StateDict] = []
     if load_optimizer:
         optimizer = getattr(learner, "optimizer", None)
-        chain_prefix = _saved_with_chain_prefix(ckpt / MODEL_OPTIM_DIR)
+        chain_prefix = optimizer is not None and _saved_with_chain_prefix(ckpt / MODEL_OPTIM_DIR)
         if optimizer is not None:
             _prepare_optimizer_for_loading(optimizer)
             live_commons = [opt.state_dict() for opt in getattr(optimizer, "chained_optimizers", [optimizer])]

@@ -577,9 +577,9 @@ class MegatronLearner:
         matches, compared, (balance, calls) = totals[:buckets], totals[buckets:2 * buckets], totals[2 * buckets:]
         by_age = {f"moe/{age_bucket_label(k, buckets)}/router_agreement": (m / c if c else float("nan"))
                   for k, (m, c) in enumerate(zip(matches, compared))}
-        if self._router_loss_coeff:  # megatron computes it only with a weight
-            by_age["moe/load_balancing_loss"] = balance / calls if calls else float("nan")
-        return {"moe/router_agreement": sum(matches) / sum(compared) if sum(compared) else float("nan"),
+        balancing = {"moe/load_balancing_loss": balance / calls if calls else float("nan")} \
+            if self._router_loss_coeff else {}  # megatron computes it only with a weight
+        return {**balancing, "moe/router_agreement": sum(matches) / sum(compared) if sum(compared) else float("nan"),
                 "moe/router_choices_compared": sum(compared), **by_age,
                 "moe/unreported_samples": float(sum(s.routed_experts is None for s in samples)),
                 "moe/routing_replay": float(self.cfg.algo.routing_replay)}
