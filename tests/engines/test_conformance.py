@@ -362,10 +362,16 @@ def assert_some_aborted(result: dict, max_new_tokens: int) -> None:
 
 
 def test_abort_request_finishes_a_running_generation_with_abort(server):
+    """abort_all ends what the scheduler holds at that moment, nothing that arrives later. One
+    abort sent when /v1/loads first counts a request can still miss ours (CI: all 16 samples
+    ran to their length), so it is sent again until the reply comes back, bounded in time."""
     result = {}
     t = start_long_generation(server, result, max_new_tokens=240)
-    assert run(lambda c: c.abort_request(abort_all=True), server) is None
-    t.join(timeout=120)
+    deadline = time.monotonic() + 120
+    while t.is_alive() and time.monotonic() < deadline:
+        assert run(lambda c: c.abort_request(abort_all=True), server) is None
+        t.join(timeout=0.2)
+    assert not t.is_alive()
     assert_some_aborted(result, 240)
 
 
