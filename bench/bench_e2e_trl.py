@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -356,7 +357,7 @@ def phase_trl(work: Path, hf_dir: str, overrides: Sequence[str], max_steps: int,
             t = time.perf_counter()
             state = {k: v.detach() for k, v in model_.state_dict().items()}
             syncer.sync(iter(state.items()), weight_version=str(step))
-            result = evaluate_problems([engine], held_out, cfg, prompt_ids, verifier)
+            result = evaluate_problems([engine], held_out, cfg, SimpleNamespace(encode=prompt_ids), verifier)
             train_s = t - self.start - self.excluded
             split = {"generate_score_s": round(generation_s[0], 4),
                      "learner_s": round(max(train_s, 0.0) - generation_s[0], 4)}

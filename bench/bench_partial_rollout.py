@@ -73,15 +73,21 @@ def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
     from dapo_mega.aio import run_coroutine
     from dapo_mega.engines.sglang.client import EngineClient
     from dapo_mega.reward import SampleReward
-    from dapo_mega.rollout.manager import RolloutManager, SamplingRule
+    from dapo_mega.rollout.manager import RolloutManager, RoundSettings, SamplingRule
 
     lengths = {p.id: n for p, _, n in items}
     ids = {p.id: tokens for p, tokens, _ in items}
 
-    class ChainManager(RolloutManager):
-        def _params_for(self, prompts, gen_round):  # each response as long as its worked solution
+    @dataclass(frozen=True)
+    class ChainSettings(RoundSettings):
+        def params_for(self, prompts, step, gen_round):  # each response as long as its worked solution
             return [{**params, "max_new_tokens": lengths[p.id]}
-                    for p, params in zip(prompts, super()._params_for(prompts, gen_round))]
+                    for p, params in zip(prompts, super().params_for(prompts, step, gen_round))]
+
+    class TokenIds:
+        @staticmethod
+        def encode(prompt):  # a PromptEncoding
+            return ids[prompt.id]
 
     async def engine(call):
         async with EngineClient(url) as c:
@@ -98,10 +104,10 @@ def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
         return [[SampleReward(1.0 if coin(g.prompt_id, s.sample_index) else -1.0, coin(g.prompt_id, s.sample_index))
                  for s in g.samples] for g in groups]
 
-    mgr = ChainManager([url], n_samples=G, sampling_params={"ignore_eos": True, "max_new_tokens": BUDGET,
-                                                            "temperature": 1.0},
-                       prompts_per_request=1, requests_per_engine=8, prompt_to_input=lambda p: ids[p.id], seed=11,
-                       partial_rollout=partial)
+    settings = ChainSettings(n_samples=G, sampling_params={"ignore_eos": True, "max_new_tokens": BUDGET,
+                                                           "temperature": 1.0},
+                             prompts_per_request=1, requests_per_engine=8, seed=11, partial_rollout=partial)
+    mgr = RolloutManager([url], settings, TokenIds())
     run_coroutine(engine(lambda c: c.update_weight_version("0")))
     before = run_coroutine(engine(lambda c: c._request("GET", "/server_info")))["num_generated_tokens"]
     trained, totals = 0, {}

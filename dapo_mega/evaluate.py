@@ -30,10 +30,11 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict, Union
 
 from dapo_mega import log
 from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.endpoint import EngineAddress
 from dapo_mega.run_files.checkpoints import write_text_atomic
 
@@ -42,7 +43,7 @@ logger = log.get(__name__)
 if TYPE_CHECKING:
     from dapo_mega.data import EvalSet, Problem
     from dapo_mega.reward.types import Verifier
-    from dapo_mega.rollout.samples import PromptToInput
+    from dapo_mega.rollout.samples import PromptEncoding
 
 
 class ProblemOutcome(TypedDict):
@@ -109,29 +110,22 @@ class EvalResult:
             "problems": self.problems}, indent=1))
 
 
-def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Problem], cfg: DapoConfig,
-                      prompt_to_input: PromptToInput, verifier: Verifier, run_id: str = "",
+def evaluate_problems(engines: Union[EngineBook, Sequence[EngineAddress]], problems: Sequence[Problem],
+                      cfg: DapoConfig, encoding: PromptEncoding, verifier: Verifier, run_id: str = "",
                       n_samples: Optional[int] = None, max_response_length: Optional[int] = None) -> EvalResult:
     """k samples per problem on the engines, scored by `verifier` with the training length limit;
     `run_id`: the run whose model this is (in the settings), when known; `n_samples` /
     `max_response_length`: an eval set's own k and limit (None: eval.n_samples, and
     eval.max_response_length or the training limit)."""
     from dapo_mega.aio import run_coroutine
-    from dapo_mega.engines.sglang.client import build_sampling_params
     from dapo_mega.reward import score_groups
     from dapo_mega.rollout.manager import RolloutManager
 
-    e = cfg.eval
-    samples_per_problem = n_samples or e.n_samples
-    max_len = max_response_length or e.max_response_length or cfg.algo.max_response_length
-    params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=max_len)
-    manager = RolloutManager(engines, samples_per_problem, params, max_retries=cfg.rollout.max_retries,
-                             run_id=run_id or cfg.trainer.run_name, return_logprob=False,
-                             prompt_to_input=prompt_to_input,
-                             prompts_per_request=cfg.rollout.prompts_per_request,
-                             requests_per_engine=cfg.rollout.requests_per_engine,
-                             liveness_timeout_s=cfg.rollout.liveness_timeout_s,
-                             probe_interval_s=cfg.rollout.liveness_probe_interval_s, seed=e.seed)
+    book = engines if isinstance(engines, EngineBook) else EngineBook(engines)
+    manager = RolloutManager.from_config(cfg, book, "eval", encoding, run_id=run_id, n_samples=n_samples,
+                                         max_response_length=max_response_length)
+    e, samples_per_problem = cfg.eval, manager.settings.n_samples
+    max_len = manager.settings.sampling_params["max_new_tokens"]
     groups = run_coroutine(manager.generate_groups(list(problems)))
     scored = score_groups(verifier, groups, cfg.algo, cfg.data.prompt_template)
     from dapo_mega.data.problem import compute_dataset_revision
@@ -149,8 +143,8 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
                                                       for v in (s.policy_version_min, s.policy_version_max)})},
                         engines={url: {"requests": manager.requests_by_engine.get(url, 0),
                                        "samples": manager.samples_by_engine.get(url, 0)}
-                                 for url in manager.engine_urls},
-                        dead_engines=manager.dead_engines())
+                                 for url in book.urls},
+                        dead_engines=book.dead())
     unjudged = int((~scored.verdict).sum())
     if unjudged:  # avg@k is a share of correct answers: a bare score is no verdict (reward/returns.py)
         logger.warning(f"[eval] the reward gave no verdict for {unjudged} of {len(scored.verdict)} samples (a bare "
@@ -171,10 +165,11 @@ def evaluate_problems(engines: Sequence[EngineAddress], problems: Sequence[Probl
     return result
 
 
-def evaluate_set(engines: Sequence[EngineAddress], eval_set: EvalSet, cfg: DapoConfig,
-                 prompt_to_input: PromptToInput, verifier: Verifier, run_id: str = "") -> EvalResult:
-    """`evaluate_problems` on one `EvalSet` (data/build.py) with its k and length limit."""
-    result = evaluate_problems(engines, eval_set.problems, cfg, prompt_to_input, verifier, run_id=run_id,
+def evaluate_set(engines: Union[EngineBook, Sequence[EngineAddress]], eval_set: EvalSet, cfg: DapoConfig,
+                 encoding: PromptEncoding, verifier: Verifier, run_id: str = "") -> EvalResult:
+    """`evaluate_problems` on one `EvalSet` (data/build.py) with its k and length limit; on the
+    run's engine book, an engine it finds dead is lost to the training rounds too."""
+    result = evaluate_problems(engines, eval_set.problems, cfg, encoding, verifier, run_id=run_id,
                                n_samples=eval_set.n_samples, max_response_length=eval_set.max_response_length)
     result.name = eval_set.name
     result.settings["eval_set"] = eval_set.name
@@ -256,7 +251,8 @@ def evaluate_checkpoint(cfg: DapoConfig, checkpoint: str, workdir: Path) -> List
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "eval", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
         endpoints = fleet.start_on_this_node("dapo-mega eval")  # engine i on its own GPUs of this node
-        results = [evaluate_set(endpoints, eval_set, cfg, encoder.encode, verifier,
+        book = EngineBook(endpoints)  # an engine lost on one set is not given the next
+        results = [evaluate_set(book, eval_set, cfg, encoder, verifier,
                                 run_id=run_id_of_path(checkpoint)) for eval_set in eval_sets]
     for result in results:
         result.settings["checkpoint"] = str(checkpoint)

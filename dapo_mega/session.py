@@ -20,19 +20,20 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig, partial_rollout_enabled, routed_experts_every, validate_config
-from dapo_mega.driver.gate import DriverGate, finished_requests
+from dapo_mega.config import DapoConfig, routed_experts_every, validate_config
+from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
 from dapo_mega.driver.policy_sync import PolicySync
 from dapo_mega.driver.roles import DRIVER_RANK, DriverRole, LearnerRankRole
 from dapo_mega.driver.run_state import RunState, prune_records_after
 from dapo_mega.driver.weight_probe import WeightProbe
+from dapo_mega.engines.book import EngineBook
 from dapo_mega.run_files.checkpoints import set_aside_after
 from dapo_mega.run_files.identity import RUN_ID_ENV, config_dict, settle_run_dir
 
@@ -59,6 +60,8 @@ class Session:
         self.fleet: Optional[EngineFleet] = None
         self.engines: List[EngineProcess] = []
         self.engine_urls: List[str] = []
+        self.book = EngineBook()
+        """Which engines serve, are dead or rejoin (engines/book.py): the driver's, once they start."""
         self.policy_sync: Optional[PolicySync] = None
         self.probe: Optional[WeightProbe] = None
 
@@ -104,7 +107,8 @@ class Session:
         self.layout = ParallelLayout.from_config(cfg.megatron, world_size, hf_config=str(self.model_dir))
         self.layout.initialize(timeout_s=cfg.cluster.dist_timeout_s, cuda_device=self._cuda_device(world_size))
         # the driver's progress counter is published from here on (driver/gate.py)
-        gate = DriverGate(cfg.cluster.driver_stall_timeout_s, is_driver=is_driver, progress=finished_requests)
+        gate = DriverGate(cfg.cluster.driver_stall_timeout_s, is_driver=is_driver,
+                          progress=self.book.finished_requests)
         gate.start()
         self.role = LearnerRankRole(gate)
         torch.manual_seed(cfg.trainer.seed)
@@ -159,9 +163,8 @@ class Session:
 
     def _start_driver(self) -> DriverRole:
         """Data, prompt encoder, verifier, engines, rollout manager and records (global rank 0)."""
-        from dapo_mega.data import Problem, PromptEncoder, PromptIterator, build_run_datasets
+        from dapo_mega.data import PromptEncoder, PromptIterator, build_run_datasets
         from dapo_mega.driver.rollouts import RolloutSource
-        from dapo_mega.engines.sglang.client import build_sampling_params
         from dapo_mega.records.recorder import RunRecorder
         from dapo_mega.reward import build_verifier
         from dapo_mega.rollout.manager import RolloutManager
@@ -178,23 +181,16 @@ class Session:
                     f"{revision}; bad rows skipped (data.on_bad_row=skip): {skipped or 'none'}")
         prompts = PromptIterator(train_problems, seed=cfg.data.seed, shuffle=cfg.data.shuffle, revision=revision)
         self.engine_urls = self._start_engines()
-        sampling = build_sampling_params(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
-                                         top_k=cfg.algo.top_k, max_new_tokens=cfg.algo.max_response_length)
-        manager = RolloutManager(self.fleet.endpoints, cfg.algo.n_samples_per_prompt, sampling,
-                                 max_retries=cfg.rollout.max_retries, run_id=self.run.run_id,
-                                 prompts_per_request=cfg.rollout.prompts_per_request,
-                                 requests_per_engine=cfg.rollout.requests_per_engine,
-                                 prompt_to_input=encoder.encode, seed=cfg.trainer.seed,
-                                 liveness_timeout_s=cfg.rollout.liveness_timeout_s,
-                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision,
-                                 partial_rollout=partial_rollout_enabled(cfg))
-        if self.fleet.returns_routed_experts:  # a mixture: replay needs every report, agreement a sample
-            manager.routed_experts_every = routed_experts_every(cfg)
+        self.book.add(self.fleet.endpoints)
+        # a mixture: replay needs every request's experts, the agreement metric a share
+        manager = RolloutManager.from_config(cfg, self.book, "train", encoder, run_id=self.run.run_id,
+                                             dataset_revision=revision, routed_experts_every=(
+                                                 routed_experts_every(cfg) if self.fleet.returns_routed_experts else 0))
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
                         f"{state.policy_version}")
-            rollouts.load_state_dict(state.data_cursor, state.rollout_carry, lambda d: Problem(**_problem_fields(d)))
+            rollouts.load_state_dict(state.data_cursor, state.rollout_carry)
             if cfg.trainer.resume_step:  # a restart from an earlier step: later steps' files are kept aside
                 label = f"after_step_{state.step}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
                 kept = set_aside_after(self.run_dir, state.step, label)
@@ -306,11 +302,3 @@ def build_tiny_model(cfg: DapoConfig, model_dir: Path) -> None:
     from dapo_mega.models.tiny import build_tiny_model_in_place
 
     build_tiny_model_in_place(model_dir, cfg.model, cfg.megatron.seed)
-
-
-def _problem_fields(d: Dict[str, Any]) -> Dict[str, Any]:
-    d = dict(d)
-    if isinstance(d.get("messages"), list):
-        d["messages"] = tuple(d["messages"])
-    return d
-

@@ -119,23 +119,16 @@ def roll_out(cfg: DapoConfig, hf_dir: Path, problems: Sequence[Problem], encoder
              run_id: str) -> list:
     """One response per problem with the training sampling, length limit and seeds: Groups in order."""
     from dapo_mega.aio import run_coroutine
+    from dapo_mega.engines.book import EngineBook
     from dapo_mega.engines.fleet import EngineFleet
-    from dapo_mega.engines.sglang.client import build_sampling_params
     from dapo_mega.plan.clock import resolve_health_timeout_s
     from dapo_mega.rollout.manager import RolloutManager
 
-    a = cfg.algo
-    sampling = build_sampling_params(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                     max_new_tokens=a.max_response_length)
     with EngineFleet(cfg.rollout, str(hf_dir), cfg.run_dir / "logs" / "audit", device=cfg.cluster.device,
                      start_timeout_s=resolve_health_timeout_s(cfg)) as fleet:
         endpoints = fleet.start_on_this_node("dapo-mega audit")  # engine i on its own GPUs of this node
-        manager = RolloutManager(endpoints, 1, sampling, max_retries=cfg.rollout.max_retries, run_id=run_id or "audit",
-                                 return_logprob=False, prompt_to_input=encoder.encode, seed=seed,
-                                 prompts_per_request=cfg.rollout.prompts_per_request,
-                                 requests_per_engine=cfg.rollout.requests_per_engine,
-                                 liveness_timeout_s=cfg.rollout.liveness_timeout_s,
-                                 probe_interval_s=cfg.rollout.liveness_probe_interval_s, dataset_revision=revision)
+        manager = RolloutManager.from_config(cfg, EngineBook(endpoints), "audit", encoder, run_id=run_id, seed=seed,
+                                             dataset_revision=revision)
         return run_coroutine(manager.generate_groups(list(problems)))
 
 

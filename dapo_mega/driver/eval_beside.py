@@ -14,9 +14,10 @@ they evaluated; a run stopped by a signal or its wall-time limit does not wait f
 writes that row without them, saying so.
 
 The thread does only the generation and scoring (its own RolloutManager and event loop,
-`evaluate.evaluate_set`; verifiers run in worker processes). The prompts are encoded before
-it starts, in the driver's thread, and everything that touches the run's state (dead engines,
-result files, console lines) happens in `finish`, in the driver's thread.
+`evaluate.evaluate_set`; verifiers run in worker processes), on the run's engine book, so an
+engine it finds dead is lost to the training rounds at once (the book is locked). The
+prompts are encoded before it starts, in the driver's thread, and everything else that touches
+the run's state (result files, console lines) happens in `finish`, in the driver's thread.
 """
 
 from __future__ import annotations
@@ -28,20 +29,22 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
     from dapo_mega.data.build import EvalSet
-    from dapo_mega.engines.sglang.endpoint import EngineAddress
+    from dapo_mega.engines.book import EngineBook
+    from dapo_mega.engines.sglang.client import PromptInput
     from dapo_mega.evaluate import EvalResult
     from dapo_mega.reward import Verifier
+    from dapo_mega.rollout.samples import PromptEncoding, PromptItem
 
 
-def encoded_inputs(eval_set: "EvalSet", encode: Callable) -> Callable:
-    """`prompt_to_input` for one set's problems, each encoded now (in the caller's thread: a
-    fast tokenizer is not to be shared with a thread that encodes at the same time)."""
-    inputs = {p.id: encode(p) for p in eval_set.problems}
+class EncodedPrompts:
+    """One set's problems, each encoded now (in the caller's thread: a fast tokenizer is not to
+    be shared with a thread that encodes at the same time); a `PromptEncoding`."""
 
-    def prompt_to_input(problem):
-        return inputs[problem.id]
+    def __init__(self, eval_set: "EvalSet", encoding: "PromptEncoding"):
+        self.inputs = {p.id: encoding.encode(p) for p in eval_set.problems}
 
-    return prompt_to_input
+    def encode(self, problem: "PromptItem") -> "PromptInput":
+        return self.inputs[problem.id]
 
 
 class EvalBeside:
@@ -58,14 +61,13 @@ class EvalBeside:
         self._thread.start()
 
     @classmethod
-    def start(cls, step: int, engines: Sequence["EngineAddress"], eval_sets: Sequence["EvalSet"],
-              cfg: "DapoConfig", encode: Callable, verifier: "Verifier", run_id: str) -> "EvalBeside":
+    def start(cls, step: int, book: "EngineBook", eval_sets: Sequence["EvalSet"], cfg: "DapoConfig",
+              encoding: "PromptEncoding", verifier: "Verifier", run_id: str) -> "EvalBeside":
         from dapo_mega.evaluate import evaluate_set
 
-        engines = list(engines)
-        jobs = [(s, encoded_inputs(s, encode)) for s in eval_sets]
-        return cls(step, lambda: [evaluate_set(engines, s, cfg, to_input, verifier, run_id=run_id)
-                                  for s, to_input in jobs])
+        jobs = [(s, EncodedPrompts(s, encoding)) for s in eval_sets]
+        return cls(step, lambda: [evaluate_set(book, s, cfg, encoded, verifier, run_id=run_id)
+                                  for s, encoded in jobs])
 
     def _run(self, run: Callable[[], List["EvalResult"]]) -> None:
         try:

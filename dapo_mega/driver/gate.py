@@ -11,9 +11,9 @@ the driver is two steps:
     others:  gate.handover() = wait()  (poll that key on the store)  then the collective
 
 and the collective starts only when the data is ready. The wait is bounded by progress,
-not by time: the driver publishes a progress counter (`dapo/progress`: requests finished by
-every rollout manager of its process, and hand-overs) from a heartbeat thread, and a
-waiting rank stops with an error naming the driver when that counter has not moved for
+not by time: the driver publishes a progress counter (`dapo/progress`: requests finished on
+the engines of its engine book by training and evaluation rounds, and hand-overs) from a
+heartbeat thread, and a waiting rank stops with an error naming the driver when that counter has not moved for
 `cluster.driver_stall_timeout_s`. A driver that dies takes the store with it (the TCPStore
 lives on global rank 0), so a waiting rank sees the store fail and stops.
 
@@ -139,11 +139,4 @@ class DriverGate:
         self._stop.set()
 
 
-def finished_requests() -> int:
-    """Requests every rollout manager of this process has completed (the driver's progress)."""
-    from dapo_mega.rollout import dispatch
-
-    return dispatch.finished_requests()
-
-
-__all__ = ["DriverGate", "DriverStalled", "finished_requests"]
+__all__ = ["DriverGate", "DriverStalled"]

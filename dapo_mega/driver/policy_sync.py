@@ -29,6 +29,7 @@ from dapo_mega import log
 from dapo_mega.config import DapoConfig, is_loopback
 from dapo_mega.distributed import free_port, merge_dicts
 from dapo_mega.driver.roles import LearnerRankRole
+from dapo_mega.engines.book import BookView
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout
@@ -65,10 +66,10 @@ class PolicySync:
         """Colocated on GPUs: engine url -> its GPUs on its node (named when it hangs)."""
         self.grouped = False
         """Weights travel over weight-update groups (one per stage) that an engine's death re-forms."""
-        self.dropped: set = set()
-        """Engines already left out (the same on every rank: the dead list is the driver's)."""
-        self.rejoined: List[str] = []
-        """Engines back in the weight sync since the last push: they serve once it is done."""
+        self.seen = BookView()
+        """The engine book as this rank last acted on it (the same on every rank: the driver's
+        book, broadcast): its dead engines are out of the weight sync, its rejoining ones in it
+        and serving once the next push is done."""
         self.engine_dtype: Optional[str] = None
         """The parameter dtype every engine reports (`/server_info`), None when they do not
         report one dtype: their checksums are then not compared (`held_as`)."""
@@ -164,17 +165,14 @@ class PolicySync:
         from dapo_mega.weights.handover import drop_dead_posters
         from dapo_mega.weights.sync import run_stages_in_turn
 
-        dead, revived = self.role.engine_changes()
+        view = self.role.engine_changes()
         # lost and answering again before it was dropped (restarted at its address): the groups
         # it was in went with its old process, so it leaves and rejoins in this one call
-        restarted = [u for u in revived if u not in self.dropped]
-        newly = sorted(set(dead) - self.dropped) + restarted
-        back = [u for u in revived if u in self.dropped] + restarted
+        newly, back = view.changes_since(self.seen)
+        self.seen = view
+        dead = view.dead
         if not newly and not back:
             return
-        self.dropped.update(newly)
-        self.dropped.difference_update(back)
-        self.rejoined += back
         drop_dead_posters(self.posters, newly)  # GPU hand-over: the ranks that post for them
         if self.handover is not None:
             self._handover_changes(newly, back)
@@ -267,8 +265,7 @@ class PolicySync:
                                f"{self.cfg.rollout.num_engines} tries (rollout.num_engines); see the engines' logs")
         # every weight source's checksums, on every rank (collective)
         self.sent_checksums = merge_dicts(checksums) if held is not None else None
-        rejoined, self.rejoined = self.rejoined, []
-        self.role.engines_serve(version, rejoined)
+        self.role.engines_serve(version, self.seen.rejoining)
         metrics = stats.as_metrics() if stats is not None else {}
         if self.syncer is not None:
             metrics["sync/engines"] = len(self.syncer.clients)

@@ -10,7 +10,7 @@ calls them without testing the rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from dapo_mega import distributed as D
 from dapo_mega import log
@@ -19,6 +19,7 @@ from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, WallClock, write_ledger
 from dapo_mega.driver.stop_signal import WALL_TIME
+from dapo_mega.engines.book import BookView
 from dapo_mega.records.ledger import LedgerText, prepare_writer
 
 if TYPE_CHECKING:
@@ -69,8 +70,8 @@ class LearnerRankRole:
         """The step's TrainSamples (advantages computed on the driver), on every rank."""
         return self.broadcast()
 
-    def engine_changes(self) -> Tuple[Dict[str, str], List[str]]:
-        """(engines found dead: url -> why, dead engines that answer again), on every rank.
+    def engine_changes(self) -> BookView:
+        """The driver's engine book (`BookView`: dead, rejoining, deaths), on every rank.
         Collective; the driver probes its dead engines first."""
         return self.broadcast()
 
@@ -136,6 +137,8 @@ class DriverRole(LearnerRankRole):
         self.cfg = cfg
         self.run = run
         self.rollouts = rollouts
+        self.book = rollouts.manager.book
+        """Which engines serve, are dead or rejoin: the one record (engines/book.py)."""
         self.sft_prompts = sft_prompts
         self.eval_sets = eval_sets
         """The held-out sets (data/build.py EvalSet), the unnamed one first."""
@@ -182,20 +185,18 @@ class DriverRole(LearnerRankRole):
     def train_samples(self, batch: RolloutBatch) -> list:
         return self.broadcast(self.advantage_step(batch))
 
-    def engine_changes(self) -> Tuple[Dict[str, str], List[str]]:
-        manager = self.rollouts.manager
-        revived = manager.probe_dead()
-        for url in revived:
+    def engine_changes(self) -> BookView:
+        for url in self.book.probe_dead(self.cfg.rollout.liveness_probe_interval_s):
             self.say(f"[trainer] engine {url} answers again: it rejoins the weight sync, then the rollouts",
                      error=True)
-        return self.broadcast((manager.dead_engines(), revived))
+        return self.broadcast(self.book.view())
 
     def engines_lost(self, lost: Dict[str, str]) -> None:
-        self.rollouts.manager.mark_dead({url: f"lost during the weight sync: {why}" for url, why in lost.items()})
+        self.book.mark_all_dead({url: f"lost during the weight sync: {why}" for url, why in lost.items()})
 
     def engines_serve(self, version: int, rejoined: Sequence[str] = ()) -> None:
         if rejoined:
-            self.rollouts.manager.serve_again(rejoined)
+            self.book.serve_again(rejoined)
         if self.producer is not None:
             self.producer.engines_serve(version)
 
@@ -209,7 +210,7 @@ class DriverRole(LearnerRankRole):
             for url in restarted:  # not resumed (a second resume would end it); found dead and back next
                 self.say(f"[trainer] engine {url} restarted while the learner trained: a new process holds its "
                          "memory and none of the weights; it rejoins the weight sync", error=True)
-            self.rollouts.manager.mark_dead({url: "restarted while the learner trained" for url in restarted})
+            self.book.mark_all_dead({url: "restarted while the learner trained" for url in restarted})
 
     def _tolerating_lost(self, call):
         """`call()` has reached every engine; one gone meanwhile (killed while the learner
@@ -224,7 +225,7 @@ class DriverRole(LearnerRankRole):
                 raise
             for url, why in exc.lost.items():
                 self.say(f"[trainer] engine {url} lost: {why}", error=True)
-            self.rollouts.manager.mark_dead(exc.lost)
+            self.book.mark_all_dead(exc.lost)
 
     def write_ledger(self, step: int, batch: RolloutBatch) -> None:
         write_ledger(self.run.run_dir, self.run.run_id, step, batch.samples, text=LedgerText.of(self.cfg.trainer),
@@ -240,12 +241,8 @@ class DriverRole(LearnerRankRole):
     def _evaluate(self) -> Dict[str, float]:
         from dapo_mega.evaluate import evaluate_set
 
-        results = []
-        manager = self.rollouts.manager
-        for eval_set in self.eval_sets:
-            results.append(evaluate_set(manager.alive_engines(), eval_set, self.cfg, self.rollouts.encoder.encode,
-                                        self.rollouts.verifier, run_id=self.run.run_id))
-            manager.mark_dead(results[-1].dead_engines)  # the next set goes to the engines left
+        results = [evaluate_set(self.book, eval_set, self.cfg, self.rollouts.encoder, self.rollouts.verifier,
+                                run_id=self.run.run_id) for eval_set in self.eval_sets]
         return self._record_eval(self.run.state.step, results)
 
     def _record_eval(self, step: int, results: List["EvalResult"], how: str = "") -> Dict[str, float]:
@@ -263,9 +260,8 @@ class DriverRole(LearnerRankRole):
     def begin_eval(self) -> None:
         from dapo_mega.driver.eval_beside import EvalBeside
 
-        self.eval_beside = EvalBeside.start(self.run.state.step, self.rollouts.manager.alive_engines(),
-                                            self.eval_sets, self.cfg, self.rollouts.encoder.encode,
-                                            self.rollouts.verifier, self.run.run_id)
+        self.eval_beside = EvalBeside.start(self.run.state.step, self.book, self.eval_sets, self.cfg,
+                                            self.rollouts.encoder, self.rollouts.verifier, self.run.run_id)
 
     def finish_eval(self, wait: bool = True) -> Dict[str, float]:
         """The evaluation begun by `begin_eval`, recorded under its step once it has ended; with
@@ -278,9 +274,7 @@ class DriverRole(LearnerRankRole):
                 self.say(f"[eval] step {job.step}: not waited for (the run stops); its row has no eval figures",
                          error=True)
                 return {}
-            results = job.join()
-            for result in results:  # engines it found dead leave the weight sync and the rollouts too
-                self.rollouts.manager.mark_dead(result.dead_engines)
+            results = job.join()  # engines it found dead are out of the book already
             metrics = self._record_eval(job.step, results, f" (beside the next step, {job.seconds:.0f} s)")
             return {**metrics, "eval/beside_s": round(job.seconds or 0.0, 3)}
         finally:

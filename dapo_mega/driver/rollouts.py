@@ -29,7 +29,7 @@ from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollo
 from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.manager import RolloutManager
-from dapo_mega.rollout.samples import Group, PromptFactory, ScoredSample, drop_stale_groups
+from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups
 
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
@@ -100,12 +100,21 @@ class RolloutSource:
         """What a checkpoint needs when no batch has been drawn yet."""
         return {"data_cursor": self.prompts.state_dict(), "rollout_carry": self.manager.state_dict()}
 
-    def load_state_dict(self, data_cursor: Optional[PromptCursor], rollout_carry: Optional[Dict[str, Any]],
-                        problem_factory: PromptFactory) -> None:
+    def load_state_dict(self, data_cursor: Optional[PromptCursor], rollout_carry: Optional[Dict[str, Any]]) -> None:
         if data_cursor:
             self.prompts.load_state_dict(data_cursor)
         if rollout_carry:
-            self.manager.load_state_dict(rollout_carry, problem_factory)
+            self.manager.load_state_dict(rollout_carry, self)
+
+    @staticmethod
+    def decode(plain: Dict[str, Any]) -> "Problem":
+        """A problem from the plain data a checkpoint stored of it (`PromptDecoding`)."""
+        d = dict(plain)
+        if isinstance(d.get("messages"), list):
+            d["messages"] = tuple(d["messages"])
+        from dapo_mega.data import Problem
+
+        return Problem(**d)
 
     # ---------------------------------------------------------------- StepInputs (rollout/dynamic_sampling.py)
     def draw(self, n: int) -> List[Problem]:

@@ -2,6 +2,8 @@
 
 * `fleet`: `EngineFleet`, the one place engines are started, attached to (by URL or
   registry), health-checked, killed and restarted;
+* `book`: `EngineBook`, the one record of which engines serve, are dead or rejoin (every
+  round, the policy sync and the driver's progress counter read it);
 * `process`: one engine process's operating-system plumbing (a /health probe, stopping a
   process, its log tail, the registry file it is announced in);
 * `watch`: the Slurm engines role's watch, restarting an engine that exits at its port;

@@ -9,8 +9,8 @@ number of times, so a job outlives an engine.
         time.sleep(0.25)
 
 Why at its port: the trainer knows an engine by its URL (the registry file it read at start,
-the rollout manager's dead list). A restarted engine that answers at that URL is found by the
-rollout manager's `probe_dead` before the next weight sync, gets that sync's weights, and only
+the engine book's dead list). A restarted engine that answers at that URL is found by the
+engine book's `probe_dead` before the next weight sync, gets that sync's weights, and only
 then serves rollouts (`driver/policy_sync.py`). One that exits before the trainer noticed the
 loss (during the learner's step) no longer holds the weight-update group: the next sync names
 it lost and treats it the same way (`weights/sync.py` `EngineLostError`).

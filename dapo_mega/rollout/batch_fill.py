@@ -11,7 +11,7 @@ decided, nor scored; otherwise every group is decided and the kept surplus is ca
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence
 
 import torch
 
@@ -22,7 +22,38 @@ from dapo_mega.rollout.samples import TRAINED_REASONS, Group, PromptItem, Scored
 if TYPE_CHECKING:
     from dapo_mega.config import AlgoConfig, ClusterConfig
 
-__all__ = ["BatchFill", "SET_ASIDE_COUNTS", "SamplingRule", "select_groups"]
+__all__ = ["BatchFill", "KEEP_RATE_EMA", "KeepRate", "SET_ASIDE_COUNTS", "SamplingRule", "Scorer", "select_groups"]
+
+KEEP_RATE_EMA = 0.03
+"""Weight of each finished group in the keep-rate estimate (half-life ~23 groups)."""
+
+
+class Scorer(Protocol):
+    """What scores a step's groups (the run's reward: `StepInputs`)."""
+
+    def score(self, groups: List[Group]) -> List[List[SampleReward]]:
+        """Per group, per sample, its reward."""
+
+
+class KeepRate:
+    """The estimated fraction of generated groups dynamic sampling keeps: a ratio of
+    exponentially decayed counts (KEEP_RATE_EMA per decided group) of kept and decided groups,
+    carried in checkpoints (`counts`)."""
+
+    def __init__(self) -> None:
+        self.counts = [0.0, 0.0]
+
+    @property
+    def value(self) -> Optional[float]:
+        """None until a group has been decided."""
+        kept, seen = self.counts
+        return kept / seen if seen > 0 else None
+
+    def observe(self, kept: int, seen: int) -> None:
+        if seen <= 0:
+            return
+        decay = (1.0 - KEEP_RATE_EMA) ** seen
+        self.counts = [self.counts[0] * decay + kept, self.counts[1] * decay + seen]
 
 
 @dataclass(frozen=True)
@@ -89,20 +120,19 @@ dapo_mega/rollout/manager.py's module docstring)."""
 class BatchFill:
     """One step's batch, filled in prompt order (module docstring; RolloutManager.collect_step).
 
-    `take` is the round's `on_groups`: it decides groups (scores them, filters them, keeps
+    `take` is given each finished chunk of a round in order: it decides groups (scores them, filters them, keeps
     them or makes them ledger rows) strictly in the order of the round's prompts. Streamed, it
     decides no group once the batch is full, and scores at most as many groups at a time as
     are still needed, so a group after the last one needed is never scored either; otherwise
     it decides every group and the kept surplus is carried.
     """
 
-    def __init__(self, step: int, learner_version: int, reward_fn: Callable[[List[Group]], List[List[SampleReward]]],
-                 rule: SamplingRule, carried: Sequence[Group], observe_keep_rate: Callable[[int, int], None]):
-        """observe_keep_rate(kept, seen): told of every decided group, in order (the manager's
-        keep-rate estimate)."""
-        self.observe_keep_rate = observe_keep_rate
+    def __init__(self, step: int, learner_version: int, scorer: Scorer, rule: SamplingRule, carried: Sequence[Group],
+                 keep_rate: KeepRate):
+        """`keep_rate` observes every decided group, in order (the run's estimate)."""
+        self.keep_rate = keep_rate
         self.step, self.learner_version = step, learner_version
-        self.reward_fn = reward_fn
+        self.scorer = scorer
         self.rule = rule
         self.stream = rule.streamed
         self.kept: List[Group] = list(carried)
@@ -140,7 +170,7 @@ class BatchFill:
 
     def _decide(self, groups: List[Group]) -> None:
         """Score and filter `groups` into kept / rejected (ledger rows), in order."""
-        for g, rewards in zip(groups, self.reward_fn(groups)):
+        for g, rewards in zip(groups, self.scorer.score(groups)):
             for s, reward in zip(g.samples, rewards):
                 s.score = reward
         if self.rule.dynamic_sampling:
@@ -168,6 +198,6 @@ class BatchFill:
                 self.samples.extend(g.stamp(self.step, self.learner_version))
             # one group at a time: the estimate depends on the groups decided, in order, and not
             # on how they were cut into requests
-            self.observe_keep_rate(int(kept), 1)
+            self.keep_rate.observe(int(kept), 1)
         self.decided += len(groups)
         self.counts["seen"] += len(groups)

@@ -41,56 +41,54 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from dapo_mega.reward.types import SampleReward
-from dapo_mega.rollout.batch_fill import BatchFill, SamplingRule
-from dapo_mega.rollout.dispatch import RolloutError, RoundOutcome
+from dapo_mega.rollout.batch_fill import KEEP_RATE_EMA, BatchFill, KeepRate, SamplingRule, Scorer
+from dapo_mega.rollout.dispatch import RolloutError, Round, RoundOutcome
 from dapo_mega.rollout.partial import PartialGroup
 from dapo_mega.rollout.samples import (
     Group,
-    PromptFactory,
+    PromptDecoding,
+    PromptEncoding,
     PromptItem,
-    PromptToInput,
     ScoredSample,
     drop_stale_groups,
 )
 
-__all__ = ["DynamicSampler", "DynamicSamplingExhausted", "KEEP_RATE_EMA", "MAX_ROUND_FACTOR", "ROUND_MARGIN",
-           "SamplingRule", "StepInputs", "plain_prompt"]
+__all__ = ["DynamicSampler", "DynamicSamplingExhausted", "IN_FLIGHT_MARGIN", "KEEP_RATE_EMA", "MAX_ROUND_FACTOR",
+           "ROUND_MARGIN", "RoundOpener", "SamplingRule", "StepInputs", "plain_prompt"]
 
 ROUND_MARGIN = 1.2
 """A streamed round asks for need / keep_rate x this many prompts (see `round_size`)."""
 MAX_ROUND_FACTOR = 4
 """A streamed round is at most this many x gen_batch_size prompts."""
-KEEP_RATE_EMA = 0.03
-"""Weight of each finished group in the keep-rate estimate (half-life ~23 groups)."""
+IN_FLIGHT_MARGIN = 1.0
+"""A streamed round keeps requests in flight for (groups still needed) x this many expected kept groups."""
 
 
 class DynamicSamplingExhausted(RuntimeError):
     """max_num_gen_batches rounds did not fill the batch."""
 
 
-class StepInputs(Protocol):
+class StepInputs(Scorer, Protocol):
     """What a step's dynamic sampling needs from the run: prompts, and rewards for groups."""
 
     def draw(self, n: int) -> List[PromptItem]:
         """n fresh prompts (problems)."""
 
-    def score(self, groups: List[Group]) -> List[List[SampleReward]]:
-        """Per group, per sample, its reward."""
 
+class RoundOpener(Protocol):
+    """What opens a generation round on the engines (the rollout manager)."""
 
-Generate = Callable[..., Awaitable[RoundOutcome]]
-"""generate(prompts, gen_round, on_groups=None, want=None, keep_rate=None): one round on the
-engines (`RolloutManager._generate`)."""
+    def round(self, prompts: Sequence[PromptItem], gen_round: int = 0,
+              partials: Optional[Dict[int, PartialGroup]] = None) -> Round: ...
 
 
 class DynamicSampler:
     """One run's dynamic sampling state (carry, pending prompts, keep rate) and its steps."""
 
-    def __init__(self, prompt_to_input: PromptToInput, partial_rollout: bool = False):
-        self.prompt_to_input = prompt_to_input
+    def __init__(self, encoding: PromptEncoding, partial_rollout: bool = False):
+        self.encoding = encoding
         self.partial_rollout = partial_rollout
         self.partials: Dict[int, PartialGroup] = {}
         """id(prompt item in `pending`) -> what was generated for it so far (partial rollouts)."""
@@ -98,8 +96,8 @@ class DynamicSampler:
         """Kept groups beyond a step's batch, offered to the next step (asynchronous modes)."""
         self.pending: List[PromptItem] = []
         """Prompts drawn but never completed (a streamed round stopped first): drawn again first."""
-        self.keep_counts = [0.0, 0.0]
-        """Exponentially decayed counts of kept and finished groups (`keep_rate`)."""
+        self.keep = KeepRate()
+        """The estimated share of decided groups kept (`KeepRate`)."""
         self.counts: Dict[str, int] = {}
         """The last step's counts (BatchFill.counts): rounds, groups seen, set-aside work."""
 
@@ -107,18 +105,18 @@ class DynamicSampler:
     def state_dict(self) -> Dict[str, object]:
         """Carried groups, pending prompts (plain data) and the keep-rate estimate for checkpoints."""
         return {"carry": [g.to_dict() for g in self.carry], "pending": [plain_prompt(p) for p in self.pending],
-                "keep_counts": list(self.keep_counts),
+                "keep_counts": list(self.keep.counts),
                 "partials": [{"at": i, **self.partials[id(p)].to_dict()} for i, p in enumerate(self.pending)
                              if id(p) in self.partials]}
 
-    def load_state_dict(self, state: Dict[str, Any], prompt_factory: PromptFactory) -> None:
+    def load_state_dict(self, state: Dict[str, Any], prompts: PromptDecoding) -> None:
         """What `state_dict` wrote (checkpoints from before streaming have only `carry`)."""
-        self.carry = [Group.from_dict(d, prompt_factory, self.prompt_to_input) for d in state["carry"]]
-        self.pending = [prompt_factory(d) for d in state.get("pending", [])]
-        self.keep_counts = [float(x) for x in state.get("keep_counts", (0.0, 0.0))]
+        self.carry = [Group.from_dict(d, prompts, self.encoding) for d in state["carry"]]
+        self.pending = [prompts.decode(d) for d in state.get("pending", [])]
+        self.keep.counts = [float(x) for x in state.get("keep_counts", (0.0, 0.0))]
         self.partials = {}
         for d in state.get("partials", []):
-            pg = PartialGroup.from_dict(d, prompt_factory)
+            pg = PartialGroup.from_dict(d, prompts)
             self.pending[int(d["at"])] = pg.prompt  # the same object: partials are found by identity
             self.partials[id(pg.prompt)] = pg
 
@@ -126,16 +124,7 @@ class DynamicSampler:
     @property
     def keep_rate(self) -> Optional[float]:
         """Estimated fraction of generated groups dynamic sampling keeps (None: nothing seen yet)."""
-        kept, seen = self.keep_counts
-        return kept / seen if seen > 0 else None
-
-    def observe_keep_rate(self, kept: int, seen: int) -> None:
-        """Update the exponentially weighted (KEEP_RATE_EMA per finished group) counts of kept
-        and finished groups whose ratio is `keep_rate`."""
-        if seen <= 0:
-            return
-        decay = (1.0 - KEEP_RATE_EMA) ** seen
-        self.keep_counts = [self.keep_counts[0] * decay + kept, self.keep_counts[1] * decay + seen]
+        return self.keep.value
 
     def round_size(self, need: int, gen_batch_size: int) -> int:
         """Prompts to request for `need` more kept groups: gen_batch_size until a keep rate has
@@ -148,10 +137,15 @@ class DynamicSampler:
         cap = MAX_ROUND_FACTOR * gen_batch_size
         return cap if rate * cap <= need * ROUND_MARGIN else max(1, math.ceil(need * ROUND_MARGIN / rate))
 
+    def open_limit(self, need: int) -> Optional[float]:
+        """Prompts a streamed round keeps open (sent, not decided) for `need` more kept groups:
+        need x IN_FLIGHT_MARGIN / keep_rate; None (no limit) before a rate is measured or at 0."""
+        rate = self.keep_rate
+        return need * IN_FLIGHT_MARGIN / rate if rate else None
+
     # ---------------------------------------------------------------- one step
-    def collect_step(self, generate: Generate, run_coroutine: Callable[[Awaitable[RoundOutcome]], RoundOutcome],
-                     step: int, learner_version: int, inputs: StepInputs, rule: SamplingRule,
-                     ) -> Tuple[List[Group], List[ScoredSample]]:
+    async def collect_step(self, rounds: RoundOpener, step: int, learner_version: int, inputs: StepInputs,
+                           rule: SamplingRule) -> Tuple[List[Group], List[ScoredSample]]:
         """The step's batch and ledger rows (RolloutManager.collect_step says what they are)."""
         train_batch_size, gen_batch_size = rule.train_batch_size, rule.gen_batch_size
         max_num_gen_batches, max_staleness, stream = rule.max_num_gen_batches, rule.max_staleness, rule.streamed
@@ -159,31 +153,36 @@ class DynamicSampler:
         stale: List[Group] = []
         if max_staleness is not None:
             carried, stale = drop_stale_groups(carried, learner_version, max_staleness)
-        fill = BatchFill(step, learner_version, inputs.score, rule, carried, observe_keep_rate=self.observe_keep_rate)
+        fill = BatchFill(step, learner_version, inputs, rule, carried, self.keep)
         for g in stale:
             fill.samples += g.stamp(step, learner_version)
         counts = self.counts = fill.counts
         while not fill.full():
-            rounds = counts["rounds"]
-            if max_num_gen_batches and rounds >= max_num_gen_batches:
+            rounds_done = counts["rounds"]
+            if max_num_gen_batches and rounds_done >= max_num_gen_batches:
                 raise DynamicSamplingExhausted(_exhausted(step, fill, train_batch_size, max_num_gen_batches))
             prompts, partials = self._draw(inputs, self.round_size(fill.need(), gen_batch_size) if stream
                                            else gen_batch_size, learner_version, max_staleness, counts)
             counts["requested"] += len(prompts)
             counts["rounds"] += 1
             fill.start_round(prompts)
+            async with rounds.round(prompts, rounds_done, partials) as rnd:
+                if stream:
+                    rnd.limit_open(self.open_limit(fill.need()))
+                async for groups in rnd:
+                    if not stream:
+                        continue
+                    if fill.take(groups):
+                        rnd.stop()
+                    rnd.limit_open(self.open_limit(fill.need()))
+            out = rnd.outcome
             if stream:
-                out = run_coroutine(generate(prompts, rounds, fill.take, want=fill.need,
-                                             keep_rate=lambda: self.keep_rate, partials=partials))
-                if not out.stopped and len(out.groups) != len(prompts):
-                    raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
-                                       f"failures: {out.failures[-5:]}")
+                if not out.stopped and out.missing(len(prompts)):
+                    raise RolloutError(out.missing(len(prompts)))
                 self._set_aside_undecided(prompts, fill, out, partials)
             else:
-                out = run_coroutine(generate(prompts, rounds, partials=partials))
-                if len(out.groups) != len(prompts):
-                    raise RolloutError(f"{len(prompts) - len(out.groups)} of {len(prompts)} prompts not generated; "
-                                       f"failures: {out.failures[-5:]}")
+                if out.missing(len(prompts)):
+                    raise RolloutError(out.missing(len(prompts)))
                 fill.take([out.groups[i] for i in range(len(prompts))])
         counts["partial_groups"] = len(self.partials)
         counts["partial_tokens"] = sum(pg.tokens for pg in self.partials.values())

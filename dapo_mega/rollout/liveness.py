@@ -3,29 +3,72 @@
 Liveness is progress, not a request's duration: while an engine has requests in flight it
 is probed (`GET /health` every `probe_interval_s`), and one that answers no probe and
 finishes no request for `liveness_timeout_s` is hung: its requests are abandoned (`Hung`)
-and it is marked dead. `EngineLiveness` is the part of `RoundDispatcher` (rollout/dispatch.py)
-that does it; it reads the dispatcher's `m` (the manager), `in_flight`, `hung`, `done` and
-`last_progress`.
+and it is marked dead in the engine book. A `Watchdog` is made per round: it holds the book,
+the two settings and the round's requests in flight per engine; the round tells it when a
+request starts and ends (`sent`, `ended`), and runs `until_hung` around each request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Dict, Sequence
 
-from dapo_mega.engines.sglang.client import EngineClient
+import aiohttp
 
-__all__ = ["EngineLiveness", "Hung"]
+from dapo_mega.engines.book import EngineBook
+from dapo_mega.engines.sglang.client import EngineClient, EngineError
+
+__all__ = ["Hung", "Pulse", "Watchdog"]
 
 
 class Hung(Exception):
     """The liveness watchdog gave the engine up while this request was in flight."""
 
 
-class EngineLiveness:
-    """The watchdog methods of a round (module docstring)."""
+class Pulse:
+    """Wakes whoever waits for something in the round to change (a request ended, an engine
+    hung, the round stopped)."""
 
-    async def _until_hung(self, url: str, request):
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float = 1.0) -> None:
+        """Until the next `notify` (or timeout_s: a safety net, not the mechanism)."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+class Watchdog:
+    """Probes the round's busy engines and gives up those that make no progress (module docstring)."""
+
+    def __init__(self, book: EngineBook, urls: Sequence[str], probe_interval_s: float, liveness_timeout_s: float,
+                 pulse: Pulse):
+        self.book, self.pulse = book, pulse
+        self.probe_interval_s, self.liveness_timeout_s = float(probe_interval_s), float(liveness_timeout_s)
+        self.in_flight: Dict[str, int] = {u: 0 for u in urls}
+        self.last_progress = {u: time.monotonic() for u in urls}  # a probe answered or a request finished
+        self.hung = {u: asyncio.Event() for u in urls}
+
+    def sent(self, url: str) -> None:
+        self.in_flight[url] += 1
+
+    def ended(self, url: str, finished: bool) -> None:
+        """A request on `url` ended; `finished`: with a complete reply (progress)."""
+        self.in_flight[url] -= 1
+        if finished:
+            self.last_progress[url] = time.monotonic()
+
+    def busy(self) -> list:
+        return [u for u, k in self.in_flight.items() if k > 0]
+
+    async def until_hung(self, url: str, request):
         """The reply of `request`, or Hung once the watchdog gives the engine up."""
         task = asyncio.ensure_future(request)
         gone = asyncio.ensure_future(self.hung[url].wait())
@@ -37,28 +80,38 @@ class EngineLiveness:
             return task.result()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        raise Hung(self.m.dead.get(url, f"{url}: hung"))
+        raise Hung(self.book.why_dead(url) or f"{url}: hung")
 
-    async def _watch(self, url: str) -> None:
-        """Probe `url` while it has requests in flight; mark it hung after liveness_timeout_s
-        without an answer or a finished request."""
-        m = self.m
-        async with EngineClient(m.endpoints[url]) as probe:
-            while not self.done.is_set() and url not in m.dead:
-                if self.in_flight.get(url, 0) <= 0:
+    async def watch(self, url: str, over: asyncio.Event) -> None:
+        """Probe `url` while it has requests in flight, until the round is `over`; mark it hung
+        after liveness_timeout_s without an answer or a finished request."""
+        async with EngineClient(self.book.endpoints[url]) as probe:
+            while not over.is_set() and not self.book.is_dead(url):
+                if self.in_flight[url] <= 0:
                     self.last_progress[url] = time.monotonic()
-                    await self._wait_for_change(m.probe_interval_s)
+                    await self.pulse.wait(self.probe_interval_s)
                     continue
                 t0 = time.monotonic()
-                if await probe.health(timeout_s=m.probe_interval_s):
+                if await probe.health(timeout_s=self.probe_interval_s):
                     self.last_progress[url] = time.monotonic()
-                    await m._observe_loads(url, probe)
-                elif time.monotonic() - self.last_progress[url] > m.liveness_timeout_s:
+                    await self._observe_loads(url, probe)
+                elif time.monotonic() - self.last_progress[url] > self.liveness_timeout_s:
                     silent = time.monotonic() - self.last_progress[url]
-                    m._mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
-                                      f"{silent:.0f} s with {self.in_flight.get(url, 0)} request(s) in flight "
-                                      f"(rollout.liveness_timeout_s={m.liveness_timeout_s:g})")
+                    self.book.mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
+                                             f"{silent:.0f} s with {self.in_flight[url]} request(s) in flight "
+                                             f"(rollout.liveness_timeout_s={self.liveness_timeout_s:g})")
                     self.hung[url].set()
-                    self._notify()
+                    self.pulse.notify()
                     return
-                await asyncio.sleep(max(0.0, m.probe_interval_s - (time.monotonic() - t0)))
+                await asyncio.sleep(max(0.0, self.probe_interval_s - (time.monotonic() - t0)))
+
+    async def _observe_loads(self, url: str, probe: EngineClient) -> None:
+        """The peaks of one /v1/loads answer, into the book (an engine without it is not held to it)."""
+        try:
+            loads = await asyncio.wait_for(probe.loads(), timeout=self.probe_interval_s)
+        except (asyncio.TimeoutError, EngineError, aiohttp.ClientError, OSError, KeyError, TypeError):
+            return
+        try:
+            self.book.observe_loads(url, loads)
+        except (AttributeError, TypeError, ValueError):
+            return

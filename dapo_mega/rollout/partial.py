@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Container, Dict, List, Optional, Sequence
 
 from dapo_mega.rollout.samples import (
     Group,
-    PromptFactory,
+    PromptDecoding,
     PromptItem,
     ScoredSample,
     compact_routed_experts,
@@ -169,8 +169,8 @@ class PartialGroup:
         return {"group": self.group.to_dict(), "open": list(self.open), "budget": self.budget}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any], prompt_factory: PromptFactory) -> "PartialGroup":
-        return cls(Group.from_dict(d["group"], prompt_factory), [int(i) for i in d["open"]], int(d["budget"]))
+    def from_dict(cls, d: Dict[str, Any], prompts: PromptDecoding) -> "PartialGroup":
+        return cls(Group.from_dict(d["group"], prompts), [int(i) for i in d["open"]], int(d["budget"]))
 
 
 @dataclass

@@ -15,7 +15,7 @@ engine was given (the learner trains on the same ids).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.reward.types import UNSCORED, SampleReward
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotations only: the client brings aiohttp, which a ledger
 
 class PromptItem(Protocol):
     """A prompt the rollout generates for: an id (the ledger's `prompt_id`) and its text.
-    `data.Problem` is one; `prompt_to_input` turns it into what the engine is given."""
+    `data.Problem` is one; a `PromptEncoding` turns it into what the engine is given."""
 
     @property
     def id(self) -> str: ...
@@ -34,11 +34,24 @@ class PromptItem(Protocol):
     def prompt(self) -> str: ...
 
 
-PromptToInput = Callable[[PromptItem], "PromptInput"]
-"""A prompt item -> the engine's input for it (`PromptEncoder.encode`: token ids)."""
+class PromptEncoding(Protocol):
+    """What turns a prompt item into the engine's input (`data.PromptEncoder`: token ids)."""
 
-PromptFactory = Callable[[Dict[str, Any]], PromptItem]
-"""The plain data a checkpoint stored of a prompt item (`plain_prompt`) -> the item again."""
+    def encode(self, prompt: PromptItem) -> "PromptInput": ...
+
+
+class PromptDecoding(Protocol):
+    """What makes a prompt item again from the plain data a checkpoint stored of it (`plain_prompt`)."""
+
+    def decode(self, plain: Dict[str, Any]) -> PromptItem: ...
+
+
+class TextPrompts:
+    """Prompt items sent as their text (no tokenizer at hand)."""
+
+    @staticmethod
+    def encode(prompt: PromptItem) -> "PromptInput":
+        return prompt.prompt
 
 
 def parse_version(version: object) -> int:
@@ -170,14 +183,14 @@ class Group:
                 "samples": [asdict(s) for s in self.samples]}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any], prompt_factory: PromptFactory,
-                  prompt_to_input: Optional[PromptToInput] = None) -> "Group":
+    def from_dict(cls, d: Dict[str, Any], prompts: PromptDecoding,
+                  encoding: Optional[PromptEncoding] = None) -> "Group":
         """The group `to_dict` wrote; also reads the carry-over of checkpoints written before
         samples were typed (engine replies and reward dicts side by side), re-encoding the
-        prompt with `prompt_to_input`."""
-        prompt = prompt_factory(d["prompt"])
+        prompt with `encoding`."""
+        prompt = prompts.decode(d["prompt"])
         if "prompt_input" not in d:
-            return _legacy_group(d, prompt, prompt_to_input(prompt) if prompt_to_input else prompt.prompt)
+            return _legacy_group(d, prompt, (encoding or TextPrompts).encode(prompt))
         return cls(prompt=prompt, prompt_input=d["prompt_input"],
                    samples=[ScoredSample.from_dict(s) for s in d["samples"]], engine_id=d["engine_id"],
                    queue_delay_s=d["queue_delay_s"], latency_s=d["latency_s"], gen_round=d["gen_round"])

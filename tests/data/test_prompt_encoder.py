@@ -112,8 +112,8 @@ def _eval_path_ids(cfg, model_dir, problems, monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake_evaluate_problems(urls, probs, cfg_, prompt_to_input, verifier, **kwargs):
-        seen.update({p.id: prompt_to_input(p) for p in probs})
+    def fake_evaluate_problems(urls, probs, cfg_, encoding, verifier, **kwargs):
+        seen.update({p.id: encoding.encode(p) for p in probs})
         return evaluate.EvalResult(k=1)
 
     monkeypatch.setattr(EngineFleet, "start", lambda self, *args, **kwargs: [EngineEndpoint("http://127.0.0.1:9")])
@@ -132,8 +132,10 @@ def _train_path_ids(cfg, problems, monkeypatch):
     captured = {}
 
     class CapturingManager:
-        def __init__(self, *args, **kwargs):
-            captured.update(kwargs)
+        @classmethod
+        def from_config(cls, cfg, book, purpose, encoding=None, **kwargs):
+            captured["encoding"] = encoding
+            return cls()
 
         def __getattr__(self, name):
             return lambda *a, **k: None
@@ -149,7 +151,7 @@ def _train_path_ids(cfg, problems, monkeypatch):
     role = None
     try:
         role = s._start_driver()
-        return [captured["prompt_to_input"](p) for p in problems]
+        return [captured["encoding"].encode(p) for p in problems]
     finally:
         if role is not None:
             role.close()

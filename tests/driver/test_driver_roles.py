@@ -9,6 +9,7 @@ from dapo_mega.config import DapoConfig
 from dapo_mega.driver.roles import DriverRole, LearnerRankRole
 from dapo_mega.driver.rollouts import RolloutBatch
 from dapo_mega.driver.run_state import RunState
+from dapo_mega.engines.book import EngineBook
 
 
 def _roles(rank: int, world_size: int, run_dir: str):
@@ -18,14 +19,15 @@ def _roles(rank: int, world_size: int, run_dir: str):
     try:
         cfg = DapoConfig()
         if rank == 0:
-            manager = SimpleNamespace(dead_engines=lambda: {"http://127.0.0.1:9": "ConnectionRefused"},
-                                      probe_dead=lambda: [])
+            book = EngineBook(["http://127.0.0.1:9"])
+            book.mark_dead("http://127.0.0.1:9", "ConnectionRefused")
+            manager = SimpleNamespace(book=book)
             role = DriverRole(cfg, RunState(run_dir, cfg.trainer), SimpleNamespace(manager=manager), None, [], None)
             batch = RolloutBatch(step=1, groups=[group("a", [1.0, -1.0]), group("b", [1.0, 1.0, -1.0])])
         else:
             role, batch = LearnerRankRole(), RolloutBatch(step=1)
         samples = role.train_samples(batch)
-        dead, _revived = role.engine_changes()
+        dead = role.engine_changes().dead
         evaluated = role.evaluate()  # every rank: the others wait for the driver's evaluation to end
         return {"is_driver": role.is_driver, "dead": dead, "evaluate": evaluated,
                 "samples": [(s.prompt_ids, s.response_ids, round(s.advantage, 6)) for s in samples],
@@ -63,7 +65,8 @@ def test_driver_writes_the_ledger_with_the_configured_text_setting(tmp_path):
     cfg = DapoConfig()
     cfg.trainer.ledger_text = "none"
     encoder = SimpleNamespace(fingerprint=lambda: "template=raw;chat=off;tokenizer=t/vocab 9/abc")
-    role = DriverRole(cfg, RunState(str(tmp_path), cfg.trainer), SimpleNamespace(encoder=encoder), None, [], None)
+    rollouts = SimpleNamespace(encoder=encoder, manager=SimpleNamespace(book=EngineBook()))
+    role = DriverRole(cfg, RunState(str(tmp_path), cfg.trainer), rollouts, None, [], None)
     try:
         samples = [replace(s, prompt_text="prompt a") for s in group("a", [1.0, -1.0]).stamp(1, 0)]
         role.write_ledger(1, RolloutBatch(step=1, samples=samples))

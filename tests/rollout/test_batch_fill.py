@@ -3,10 +3,11 @@ decided in prompt order, none after the batch is full is scored, and the keep-ra
 depends on the groups decided, not on how they were cut into requests."""
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.batch_fill import BatchFill, SamplingRule
-from dapo_mega.rollout.manager import RolloutManager
+from dapo_mega.rollout.manager import RolloutManager, RoundSettings
 from dapo_mega.rollout.samples import Group, ScoredSample
 
 G = 2
@@ -16,6 +17,10 @@ G = 2
 class Prompt:
     id: str
     prompt: list
+
+    @classmethod
+    def decode(cls, plain):  # a PromptDecoding
+        return cls(**plain)
 
 
 def group(prompt):
@@ -32,9 +37,10 @@ def fill_of(stream, scored):
         scored.append([g.prompt_id for g in groups])
         return [[SampleReward(float(s.sample_index % 2), bool(s.sample_index % 2)) if int(g.prompt_id[1:]) % 2 == 0
                  else SampleReward(-1.0, False) for s in g.samples] for g in groups]
-    mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
-    fill = BatchFill(1, 0, reward_fn, SamplingRule(train_batch_size=2, gen_batch_size=4, stream=stream), carried=[],
-                     observe_keep_rate=mgr.sampling.observe_keep_rate)
+    mgr = RolloutManager(["http://127.0.0.1:1"], RoundSettings(n_samples=G, sampling_params={}))
+    fill = BatchFill(1, 0, SimpleNamespace(score=reward_fn),
+                     SamplingRule(train_batch_size=2, gen_batch_size=4, stream=stream), carried=[],
+                     keep_rate=mgr.sampling.keep)
     return fill, mgr
 
 
@@ -72,7 +78,7 @@ def test_keep_rate_does_not_depend_on_how_groups_were_cut_into_requests():
         groups = [group(p) for p in prompts]
         for i in range(0, len(groups), size):
             fill.take(groups[i:i + size])
-        rates.append((mgr.sampling.keep_rate, mgr.sampling.keep_counts))
+        rates.append((mgr.sampling.keep_rate, mgr.sampling.keep.counts))
     assert rates[0] == rates[1] == rates[2]
 
 
@@ -94,8 +100,8 @@ def test_the_filter_metric_acc_drops_an_all_correct_group_that_score_keeps():
         cfg = load_config([f"algo.dynamic_sampling_metric={metric}"])
         rule = SamplingRule.from_config(cfg.algo, cfg.cluster, train_batch_size=2)
         assert rule.metric == metric and rule.train_batch_size == 2
-        mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
-        fill = BatchFill(1, 0, rewards, rule, carried=[], observe_keep_rate=mgr.sampling.observe_keep_rate)
+        mgr = RolloutManager(["http://127.0.0.1:1"], RoundSettings(n_samples=G, sampling_params={}))
+        fill = BatchFill(1, 0, SimpleNamespace(score=rewards), rule, carried=[], keep_rate=mgr.sampling.keep)
         prompts = [Prompt("p0", [1]), Prompt("p1", [2])]
         fill.start_round(prompts)
         fill.take([group(p) for p in prompts])
@@ -117,9 +123,10 @@ def test_a_bare_score_is_no_verdict_so_the_filter_reads_the_score():
         return [[SampleReward(0.1, None), SampleReward(0.0, None)] if g.prompt_id == "p0"
                 else [SampleReward(0.1, None), SampleReward(0.1, None)] for g in groups]
 
-    mgr = RolloutManager(["http://127.0.0.1:1"], n_samples=G, sampling_params={})
-    fill = BatchFill(1, 0, rewards, SamplingRule(train_batch_size=2, gen_batch_size=2, stream=False), carried=[],
-                     observe_keep_rate=mgr.sampling.observe_keep_rate)
+    mgr = RolloutManager(["http://127.0.0.1:1"], RoundSettings(n_samples=G, sampling_params={}))
+    fill = BatchFill(1, 0, SimpleNamespace(score=rewards),
+                     SamplingRule(train_batch_size=2, gen_batch_size=2, stream=False), carried=[],
+                     keep_rate=mgr.sampling.keep)
     prompts = [Prompt("p0", [1]), Prompt("p1", [2])]
     fill.start_round(prompts)
     fill.take([group(p) for p in prompts])

@@ -22,9 +22,9 @@ from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler
-from dapo_mega.rollout.manager import RolloutManager
+from dapo_mega.rollout.manager import RolloutManager, RoundSettings
 from dapo_mega.rollout.partial import PartialGroup, cut_chunks, merge_spans, resume_request
-from dapo_mega.rollout.samples import Group, scored_sample
+from dapo_mega.rollout.samples import Group, TextPrompts, scored_sample
 
 
 @dataclass
@@ -40,6 +40,10 @@ class Prompt:
     id: str
     prompt: list
     dataset_revision: str = "r1"
+
+    @classmethod
+    def decode(cls, plain):  # a PromptDecoding
+        return cls(**plain)
 
 
 def reply(tokens, version, finish="abort", logprob_base=-0.5, text=None, index=0):
@@ -121,7 +125,7 @@ def test_age_counts_the_oldest_token_and_too_old_groups_are_dropped_and_counted(
     assert merged.oldest_version() == 2
     assert not merged.too_old(6, 4) and merged.too_old(6, 3) and not merged.too_old(6, None)
     # a carried group too old for the learner that draws it is dropped, its prompt generated afresh
-    sampler = DynamicSampler(lambda p: p.prompt, partial_rollout=True)
+    sampler = DynamicSampler(TextPrompts(), partial_rollout=True)
     young = cut_group([reply([1], 5, index=0), reply([2, 3], 5, index=1)], prompt=Prompt("p1", [1]))
     sampler.pending = [pg.prompt, young.prompt]
     sampler.partials = {id(pg.prompt): pg, id(young.prompt): young}
@@ -133,14 +137,14 @@ def test_age_counts_the_oldest_token_and_too_old_groups_are_dropped_and_counted(
 
 
 def test_the_carry_round_trips_through_the_checkpoint_state():
-    sampler = DynamicSampler(lambda p: p.prompt, partial_rollout=True)
+    sampler = DynamicSampler(TextPrompts(), partial_rollout=True)
     pg = cut_group([reply([1, 2], 3, "stop", index=0), reply([5, 6, 7], 3, index=1)], budget=12)
     fresh = Prompt("p9", [4, 4])
     sampler.pending = [fresh, pg.prompt]
     sampler.partials = {id(pg.prompt): pg}
     state = json.loads(json.dumps(sampler.state_dict()))           # what the checkpoint's JSON holds
-    restored = DynamicSampler(lambda p: p.prompt, partial_rollout=True)
-    restored.load_state_dict(state, lambda d: Prompt(**d))
+    restored = DynamicSampler(TextPrompts(), partial_rollout=True)
+    restored.load_state_dict(state, Prompt)
     assert [p.id for p in restored.pending] == ["p9", "p0"]
     back = restored.partials[id(restored.pending[1])]             # found by the pending prompt itself
     assert back.open == [1] and back.budget == 12
@@ -188,10 +192,11 @@ def model_dir(tiny_models):
     return tiny_models(7)
 
 
-class LongAfterFirst(RolloutManager):
+@dataclass(frozen=True)
+class LongAfterFirst(RoundSettings):
     """p0 asks for 2 tokens, every other prompt for LONG: step 1's batch fills while they run."""
 
-    def _params_for(self, prompts, gen_round):
+    def params_for(self, prompts, step, gen_round):
         return [{**self.sampling_params, "max_new_tokens": 2 if p.id == "p0" else LONG} for p in prompts]
 
 
@@ -218,8 +223,9 @@ def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_ne
             counter[0] += k
             return out
 
-        mgr = LongAfterFirst([EngineEndpoint(url, timeout_s=120)], n_samples=G, sampling_params={"ignore_eos": True},
-                             prompts_per_request=1, requests_per_engine=3, partial_rollout=True)
+        settings = LongAfterFirst(n_samples=G, sampling_params={"ignore_eos": True}, prompts_per_request=1,
+                                  requests_per_engine=3, partial_rollout=True)
+        mgr = RolloutManager([EngineEndpoint(url, timeout_s=120)], settings)
         feed = Feed(draw, mixed_rewards)
         kept, rows1 = mgr.collect_step(step=1, learner_version=0, inputs=feed,
                                        rule=SamplingRule(train_batch_size=1, gen_batch_size=3, max_staleness=1, stream=True))
@@ -231,10 +237,8 @@ def test_samples_aborted_when_the_batch_fills_are_resumed_next_step_under_the_ne
         carried = {p.id: mgr.sampling.partials[id(p)] for p in mgr.sampling.pending}
         cut = {pid: [len(s.token_ids) for s in pg.group.samples] for pid, pg in carried.items()}
         # a checkpoint taken now keeps them (the trainer saves this state as rollout_carry)
-        resumed_mgr = LongAfterFirst([EngineEndpoint(url, timeout_s=120)], n_samples=G,
-                                     sampling_params={"ignore_eos": True}, prompts_per_request=1,
-                                     requests_per_engine=3, partial_rollout=True)
-        resumed_mgr.load_state_dict(json.loads(json.dumps(mgr.state_dict())), lambda d: Prompt(**d))
+        resumed_mgr = RolloutManager([EngineEndpoint(url, timeout_s=120)], settings)
+        resumed_mgr.load_state_dict(json.loads(json.dumps(mgr.state_dict())), Prompt)
 
         async def new_version():
             async with EngineClient(url) as c:

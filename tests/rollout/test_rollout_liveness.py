@@ -20,7 +20,7 @@ from dapo_mega.aio import run_coroutine
 from dapo_mega.config import RolloutConfig
 from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
-from dapo_mega.rollout.manager import RolloutError, RolloutManager, chunk_size
+from dapo_mega.rollout.manager import RolloutError, RolloutManager, RoundSettings, chunk_size
 
 pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
 
@@ -35,6 +35,10 @@ PROBE_S = 0.2
 class Prompt:
     id: str
     prompt: list
+
+    @classmethod
+    def decode(cls, plain):  # a PromptDecoding
+        return cls(**plain)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +64,8 @@ def prompts(n, start=0):
 def manager(engines, **kw):
     kw = {"prompts_per_request": 1, "requests_per_engine": 2, "liveness_timeout_s": LIVENESS_S,
           "probe_interval_s": PROBE_S, **kw}
-    return RolloutManager([EngineEndpoint(e.url) for e in engines], n_samples=2,
-                          sampling_params={"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True}, **kw)
+    return RolloutManager([EngineEndpoint(e.url) for e in engines], RoundSettings(
+        n_samples=2, sampling_params={"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True}, **kw))
 
 
 def test_chunks_leave_no_engine_without_a_request():
@@ -77,20 +81,20 @@ def test_slow_engine_is_not_dead_and_a_total_timeout_would_kill_it(slow_engines)
     elapsed = time.monotonic() - t0
     latencies = [g.latency_s for g in groups]
     assert min(latencies) >= 3 * LIVENESS_S, f"requests {latencies} too short for the test's ratio"
-    assert mgr.dead_engines() == {} and len(groups) == 4
+    assert mgr.book.dead() == {} and len(groups) == 4
     assert elapsed < 60
     # the watchdog's probes also read each busy engine's /v1/loads: its KV cache at its busiest
-    load = mgr.engine_load_metrics()
+    load = mgr.book.take_load_metrics()
     assert 0 < load["engine/kv_used_tokens_peak"] <= load["engine/kv_capacity_tokens"], load
     assert 0 < load["engine/kv_usage_peak"] <= 1 and load["engine/running_requests_peak"] >= 1, load
-    assert mgr.engine_load_metrics() == {}  # reset: the next step reports its own
+    assert mgr.book.take_load_metrics() == {}  # reset: the next step reports its own
     # the same work under a total-request limit of LIVENESS_S (the old rule): engines "die"
-    strict = RolloutManager([EngineEndpoint(e.url, timeout_s=LIVENESS_S) for e in slow_engines], n_samples=2,
-                            sampling_params={"max_new_tokens": TOKENS, "ignore_eos": True}, prompts_per_request=1,
-                            max_retries=1, liveness_timeout_s=LIVENESS_S, probe_interval_s=PROBE_S)
+    strict = RolloutManager([EngineEndpoint(e.url, timeout_s=LIVENESS_S) for e in slow_engines], RoundSettings(
+        n_samples=2, sampling_params={"max_new_tokens": TOKENS, "ignore_eos": True}, prompts_per_request=1,
+        max_retries=1, liveness_timeout_s=LIVENESS_S, probe_interval_s=PROBE_S))
     with pytest.raises(RolloutError):
         run_coroutine(strict.generate_groups(prompts(2, start=50)))
-    assert len(strict.dead_engines()) == 2
+    assert len(strict.book.dead()) == 2
 
 
 def test_few_prompts_reach_every_engine(slow_engines):
@@ -114,15 +118,15 @@ def test_hung_engine_is_found_its_prompts_move_and_it_serves_again_once_it_answe
         elapsed = time.monotonic() - t0
     finally:
         stopper.join()
-    dead = mgr.dead_engines()
+    dead = mgr.book.dead()
     assert list(dead) == [b.url] and "hung" in dead[b.url] and "liveness_timeout_s" in dead[b.url], dead
     assert len(groups) == 8 and len({(g.prompt.id, s.sample_index) for g in groups for s in g.samples}) == 16
     assert elapsed < 60
     # still stopped: the probe finds it silent, it stays dead
-    assert mgr.probe_dead() == [] and b.url in mgr.dead_engines()
+    assert mgr.book.probe_dead(PROBE_S) == [] and b.url in mgr.book.dead()
     os.kill(b.pid, signal.SIGCONT)
-    assert mgr.probe_dead() == [b.url]
-    assert mgr.dead_engines() == {} and [e.url for e in mgr.alive_engines()] == [a.url]  # weights first
-    mgr.serve_again([b.url])
+    assert mgr.book.probe_dead(PROBE_S) == [b.url]
+    assert mgr.book.dead() == {} and [e.url for e in mgr.book.serving()] == [a.url]  # weights first
+    mgr.book.serve_again([b.url])
     groups = run_coroutine(mgr.generate_groups(prompts(4, start=200)))
     assert {g.engine_id for g in groups} == {a.url, b.url}

@@ -15,10 +15,10 @@ from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.records import ledger
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.batch_fill import SamplingRule
-from dapo_mega.rollout.dispatch import finished_requests
 from dapo_mega.rollout.manager import (
     DynamicSamplingExhausted,
     RolloutManager,
+    RoundSettings,
     drop_stale_groups,
     request_seed,
     run_coroutine,
@@ -37,6 +37,10 @@ class Prompt:
     id: str
     prompt: list
     dataset_revision: str = "synthetic-v1"
+
+    @classmethod
+    def decode(cls, plain):  # a PromptDecoding
+        return cls(**plain)
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +70,19 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_nothing(model_dir, tmp_p
     engines = start_engines(model_dir, 2, weight_version="3")
     try:
         G = 4
-        mgr = RolloutManager([EngineEndpoint(e.url, timeout_s=60) for e in engines], n_samples=G, run_id="t",
-                             sampling_params={"max_new_tokens": 120, "temperature": 1.0, "ignore_eos": True},
-                             prompts_per_request=1, max_retries=3,
-                             requests_per_engine=1,  # one at a time: engine 1 still has work queued at the kill
-                             seed=11)
+        mgr = RolloutManager([EngineEndpoint(e.url, timeout_s=60) for e in engines], RoundSettings(
+            n_samples=G, run_id="t", sampling_params={"max_new_tokens": 120, "temperature": 1.0, "ignore_eos": True},
+            prompts_per_request=1, max_retries=3,
+            requests_per_engine=1,  # one at a time: engine 1 still has work queued at the kill
+            seed=11))
         killed_at = []
-        finished_before = finished_requests()
+        finished_before = mgr.book.finished_requests()
 
         def kill_engine_1_mid_request():
             """SIGKILL engine 1 once 4 requests finished and it runs one (bounded: 30 s)."""
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                if finished_requests() - finished_before >= 4:
+                if mgr.book.finished_requests() - finished_before >= 4:
                     with urllib.request.urlopen(engines[1].url + "/v1/loads", timeout=5) as r:
                         if json.load(r)["loads"][0]["num_running_reqs"] > 0:
                             break
@@ -93,7 +97,7 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_nothing(model_dir, tmp_p
                                          rule=SamplingRule(train_batch_size=16, gen_batch_size=16, dynamic_sampling=False))
         killer.join(timeout=60)
         assert killed_at and time.monotonic() > killed_at[0], "rollout finished before the kill"
-        assert engines[1].url in mgr.dead
+        assert engines[1].url in mgr.book.dead()
         assert len(kept) == 16 and all(len(g.samples) == G for g in kept)
         # Groups finished after the kill (round-relative dispatch + latency, 0.2 s slack for a reply
         # already on the wire) all came from the live engine; there were some (its in-flight retry).
@@ -120,8 +124,8 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
     engines = start_engines(model_dir, 1, weight_version="0")
     try:
         G = 4
-        mgr = RolloutManager([EngineEndpoint(engines[0].url, timeout_s=60)], n_samples=G, run_id="t",
-                             sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        mgr = RolloutManager([EngineEndpoint(engines[0].url, timeout_s=60)], RoundSettings(
+            n_samples=G, run_id="t", sampling_params={"max_new_tokens": 3, "ignore_eos": True}))
 
         def reward_fn(groups):
             # Only every 4th prompt has mixed rewards; the others are all wrong or all correct.
@@ -147,8 +151,8 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
         assert all(s.step == 2 and s.learner_version == 0 and s.seed is None for s in records)
         ledger.write_step(tmp_path, 2, [ledger.ledger_record(s, "t") for s in records])
 
-        mgr2 = RolloutManager([engines[0].url], n_samples=G, run_id="t",
-                              sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        mgr2 = RolloutManager([engines[0].url], RoundSettings(
+            n_samples=G, run_id="t", sampling_params={"max_new_tokens": 3, "ignore_eos": True}))
         with pytest.raises(DynamicSamplingExhausted) as err:
             mgr2.collect_step(step=3, learner_version=0, inputs=Feed(prompt_stream(), reward_fn),
                               rule=SamplingRule(train_batch_size=3, gen_batch_size=4, max_num_gen_batches=2))
@@ -158,7 +162,7 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
             assert part in msg, (part, msg)
 
         # Surplus kept groups carry over to the next step.
-        mgr3 = RolloutManager([engines[0].url], n_samples=G, sampling_params={"max_new_tokens": 2})
+        mgr3 = RolloutManager([engines[0].url], RoundSettings(n_samples=G, sampling_params={"max_new_tokens": 2}))
         kept, _ = mgr3.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), lambda gs: [[SampleReward(float(s.sample_index % 2),
                                                                                    bool(s.sample_index % 2))
                                                                       for s in g.samples] for g in gs]),
@@ -166,8 +170,8 @@ def test_dynamic_sampling_rounds_and_round_limit(model_dir, tmp_path):
         assert len(kept) == 3 and len(mgr3.sampling.carry) == 2
         assert [g.prompt_id for g in mgr3.sampling.carry] == ["p3", "p4"]
         # The carry survives a checkpoint as plain data, scores and reasons included.
-        restored = RolloutManager([engines[0].url], n_samples=G, sampling_params={})
-        restored.load_state_dict(mgr3.state_dict(), lambda d: Prompt(**d))
+        restored = RolloutManager([engines[0].url], RoundSettings(n_samples=G, sampling_params={}))
+        restored.load_state_dict(mgr3.state_dict(), Prompt)
         assert [g.prompt_id for g in restored.sampling.carry] == ["p3", "p4"]
         assert [s.score for g in restored.sampling.carry for s in g.samples] == [s.score for g in mgr3.sampling.carry for s in g.samples]
         assert [g.samples[1].token_ids for g in restored.sampling.carry] == [g.samples[1].token_ids for g in mgr3.sampling.carry]
@@ -187,8 +191,8 @@ def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_d
     engines = start_engines(model_dir, 1, weight_version="0")
     try:
         G = 2
-        make = lambda: RolloutManager([engines[0].url], n_samples=G, sampling_params={"max_new_tokens": 2},
-                                      prompts_per_request=1, requests_per_engine=1)
+        make = lambda: RolloutManager([engines[0].url], RoundSettings(
+            n_samples=G, sampling_params={"max_new_tokens": 2}, prompts_per_request=1, requests_per_engine=1))
         mgr = make()
         source = prompt_stream()
         kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(source, every_other_kept),
@@ -207,7 +211,7 @@ def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_d
                    for s in records)
         # A checkpoint keeps the estimate and the pending prompts.
         restored = make()
-        restored.load_state_dict(mgr.state_dict(), lambda d: Prompt(**d))
+        restored.load_state_dict(mgr.state_dict(), Prompt)
         assert restored.sampling.keep_rate == mgr.sampling.keep_rate and [p.id for p in restored.sampling.pending] == ["p5", "p6"]
         assert restored.sampling.round_size(3, 4) == mgr.sampling.round_size(3, 4) == 6   # ceil(3 x 1.2 / ~0.6); not gen_batch_size
         kept, records = restored.collect_step(step=2, learner_version=1, inputs=Feed(source, every_other_kept),
@@ -216,16 +220,17 @@ def test_synchronous_rounds_sized_from_the_keep_rate_and_resume_keeps_it(model_d
         assert restored.metrics["rollout/gen_batches"] == 1
         # A checkpoint written before streaming (carry only) still loads.
         old = make()
-        old.load_state_dict({"carry": []}, lambda d: Prompt(**d))
+        old.load_state_dict({"carry": []}, Prompt)
         assert old.sampling.keep_rate is None and old.sampling.pending == [] and old.sampling.round_size(3, 4) == 4
     finally:
         engines[0].kill()
 
 
-class ShortFirst(RolloutManager):
+@dataclass(frozen=True)
+class ShortFirst(RoundSettings):
     """p0's request is short, every other one long: the batch fills while they are in flight."""
 
-    def _params_for(self, prompts, gen_round):
+    def params_for(self, prompts, step, gen_round):
         return [{**self.sampling_params, "max_new_tokens": 2 if p.id == "p0" else 250} for p in prompts]
 
 
@@ -233,8 +238,8 @@ def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_pa
     engines = start_engines(model_dir, 1, weight_version="0")
     try:
         G = 2
-        mgr = ShortFirst([EngineEndpoint(engines[0].url, timeout_s=120)], n_samples=G,
-                         sampling_params={"ignore_eos": True}, prompts_per_request=1, requests_per_engine=3)
+        mgr = RolloutManager([EngineEndpoint(engines[0].url, timeout_s=120)], ShortFirst(
+            n_samples=G, sampling_params={"ignore_eos": True}, prompts_per_request=1, requests_per_engine=3))
         kept, records = mgr.collect_step(step=1, learner_version=0, inputs=Feed(prompt_stream(), every_other_kept),
                                          rule=SamplingRule(train_batch_size=1, gen_batch_size=6, max_staleness=0))
         assert [g.prompt_id for g in kept] == ["p0"]
@@ -246,7 +251,7 @@ def test_requests_in_flight_are_aborted_once_the_batch_is_full(model_dir, tmp_pa
         assert {s.prompt_id for s in records} == {"p0"} and len(records) == G
         assert [p.id for p in mgr.sampling.pending] == ["p1", "p2", "p3", "p4", "p5"]
         # the engine is not marked dead, and generates normally afterwards
-        assert mgr.dead == {}
+        assert mgr.book.dead() == {}
         ledger.write_step(tmp_path, 1, [ledger.ledger_record(s, "t") for s in records])
         assert len(ledger.read_records(tmp_path)) == G
     finally:
@@ -309,12 +314,12 @@ def test_a_reset_connection_to_a_healthy_engine_is_retried_not_a_dead_engine(mod
     engines = start_engines(model_dir, 1, weight_version="0")
     proxy = ResettingProxy(engines[0].port, resets=2)
     try:
-        mgr = RolloutManager([EngineEndpoint(proxy.url, timeout_s=60)], n_samples=2,
-                             sampling_params={"max_new_tokens": 8, "temperature": 1.0}, prompts_per_request=1,
-                             max_retries=3, requests_per_engine=2)
+        mgr = RolloutManager([EngineEndpoint(proxy.url, timeout_s=60)], RoundSettings(
+            n_samples=2, sampling_params={"max_new_tokens": 8, "temperature": 1.0}, prompts_per_request=1,
+            max_retries=3, requests_per_engine=2))
         groups = run_coroutine(mgr.generate_groups([Prompt(id=f"p{i}", prompt=[4 + i, 5]) for i in range(4)]))
         assert proxy.resets_done == 2
-        assert mgr.dead_engines() == {}, mgr.dead_engines()
+        assert mgr.book.dead() == {}, mgr.book.dead()
         assert len(groups) == 4 and all(len(g.samples) == 2 for g in groups)
         assert proxy.generates_forwarded == 4  # each prompt's request answered once
     finally:

@@ -20,7 +20,7 @@ from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.reward import SampleReward
 from dapo_mega.rollout.batch_fill import SamplingRule
-from dapo_mega.rollout.manager import RolloutManager
+from dapo_mega.rollout.manager import RolloutManager, RoundSettings
 
 pytestmark = pytest.mark.exclusive  # its limits are what it tests: it runs alone on two workers
 
@@ -56,9 +56,9 @@ def every_other_kept(groups):
 
 def two_steps(engines):
     """Two streamed steps on `engines` (the first gets chunk 0); what each kept and recorded."""
-    mgr = RolloutManager([EngineEndpoint(e.url, timeout_s=120) for e in engines], n_samples=G, seed=5,
-                         sampling_params={"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True},
-                         prompts_per_request=4, requests_per_engine=1)
+    mgr = RolloutManager([EngineEndpoint(e.url, timeout_s=120) for e in engines], RoundSettings(
+        n_samples=G, seed=5, sampling_params={"max_new_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True},
+        prompts_per_request=4, requests_per_engine=1))
     source = prompt_stream()
     steps = []
     for step in (1, 2):

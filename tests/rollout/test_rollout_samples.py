@@ -12,6 +12,16 @@ class Prompt:
     prompt: str
     dataset_revision: str = "rev"
 
+    @classmethod
+    def decode(cls, plain):  # a PromptDecoding
+        return cls(**plain)
+
+
+class Ords:
+    @staticmethod
+    def encode(prompt):  # a PromptEncoding
+        return [ord(c) for c in prompt.prompt]
+
 
 def make(versions, reward=1.0):
     spans = [{"version": str(v), "start": i, "end": i + 1} for i, v in enumerate(versions)]
@@ -35,7 +45,7 @@ def test_versions_age_and_stale_groups():
 def test_round_trip_and_checkpoints_written_before_typed_samples():
     g = Group(Prompt("a", "q"), [7, 8], [make([1]), make([1], reward=-1.0)], "e", 0.5, 0.25, gen_round=2)
     g.samples[1].reject_reason = "verifier_error"
-    back = Group.from_dict(g.to_dict(), lambda d: Prompt(**d))
+    back = Group.from_dict(g.to_dict(), Prompt)
     assert back == g
     # the carry-over as checkpoints held it before: engine replies beside reward dicts
     old = {"prompt": {"id": "a", "prompt": "q", "dataset_revision": "rev"}, "engine_id": "e", "queue_delay_s": 0.5,
@@ -46,7 +56,7 @@ def test_round_trip_and_checkpoints_written_before_typed_samples():
                         "finish_reason": {"type": "length"}, "logprobs": [-0.1, -0.2],
                         "weight_versions": [{"version": "3", "start": 0, "end": 2}], "prompt_tokens": 2,
                         "completion_tokens": 2, "meta_info": {"e2e_latency": 0.125}}]}
-    legacy = Group.from_dict(old, lambda d: Prompt(**d), prompt_to_input=lambda p: [ord(c) for c in p.prompt])
+    legacy = Group.from_dict(old, Prompt, Ords())
     s = legacy.samples[0]
     assert legacy.prompt_input == [ord("q")] and legacy.gen_round == 2
     assert (s.token_ids, s.logprobs, s.truncated, s.response_text, s.generation_latency_s) == (

@@ -102,9 +102,9 @@ def test_seeded_evaluation_repeats_and_a_paired_comparison_of_one_model_with_its
     encoder, verifier = PromptEncoder.from_pretrained(model, cfg.data), build_verifier(cfg.algo.verifier)
     with EngineFleet(cfg.rollout, str(model), tmp_path / "logs", num_threads=1) as fleet:
         engines = fleet.start(1)
-        first, second = (evaluate_problems(engines, problems, cfg, encoder.encode, verifier) for _ in range(2))
+        first, second = (evaluate_problems(engines, problems, cfg, encoder, verifier) for _ in range(2))
         cfg.eval.seed = None
-        unseeded = [evaluate_problems(engines, problems, cfg, encoder.encode, verifier) for _ in range(2)]
+        unseeded = [evaluate_problems(engines, problems, cfg, encoder, verifier) for _ in range(2)]
 
     def answers(result):
         return [(p["id"], p["correct"], p["sample_answers"]) for p in result.problems]

@@ -1,0 +1,107 @@
+"""What every request of a rollout manager is sent with, fixed when the manager is made.
+
+`RoundSettings` is read by a round (rollout/dispatch.py) and its watchdog (rollout/liveness.py)
+as one frozen value: they never reach back into the manager. `for_purpose` builds it from the
+run's config for training, evaluation (`dapo-mega eval`, the held-out sets) or the audit, the
+one place those three read `rollout.*`, `algo.*` and `eval.*`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
+
+if TYPE_CHECKING:
+    from dapo_mega.config import DapoConfig
+    from dapo_mega.engines.sglang.client import RequestSamplingParams, SamplingParams
+    from dapo_mega.rollout.samples import PromptItem
+
+__all__ = ["PURPOSES", "RoundSettings", "request_seed"]
+
+PURPOSES = ("train", "eval", "audit")
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """A rollout manager's request settings (rollout/manager.py's module docstring says what each does)."""
+
+    n_samples: int
+    """Samples per prompt (one request's `sampling_params.n`)."""
+    sampling_params: Dict[str, object] = field(default_factory=dict)
+    """Every request's sampling params, `n` included."""
+    max_retries: int = 3
+    prompts_per_request: int = 4
+    requests_per_engine: int = 8
+    """Requests in flight per engine: an engine batches concurrent requests together."""
+    return_logprob: bool = True
+    routed_experts_every: int = 0
+    """Ask one request in this many for each token's experts (0: none; a mixture whose engines
+    report them: `EngineFleet.returns_routed_experts`)."""
+    seed: Optional[int] = None
+    """Seeds each prompt's request from (seed, step, round, prompt id) (`params_for`)."""
+    liveness_timeout_s: float = 300.0
+    """An engine with requests in flight that answers no probe (and finishes nothing) this long is hung."""
+    probe_interval_s: float = 10.0
+    """Seconds between /health probes of a busy engine; each probe waits at most this long."""
+    dataset_revision: str = ""
+    """Revision of the data the prompts come from (each sample's ledger row carries it)."""
+    partial_rollout: bool = False
+    """Keep the samples of requests aborted once a streamed batch is full, and resume them later."""
+    run_id: str = "run"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sampling_params", {**self.sampling_params, "n": self.n_samples})
+        object.__setattr__(self, "prompts_per_request", max(1, self.prompts_per_request))
+        object.__setattr__(self, "requests_per_engine", max(1, self.requests_per_engine))
+
+    def params_for(self, prompts: Sequence["PromptItem"], step: int, gen_round: int) -> "RequestSamplingParams":
+        """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
+        `sampling_seed` depends only on (seed, step, round, prompt id) — so a step redone after a
+        resume, or a request retried on another engine, samples the same tokens where the engine
+        honours the seed (the embedded engine; SGLang with --enable-deterministic-inference)."""
+        if self.seed is None:
+            return self.sampling_params
+        return [{**self.sampling_params, "sampling_seed": request_seed(self.seed, step, gen_round,
+                                                                       str(getattr(p, "id", "")))} for p in prompts]
+
+    def reports_experts(self, chunk: int) -> bool:
+        """Whether the request of chunk `chunk` asks for its tokens' routed experts."""
+        return bool(self.routed_experts_every) and chunk % self.routed_experts_every == 0
+
+    @classmethod
+    def for_purpose(cls, cfg: "DapoConfig", purpose: str, *, run_id: str = "", dataset_revision: str = "",
+                    n_samples: Optional[int] = None, max_response_length: Optional[int] = None,
+                    seed: Optional[int] = None, routed_experts_every: int = 0) -> "RoundSettings":
+        """The settings of a manager for `purpose` (PURPOSES): training samples G per prompt with
+        the training sampling, log-probs and the run's seed (partial rollouts when the mode has
+        them); evaluation k per problem (`n_samples`: a set's own k) with eval.* sampling and
+        `max_response_length` (a set's own limit, else eval's, else training's); the audit one
+        per problem with the training sampling and `seed`. The three share rollout.* (retries,
+        chunking, liveness); `routed_experts_every`: training on a mixture whose engines report experts."""
+        from dapo_mega.config import partial_rollout_enabled
+        from dapo_mega.engines.sglang.client import build_sampling_params
+
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose={purpose!r}: one of {PURPOSES}")
+        a, e, r = cfg.algo, cfg.eval, cfg.rollout
+        shared = dict(max_retries=r.max_retries, prompts_per_request=r.prompts_per_request,
+                      requests_per_engine=r.requests_per_engine, liveness_timeout_s=r.liveness_timeout_s,
+                      probe_interval_s=r.liveness_probe_interval_s, dataset_revision=dataset_revision)
+        if purpose == "eval":
+            params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=(
+                max_response_length or e.max_response_length or a.max_response_length))
+            return cls(n_samples or e.n_samples, params, return_logprob=False, seed=e.seed,
+                       run_id=run_id or cfg.trainer.run_name, **shared)
+        params: "SamplingParams" = build_sampling_params(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                                         max_new_tokens=a.max_response_length)
+        if purpose == "audit":
+            return cls(1, params, return_logprob=False, seed=seed, run_id=run_id or "audit", **shared)
+        return cls(n_samples or a.n_samples_per_prompt, params, seed=cfg.trainer.seed, run_id=run_id or "run",
+                   partial_rollout=partial_rollout_enabled(cfg), routed_experts_every=routed_experts_every, **shared)
+
+
+def request_seed(seed: int, step: int, gen_round: int, prompt_id: str) -> int:
+    """A 56-bit sampling seed of one prompt's request (the engine adds the sample index)."""
+    digest = hashlib.sha256(f"{seed}:{step}:{gen_round}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
