@@ -477,6 +477,18 @@ class RolloutConfig:
     nothing when a batch fills (whole rounds; weight syncs pause with retract). It also makes
     what a step trains on depend on timing (how far each aborted request got), so two seeded
     runs may differ. true outside the synchronous modes with an age limit >= 1 is refused."""
+    environment: str = ""
+    """Multi-turn rollouts (rollout/turns.py): the environment each sample's turns talk to, a
+    class path as reward plugins take (`package.module:Class` or `path/to/file.py:Class`), or
+    `python` (the built-in sandboxed Python tool, dapo_mega/environments/python_tool.py:
+    ReTool's `<code>` / `<interpreter>`). Empty: one turn per sample."""
+    environment_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (verl's tool config `config:`), e.g.
+    `+rollout.environment_kwargs.timeout_s=10` for the python tool."""
+    max_turns: int = 8
+    """With an environment: the model's turns per sample at most (ReTool, SimpleTIR: 5-16);
+    the response-length budget (algo.max_response_length) bounds them too, the environment's
+    tokens included."""
     mask_offpolicy_in_partial_rollout: bool = False
     """slime's --mask-offpolicy-in-partial-rollout: a resumed sample's tokens sampled under a
     weight version older than its newest (the prefix carried from an earlier step) carry no
@@ -520,6 +532,11 @@ class RolloutConfig:
                       f"set rollout.engine_dp_size=1 and rollout.num_engines={r.num_engines * r.engine_dp_size} "
                       "(one engine per replica)")
         _check_choice("rollout.dtype", r.dtype, EngineDtype)
+        if r.max_turns < 1:
+            raise err("rollout.max_turns", f"must be >= 1, got {r.max_turns}", "use 8 (the model's turns per sample)")
+        if r.environment_kwargs and not r.environment:
+            raise err("rollout.environment_kwargs", f"{sorted(r.environment_kwargs)} given, but rollout.environment "
+                      "is empty", "set rollout.environment=python (or your class), or drop the kwargs")
 
 
 @dataclass

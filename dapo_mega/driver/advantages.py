@@ -26,6 +26,7 @@ def build_train_samples(groups: Sequence[Group], algo: AlgoConfig, mask_offpolic
     algo: an AlgoConfig (adv_eps, normalize_adv_std, overlong_filter).
     mask_offpolicy: rollout.mask_offpolicy_in_partial_rollout (with partial rollouts on): a
         resumed sample's tokens of older weight versions carry no loss (`offpolicy_prefix_mask`).
+    A multi-turn sample's environment tokens (`ScoredSample.env_spans`) never carry loss.
     """
     from dapo_mega.rollout.partial import offpolicy_prefix_mask
 
@@ -41,6 +42,9 @@ def build_train_samples(groups: Sequence[Group], algo: AlgoConfig, mask_offpolic
         for s in g.samples:
             masked = algo.overlong_filter and s.truncated
             loss_mask = [0] * len(s.token_ids) if masked else (offpolicy_prefix_mask(s) if mask_offpolicy else None)
+            env = s.env_mask()  # a multi-turn sample: the environment's tokens carry no loss
+            if env is not None and not masked:
+                loss_mask = env if loss_mask is None else [a * b for a, b in zip(loss_mask, env)]
             out.append(TrainSample(prompt_ids=prompt_ids, response_ids=list(s.token_ids), advantage=float(adv[k]),
                                    engine_log_probs=s.logprobs, loss_mask=loss_mask, age=s.age,
                                    routed_experts=s.routed_experts))

@@ -42,9 +42,14 @@ class EncodedPrompts:
 
     def __init__(self, eval_set: "EvalSet", encoding: "PromptEncoding"):
         self.inputs = {p.id: encoding.encode(p) for p in eval_set.problems}
+        self.encoding = encoding
 
     def encode(self, problem: "PromptItem") -> "PromptInput":
         return self.inputs[problem.id]
+
+    def encode_text(self, text: str) -> List[int]:
+        """An environment's answer (multi-turn samples): the run's encoder, under its lock."""
+        return self.encoding.encode_text(text)
 
 
 class EvalBeside:

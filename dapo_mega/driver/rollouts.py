@@ -142,7 +142,9 @@ class RolloutSource:
         rewards = batch.items()
         out, k = [], 0
         for g in groups:
-            out.append(rewards[k:k + len(g.samples)])
+            # a multi-turn sample's environment adds its reward parts (rollout/turns.py)
+            out.append([replace(r, reward=r.reward + s.env_reward, environment=s.env_reward) if s.env_reward else r
+                        for s, r in zip(g.samples, rewards[k:k + len(g.samples)])])
             k += len(g.samples)
         return out
 

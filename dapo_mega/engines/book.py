@@ -146,6 +146,18 @@ class EngineBook:
                     self._rejoining.append(url)
         return back
 
+    async def abort_all(self, urls: Sequence[str], failures: List[str]) -> None:
+        """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted in
+        `failures`, not raised (best effort: a round that stops aborts what it sent)."""
+        async def one(url: str) -> None:
+            try:
+                async with EngineClient(self.endpoints[url]) as client:
+                    await client.abort_request(abort_all=True)
+            except Exception as exc:  # noqa: BLE001 - best effort
+                failures.append(f"{url}: abort_request failed: {type(exc).__name__}: {exc}")
+
+        await asyncio.gather(*(one(u) for u in urls))
+
     def serve_again(self, urls: Sequence[str]) -> None:
         """Rejoining engines now hold the current weights: they serve rollouts again."""
         with self._lock:

@@ -18,8 +18,9 @@ import importlib
 import importlib.util
 import os
 import re
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, List, Optional, Type
 
 from dapo_mega.config import ConfigError
 
@@ -70,7 +71,12 @@ def load_environment(path: str, field_name: str = "rollout.environment") -> Type
             if spec is None or not os.path.isfile(absolute):
                 raise FileNotFoundError(absolute)
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
+            sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
+            try:
+                spec.loader.exec_module(module)  # type: ignore[union-attr]
+            except BaseException:
+                sys.modules.pop(spec.name, None)
+                raise
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 -- the user's module failed; say which and how
@@ -81,3 +87,25 @@ def load_environment(path: str, field_name: str = "rollout.environment") -> Type
         raise ConfigError(f"{field_name}: {path!r} is not an environment class (it needs reset(problem) and "
                           "step(model_text)). Fix: subclass dapo_mega.environments.base.Environment")
     return cls
+
+
+BUILT_IN = {"python": "dapo_mega.environments.python_tool:PythonTool"}
+"""Names rollout.environment takes for the built-in environments."""
+
+
+def build_environment(path: str, kwargs: Dict[str, Any]) -> Optional[Environment]:
+    """The environment `rollout.environment` names (a built-in name or a class path), made with
+    `rollout.environment_kwargs`; None when it is empty (one turn per sample)."""
+    if not path:
+        return None
+    cls = load_environment(BUILT_IN.get(path, path))
+    try:
+        env = cls(**dict(kwargs))
+    except TypeError as exc:
+        raise ConfigError(f"rollout.environment_kwargs: {dict(kwargs)} do not fit {path!r} ({exc}). Fix: give the "
+                          "keyword arguments its constructor takes") from None
+    stops = getattr(env, "stop", None)
+    if not isinstance(stops, (list, tuple)) or not stops or not all(isinstance(x, str) and x for x in stops):
+        raise ConfigError(f"rollout.environment: {path!r} has stop={stops!r}; a model turn must end somewhere. Fix: "
+                          "give the class a list of non-empty stop strings (`stop = ['</code>']`)")
+    return env

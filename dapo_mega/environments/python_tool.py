@@ -10,6 +10,7 @@ answer: the episode ends.
 from __future__ import annotations
 
 import re
+from dataclasses import fields, replace
 from typing import Any, Optional
 
 from dapo_mega.environments.base import Environment, StepResult
@@ -38,8 +39,15 @@ class PythonTool(Environment):
 
     stop = [CODE_CLOSE]
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), max_concurrent: int = 4,
-                 sandbox: Optional[Sandbox] = None):
+    def __init__(self, limits: Optional[SandboxLimits] = None, max_concurrent: int = 4,
+                 sandbox: Optional[Sandbox] = None, **limit_fields: Any):
+        """`limit_fields`: SandboxLimits' fields by name (what rollout.environment_kwargs gives:
+        wall_s, cpu_s, memory_mb, output_bytes, processes, file_bytes, open_files)."""
+        unknown = sorted(set(limit_fields) - {f.name for f in fields(SandboxLimits)})
+        if unknown:
+            raise TypeError(f"unknown keyword(s) {unknown}; the python tool takes max_concurrent and "
+                            f"{[f.name for f in fields(SandboxLimits)]}")
+        limits = replace(limits or SandboxLimits(), **limit_fields)
         self.sandbox = sandbox or Sandbox(limits, max_concurrent)
 
     def reset(self, problem: Any) -> None:

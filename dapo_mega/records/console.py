@@ -16,7 +16,9 @@ CONSOLE_COLUMNS = (
     ("rollout/accuracy", "acc {:.3f}"),
     ("rollout/kept_group_frac", "kept {:.2f}"),
     ("rollout/response_length_mean", "len {:6.1f}"),
-    ("rollout/entropy_mc", "ent {:.3f}"),  # rollout policy entropy estimate, −mean log p (records/rollout_metrics.py)
+    ("rollout/entropy_mc", "ent {:.3f}"),
+    ("rollout/turns_mean", "turns {:.2f}"),  # multi-turn samples only (records/rollout_metrics.py turn_metrics)
+    ("rollout/tool_errors", "tool_err {:.0f}"),  # rollout policy entropy estimate, −mean log p (records/rollout_metrics.py)
     ("loss/pg", "loss {:+.4f}"),
     ("actor/grad_norm", "gnorm {:.3f}"),
 )

@@ -109,6 +109,16 @@ class LedgerRecord:
     each token to, as the sample carries them (`rollout.samples.compact_routed_experts`: "u8:"
     or "u16:" + base64 of [positions, layers, top_k]; `backends.megatron.routing.
     decode_routed_experts` reads it); null for samples the engine did not report."""
+    turns: int = 1
+    """The model's turns (multi-turn samples, rollout/turns.py); 1 without an environment."""
+    env_tokens: int = 0
+    """Tokens of the response the environment wrote (in the context, masked from the loss)."""
+    env_spans: str = ""
+    """JSON [[start, end], ...]: the response tokens the environment wrote ("" when none)."""
+    tool_calls: int = 0
+    tool_errors: str = ""
+    """JSON object: the environment's errors by kind (timeout, memory, ...); "" when none."""
+    tool_time_s: float = 0.0
 
     def __post_init__(self):
         # Rows of shards written before these columns existed read back as nulls: whole texts.
@@ -121,6 +131,10 @@ class LedgerRecord:
         self.encoder = self.encoder or ""
         self.weight_versions = self.weight_versions or ""
         self.prompt_text_elided = bool(self.prompt_text_elided)
+        self.turns = 1 if self.turns is None else self.turns
+        self.env_tokens, self.tool_calls = self.env_tokens or 0, self.tool_calls or 0
+        self.env_spans, self.tool_errors = self.env_spans or "", self.tool_errors or ""
+        self.tool_time_s = self.tool_time_s or 0.0
 
 
 _TYPES = {int: pa.int64(), float: pa.float64(), bool: pa.bool_(), str: pa.string(),
@@ -195,7 +209,10 @@ def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEX
         verifier_error=sample.score.verifier_error, encoder=encoder,
         weight_versions=json.dumps([{"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
                                     for s in sample.weight_versions]),
-        routed_experts=sample.routed_experts if text.routed_experts else None)
+        routed_experts=sample.routed_experts if text.routed_experts else None, turns=sample.turns,
+        env_tokens=sample.env_tokens, env_spans=json.dumps(sample.env_spans) if sample.env_spans else "",
+        tool_calls=sample.tool_calls, tool_errors=json.dumps(sample.tool_errors) if sample.tool_errors else "",
+        tool_time_s=sample.tool_time_s)
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:

@@ -54,6 +54,7 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
     }
     if verdicts:
         out["rollout/accuracy"] = float(np.mean(verdicts))
+    out.update(turn_metrics(records))
     entropy = rollout_entropy_estimate(records)
     if entropy is not None:
         out["rollout/entropy_mc"] = entropy
@@ -96,9 +97,33 @@ def rollout_entropy_estimate(records: Sequence) -> Optional[float]:
     for r in records:
         logprobs = getattr(r, "logprobs", None)
         if logprobs:
-            total += float(np.sum(np.asarray(logprobs, dtype=np.float64)))
-            count += len(logprobs)
+            values = np.asarray(logprobs, dtype=np.float64)
+            mask = r.env_mask() if hasattr(r, "env_mask") else None
+            if mask is not None:  # a multi-turn sample: the environment's tokens were not sampled
+                values = values[np.asarray(mask[:len(values)], dtype=bool)]
+            total += float(np.sum(values))
+            count += len(values)
     return -total / count if count else None
+
+
+def turn_metrics(records: Sequence) -> Dict[str, float]:
+    """Multi-turn samples (rollout/turns.py): turns per sample, tool calls, tool errors (all and
+    by kind), tool seconds and the environment's share of the response tokens, summed over the
+    step's samples; empty when no sample had an environment turn."""
+    if not any(getattr(r, "turns", 1) > 1 or getattr(r, "tool_calls", 0) for r in records):
+        return {}
+    tokens = sum(r.response_length for r in records)
+    env = sum(r.env_tokens for r in records)
+    out = {"rollout/turns_mean": float(np.mean([r.turns for r in records])),
+           "rollout/turns_max": float(max(r.turns for r in records)),
+           "rollout/tool_calls": float(sum(r.tool_calls for r in records)),
+           "rollout/tool_errors": float(sum(sum(r.tool_errors.values()) for r in records)),
+           "rollout/tool_time_s": float(sum(r.tool_time_s for r in records)),
+           "rollout/env_tokens": float(env), "rollout/model_tokens": float(tokens - env),
+           "rollout/env_token_share": float(env / max(tokens, 1))}
+    for kind in sorted({k for r in records for k in r.tool_errors}):
+        out[f"rollout/tool_errors/{kind}"] = float(sum(r.tool_errors.get(kind, 0) for r in records))
+    return out
 
 
 def compute_age_metrics(records: Sequence, num_stale_groups: int) -> Dict[str, float]:

@@ -67,11 +67,15 @@ class SampleReward:
     verifier_error: Optional[str] = None
     extracted: Optional[str] = None
     verifier_components: Components = ()
+    environment: float = 0.0
+    """The reward parts a multi-turn sample's environment gave (rollout/turns.py), added in."""
 
     def components(self) -> Dict[str, float]:
         """The parts that add up to `reward` (the ledger's `reward_components`), then the
         verifier's breakdown of `correctness` under `verifier/<name>` (not added again)."""
         parts = {"correctness": self.correctness, "overlong_penalty": self.overlong_penalty}
+        if self.environment:
+            parts["environment"] = self.environment
         parts.update((VERIFIER_COMPONENT_PREFIX + name, value) for name, value in self.verifier_components)
         return parts
 

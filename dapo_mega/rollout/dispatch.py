@@ -31,7 +31,6 @@ import aiohttp
 
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, PromptInput, RequestSamplingParams, SampleResult
-from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.rollout.liveness import Hung, Pulse, Watchdog
 from dapo_mega.rollout.outcome import RolloutError, RoundOutcome
 from dapo_mega.rollout.partial import (
@@ -45,8 +44,9 @@ from dapo_mega.rollout.partial import (
 )
 from dapo_mega.rollout.samples import Group, PromptEncoding, PromptItem, scored_sample
 from dapo_mega.rollout.settings import RoundSettings
+from dapo_mega.rollout.turns import Episodes
 
-__all__ = ["RolloutError", "Round", "RoundOutcome", "abort_in_flight", "chunk_size", "scored_sample"]
+__all__ = ["RolloutError", "Round", "RoundOutcome", "chunk_size", "scored_sample"]
 
 
 class _Retry(Exception):
@@ -99,8 +99,7 @@ class Round:
             return
         self.stopping.set()
         self.pulse.notify()
-        self.abort_tasks.append(asyncio.ensure_future(
-            abort_in_flight(self.book.endpoints, self.dog.busy(), self.outcome.failures)))
+        self.abort_tasks.append(asyncio.ensure_future(self.book.abort_all(self.dog.busy(), self.outcome.failures)))
 
     def limit_open(self, max_open_prompts: Optional[float]) -> None:
         """Send a chunk only while fewer than this many prompts are open (sent and not read
@@ -276,8 +275,8 @@ class Round:
                 self.pulse.notify()
 
     async def _send(self, url: str, client: EngineClient, c: int) -> bool:
-        """One request for chunk `c` on `url`; False when this worker should stop (its engine
-        died or hung)."""
+        """One request for chunk `c` on `url` (and, with an environment, its samples' further
+        turns); False when this worker should stop (its engine died or hung)."""
         idx = self.chunks[c]
         inputs, params, resume = self._request(idx)
         t0 = time.monotonic()
@@ -288,9 +287,12 @@ class Round:
             samples = await self.dog.until_hung(url, client.generate(
                 inputs, params, return_logprob=self.s.return_logprob,
                 return_routed_experts=self.s.reports_experts(c))) if inputs else []
+            groups = self._groups(url, c, inputs, params, resume, samples, t0)
+            if self.s.environment is not None and not any(s.aborted for s in samples):
+                groups, samples = await self._turns(url, client, c, groups, samples, resume)
             if any(s.aborted for s in samples):
                 if self.stopping.is_set():  # our own abort: the prompts go back unsent (their partials kept)
-                    self._set_aside(url, c, inputs, params, resume, samples, t0)
+                    self._set_aside(c, groups, samples)
                     return True  # failed stays True: no longer open
                 raise _Retry(f"{url}: request aborted by the engine")
         except Hung as exc:
@@ -303,7 +305,7 @@ class Round:
                 return False
             return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            if await self._connection_failed_not_engine(url, exc):
+            if await self.dog.connection_failed_not_engine(url, exc):
                 self._requeue(c, f"{url}: {type(exc).__name__}: {exc} (the engine answers /health: "
                                  "retried, not dropped)", False)
                 return True
@@ -316,19 +318,30 @@ class Round:
             self.dog.ended(url, finished=not failed)
             if failed:  # aborted, requeued or fatal: no longer open
                 self.open_prompts -= len(idx)
-        self._finish(url, c, inputs, params, resume, samples, t0)
+        self._finish(url, c, groups)
         return True
 
-    async def _connection_failed_not_engine(self, url: str, exc: BaseException) -> bool:
-        """A request's connection dropped (closed or reset: not refused) while the engine still
-        answers /health on a new one: the connection failed, not the engine (a server closing
-        an idle keep-alive connection as it is reused resets it)."""
-        dropped = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) \
-            and not isinstance(exc, aiohttp.ClientConnectorError)
-        if not dropped or self.book.is_dead(url):
-            return False
-        async with EngineClient(self.book.endpoints[url]) as probe:
-            return await probe.health(timeout_s=self.s.probe_interval_s)
+    async def _turns(self, url: str, client: EngineClient, c: int, groups: List[PartialGroup],
+                     replies: List[SampleResult], resume: Optional[ResumeRequest]):
+        """The further turns of the chunk's samples with the environment (rollout/turns.py), each
+        turn one request on the same engine: (groups, the last request's replies)."""
+        idx, n = self.chunks[c], self.s.n_samples
+        owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
+        bases = per_prompt(self.s.params_for([self.prompts[i] for i in idx], self.step, self.gen_round), len(idx))
+        episodes = Episodes(self.s.environment, self.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
+                            bases, groups[0].budget if groups else 0)
+        for _ in range(self.s.max_turns):
+            request = await episodes.next_request()
+            if request is None:
+                break
+            t1 = time.monotonic()
+            replies = await self.dog.until_hung(url, client.generate(
+                request.inputs, request.params, return_logprob=self.s.return_logprob,
+                return_routed_experts=self.s.reports_experts(c)))
+            episodes.take(request, replies, url, time.monotonic() - t1)
+            if any(r.aborted for r in replies):
+                return episodes.cut(request), replies
+        return episodes.groups, replies
 
     def _request(self, idx: List[int]):
         """(inputs, sampling params, ResumeRequest or None) of the chunk of prompts `idx`."""
@@ -346,41 +359,27 @@ class Round:
                             [self.partials.get(i) for i in self.chunks[c]], self.s.n_samples,
                             GroupOrigin(url, delay, latency, self.gen_round, self.s.dataset_revision))
 
-    def _set_aside(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
-                   resume: Optional[ResumeRequest], samples: List[SampleResult], t0: float) -> None:
+    def _set_aside(self, c: int, groups: List[PartialGroup], replies: List[SampleResult]) -> None:
         """A request of chunk `c` aborted by our stop: its prompts go back unsent; with
-        partial rollouts their samples so far are kept (`RoundOutcome.partials`)."""
+        partial rollouts their samples so far (`groups`) are kept (`RoundOutcome.partials`)."""
         out = self.outcome
         out.aborted_requests += 1
-        out.aborted_samples += len(samples)
-        if self.s.partial_rollout and not any(isinstance(x, str) for x in inputs):
-            out.partials.update(zip(self.chunks[c], self._groups(url, c, inputs, params, resume, samples, t0)))
+        out.aborted_samples += len(replies)
+        if self.s.partial_rollout and all(not isinstance(pg.group.prompt_input, str) for pg in groups):
+            out.partials.update(zip(self.chunks[c], groups))
         else:
-            out.aborted_tokens += sum(len(s.token_ids) for s in samples)
+            out.aborted_tokens += sum(len(s.token_ids) for s in replies)
         out.unsent_chunks.append(c)
         self._settle(c)
 
-    def _finish(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
-                resume: Optional[ResumeRequest], samples: List[SampleResult], t0: float) -> None:
+    def _finish(self, url: str, c: int, groups: List[PartialGroup]) -> None:
         """A complete reply: its groups, the engine's progress and counters."""
         out = self.outcome
         self.book.count_finished()
         out.requests_by_engine[url] = out.requests_by_engine.get(url, 0) + 1
-        out.samples_by_engine[url] = out.samples_by_engine.get(url, 0) + len(samples)
-        c_groups = [pg.group for pg in self._groups(url, c, inputs, params, resume, samples, t0)]
+        out.samples_by_engine[url] = out.samples_by_engine.get(url, 0) + sum(len(pg.group.samples) for pg in groups)
+        c_groups = [pg.group for pg in groups]
         for i, group in zip(self.chunks[c], c_groups):
             out.groups[i] = group
         self.finished[c] = c_groups
         self._settle(c)
-
-
-async def abort_in_flight(endpoints: Dict[str, EngineEndpoint], urls: Sequence[str], failures: List[str]) -> None:
-    """`/abort_request` (abort_all) on each engine in `urls`; a failure is noted, not raised."""
-    async def one(url: str) -> None:
-        try:
-            async with EngineClient(endpoints[url]) as client:
-                await client.abort_request(abort_all=True)
-        except Exception as exc:  # noqa: BLE001 - best effort
-            failures.append(f"{url}: abort_request failed: {type(exc).__name__}: {exc}")
-
-    await asyncio.gather(*(one(u) for u in urls))

@@ -105,6 +105,17 @@ class Watchdog:
                     return
                 await asyncio.sleep(max(0.0, self.probe_interval_s - (time.monotonic() - t0)))
 
+    async def connection_failed_not_engine(self, url: str, exc: BaseException) -> bool:
+        """A request's connection dropped (closed or reset: not refused) while the engine still
+        answers /health on a new one: the connection failed, not the engine (a server closing
+        an idle keep-alive connection as it is reused resets it)."""
+        dropped = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) \
+            and not isinstance(exc, aiohttp.ClientConnectorError)
+        if not dropped or self.book.is_dead(url):
+            return False
+        async with EngineClient(self.book.endpoints[url]) as probe:
+            return await probe.health(timeout_s=self.probe_interval_s)
+
     async def _observe_loads(self, url: str, probe: EngineClient) -> None:
         """The peaks of one /v1/loads answer, into the book (an engine without it is not held to it)."""
         try:

@@ -81,6 +81,9 @@ class RolloutManager:
         self.book = engines if isinstance(engines, EngineBook) else EngineBook(engines)
         self.settings = settings
         self.encoding = encoding or TextPrompts()
+        if settings.environment is not None and not callable(getattr(self.encoding, "encode_text", None)):
+            raise TypeError(f"multi-turn samples (an environment) need an encoding with encode_text(text) to tokenize "
+                            f"the environment's answers (data.PromptEncoder); got {type(self.encoding).__name__}")
         self._step = 0
         self.requests_by_engine: Dict[str, int] = {}
         """url -> requests completed there by `generate_groups` (an evaluation's engine line)."""

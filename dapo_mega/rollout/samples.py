@@ -14,7 +14,7 @@ engine was given (the learner trains on the same ids).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.reward.types import UNSCORED, SampleReward
@@ -103,10 +103,36 @@ class ScoredSample:
     """Step that consumed or rejected it."""
     learner_version: int = 0
     """Policy version of the learner that consumed or rejected it."""
+    turns: int = 1
+    """The model's turns (rollout/turns.py): 1 without an environment."""
+    env_spans: List[List[int]] = field(default_factory=list)
+    """[start, end) of each environment answer in token_ids: in the context, masked from the
+    loss, log-prob 0.0."""
+    tool_calls: int = 0
+    tool_errors: Dict[str, int] = field(default_factory=dict)
+    """The environment's errors by kind (the sandbox's statuses: timeout, memory, ...)."""
+    tool_time_s: float = 0.0
+    env_reward: float = 0.0
+    """The environment's reward parts, summed (added to the verifier's reward)."""
+    turn_text_at: int = 0
+    """Where in response_text the model's latest turn begins (what the environment reads)."""
 
     @property
     def response_length(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def env_tokens(self) -> int:
+        return sum(end - start for start, end in self.env_spans)
+
+    def env_mask(self) -> Optional[List[int]]:
+        """Per response token 1, or 0 where the environment wrote it; None without environment tokens."""
+        if not self.env_spans:
+            return None
+        mask = [1] * len(self.token_ids)
+        for start, end in self.env_spans:
+            mask[start:end] = [0] * (end - start)
+        return mask
 
     @property
     def reward(self) -> float:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
     from dapo_mega.engines.sglang.client import RequestSamplingParams, SamplingParams
+    from dapo_mega.environments.base import Environment
     from dapo_mega.rollout.samples import PromptItem
 
 __all__ = ["PURPOSES", "RoundSettings", "request_seed"]
@@ -49,9 +50,18 @@ class RoundSettings:
     partial_rollout: bool = False
     """Keep the samples of requests aborted once a streamed batch is full, and resume them later."""
     run_id: str = "run"
+    environment: Optional["Environment"] = None
+    """Multi-turn samples (rollout/turns.py): what each sample's turns talk to; None: one turn."""
+    max_turns: int = 1
+    """With an environment: the model's turns per sample at most."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sampling_params", {**self.sampling_params, "n": self.n_samples})
+        params = {**self.sampling_params, "n": self.n_samples}
+        if self.environment is not None:  # every turn stops at the environment's strings, kept in the text
+            stops = params.get("stop") or []
+            stops = [stops] if isinstance(stops, str) else list(stops)
+            params.update(stop=stops + [x for x in self.environment.stop if x not in stops], no_stop_trim=True)
+        object.__setattr__(self, "sampling_params", params)
         object.__setattr__(self, "prompts_per_request", max(1, self.prompts_per_request))
         object.__setattr__(self, "requests_per_engine", max(1, self.requests_per_engine))
 
@@ -78,16 +88,18 @@ class RoundSettings:
         them); evaluation k per problem (`n_samples`: a set's own k) with eval.* sampling and
         `max_response_length` (a set's own limit, else eval's, else training's); the audit one
         per problem with the training sampling and `seed`. The three share rollout.* (retries,
-        chunking, liveness); `routed_experts_every`: training on a mixture whose engines report experts."""
+        chunking, liveness, the environment of multi-turn samples); `routed_experts_every`: training on a mixture whose engines report experts."""
         from dapo_mega.config import partial_rollout_enabled
         from dapo_mega.engines.sglang.client import build_sampling_params
+        from dapo_mega.environments.base import build_environment
 
         if purpose not in PURPOSES:
             raise ValueError(f"purpose={purpose!r}: one of {PURPOSES}")
         a, e, r = cfg.algo, cfg.eval, cfg.rollout
         shared = dict(max_retries=r.max_retries, prompts_per_request=r.prompts_per_request,
                       requests_per_engine=r.requests_per_engine, liveness_timeout_s=r.liveness_timeout_s,
-                      probe_interval_s=r.liveness_probe_interval_s, dataset_revision=dataset_revision)
+                      probe_interval_s=r.liveness_probe_interval_s, dataset_revision=dataset_revision,
+                      environment=build_environment(r.environment, r.environment_kwargs), max_turns=r.max_turns)
         if purpose == "eval":
             params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=(
                 max_response_length or e.max_response_length or a.max_response_length))

@@ -1,0 +1,147 @@
+"""Multi-turn samples (rollout/turns.py, issue #39 item 2).
+
+On the embedded engine with a test environment loaded by path (`vowel_env.py`: a turn ends at
+a vowel, the environment answers `<turn:length>`): samples come back as several turns, the
+environment's tokens are the tokenizer's encoding of its answers, carry log-prob 0 and are in
+the loss mask's zeros, and every model token's log-prob is the one transformers computes with
+the whole context before it (prompt, earlier turns, environment answers): the engine saw what
+the sample says it saw. Then the pure rules: the budget, the seeds, the metrics, the ledger."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo_mega.aio import run_coroutine
+from dapo_mega.config import DataConfig, RolloutConfig
+from dapo_mega.data import PromptEncoder
+from dapo_mega.data.problem import Problem
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.environments.base import StepResult, build_environment
+from dapo_mega.records import ledger
+from dapo_mega.records.console import format_console_line
+from dapo_mega.records.rollout_metrics import compute_rollout_metrics
+from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+from dapo_mega.rollout.samples import ScoredSample
+from dapo_mega.rollout.turns import SEED_STRIDE, add_observation, turn_params
+
+ENV = str(Path(__file__).with_name("vowel_env.py")) + ":VowelEnv"
+BUDGET = 48
+
+
+def problems(n):
+    return [Problem(id=f"t{i}", prompt=f"{i}+{i}=", ground_truth=str(2 * i), data_source="test") for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def multi_turn(tiny_model_dir):
+    fleet = EngineFleet(RolloutConfig(), str(tiny_model_dir), num_threads=1, weight_version="0")
+    fleet.start(1)
+    try:
+        encoder = PromptEncoder.from_pretrained(tiny_model_dir, DataConfig(prompt_template="raw"))
+        env = build_environment(ENV, {"done_after": 3})
+        settings = RoundSettings(n_samples=3, sampling_params={"max_new_tokens": BUDGET, "temperature": 1.0},
+                                 environment=env, max_turns=4, seed=3, prompts_per_request=2)
+        mgr = RolloutManager(fleet.endpoints, settings, encoder)
+        groups = run_coroutine(mgr.generate_groups(problems(4)))
+        yield groups, encoder, mgr
+    finally:
+        fleet.close()
+
+
+def test_samples_come_back_as_turns_with_the_environment_answers_masked(multi_turn):
+    groups, encoder, _ = multi_turn
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 12 and max(s.turns for s in samples) >= 2, [s.turns for s in samples]
+    for s in samples:
+        assert 1 <= s.turns <= 4 and len(s.token_ids) <= BUDGET and len(s.logprobs) == len(s.token_ids)
+        assert s.tool_calls == len(s.env_spans) and s.turns <= len(s.env_spans) + 1
+        observations = re.findall(r"<\d+:\d+>", s.response_text)
+        assert len(observations) == s.tool_calls
+        for (start, end), text in zip(s.env_spans, observations):
+            assert s.token_ids[start:end] == encoder.encode_text(text)[:end - start]
+            assert s.logprobs[start:end] == [0.0] * (end - start)
+            assert s.response_text.count(text) >= 1
+        mask = s.env_mask()
+        assert mask is None or sum(mask) == len(s.token_ids) - s.env_tokens
+        # a turn that went on ended at one of the environment's stop strings, kept in the text
+        for start, _ in s.env_spans:
+            assert encoder.tokenizer.decode(s.token_ids[start - 1:start]) in "aeiou"
+        assert s.env_tokens + sum(mask or [1] * len(s.token_ids)) == len(s.token_ids)
+
+
+def test_every_model_token_was_sampled_from_the_whole_context_before_it(multi_turn, tiny_model_dir):
+    """transformers' log-probs of the sample as one sequence equal the engine's at every model
+    token: the continuation requests carried the prompt, the earlier turns and the answers."""
+    from transformers import AutoModelForCausalLM
+
+    groups, _, _ = multi_turn
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    worst, compared = 0.0, 0
+    for g in groups:
+        for s in (s for s in g.samples if s.turns >= 2):
+            ids = torch.tensor([list(g.prompt_input) + s.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            p = len(g.prompt_input)
+            ref = logp[p - 1:, :].gather(1, ids[0, p:, None])[:, 0]
+            for t, keep in enumerate(s.env_mask()):
+                if keep:
+                    worst = max(worst, abs(float(ref[t]) - s.logprobs[t]))
+                    compared += 1
+    assert compared > 20 and worst < 2e-3, (compared, worst)
+
+
+def test_the_ledger_and_the_step_metrics_carry_the_turns(multi_turn, tmp_path):
+    groups, _, _ = multi_turn
+    samples = [s for g in groups for s in g.samples]
+    rows = [ledger.ledger_record(s, "run") for s in samples]
+    ledger.write_step(tmp_path, 0, rows)
+    back = ledger.read_records(tmp_path)  # through parquet: one row per sample, with its turns
+    assert len(back) == len(samples)
+    for s, r in zip(samples, back):
+        assert r.turns == s.turns and r.tool_calls == s.tool_calls and r.env_tokens == s.env_tokens
+        assert json.loads(r.env_spans or "[]") == s.env_spans
+        assert json.loads(r.tool_errors or "{}") == s.tool_errors
+    m = compute_rollout_metrics(samples, seconds=1.0)
+    assert m["rollout/turns_mean"] == pytest.approx(sum(s.turns for s in samples) / len(samples))
+    assert m["rollout/tool_calls"] == sum(s.tool_calls for s in samples)
+    assert m["rollout/env_tokens"] + m["rollout/model_tokens"] == m["rollout/generated_tokens"]
+    line = format_console_line({"step": 1, **m})
+    assert "turns " in line and "tool_err " in line
+
+
+def _sample(tokens, **kw):
+    return ScoredSample(prompt_id="p", sample_index=1, token_ids=list(tokens), logprobs=[-1.0] * len(tokens),
+                        weight_versions=[], response_text="x" * len(tokens), truncated=False, seed=None,
+                        engine_id="e", queue_delay_s=0.0, generation_latency_s=0.0, **kw)
+
+
+def test_an_answer_that_does_not_fit_the_budget_is_cut_and_the_sample_truncated():
+    result = StepResult(observation="<out>", done=False, tool_calls=1, tool_errors={"timeout": 1}, tool_time_s=2.0,
+                        reward_parts={"format": 0.5})
+    s = add_observation(_sample([1, 2, 3], tool_errors={"timeout": 1}), result, [7, 8, 9, 10], budget=5)
+    assert s.token_ids == [1, 2, 3, 7, 8] and s.env_spans == [[3, 5]] and s.truncated
+    assert s.logprobs == [-1.0] * 3 + [0.0] * 2 and s.env_mask() == [1, 1, 1, 0, 0]
+    assert s.tool_errors == {"timeout": 2} and s.tool_time_s == 2.0 and s.env_reward == 0.5
+    assert s.turn_text_at == len("xxx<out>")
+    fits = add_observation(_sample([1, 2, 3]), result, [7, 8], budget=10)
+    assert not fits.truncated and fits.env_spans == [[3, 5]]
+
+
+def test_a_turn_asks_for_the_budget_left_with_its_own_seed():
+    s = _sample([1] * 10, turns=2)
+    params = turn_params({"n": 3, "max_new_tokens": 48, "sampling_seed": 100, "stop": ["a"]}, s, 48)
+    assert params["n"] == 1 and params["max_new_tokens"] == 38 and params["stop"] == ["a"]
+    assert params["sampling_seed"] == 100 + 1 + 2 * SEED_STRIDE
+    assert "sampling_seed" not in turn_params({"n": 3, "max_new_tokens": 48}, s, 48)
+
+
+def test_the_settings_stop_every_turn_at_the_environment_strings_and_keep_them():
+    env = build_environment(ENV, {})
+    s = RoundSettings(n_samples=2, sampling_params={"max_new_tokens": 8, "stop": ["\n\n"]}, environment=env)
+    assert s.sampling_params["stop"] == ["\n\n", *"aeiou"] and s.sampling_params["no_stop_trim"] is True
+    with pytest.raises(TypeError, match="encode_text"):
+        RolloutManager(["http://127.0.0.1:1"], s)
