@@ -85,7 +85,7 @@ class RolloutSource:
         groups, samples = self.manager.collect_step(step, learner_version, self,
                                                     SamplingRule.from_config(a, self.cfg.cluster, num_groups))
         seconds = time.perf_counter() - t
-        metrics = compute_rollout_metrics(samples, seconds)
+        metrics = compute_rollout_metrics(samples, seconds, multi_turn=bool(self.cfg.rollout.environment))
         # ages as stamped here (a learner at learner_version); AsyncRollouts.take restamps them
         metrics.update(compute_age_metrics(samples, len({s.prompt_id for s in samples if s.reject_reason == "stale"})))
         metrics.update(self.manager.metrics)
@@ -246,7 +246,9 @@ class AsyncRollouts:
             batch.seconds += more.seconds
         batch.groups = fresh[:want]
         batch.metrics = {k: v for k, v in batch.metrics.items() if not k.startswith(("age/", "rollout/age_"))}
-        batch.metrics.update(compute_rollout_metrics(batch.samples, batch.seconds))  # refills and stale ones in
+        # refills and stale ones in
+        batch.metrics.update(compute_rollout_metrics(batch.samples, batch.seconds,
+                                                     multi_turn=bool(self.source.cfg.rollout.environment)))
         batch.metrics.update(compute_age_metrics(batch.samples, len(stale)))
         batch.metrics["rollout/refilled_groups"] = float(refilled)
         return batch

@@ -131,6 +131,12 @@ class ClockAssumptions:
     """The training jobs' stop signal (`--signal=B:USR1@lead`, `stop_signal_lead_s`) comes this
     many times (a step, its evaluation when the run evaluates, and a checkpoint save) before
     the time limit: a second round of dynamic sampling, a slow save."""
+    tool_calls_per_sample: Optional[float] = None
+    """With an environment (rollout.environment): the tool calls of one sample, on average.
+    Null: (rollout.max_turns - 1) / 2, half the turns the budget allows after the first."""
+    tool_call_s: float = 1.0
+    """Seconds one tool call takes (the python tool: a sandboxed interpreter's start, ~0.1-0.3 s
+    on a server CPU, and the model's code); each call waits for its slot on the driver."""
     lengths: LengthAssumption = field(default_factory=LengthAssumption)
     """Response and prompt lengths (`dapo_mega.plan.memory.LengthAssumption`, shared with the plan's
     learner-efficiency figures): log-normal, median max_response_length / 8, σ 1."""
@@ -184,7 +190,14 @@ class GenerationEstimate:
     last_dispatch_s: float
     """T_ld = max(0, T_tp − Q · L̄ / R'): when an engine is handed its last request."""
     duration_s: float
-    """T = max(T_tp, T_ld + T_req): the engines' share, or the last request's end."""
+    """T = max(T_tp, T_ld + T_req, T_tool): the engines' share, the last request's end, or the tools'."""
+    tool_calls_per_sample: float = 0.0
+    """k: tool calls of one sample (multi-turn samples; 0 without an environment)."""
+    tool_wait_s: float = 0.0
+    """k · t: what one sample waits for its tools, turn after turn (in T_req)."""
+    tool_throughput_s: float = 0.0
+    """T_tool = N · k · t / slots: every sample's tool calls, `slots` (the environment's
+    max_concurrent) at a time on the driver, N the phase's samples."""
 
 
 @dataclass
@@ -262,11 +275,14 @@ def engine_slots(max_running_requests: int, kv_tokens: int, sequence_tokens: flo
 
 def estimate_generation(prompts: int, samples_per_prompt: int, max_response_length: int, *, num_engines: int,
                         prompts_per_request: int, requests_per_engine: int, slots_per_engine: int,
-                        rates: EngineRates, lengths: LengthAssumption) -> GenerationEstimate:
+                        rates: EngineRates, lengths: LengthAssumption, tool_calls: float = 0.0,
+                        tool_call_s: float = 0.0, tool_slots: int = 1) -> GenerationEstimate:
     """A generation phase of `prompts` x `samples_per_prompt` samples over `num_engines` engines,
     dispatched the way `rollout.manager` dispatches (chunks, least-loaded engines, at most
     requests_per_engine requests in flight each). Formulas: the fields of GenerationEstimate.
-    `lengths` must be resolved (`LengthAssumption.resolved`)."""
+    `lengths` must be resolved (`LengthAssumption.resolved`). Multi-turn samples: `tool_calls`
+    per sample of `tool_call_s` each, `tool_slots` at a time (rollout/turns.py); a sample's turns
+    continue on its engine, whose prefix cache holds the context, so no prefill is counted again."""
     from dapo_mega.rollout.manager import chunk_size
 
     chunk = chunk_size(prompts, num_engines, prompts_per_request)
@@ -285,15 +301,34 @@ def estimate_generation(prompts: int, samples_per_prompt: int, max_response_leng
     n_e = per_engine * m
     throughput = n_e * mean / rate + n_e * p / rates.prefill
     wait = max(0, in_flight - slots_per_engine) * mean / rate
-    slowest = wait + m * p / rates.prefill + longest / rates.sequence
+    tool_wait = tool_calls * tool_call_s
+    slowest = wait + m * p / rates.prefill + longest / rates.sequence + tool_wait
     last_dispatch = max(0.0, throughput - in_flight * mean / rate)
+    tools = prompts * samples_per_prompt * tool_wait / max(1, tool_slots)
     return GenerationEstimate(prompts=prompts, samples_per_prompt=samples_per_prompt,
                               max_response_length=max_response_length, engines_used=used, requests=requests,
                               samples_per_request=m, samples_per_engine=n_e, in_flight_per_engine=in_flight,
                               slots_per_engine=slots_per_engine, engine_tokens_per_s=rate, mean_response=mean,
                               longest_response=longest, throughput_s=throughput, admission_wait_s=wait,
                               slowest_request_s=slowest, last_dispatch_s=last_dispatch,
-                              duration_s=max(throughput, last_dispatch + slowest))
+                              duration_s=max(throughput, last_dispatch + slowest, tools),
+                              tool_calls_per_sample=tool_calls, tool_wait_s=tool_wait, tool_throughput_s=tools)
+
+
+def tool_load(cfg: DapoConfig, a: ClockAssumptions) -> Dict[str, float]:
+    """The tool figures of `estimate_generation` for `cfg`: none without an environment; else
+    tool_calls_per_sample (null: (max_turns - 1) / 2), tool_call_s, and the environment's
+    `max_concurrent` (rollout.environment_kwargs; the python tool's default 4) as its slots."""
+    r = cfg.rollout
+    if not r.environment:
+        return {}
+    calls = a.tool_calls_per_sample if a.tool_calls_per_sample is not None else (r.max_turns - 1) / 2
+    return {"tool_calls": float(calls), "tool_call_s": float(a.tool_call_s),
+            "tool_slots": int(r.environment_kwargs.get("max_concurrent", DEFAULT_TOOL_SLOTS))}
+
+
+DEFAULT_TOOL_SLOTS = 4
+"""The python tool's max_concurrent (dapo_mega/environments/python_tool.py)."""
 
 
 def train_flops_per_step(samples: int, lengths: LengthAssumption, max_response_length: int, params: float,
@@ -407,7 +442,8 @@ def estimate_clock(cfg: DapoConfig, assumptions: Optional[ClockAssumptions] = No
     mean = lengths.response_moment(1, algo.max_response_length)
     slots = engine_slots(r.max_running_requests, plan.engines.kv_tokens, p + mean)
     common = dict(num_engines=r.num_engines, prompts_per_request=r.prompts_per_request,
-                  requests_per_engine=r.requests_per_engine, slots_per_engine=slots, rates=rates)
+                  requests_per_engine=r.requests_per_engine, slots_per_engine=slots, rates=rates,
+                  **tool_load(cfg, a))
     rollout_round = estimate_generation(algo.gen_batch_size, algo.n_samples_per_prompt, algo.max_response_length,
                                         lengths=lengths, **common)
     eval_length = cfg.eval.max_response_length or algo.max_response_length
@@ -557,6 +593,13 @@ def clock_warnings(cfg: DapoConfig, estimates: ClockEstimate) -> List[str]:
     if r.liveness_timeout_s < e.weight_sync_s:
         warnings.append(f"rollout.liveness_timeout_s={r.liveness_timeout_s:g} s is shorter than a weight sync "
                         f"(~{e.weight_sync_s:,.0f} s)")
+    ro = e.rollout_round
+    if ro.tool_throughput_s > max(ro.throughput_s, ro.last_dispatch_s + ro.slowest_request_s):
+        slots = tool_load(cfg, e.assumptions)["tool_slots"]
+        warnings.append(f"the tools bound a rollout round (~{ro.tool_throughput_s:,.0f} s of tool calls, "
+                        f"{slots} at a time on the driver, against ~{ro.throughput_s:,.0f} s of decoding): the engines "
+                        f"wait for the sandbox; raise rollout.environment_kwargs.max_concurrent above "
+                        f"{math.ceil(slots * ro.tool_throughput_s / max(1.0, ro.throughput_s))} (the driver's cores)")
     wall = cfg.trainer.wall_time_minutes * 60
     if 0 < wall < e.health_timeout_s + e.step_s:
         warnings.append(f"trainer.wall_time_minutes={cfg.trainer.wall_time_minutes:g} leaves no room for one step "
@@ -600,6 +643,10 @@ def format_clock(cfg: DapoConfig, estimates: ClockEstimate) -> str:
         ("rollout round", ro.duration_s, f"no time limit: progress ({stall} between finished requests)",
          f"{ro.prompts} prompts x {ro.samples_per_prompt} = {ro.prompts * ro.samples_per_prompt:,} samples on "
          f"{_engines(ro.engines_used)}, {ro.in_flight_per_engine} in flight per engine"),
+        *([("tools of a round", ro.tool_throughput_s, "the environment's slots on the driver "
+             f"(rollout.environment_kwargs.max_concurrent={tool_load(cfg, a)['tool_slots']})",
+             f"{ro.tool_calls_per_sample:g} calls per sample x {a.tool_call_s:g} s (clock.tool_calls_per_sample, "
+             f"clock.tool_call_s); one sample waits {_s(ro.tool_wait_s)} for its tools")] if r.environment else []),
         ("slowest request", ro.slowest_request_s, f"{request}; a hung engine: rollout.liveness_timeout_s="
          f"{r.liveness_timeout_s:g} s without a probe answer",
          f"{_request_words(ro)} at {rates.sequence:,.0f} tokens/s"),

@@ -27,8 +27,9 @@ def age_label(age: int) -> str:
     return f"{last}+" if age >= last else str(max(age, 0))
 
 
-def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, float]:
-    """Reward, accuracy, length distribution, truncation, reject reasons, tokens/s."""
+def compute_rollout_metrics(records: Sequence, seconds: float, multi_turn: bool = False) -> Dict[str, float]:
+    """Reward, accuracy, length distribution, truncation, reject reasons, tokens/s; with
+    `multi_turn` (an environment: rollout/turns.py) the turns and the tool (`turn_metrics`)."""
     if not records:
         return {"rollout/num_samples": 0.0}
     rewards = np.array([r.reward for r in records], dtype=np.float64)
@@ -54,7 +55,8 @@ def compute_rollout_metrics(records: Sequence, seconds: float) -> Dict[str, floa
     }
     if verdicts:
         out["rollout/accuracy"] = float(np.mean(verdicts))
-    out.update(turn_metrics(records))
+    if multi_turn:
+        out.update(turn_metrics(records))
     entropy = rollout_entropy_estimate(records)
     if entropy is not None:
         out["rollout/entropy_mc"] = entropy
@@ -109,9 +111,7 @@ def rollout_entropy_estimate(records: Sequence) -> Optional[float]:
 def turn_metrics(records: Sequence) -> Dict[str, float]:
     """Multi-turn samples (rollout/turns.py): turns per sample, tool calls, tool errors (all and
     by kind), tool seconds and the environment's share of the response tokens, summed over the
-    step's samples; empty when no sample had an environment turn."""
-    if not any(getattr(r, "turns", 1) > 1 or getattr(r, "tool_calls", 0) for r in records):
-        return {}
+    step's samples."""
     tokens = sum(r.response_length for r in records)
     env = sum(r.env_tokens for r in records)
     out = {"rollout/turns_mean": float(np.mean([r.turns for r in records])),

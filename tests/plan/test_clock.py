@@ -28,7 +28,7 @@ from dapo_mega.plan.memory import KNOWN_MODELS, LengthAssumption, compute_plan, 
 
 PHI_32B = 32_763_876_352  # tests/plan/test_plan_memory.py counts it parameter by parameter
 SHIPPED = ["dapo_qwen2.5_32b", "dapo_qwen2.5_32b_fp8", "dapo_qwen2.5_32b_disagg", "dapo_qwen2.5_32b_disagg_fp8",
-           "dapo_qwen2.5_7b"]
+           "dapo_qwen2.5_7b", "dapo_retool_qwen2.5_32b"]
 REFERENCE_RATES = EngineRates(decode=4000.0, sequence=50.0, prefill=20000.0, scale=1.0)
 
 
@@ -88,6 +88,28 @@ def test_rollout_round_of_the_32b_shape_by_hand():
     assert g.slowest_request_s == pytest.approx(464.32)
     assert g.last_dispatch_s == pytest.approx(259.84)
     assert g.duration_s == pytest.approx(771.84)
+
+
+def test_tool_time_of_a_multi_turn_round_by_hand():
+    # the round above with 3 tool calls of 2 s per sample, 64 at a time on the driver:
+    #   k t    = 6 s each sample waits for its tools            -> T_req = 464.32 + 6 = 470.32
+    #   T_tool = 1536 x 16 x 6 / 64                               = 2304   (> T_tp = 771.84: it sets T)
+    g = estimate_generation(1536, 16, 20480, num_engines=32, prompts_per_request=4, requests_per_engine=8,
+                            slots_per_engine=128, rates=REFERENCE_RATES, lengths=fixed(4000, 100),
+                            tool_calls=3, tool_call_s=2.0, tool_slots=64)
+    assert g.tool_wait_s == 6 and g.slowest_request_s == pytest.approx(470.32)
+    assert g.tool_throughput_s == pytest.approx(2304) and g.duration_s == pytest.approx(2304)
+    # the recipe: (16 - 1) / 2 calls of 1 s, 192 at a time; the round is the engines' still
+    cfg = load_config(["+experiment=dapo_retool_qwen2.5_32b"])
+    e = estimate_clock(cfg)
+    ro = e.rollout_round
+    assert ro.tool_calls_per_sample == 7.5 and ro.tool_throughput_s == pytest.approx(1536 * 16 * 7.5 / 192)
+    assert ro.duration_s > ro.tool_throughput_s and clock_warnings(cfg, e) == []
+    few = load_config(["+experiment=dapo_retool_qwen2.5_32b", "rollout.environment_kwargs.max_concurrent=32"])
+    warnings = clock_warnings(few, estimate_clock(few))
+    assert len(warnings) == 1 and warnings[0].startswith("the tools bound a rollout round"), warnings
+    assert "max_concurrent above" in warnings[0]
+    assert estimate_clock(load_config(["+experiment=dapo_qwen2.5_32b"])).rollout_round.tool_throughput_s == 0
 
 
 def test_evaluation_spreads_one_request_per_engine_and_runs_below_full_batch():

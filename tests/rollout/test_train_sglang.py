@@ -104,6 +104,34 @@ def test_train_a_mixture_with_real_sglang_replaying_its_experts(tmp_path):
         assert experts is not None and positions > row.response_length and int(experts.max()) < shape.num_experts
 
 
+@pytest.mark.slow  # ~1.5 min on 2 cores: SGLang's start and two steps
+def test_train_multi_turn_with_real_sglang(tmp_path):
+    """Multi-turn samples (issue #39 item 2) on the real SGLang, colocated, fp32: every turn
+    stops at the environment's strings (SGLang's `stop`, `no_stop_trim`), the environment's
+    answers go back into the context, and SGLang's log-probs of the model's tokens equal the
+    learner's over the whole sequence (the two saw the same context); the ledger keeps the
+    turns. The environment is loaded by path; the random model writes a vowel every ~20 tokens."""
+    from dapo_mega.records.ledger import read_records
+
+    sglang_python = sglang_python_or_skip()
+    env = str(REPO / "tests" / "rollout" / "vowel_env.py") + ":VowelEnv"
+    out = run_cli("train", "cluster.mode=colocated", "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
+                  "rollout.dtype=float32", f"rollout.environment={env}", "rollout.max_turns=4",
+                  "algo.max_response_length=64", "trainer.total_steps=2", "trainer.sft_warmup_steps=0",
+                  "algo.dynamic_sampling=false", f"trainer.output_dir={tmp_path}", "trainer.run_name=run",
+                  "rollout.extra_server_args=[--max-total-tokens,4096]", timeout_s=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss/pg" in r]
+    assert len(steps) == 2 and all(r["rollout/turns_mean"] > 1.2 for r in steps), steps
+    assert all(r["mismatch/logp_abs_max"] < 1e-3 for r in steps), [r["mismatch/logp_abs_max"] for r in steps]
+    ledger = read_records(run)
+    multi = [row for row in ledger if row.turns > 1]
+    assert multi and all(json.loads(row.env_spans) and row.tool_calls == row.turns - 1 or row.tool_calls == row.turns
+                         for row in multi)
+
+
 # ------------------------------------------------------------------------------------------------
 # Disaggregated, TP 2 and PP 2 learners, two SGLang engines that outlive each `dapo-mega train`
 

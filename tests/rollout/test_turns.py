@@ -105,7 +105,8 @@ def test_the_ledger_and_the_step_metrics_carry_the_turns(multi_turn, tmp_path):
         assert r.turns == s.turns and r.tool_calls == s.tool_calls and r.env_tokens == s.env_tokens
         assert json.loads(r.env_spans or "[]") == s.env_spans
         assert json.loads(r.tool_errors or "{}") == s.tool_errors
-    m = compute_rollout_metrics(samples, seconds=1.0)
+    m = compute_rollout_metrics(samples, seconds=1.0, multi_turn=True)
+    assert "rollout/turns_mean" not in compute_rollout_metrics(samples, seconds=1.0)
     assert m["rollout/turns_mean"] == pytest.approx(sum(s.turns for s in samples) / len(samples))
     assert m["rollout/tool_calls"] == sum(s.tool_calls for s in samples)
     assert m["rollout/env_tokens"] + m["rollout/model_tokens"] == m["rollout/generated_tokens"]

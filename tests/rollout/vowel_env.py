@@ -1,5 +1,6 @@
 """A test environment for the tiny char-level model: a turn ends at a vowel (the random model
-writes one every ~20 characters), the answer names the turn and how long it was. Loaded by
+writes one every ~20 characters; `stops` sets other characters: digits for a warm-started
+model, which answers in digits), the answer names the turn and how long it was. Loaded by
 path (`tests/rollout/vowel_env.py:VowelEnv`), as a user's environment file is."""
 
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ class Seen:  # a dataclass in a file-loaded module: needs the module in sys.modu
 class VowelEnv(Environment):
     stop = list("aeiou")
 
-    def __init__(self, done_after: int = 3, reward: float = 0.0):
+    def __init__(self, done_after: int = 3, reward: float = 0.0, stops: str = "aeiou"):
         self.done_after, self.reward = done_after, reward
+        self.stop = list(stops)
 
     def reset(self, problem):
         self.seen = Seen(0)
