@@ -38,11 +38,15 @@ from dapo_mega.rollout.samples import ScoredSample
 if TYPE_CHECKING:
     from dapo_mega.engines.sglang.client import SampleResult, SamplingParams
 
-__all__ = ["Continuation", "Episodes", "TextEncoding", "TurnState", "add_observation", "ended_at_stop",
+__all__ = ["Continuation", "EnvironmentFailed", "Episodes", "TextEncoding", "TurnState", "add_observation", "ended_at_stop",
            "turn_params"]
 
 SEED_STRIDE = 1_000_003
 """A continuation's sampling seed: the sample's seed + turn x this (so turns draw apart)."""
+
+
+class EnvironmentFailed(RuntimeError):
+    """The environment's `reset` or `step` raised (a bug in it, not the model's doing)."""
 
 
 class TextEncoding(Protocol):
@@ -140,6 +144,21 @@ class Episodes:
             st.env.reset(self.groups[st.group].prompt)
         return st.env
 
+    def _step(self, st: TurnState) -> StepResult:
+        """The episode's answer to the sample's latest turn (in a worker thread)."""
+        env = self._episode(st)
+        sample = self.sample(st)
+        try:
+            result = env.step(sample.response_text[sample.turn_text_at:])
+        except Exception as exc:  # the environment's own bug: the round fails, naming it
+            raise EnvironmentFailed(f"rollout.environment {type(env).__name__}.step raised {type(exc).__name__}: "
+                                    f"{exc} (prompt {sample.prompt_id}, sample {sample.sample_index}, turn "
+                                    f"{sample.turns}); errors the model should read are observations") from exc
+        if not isinstance(result, StepResult):
+            raise EnvironmentFailed(f"rollout.environment {type(env).__name__}.step returned "
+                                    f"{type(result).__name__}, not a StepResult")
+        return result
+
     async def next_request(self) -> Optional[Continuation]:
         """Run the environment on every sample whose turn ended at a stop string (in worker
         threads, at once) and append its answer; the request of those that go on, or None
@@ -148,9 +167,7 @@ class Episodes:
         if not todo:
             return None
         loop = asyncio.get_running_loop()
-        results = await asyncio.gather(*(loop.run_in_executor(
-            None, self._episode(st).step, self.sample(st).response_text[self.sample(st).turn_text_at:])
-            for st in todo))
+        results = await asyncio.gather(*(loop.run_in_executor(None, self._step, st) for st in todo))
         going = []
         for st, result in zip(todo, results):
             ids = self.encoding.encode_text(result.observation) if result.observation else []

@@ -146,3 +146,76 @@ def test_the_settings_stop_every_turn_at_the_environment_strings_and_keep_them()
     assert s.sampling_params["stop"] == ["\n\n", *"aeiou"] and s.sampling_params["no_stop_trim"] is True
     with pytest.raises(TypeError, match="encode_text"):
         RolloutManager(["http://127.0.0.1:1"], s)
+
+
+class _Broken:
+    stop = ["a"]
+
+    def reset(self, problem):
+        pass
+
+    def step(self, model_text):
+        raise KeyError("boom")
+
+
+class _Chars:
+    """encode_text for the pure tests: one id per character."""
+
+    @staticmethod
+    def encode_text(text):
+        return [ord(c) for c in text]
+
+
+def _reply(tokens, text, reason):
+    from dapo_mega.engines.sglang.client import SampleResult
+
+    return SampleResult(prompt_index=0, sample_index=0, text=text, output_ids=list(tokens), token_ids=list(tokens),
+                        finish_reason=reason, logprobs=[-0.5] * len(tokens),
+                        weight_versions=[{"version": "3", "start": 0, "end": len(tokens)}], prompt_tokens=2,
+                        completion_tokens=len(tokens))
+
+
+def _episodes(env, budget=12):
+    from dapo_mega.rollout.partial import PartialGroup
+    from dapo_mega.rollout.samples import Group
+    from dapo_mega.rollout.turns import Episodes
+
+    stopped = _reply([1, 2, 97], "xya", {"type": "stop", "matched": "a"})
+    answered = _reply([5, 6], "zz", {"type": "stop", "matched": 0})
+    samples = [replace_sample(_sample([1, 2, 97]), sample_index=0, response_text="xya",
+                              weight_versions=[{"version": "3", "start": 0, "end": 3}]),
+               replace_sample(_sample([5, 6]), sample_index=1, response_text="zz")]
+    group = Group(prompt=problems(1)[0], prompt_input=[40, 41], samples=samples, engine_id="e", queue_delay_s=0.0,
+                  latency_s=0.0)
+    return Episodes(env, _Chars(), 3, [PartialGroup(group, [], budget)], {(0, 0): stopped, (0, 1): answered},
+                    [{"n": 2, "max_new_tokens": budget, "sampling_seed": 10}], budget)
+
+
+def replace_sample(s, **kw):
+    from dataclasses import replace
+
+    return replace(s, **kw)
+
+
+def test_a_turn_that_stopped_goes_on_with_the_answer_in_its_context():
+    episodes = _episodes(build_environment(ENV, {"stops": "a"}))
+    request = run_coroutine(episodes.next_request())
+    # only sample 0 stopped at the environment's string; sample 1 answered (EOS)
+    assert [(st.group, st.position) for st in request.states] == [(0, 0)]
+    answer = [ord(c) for c in "<1:3>"]
+    assert request.inputs == [[40, 41, 1, 2, 97] + answer]
+    assert request.params[0]["n"] == 1 and request.params[0]["max_new_tokens"] == 12 - 3 - 5
+    sample = episodes.sample(request.states[0])
+    assert sample.env_spans == [[3, 8]] and sample.tool_calls == 1 and sample.turn_text_at == len("xya<1:3>")
+    episodes.take(request, [_reply([7, 8], "bc", {"type": "length", "length": 2})], "e", 0.1)
+    sample = episodes.sample(request.states[0])
+    assert sample.turns == 2 and sample.token_ids == [1, 2, 97, *answer, 7, 8]
+    assert sample.weight_versions == [{"version": "3", "start": 0, "end": 3}, {"version": "3", "start": 8, "end": 10}]
+    assert run_coroutine(episodes.next_request()) is None  # it ended at the length limit
+
+
+def test_an_environment_that_raises_fails_the_round_naming_it():
+    from dapo_mega.rollout.turns import EnvironmentFailed
+
+    with pytest.raises(EnvironmentFailed, match=r"_Broken.step raised KeyError.*prompt p, sample 0"):
+        run_coroutine(_episodes(_Broken()).next_request())
