@@ -221,16 +221,17 @@ def test_an_environment_that_raises_fails_the_round_naming_it():
         run_coroutine(_episodes(_Broken()).next_request())
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["rollout.environment=nope.mod:X"], "rollout.environment: 'nope.mod:X' cannot be loaded"),
-    (["rollout.environment=python", "+rollout.environment_kwargs.walls=3"], "rollout.environment_kwargs: {'walls': 3}"),
-    (["+rollout.environment_kwargs.wall_s=3"], "rollout.environment_kwargs: ['wall_s'] given"),
-    (["rollout.environment=python", "rollout.max_turns=0"], "rollout.max_turns: must be >= 1"),
-    ([f"rollout.environment={ENV.replace('VowelEnv', 'Seen')}"], "is not an environment class"),
+@pytest.mark.parametrize("overrides, field, named", [
+    (["rollout.environment=nope.mod:X"], "rollout.environment", "'nope.mod:X' cannot be loaded"),
+    (["rollout.environment=python", "+rollout.environment_kwargs.walls=3"], "rollout.environment_kwargs",
+     "{'walls': 3} do not fit 'python'"),
+    (["+rollout.environment_kwargs.wall_s=3"], "rollout.environment_kwargs", "['wall_s'] given"),
+    (["rollout.environment=python", "rollout.max_turns=0"], "rollout.max_turns", "must be >= 1"),
+    ([f"rollout.environment={ENV.replace('VowelEnv', 'Seen')}"], "rollout.environment", "is not an environment class"),
 ])
-def test_a_bad_environment_setting_is_refused_before_anything_is_built(overrides, named):
+def test_a_bad_environment_setting_is_refused_before_anything_is_built(overrides, field, named):
     from dapo_mega.config import ConfigError, load_config, validate_config
 
     with pytest.raises(ConfigError) as info:
         validate_config(load_config(overrides))
-    assert named in str(info.value) and str(info.value).startswith(named.split(":")[0]), str(info.value)
+    assert str(info.value).startswith(field + ":") and named in str(info.value), str(info.value)
