@@ -136,7 +136,7 @@ def run(quick: bool = False, reps: int = 0) -> dict:
 
 RAW_RECEIVER = """
 import sys, torch
-from dapo_mega.weights import transport
+from dapo_mega.wire import transport
 port, nbytes, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 1, "raw")
 kept = torch.zeros(nbytes, dtype=torch.uint8)  # touched once: the transport alone
@@ -165,7 +165,7 @@ def run_sglang(reps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dapo_mega.models.tiny import build_tiny_model_dir
-    from dapo_mega.weights import transport
+    from dapo_mega.wire import transport
 
     python = Path(os.environ.get("DAPO_MEGA_SGLANG_PYTHON") or Path(__file__).resolve().parents[1] / ".venv-sglang"
                   / "bin" / "python")

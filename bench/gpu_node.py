@@ -507,7 +507,7 @@ if via_sglang:  # SGLang 0.5.23's own path of update_weights_from_tensor
     named = MultiprocessingSerializer.deserialize(raw[0])  # its SafeUnpickler
 else:
     import base64, pickle
-    from dapo_mega.weights import transport
+    from dapo_mega.wire import transport
     transport.patch_torch_reductions()  # the project's copy of SGLang's patch
     named = pickle.loads(base64.b64decode(payload))
 kept = [(n, t.clone()) for n, t in named]  # what an engine's load does: copy out of the sender's memory
@@ -541,7 +541,7 @@ def handover_round_trip(shape: ModelShape, via_sglang: bool, receiver_python: st
     GB/s is what the copy-out sustains."""
     import torch
 
-    from dapo_mega.weights import transport
+    from dapo_mega.wire import transport
 
     h, ffn = shape.hidden_size, shape.ffn_hidden_size
     kv = shape.num_key_value_heads * (h // shape.num_attention_heads)

@@ -1195,10 +1195,6 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
         component.validate()
     a, m, err = cfg.algo, cfg.megatron, _field_error
     _check_partial_rollout(cfg)
-    if cfg.rollout.environment:  # its class loads and takes its kwargs before any model is built
-        from dapo_mega.environments.base import build_environment
-
-        build_environment(cfg.rollout.environment, cfg.rollout.environment_kwargs)
     if cfg.eval.overlap == "beside" and cfg.cluster.mode == "colocated":
         raise err("eval.overlap", "is beside with cluster.mode=colocated: the engines release their memory to "
                   "the learner while it trains, so an evaluation cannot run beside the next step",

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     from dapo_mega.backends.megatron.learner import MegatronLearner
     from dapo_mega.backends.placement import Placement
     from dapo_mega.engines.sglang.endpoint import EngineEndpoint
-    from dapo_mega.weights.checksum import HeldAs
     from dapo_mega.weights.handover import HandoverPlan
     from dapo_mega.weights.sync import WeightSyncer
+    from dapo_mega.wire.checksum import HeldAs
 
 logger = log.get(__name__)
 
@@ -300,7 +300,7 @@ class PolicySync:
         return dtypes[0]
 
     def held_as(self, mixture: bool = False) -> Optional["HeldAs"]:
-        """How the engines hold and hash what they are sent (`weights.checksum.HeldAs`), where
+        """How the engines hold and hash what they are sent (`wire.checksum.HeldAs`), where
         their checksums are compared with the learner's (`checks.checksum`): embedded engines
         (HF names, SHA-256); SGLang engines of TP 1 (q/k/v and gate/up fused, SHA-256 on a CPU,
         SGLang's GPU hash on GPUs, computed on the learner's GPU: `gpu_tensor_checksum`). Not
@@ -311,7 +311,7 @@ class PolicySync:
         probe judges those."""
         from dapo_mega.backends.placement import engine_uses_gpu
         from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
-        from dapo_mega.weights.checksum import CPU_HASH, GPU_HASH, HF, SGLANG_TP1, HeldAs
+        from dapo_mega.wire.checksum import CPU_HASH, GPU_HASH, HF, SGLANG_TP1, HeldAs
 
         r = self.cfg.rollout
         if not self.cfg.checks.checksum or self.handover is not None or self.engine_dtype is None:

@@ -18,7 +18,7 @@ Three checks, thresholds in `checks` (config.ChecksConfig), each stopping the ru
 - the weight checksum, after every weight sync and before the probe (`checks.checksum`,
   embedded engines and SGLang engines of TP 1: `PolicySync.held_as`): each engine's checksum of every tensor it holds (SGLang's
   /weights_checker, action checksum) against the learner's of what it sent
-  (`weights.checksum`). Exact, so it sees what the probe cannot: a defect whose effect is
+  (`wire.checksum`). Exact, so it sees what the probe cannot: a defect whose effect is
   below the two implementations' numerical noise (one bucket skipped, an engine that kept the
   previous weights, in a step that moved the weights by less than a hundredth of a nat: at
   32B and lr 1e-6, every step). Metrics `checksum/...`.
@@ -148,8 +148,8 @@ def step_mismatch_failure(metrics: Dict[str, float], limit: float, step: int) ->
 def judge_checksums(index: int, url: str, version: int, sent: Dict[str, str],
                     reported: Dict[str, str]) -> Optional[str]:
     """The failure message when engine `index` holds other bytes than the learner sent in the
-    sync of `version` (per-tensor checksums, `weights.checksum`), or None."""
-    from dapo_mega.weights.checksum import differing_tensors
+    sync of `version` (per-tensor checksums, `wire.checksum`), or None."""
+    from dapo_mega.wire.checksum import differing_tensors
 
     differ = differing_tensors(sent, reported)
     if not differ:
@@ -173,7 +173,7 @@ async def _checksums_of_engines(urls: Sequence[str], cfg: DapoConfig
     """(per-tensor checksums, error) of every engine's /weights_checker, concurrently."""
     from dapo_mega.engines.fleet import endpoint_of
     from dapo_mega.engines.sglang.client import EngineClient
-    from dapo_mega.weights.checksum import reported_checksums
+    from dapo_mega.wire.checksum import reported_checksums
 
     async def one(url: str):
         async with EngineClient(endpoint_of(url, cfg.rollout)) as client:

@@ -222,6 +222,14 @@ def check_verifier(algo_cfg: AlgoConfig) -> None:
     check(algo_cfg.verifier, algo_cfg.verifier_timeout_s, algo_cfg.reward_kwargs)
 
 
+def check_environment(cfg: DapoConfig) -> None:
+    """`rollout.environment` (multi-turn samples) loads, takes rollout.environment_kwargs and
+    has stop strings (environments.base.build_environment: ConfigError naming the field)."""
+    from dapo_mega.environments.base import build_environment
+
+    build_environment(cfg.rollout.environment, cfg.rollout.environment_kwargs)
+
+
 def check_eval_inputs(cfg: DapoConfig) -> None:
     """What `dapo-mega eval` needs before it starts engines: the data files, a held-out set
     (the synthetic task has one; a training file needs data.eval_path), the checkpoints
@@ -231,6 +239,7 @@ def check_eval_inputs(cfg: DapoConfig) -> None:
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
     check_verifier(cfg.algo)
+    check_environment(cfg)
     if cfg.data.train_path and not cfg.data.eval_path and not cfg.eval.sets:
         raise ConfigError("data.eval_path: empty, so there are no held-out problems to evaluate. Fix: set "
                           "data.eval_path to the held-out .parquet / .jsonl file (AIME 2024 for the recipe), "
@@ -254,6 +263,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     world = learner_world_size(cfg) if world_size is None else world_size
     validate_config(cfg, world_size=world)
     check_verifier(cfg.algo)
+    check_environment(cfg)
     hf_config = model_hf_config(cfg)
     layout = ParallelLayout.from_config(cfg.megatron, world, hf_config=hf_config).validate()
     check_learner_supports(layout)

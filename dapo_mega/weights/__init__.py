@@ -7,7 +7,8 @@
     convert.py   import / export / verify (tools/convert_checkpoint.py), and
                  export_learner_to_hf for the trainer's start-up HF export
     spawn.py     run a conversion in N local gloo processes
-    transport.py, sync.py   live weight sync to the rollout engines
+    sync.py      live weight sync to the rollout engines (the formats and checksums on the
+                 wire: dapo_mega/wire/)
 
 Submodules import torch/megatron lazily; importing this package is cheap.
 """

@@ -37,7 +37,6 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from dapo_mega.weights import transport
 from dapo_mega.weights.sync import (
     SHM_LOAD_FORMAT,
     EngineLostError,
@@ -46,6 +45,7 @@ from dapo_mega.weights.sync import (
     WeightSyncError,
     iter_buckets,
 )
+from dapo_mega.wire import transport
 
 #: (payload text, cleanup) for one engine TP rank, made from named views of the bucket buffer.
 PayloadMaker = Callable[[List[Tuple[str, torch.Tensor]]], Tuple[str, Callable[[], None]]]

@@ -58,9 +58,9 @@ from dapo_mega import log
 from dapo_mega.engines.sglang.api import FLATTENED_BUCKET
 from dapo_mega.engines.sglang.client import EngineClient, EngineError
 from dapo_mega.engines.sglang.endpoint import CONTROL_TIMEOUT_S, EngineAddress, as_endpoint
-from dapo_mega.weights import transport
-from dapo_mega.weights.checksum import HeldAs
 from dapo_mega.weights.engine_memory import EngineMemory
+from dapo_mega.wire import transport
+from dapo_mega.wire.checksum import HeldAs
 
 logger = log.get(__name__)
 
@@ -667,7 +667,7 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
     (its TP gathers are collective); only each stage's weight source sends, and the
     stages take turns (`run_stages_in_turn`). `checksums` (a dict): each weight source keeps
     there the checksum of every tensor it sent, as an engine holding them as `held_as` (dtype,
-    layout, hash kernel) will report it (`weights.checksum`).
+    layout, hash kernel) will report it (`wire.checksum`).
 
     An engine lost before or during the sync (`EngineLostError` on the rank that saw it)
     raises `EngineLostError` on every rank, with every rank's lost engines, once the
@@ -676,8 +676,8 @@ def sync_learner_weights(syncer: WeightSyncer, model_chunks, info, layout, weigh
     Pausing / continuing is done here by the global rank 0 around a barrier on the
     default group so that every stage streams into paused engines.
     """
-    from dapo_mega.weights.checksum import record_checksums
     from dapo_mega.weights.stream import iter_megatron_to_hf
+    from dapo_mega.wire.checksum import record_checksums
 
     dist = torch.distributed
     is_rank0 = dist.get_rank() == 0

@@ -39,8 +39,8 @@ from dapo_mega.config import RolloutConfig
 from dapo_mega.engines.fleet import EngineFleet, free_port
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, expand_seeded_samples
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
-from dapo_mega.weights import transport
 from dapo_mega.weights.sync import SHM_LOAD_FORMAT, WeightSyncer
+from dapo_mega.wire import transport
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 256  # the tiny model's max_position_embeddings
@@ -159,14 +159,14 @@ def test_model_info_and_weight_version(server):
 
 def test_weights_checker_checksums_every_tensor_as_the_learner_computes_them(server, model_dir):
     """SGLang 0.5.23's /weights_checker, action checksum: the same reply and digests from both
-    servers (weights/checksum.py, held to the real server here). A tensor SGLang holds under its
+    servers (wire/checksum.py, held to the real server here). A tensor SGLang holds under its
     HF name and layout (the norms) has the checksum the learner computes of the checkpoint's;
     SGLang fuses q/k/v and gate/up, and those fused tensors' checksums are of the concatenation
     (what a learner must hash to compare a SGLang engine); the embedded engine holds every
     tensor by its HF name."""
     from safetensors.torch import load_file
 
-    from dapo_mega.weights.checksum import (
+    from dapo_mega.wire.checksum import (
         differing_tensors,
         engine_checksum,
         overall_checksum,

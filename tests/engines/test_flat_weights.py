@@ -241,7 +241,7 @@ def test_a_bucket_mixing_dtypes_goes_through_scratch_and_never_asks_for_a_relayo
     from types import SimpleNamespace
 
     from dapo_mega.engines.embedded.flat_weights import BucketReceiver
-    from dapo_mega.weights import transport
+    from dapo_mega.wire import transport
 
     params, flat = _two_dtype_layout()
     lock = threading.RLock()

@@ -27,14 +27,14 @@ import torch
 import dapo_mega
 from dapo_mega.config import RolloutConfig
 from dapo_mega.engines.fleet import EngineFleet
-from dapo_mega.weights import transport
+from dapo_mega.wire import transport
 
 API_KEY = "sec-key"
 PACKAGE = Path(dapo_mega.__file__).resolve().parent
 EMBEDDED_ENGINE_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "engines/embedded").glob("*.py"))
 """Every module of the embedded engine (`engines/embedded/`): it serves HTTP."""
 NETWORK_MODULES = [*EMBEDDED_ENGINE_MODULES, "engines/sglang/client.py", "rollout/manager.py",
-                   "weights/transport.py", "weights/sync.py", "engines/sglang/api.py", "engines/sglang/commands.py",
+                   "wire/transport.py", "weights/sync.py", "engines/sglang/api.py", "engines/sglang/commands.py",
                    "engines/sglang/endpoint.py", "engines/fleet.py", "engines/process.py"]
 # Reviewed exceptions: local pipes/queues between this package's own processes, no network.
 LOCAL_UNPICKLING = {

@@ -231,7 +231,10 @@ def test_an_environment_that_raises_fails_the_round_naming_it():
 ])
 def test_a_bad_environment_setting_is_refused_before_anything_is_built(overrides, field, named):
     from dapo_mega.config import ConfigError, load_config, validate_config
+    from dapo_mega.plan.preflight import check_environment
 
     with pytest.raises(ConfigError) as info:
-        validate_config(load_config(overrides))
+        cfg = load_config(overrides)
+        validate_config(cfg)
+        check_environment(cfg)  # dapo-mega train's and eval's preflight
     assert str(info.value).startswith(field + ":") and named in str(info.value), str(info.value)

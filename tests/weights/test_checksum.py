@@ -1,11 +1,11 @@
-"""Weight checksums (dapo_mega/weights/checksum.py) as SGLang 0.5.23's /weights_checker makes
+"""Weight checksums (dapo_mega/wire/checksum.py) as SGLang 0.5.23's /weights_checker makes
 them, and the verdict that names an engine holding other bytes than the learner sent
 (driver/weight_probe.py). The conformance suite compares them with the real server's reply."""
 
 import torch
 
 from dapo_mega.driver.weight_probe import judge_checksums
-from dapo_mega.weights.checksum import (
+from dapo_mega.wire.checksum import (
     SGLANG_TP1,
     HeldAs,
     differing_tensors,
@@ -161,7 +161,7 @@ def test_checksums_follow_the_dtype_the_engines_report_and_stop_where_they_do_no
     from dapo_mega.driver.policy_sync import PolicySync
     from dapo_mega.engines.sglang.client import EngineClient
     from dapo_mega.engines.sglang.endpoint import EngineEndpoint
-    from dapo_mega.weights.checksum import CPU_HASH, HF
+    from dapo_mega.wire.checksum import CPU_HASH, HF
 
     reports = {}
 
@@ -186,7 +186,7 @@ def test_a_mixture_on_sglang_is_left_to_the_probe():
     expert would look missing and stop the run at step 1); the embedded engine keeps them."""
     from dapo_mega.config import load_config
     from dapo_mega.driver.policy_sync import PolicySync
-    from dapo_mega.weights.checksum import CPU_HASH, HF, SGLANG_TP1
+    from dapo_mega.wire.checksum import CPU_HASH, HF, SGLANG_TP1
 
     role = type("Role", (), {"say": lambda self, message, error=False: None})()
     sglang = PolicySync(load_config(["rollout.backend=sglang", "cluster.device=cpu"]), layout=None, role=role)

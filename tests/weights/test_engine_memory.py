@@ -25,9 +25,9 @@ from dapo_mega.distributed import free_port
 from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.process import announce_engine, engine_incarnations
 from dapo_mega.engines.sglang.client import EngineClient
-from dapo_mega.weights import transport
 from dapo_mega.weights.engine_memory import EngineMemory
 from dapo_mega.weights.sync import WeightSyncer
+from dapo_mega.wire import transport
 
 
 # ---------------------------------------------------------------- the ledger, alone

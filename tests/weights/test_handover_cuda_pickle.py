@@ -33,9 +33,9 @@ from sglang_venv import sglang_python_or_skip
 from dapo_mega.backends.placement import ClusterShape, place
 from dapo_mega.config import load_config
 from dapo_mega.engines.sglang.client import EngineClient
-from dapo_mega.weights import transport
 from dapo_mega.weights.handover import HandoverPlan, cuda_ipc_payload
 from dapo_mega.weights.sync import WeightSyncer, WeightSyncError
+from dapo_mega.wire import transport
 
 TORCH_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 NODE_UUIDS = [f"GPU-node3-{i}" for i in range(8)]  # the learners see the node's 8 GPUs

@@ -14,7 +14,7 @@ import inspect
 import pytest
 import torch
 
-from dapo_mega.weights import transport
+from dapo_mega.wire import transport
 
 
 def _bucket(scale: float):

@@ -22,7 +22,7 @@ MEMBER = """
 import sys
 from datetime import timedelta
 import torch
-from dapo_mega.weights import transport
+from dapo_mega.wire import transport
 
 def member(rank, port):  # the group is a local, freed on return, as WeightSyncer.destroy_group frees it
     pg = transport.init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "dapo_weight_sync_pp0",
@@ -53,7 +53,7 @@ def test_group_forms_when_the_learner_rank_runs_under_torchrun():
 def test_the_group_is_built_with_nccl_error_handling_off_and_the_learners_back(monkeypatch):
     from torch.distributed import distributed_c10d
 
-    from dapo_mega.weights import transport
+    from dapo_mega.wire import transport
 
     seen = []
     build = distributed_c10d._new_process_group_helper

@@ -7,7 +7,7 @@ What it enforces as SGLang does: weight updates only inside a `/begin_weight_upd
 * `/update_weights_from_tensor` never unpickles: SGLang's pickled CUDA-IPC format
   (load_format null) is refused; the CPU colocated format `load_format="shared_memory_json"`
   carries, per entry of `serialized_named_tensors`, base64 of a JSON handle to a /dev/shm
-  file (`weights.transport.write_shm_bucket`).
+  file (`wire.transport.write_shm_bucket`).
 * Names, dtypes and shapes of an update are checked against the model before anything is
   received; a bad one is a 400 naming the tensor and the weights are unchanged. (SGLang
   0.5.23 joins the broadcast first, ignores an unknown name with a log line, answers a
@@ -49,8 +49,8 @@ from dapo_mega.engines.embedded.engine import GenerationEngine
 from dapo_mega.engines.embedded.flat_weights import BucketReceiver
 from dapo_mega.engines.embedded.validation import BadRequest, fail, parse_control_body, read_json
 from dapo_mega.engines.sglang.api import FLATTENED_BUCKET, PAUSE_MODES
-from dapo_mega.weights import transport
-from dapo_mega.weights.checksum import engine_checksum, overall_checksum, tensor_checksum
+from dapo_mega.wire import transport
+from dapo_mega.wire.checksum import engine_checksum, overall_checksum, tensor_checksum
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -296,7 +296,7 @@ class EngineControl:
 
     async def check_weights(self, request: web.Request) -> web.Response:
         """SGLang's `/weights_checker`, action checksum (the only one here): every parameter's
-        checksum by HF name (`weights.checksum`), as one TP rank, in SGLang's reply."""
+        checksum by HF name (`wire.checksum`), as one TP rank, in SGLang's reply."""
         b = parse_control_body("/weights_checker", await read_json(request, allow_empty=True) or {})
         if b["action"] != "checksum":
             raise BadRequest(f"/weights_checker: action {b['action']!r} is not served by the embedded engine "

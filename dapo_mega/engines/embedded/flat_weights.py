@@ -2,7 +2,7 @@
 into them.
 
 Why: a `flattened_bucket` broadcast (SGLang's format: the bytes of a bucket's tensors back to
-back, `weights.transport`) received into a freshly allocated buffer and then copied into the
+back, `wire.transport`) received into a freshly allocated buffer and then copied into the
 parameters costs each engine first-touch page faults over every byte and a memcpy of every
 byte, on top of the transport itself. When the parameters lie back to back in the order the
 sender sends them, a bucket is a byte range of the model: the broadcast lands in place, with
@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dapo_mega.engines.sglang.api import FLATTENED_BUCKET
-from dapo_mega.weights import transport
+from dapo_mega.wire import transport
 
 
 @dataclass(frozen=True)

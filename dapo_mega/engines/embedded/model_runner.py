@@ -176,7 +176,7 @@ class ModelRunner:
     def check_named_meta(self, names: Sequence[str], dtypes: Sequence[str],
                          shapes: Sequence[Sequence[int]]) -> Optional[str]:
         """None if every (name, dtype, shape) can be loaded, else a message naming the first bad one."""
-        from dapo_mega.weights.transport import parse_dtype
+        from dapo_mega.wire.transport import parse_dtype
 
         if not (len(names) == len(dtypes) == len(shapes)):
             return f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length"

@@ -62,7 +62,7 @@ REQUEST_DEFAULTS: Dict[str, Dict[str, object]] = {
     "/get_weights_by_name": {"name": None, "truncate_size": 100},
     # `/weights_checker` (GET or POST, body optional): action checksum replies {"success",
     # "message", "ranks": [{"checksums": {name: hex}, "per_gpu_checksum", "parallelism_info"}],
-    # "per_engine_checksum"} (`weights/checksum.py` computes the same digests)
+    # "per_engine_checksum"} (`wire/checksum.py` computes the same digests)
     "/weights_checker": {"action": "checksum", "allow_quant_error": False, "skip_tensor_list": None,
                          "selector": "all"},
     "/release_memory_occupation": {"tags": None},

@@ -358,7 +358,7 @@ class EngineClient:
 
     async def check_weights(self, action: str = "checksum", timeout_s: Optional[float] = None) -> Dict[str, object]:
         """`/weights_checker`: with action checksum, a checksum of every tensor the engine holds
-        (`weights.checksum.reported_checksums` reads them)."""
+        (`wire.checksum.reported_checksums` reads them)."""
         return await self._request("POST", "/weights_checker", {"action": action}, timeout_s=timeout_s)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
