@@ -246,9 +246,9 @@ class AsyncRollouts:
             batch.seconds += more.seconds
         batch.groups = fresh[:want]
         batch.metrics = {k: v for k, v in batch.metrics.items() if not k.startswith(("age/", "rollout/age_"))}
-        # refills and stale ones in
+        # refills and stale ones in; a multi-turn run's batch already has its turn metrics
         batch.metrics.update(compute_rollout_metrics(batch.samples, batch.seconds,
-                                                     multi_turn=bool(self.source.cfg.rollout.environment)))
+                                                     multi_turn="rollout/turns_mean" in batch.metrics))
         batch.metrics.update(compute_age_metrics(batch.samples, len(stale)))
         batch.metrics["rollout/refilled_groups"] = float(refilled)
         return batch
