@@ -37,7 +37,7 @@ OnNonfinite = Literal["skip", "stop"]
 OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop", "geo_mask_tis"]
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
-SyntheticTask = Literal["arithmetic", "chain"]
+SyntheticTask = Literal["arithmetic", "chain", "sum", "sum_tool"]
 RolloutBackend = Literal["embedded", "sglang"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 HFExportDtype = Literal["bfloat16", "float32", "float16"]
@@ -356,7 +356,9 @@ class DataConfig:
     synthetic_task: str = "arithmetic"
     """Synthetic task: arithmetic (the answer only, ~4 tokens) or chain (a worked solution,
     one line per operation with the intermediate result, then `Answer:`; its length grows
-    with the number of operands, so truncation and length shaping matter)."""
+    with the number of operands, so truncation and length shaping matter), or sum / sum_tool
+    (long additions answered directly, or through the python tool: rollout.environment=python;
+    data/synthetic.py)."""
 
     def validate(self) -> None:
         """This component's own rules (data files are checked by `preflight`)."""
@@ -1195,6 +1197,10 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
         component.validate()
     a, m, err = cfg.algo, cfg.megatron, _field_error
     _check_partial_rollout(cfg)
+    if cfg.data.synthetic_task == "sum_tool" and not cfg.data.train_path and cfg.rollout.environment != "python":
+        raise err("data.synthetic_task", "is sum_tool: its warm start teaches the model to call the python tool, but "
+                  f"rollout.environment={cfg.rollout.environment!r} runs none", "set rollout.environment=python, "
+                  "or data.synthetic_task=sum (the same problems answered directly)")
     if cfg.eval.overlap == "beside" and cfg.cluster.mode == "colocated":
         raise err("eval.overlap", "is beside with cluster.mode=colocated: the engines release their memory to "
                   "the learner while it trains, so an evaluation cannot run beside the next step",

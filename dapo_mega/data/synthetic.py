@@ -27,6 +27,19 @@ characters per operation with 2-digit operands, plus ~10 for the answer line): a
 budget below the longest solutions truncates some, and length shaping, token-level loss and
 entropy collapse can show with the tiny model. The verifier checks the final `Answer:`
 line only (answer_prefix is empty: the model writes that line itself).
+
+The sum tasks (`sum`, `sum_tool`) are where a tool matters (issue #39 item 5): long operands
+(data.synthetic_min_digits=5 and up) that a tiny model cannot add in its head. Both ask
+
+    prompt              "Q: 48213+97120\n"
+
+`sum` is answered directly ("Answer: 145333"); `sum_tool`'s reference hands the sum to the
+python tool and copies its output, in the exact text the tool's turn produces
+(environments/python_tool.py):
+
+    "<code>print(48213+97120)</code>\n<interpreter>\n145333\n</interpreter>\nAnswer: 145333"
+
+The two draw the same expressions for a seed, so their held-out sets are the same problems.
 """
 
 from __future__ import annotations
@@ -41,7 +54,8 @@ logger = log.get(__name__)
 
 SYNTHETIC_SOURCE = "synthetic_arithmetic"
 CHAIN_SOURCE = "synthetic_chain"
-SYNTHETIC_TASKS = ("arithmetic", "chain")
+SUM_SOURCE = "synthetic_sum"
+SYNTHETIC_TASKS = ("arithmetic", "chain", "sum", "sum_tool")
 ANSWER_PREFIX = "Answer:"
 
 
@@ -138,6 +152,20 @@ def make_chain_problem(expression: str, split: str) -> Problem:
     )
 
 
+def make_sum_problem(expression: str, split: str, tool: bool) -> Problem:
+    """The sum-task Problem of one expression (module docstring): answered directly, or with
+    the python tool (`tool`)."""
+    from dapo_mega.environments.python_tool import CODE_CLOSE, CODE_OPEN, OUTPUT_CLOSE, OUTPUT_OPEN
+
+    operands, operators = _parse(expression)
+    value = evaluate_expression(operands, operators)
+    prompt = f"Q: {expression}\n"
+    answer = f"{ANSWER_PREFIX} {value}"
+    worked = f"{CODE_OPEN}print({expression}){CODE_CLOSE}\n{OUTPUT_OPEN}\n{value}\n{OUTPUT_CLOSE}\n{answer}"
+    return Problem(id=f"sum-{split}-{expression}", prompt=prompt, ground_truth=str(value), data_source=SUM_SOURCE,
+                   messages=({"role": "user", "content": prompt},), reference_response=worked if tool else answer)
+
+
 def generate_synthetic_problems(
     num_train: int,
     num_eval: int,
@@ -150,8 +178,9 @@ def generate_synthetic_problems(
 ) -> Tuple[List[Problem], List[Problem]]:
     """Disjoint (train, held-out) arithmetic problems, deterministic in `seed`.
 
-    task: "arithmetic" (num_operands operands, the answer only) or "chain" (2..num_operands
-    operands, a worked solution; see the module docstring).
+    task: "arithmetic" (num_operands operands, the answer only), "chain" (2..num_operands
+    operands, a worked solution) or "sum" / "sum_tool" (answered directly / with the python
+    tool); see the module docstring.
 
     When the expression space is smaller than num_train + num_eval, the held-out split is
     served first and the training split gets what is left (with a warning).
@@ -193,7 +222,11 @@ def generate_synthetic_problems(
             if expression not in seen:
                 seen.add(expression)
                 chosen.append(expression)
-    make = make_chain_problem if task == "chain" else make_arithmetic_problem
+    def make(expression: str, split: str) -> Problem:
+        if task.startswith("sum"):
+            return make_sum_problem(expression, split, tool=task == "sum_tool")
+        return (make_chain_problem if task == "chain" else make_arithmetic_problem)(expression, split)
+
     eval_problems = [make(e, "eval") for e in chosen[:num_eval]]
     train_problems = [make(e, "train") for e in chosen[num_eval:]]
     return train_problems, eval_problems

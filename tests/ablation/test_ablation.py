@@ -149,6 +149,24 @@ def test_sweep_changes_the_base_alone():
     assert no_clip_higher.loss_agg_mode == "token-mean" and no_clip_higher.overlong_buffer_enable
 
 
+def test_the_python_tool_sweep_holds_every_rung_but_the_tool_fixed(tmp_path):
+    """configs/ablation/python_tool.yaml (issue #39 item 5): each rung warms up on its own
+    format (no shared warm start), the tool rung runs the python tool on the sum task and the
+    other answers the same problems directly; both configs pass validation."""
+    from dapo_mega.config import validate_config
+
+    cfg = load_ablation_config(["+ablation=python_tool"])
+    plan = build_plan(cfg, [], tmp_path, sft_warmup_steps=1200)
+    assert plan.warm_start is None and len(plan.runs) == 6
+    tool, plain = (load_config(plan.runs_of(name)[0].overrides) for name in ("tool", "no_tool"))
+    for c in (tool, plain):
+        validate_config(c)
+    assert (tool.data.synthetic_task, tool.rollout.environment) == ("sum_tool", "python")
+    assert (plain.data.synthetic_task, plain.rollout.environment) == ("sum", "")
+    assert tool.algo == plain.algo and tool.trainer.sft_warmup_steps == plain.trainer.sft_warmup_steps > 0
+    assert (tool.data.synthetic_min_digits, tool.data.synthetic_ops) == (5, "+")
+
+
 def test_plan_runs_seeds_dirs_quick_and_warm_start(tmp_path):
     cfg = load_ablation_config(["ablation.quick=true", "ablation.quick_seeds=[5,6]"])
     plan = build_plan(cfg, ["trainer.total_steps=2", "algo.clip_ratio_high=0.3"], tmp_path, sft_warmup_steps=100)

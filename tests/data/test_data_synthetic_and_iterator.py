@@ -127,3 +127,33 @@ def test_iterator_refuses_other_data():
         PromptIterator(make_problems(5), seed=2, revision="r1").load_state_dict(state)
     with pytest.raises(DataError):
         PromptIterator([], seed=1)
+
+
+def test_the_sum_tasks_draw_the_same_problems_and_the_tool_reference_is_the_tool_turn():
+    """`sum` and `sum_tool` (issue #39 item 5): one expression set for a seed, so the two arms
+    of the python-tool ablation are held out on the same problems; `sum_tool`'s reference is
+    exactly what a rollout's turn with the python tool produces (the model's code block, the
+    tool's answer from a real sandbox run, then the answer line), and the DAPO verifier
+    accepts both references."""
+    from dapo_mega.data.synthetic import generate_synthetic_problems
+    from dapo_mega.environments.python_tool import PythonTool
+    from dapo_mega.reward import build_verifier
+
+    kw = dict(min_digits=5, max_digits=5, ops="+", seed=3)
+    train_tool, eval_tool = generate_synthetic_problems(20, 6, task="sum_tool", **kw)
+    train_plain, eval_plain = generate_synthetic_problems(20, 6, task="sum", **kw)
+    assert [p.prompt for p in eval_tool] == [p.prompt for p in eval_plain]
+    assert [p.ground_truth for p in train_tool] == [p.ground_truth for p in train_plain]
+    p = eval_tool[0]
+    a, b = p.prompt[3:-1].split("+")
+    assert len(a) == len(b) == 5 and p.ground_truth == str(int(a) + int(b))
+    turn = p.reference_response[:p.reference_response.index("</code>") + len("</code>")]
+    tool = PythonTool()
+    tool.reset(p)
+    step = tool.step(turn)
+    assert not step.done and step.tool_errors == {}, step
+    assert p.reference_response == turn + step.observation + f"Answer: {p.ground_truth}"
+    assert eval_plain[0].reference_response == f"Answer: {p.ground_truth}"
+    verifier = build_verifier("dapo")
+    assert verifier.score(p.reference_response, p.ground_truth).correct
+    assert verifier.score(eval_plain[0].reference_response, p.ground_truth).correct

@@ -238,3 +238,11 @@ def test_a_bad_environment_setting_is_refused_before_anything_is_built(overrides
         validate_config(cfg)
         check_environment(cfg)  # dapo-mega train's and eval's preflight
     assert str(info.value).startswith(field + ":") and named in str(info.value), str(info.value)
+
+
+def test_the_tool_task_without_the_tool_is_refused():
+    from dapo_mega.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError, match=r"^data.synthetic_task: is sum_tool.*rollout.environment=python"):
+        validate_config(load_config(["data.synthetic_task=sum_tool"]))
+    validate_config(load_config(["data.synthetic_task=sum_tool", "rollout.environment=python"]))
