@@ -183,8 +183,12 @@ def main():
     audit_fallback(cfg, files=files, network=network, processes=processes)
     sys.argv = ["main.py"]
     sys.path[0] = cfg["workdir"]
-    with open("main.py") as f:
-        program = compile(f.read(), "main.py", "exec")
+    try:
+        with open("main.py") as f:
+            program = compile(f.read(), "main.py", "exec")
+    except SyntaxError as exc:  # the model's error alone: no frame of this boot script (its host path)
+        traceback.print_exception(type(exc), exc, None)
+        sys.exit(1)
     try:
         exec(program, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
     except SystemExit:

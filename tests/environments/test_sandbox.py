@@ -46,6 +46,12 @@ def test_a_program_runs_and_its_output_and_traceback_are_what_the_model_sees():
     assert text.endswith("ZeroDivisionError: division by zero") and 'File "main.py", line 2' in text
     assert "sandbox_boot" not in text  # the model's own frames only
     assert set(bad.isolation) == {"processes", "network", "files"}
+    # a syntax error too (the python-tool ablation's model wrote `print(169)</in991)`): before,
+    # compile ran outside the model's frame and the boot script's host path came back
+    syntax = run_code("print(169)</in991)\n", LIMITS)
+    text = syntax.model_text()
+    assert syntax.status == "error" and "SyntaxError: " in text.splitlines()[-1], text
+    assert 'File "main.py", line 1' in text and "sandbox_boot" not in text and "/work" not in text, text
 
 
 def test_a_loop_forever_stops_at_its_cpu_limit_and_a_sleep_at_the_wall_time():
