@@ -37,6 +37,7 @@ OnNonfinite = Literal["skip", "stop"]
 OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop", "geo_mask_tis"]
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
+ToolMessage = Literal["text", "chat"]
 SyntheticTask = Literal["arithmetic", "chain", "sum", "sum_tool"]
 RolloutBackend = Literal["embedded", "sglang"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -487,6 +488,13 @@ class RolloutConfig:
     environment_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (verl's tool config `config:`), e.g.
     `+rollout.environment_kwargs.timeout_s=10` for the python tool."""
+    tool_message: str = "text"
+    """With an environment: how its answer goes into the context. text: as the environment
+    wrote it (ReTool's `<interpreter>` block inside the assistant's turn); chat: as the
+    tokenizer's chat template renders a tool message after the assistant's turn (Qwen:
+    `<|im_end|>`, a user turn holding `<tool_response>...</tool_response>`, then a new
+    assistant turn), for models trained on their template's tool turns; needs
+    data.apply_chat_template=true."""
     max_turns: int = 8
     """With an environment: the model's turns per sample at most (ReTool, SimpleTIR: 5-16);
     the response-length budget (algo.max_response_length) bounds them too, the environment's
@@ -536,6 +544,7 @@ class RolloutConfig:
         _check_choice("rollout.dtype", r.dtype, EngineDtype)
         if r.max_turns < 1:
             raise err("rollout.max_turns", f"must be >= 1, got {r.max_turns}", "use 8 (the model's turns per sample)")
+        _check_choice("rollout.tool_message", r.tool_message, ToolMessage)
         if r.environment_kwargs and not r.environment:
             raise err("rollout.environment_kwargs", f"{sorted(r.environment_kwargs)} given, but rollout.environment "
                       "is empty", "set rollout.environment=python (or your class), or drop the kwargs")
@@ -1197,6 +1206,10 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
         component.validate()
     a, m, err = cfg.algo, cfg.megatron, _field_error
     _check_partial_rollout(cfg)
+    if cfg.rollout.tool_message == "chat" and cfg.rollout.environment and not cfg.data.apply_chat_template:
+        raise err("rollout.tool_message", "is chat, but data.apply_chat_template is false: the prompt has no chat "
+                  "turns for the tool's answer to continue", "set data.apply_chat_template=true, or "
+                  "rollout.tool_message=text")
     if cfg.data.synthetic_task == "sum_tool" and not cfg.data.train_path and cfg.rollout.environment != "python":
         raise err("data.synthetic_task", "is sum_tool: its warm start teaches the model to call the python tool, but "
                   f"rollout.environment={cfg.rollout.environment!r} runs none", "set rollout.environment=python, "

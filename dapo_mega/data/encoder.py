@@ -54,6 +54,10 @@ def token_ids_of(encoded: Any) -> List[int]:
     return ids
 
 
+TURN_MARK = "\u2063turn\u2063"
+"""Stands for an assistant turn's text when the chat template renders what follows it."""
+
+
 class PromptEncoder:
     """Problem -> prompt token ids, with or without the tokenizer's chat template."""
 
@@ -131,6 +135,21 @@ class PromptEncoder:
                 ids = self._tokenize(self.render(problem))
                 self._cache[key] = ids
             return list(ids)
+
+    def tool_message(self, text: str) -> str:
+        """`text` as the chat template renders a tool's answer after an assistant turn that
+        called the tool (rollout.tool_message=chat, rollout/turns.py): the end of that turn, the
+        tool message, and the start of the assistant's next turn. For Qwen2.5:
+        `<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n`."""
+        if not self.apply_chat_template:
+            raise ConfigError("rollout.tool_message: chat, but data.apply_chat_template is false: the prompt has no "
+                              "chat turns to continue. Fix: set data.apply_chat_template=true, or "
+                              "rollout.tool_message=text")
+        turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": TURN_MARK}]
+        with self._lock:
+            full = self.tokenizer.apply_chat_template(turn + [{"role": "tool", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return full[full.index(TURN_MARK) + len(TURN_MARK):]
 
     def encode_text(self, text: str) -> List[int]:
         """Token ids of plain text (a reference answer), no special tokens added."""

@@ -51,6 +51,9 @@ class EncodedPrompts:
         """An environment's answer (multi-turn samples): the run's encoder, under its lock."""
         return self.encoding.encode_text(text)
 
+    def tool_message(self, text: str) -> str:
+        return self.encoding.tool_message(text)
+
 
 class EvalBeside:
     """One evaluation of every held-out set at `step`, running in a daemon thread."""

@@ -329,7 +329,7 @@ class Round:
         owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
         bases = per_prompt(self.s.params_for([self.prompts[i] for i in idx], self.step, self.gen_round), len(idx))
         episodes = Episodes(self.s.environment, self.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
-                            bases, groups[0].budget if groups else 0)
+                            bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat")
         for _ in range(self.s.max_turns):
             request = await episodes.next_request()
             if request is None:

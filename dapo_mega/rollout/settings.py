@@ -54,6 +54,9 @@ class RoundSettings:
     """Multi-turn samples (rollout/turns.py): what each sample's turns talk to; None: one turn."""
     max_turns: int = 1
     """With an environment: the model's turns per sample at most."""
+    tool_message: str = "text"
+    """With an environment: its answer as written (text) or as the chat template renders a tool
+    message (chat: `PromptEncoder.tool_message`)."""
 
     def __post_init__(self) -> None:
         params = {**self.sampling_params, "n": self.n_samples}
@@ -99,7 +102,8 @@ class RoundSettings:
         shared = dict(max_retries=r.max_retries, prompts_per_request=r.prompts_per_request,
                       requests_per_engine=r.requests_per_engine, liveness_timeout_s=r.liveness_timeout_s,
                       probe_interval_s=r.liveness_probe_interval_s, dataset_revision=dataset_revision,
-                      environment=build_environment(r.environment, r.environment_kwargs), max_turns=r.max_turns)
+                      environment=build_environment(r.environment, r.environment_kwargs), max_turns=r.max_turns,
+                      tool_message=r.tool_message)
         if purpose == "eval":
             params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=(
                 max_response_length or e.max_response_length or a.max_response_length))

@@ -10,7 +10,8 @@ of its samples on the same engine:
 * a sample whose latest turn ended at a stop string is handed to its own episode (a shallow
   copy of the configured environment, reset with the problem: what `__init__` built, the
   sandbox and its slots, is shared; what `reset` sets is the episode's), in a worker thread;
-* the observation is tokenized as plain text (`TextEncoding.encode_text`) and appended:
+* the observation (as written, or with rollout.tool_message=chat as the chat template renders
+  a tool message: `TextEncoding.tool_message`) is tokenized (`encode_text`) and appended:
   its positions go to the sample's `env_spans` (loss mask 0, log-prob 0.0);
 * the samples that go on are one request (prompt ids + their tokens so far, n = 1, the budget
   left: the same request a partial rollout resumes with, rollout/partial.py);
@@ -50,9 +51,12 @@ class EnvironmentFailed(RuntimeError):
 
 
 class TextEncoding(Protocol):
-    """What tokenizes an observation (`data.PromptEncoder`)."""
+    """What tokenizes an observation, and frames it as the chat template's tool message
+    (`data.PromptEncoder`)."""
 
     def encode_text(self, text: str) -> List[int]: ...
+
+    def tool_message(self, text: str) -> str: ...
 
 
 def ended_at_stop(reply: "SampleResult", stops: Sequence[str]) -> bool:
@@ -119,8 +123,8 @@ class Episodes:
 
     def __init__(self, environment: Environment, encoding: TextEncoding, max_turns: int,
                  groups: List[PartialGroup], replies: Dict[Tuple[int, int], "SampleResult"],
-                 bases: Sequence["SamplingParams"], budget: int):
-        self.environment, self.encoding, self.max_turns = environment, encoding, max_turns
+                 bases: Sequence["SamplingParams"], budget: int, chat: bool = False):
+        self.environment, self.encoding, self.max_turns, self.chat = environment, encoding, max_turns, chat
         self.groups, self.bases, self.budget = groups, list(bases), budget
         self.states = [TurnState(k, j, r) for (k, j), r in sorted(replies.items())]
 
@@ -170,6 +174,8 @@ class Episodes:
         results = await asyncio.gather(*(loop.run_in_executor(None, self._step, st) for st in todo))
         going = []
         for st, result in zip(todo, results):
+            if self.chat and not result.done and result.observation:  # the template's tool turn around it
+                result = replace(result, observation=self.encoding.tool_message(result.observation))
             ids = self.encoding.encode_text(result.observation) if result.observation else []
             sample = add_observation(self.sample(st), result, ids, self.budget)
             self._set(st, sample)

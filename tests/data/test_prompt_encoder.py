@@ -191,3 +191,31 @@ def test_the_fingerprint_changes_with_the_template_the_chat_template_and_the_tok
     chat_a = PromptEncoder(tokenizer({"a": 0, "b": 1}), "raw", apply_chat_template=True).fingerprint()
     chat_b = PromptEncoder(tokenizer({"a": 0, "b": 1}, "{{ other }}"), "raw", apply_chat_template=True).fingerprint()
     assert len({base, chat_a, chat_b}) == 3
+
+
+def test_a_tool_answer_in_chat_form_is_the_templates_own_tool_turn(tokenizer_dir, tokenizer):
+    """rollout.tool_message=chat (rollout/turns.py): the prompt, the model's turn that called
+    the tool and `tool_message(answer)` are, as text and as tokens, what Qwen2.5's template
+    renders for the whole conversation (the assistant turn closed, the answer as a tool
+    message, the next assistant turn opened): the model continues exactly as its template
+    would have it. Without the chat template it is refused, naming the fields."""
+    from dapo_mega.config import DataConfig
+
+    encoder = PromptEncoder.from_pretrained(tokenizer_dir, DataConfig(prompt_template="raw", apply_chat_template=True))
+    problem = Problem(id="p", prompt="What is 2+2?", ground_truth="4", data_source="test")
+    turn = 'Let me run it.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(2+2)"}}\n</tool_call>'
+    framed = encoder.tool_message("4")
+    assert framed.startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response>"), framed
+    assert framed.endswith("<|im_start|>assistant\n")
+    whole = tokenizer.apply_chat_template(encoder.messages(problem) + [{"role": "assistant", "content": turn},
+                                                                        {"role": "tool", "content": "4"}],
+                                          tokenize=False, add_generation_prompt=True)
+    assert encoder.render(problem) + turn + framed == whole
+    assert encoder.encode(problem) + encoder.encode_text(turn) + encoder.encode_text(framed) == \
+        encoder.encode_text(whole)
+    plain = PromptEncoder.from_pretrained(tokenizer_dir, DataConfig(prompt_template="raw"))
+    with pytest.raises(ConfigError, match="^rollout.tool_message: chat, but data.apply_chat_template is false"):
+        plain.tool_message("4")
+    with pytest.raises(ConfigError, match="^rollout.tool_message: is chat"):
+        from dapo_mega.config import validate_config
+        validate_config(load_config(["rollout.environment=python", "rollout.tool_message=chat"]))

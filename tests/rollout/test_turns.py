@@ -159,11 +159,15 @@ class _Broken:
 
 
 class _Chars:
-    """encode_text for the pure tests: one id per character."""
+    """encode_text for the pure tests: one id per character; a chat framing of a tool answer."""
 
     @staticmethod
     def encode_text(text):
         return [ord(c) for c in text]
+
+    @staticmethod
+    def tool_message(text):
+        return f"|T|{text}|/T|"
 
 
 def _reply(tokens, text, reason):
@@ -175,7 +179,7 @@ def _reply(tokens, text, reason):
                         completion_tokens=len(tokens))
 
 
-def _episodes(env, budget=12):
+def _episodes(env, budget=12, chat=False):
     from dapo_mega.rollout.partial import PartialGroup
     from dapo_mega.rollout.samples import Group
     from dapo_mega.rollout.turns import Episodes
@@ -188,7 +192,7 @@ def _episodes(env, budget=12):
     group = Group(prompt=problems(1)[0], prompt_input=[40, 41], samples=samples, engine_id="e", queue_delay_s=0.0,
                   latency_s=0.0)
     return Episodes(env, _Chars(), 3, [PartialGroup(group, [], budget)], {(0, 0): stopped, (0, 1): answered},
-                    [{"n": 2, "max_new_tokens": budget, "sampling_seed": 10}], budget)
+                    [{"n": 2, "max_new_tokens": budget, "sampling_seed": 10}], budget, chat=chat)
 
 
 def replace_sample(s, **kw):
@@ -246,3 +250,15 @@ def test_the_tool_task_without_the_tool_is_refused():
     with pytest.raises(ConfigError, match=r"^data.synthetic_task: is sum_tool.*rollout.environment=python"):
         validate_config(load_config(["data.synthetic_task=sum_tool"]))
     validate_config(load_config(["data.synthetic_task=sum_tool", "rollout.environment=python"]))
+
+
+def test_in_chat_form_the_answer_is_framed_as_the_templates_tool_turn():
+    """rollout.tool_message=chat: the encoding's framing (PromptEncoder.tool_message, held to
+    Qwen2.5's template in tests/data/test_prompt_encoder.py) goes around the answer, in the
+    tokens and the text, and all of it is the environment's (masked)."""
+    episodes = _episodes(build_environment(ENV, {"stops": "a"}), budget=40, chat=True)
+    request = run_coroutine(episodes.next_request())
+    framed = "|T|<1:3>|/T|"
+    assert request.inputs == [[40, 41, 1, 2, 97] + [ord(c) for c in framed]]
+    sample = episodes.sample(request.states[0])
+    assert sample.env_spans == [[3, 3 + len(framed)]] and sample.response_text == "xya" + framed
