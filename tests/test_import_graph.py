@@ -37,6 +37,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.tether": 0,
     "dapo_mega.log": 0,
     "dapo_mega.aio": 0,
+    "dapo_mega.node": 0,  # what a process reads of its machine (cores), settable by a twin
     "dapo_mega.environments": 0,  # what multi-turn samples talk to: the environment interface, the sandbox
     # 1: backends: Megatron (model, layout, train step, sharded state), the placement, and
     #    SGLang's wire (API tables, endpoint, HTTP client, command lines; nothing imports sglang).

@@ -120,32 +120,89 @@ def probe_token_ids(hf_path: Path | str, hf_cfg: HfConfigDict, text: Optional[st
     `random_tokens` = (rows, length): ids drawn from `seed`. `text`: that text through the HF
     tokenizer. Otherwise `rows` of `PROBE_DIALOGUES` picked by `seed`, each rendered by the
     tokenizer's chat template (a plain "question\\nsolution" without one) and cut to the
-    shortest row's length, and to the model's context."""
+    shortest row's length, and to the model's context. Without a usable tokenizer (none loads,
+    it encodes the probe text to fewer than 2 ids, or its ids pass the model's vocabulary) the
+    worked problems fall back to `rows` x FALLBACK_RANDOM_LENGTH random ids, and the line says
+    why; `text` then stops with VerifyInputError naming the fix."""
     context = int(hf_cfg.get("max_position_embeddings") or 4096)
     if random_tokens is not None:
-        g = torch.Generator().manual_seed(seed)
-        b, s = random_tokens
-        return torch.randint(0, hf_cfg["vocab_size"], (b, min(s, context)), generator=g), \
-            f"tokens: {b} x {min(s, context)} random ids (seed {seed})"
+        return _random_ids(hf_cfg, seed, random_tokens, context)
+    tokenizer, problem = _load_tokenizer(hf_path)
+    if text is not None:
+        if tokenizer is None:
+            raise VerifyInputError(f"{hf_path}: {problem}, so --text cannot be read. Fix: add the tokenizer's files "
+                                   "to the HF directory, or pass --random-tokens ROWS LENGTH instead of --text")
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :context]
+        if ids.shape[1] < 2:
+            raise VerifyInputError(f"--text gives {ids.shape[1]} token(s); give a longer text (0 from any text: "
+                                   f"{hf_path} has no tokenizer vocabulary; add its tokenizer files or pass "
+                                   "--random-tokens ROWS LENGTH)")
+        too_large = _ids_beyond_vocab(ids.flatten().tolist(), hf_cfg)
+        if too_large:
+            raise VerifyInputError(f"{hf_path}: --text {too_large}. Fix: the tokenizer of this model, or "
+                                   "--random-tokens ROWS LENGTH")
+        return ids, f"tokens: 1 x {ids.shape[1]} of the given text"
+    if tokenizer is not None:
+        ids, line, problem = _worked_problem_ids(tokenizer, hf_cfg, seed, rows, context)
+        if ids is not None:
+            return ids, line
+    ids, line = _random_ids(hf_cfg, seed, (rows, FALLBACK_RANDOM_LENGTH), context)
+    return ids, (f"{line}: {hf_path} has no usable tokenizer ({problem}); add its tokenizer files to compare "
+                 "on real text")
+
+
+def _worked_problem_ids(tokenizer, hf_cfg: HfConfigDict, seed: int, rows: int,
+                        context: int) -> Tuple[Optional[torch.Tensor], str, str]:
+    """(ids, the line saying what they are, "") of `rows` worked problems, or (None, "", why
+    this tokenizer cannot give them)."""
+    order = torch.randperm(len(PROBE_DIALOGUES), generator=torch.Generator().manual_seed(seed)).tolist()
+    picked = [PROBE_DIALOGUES[i] for i in order[:rows]]
+    try:
+        encoded = [_render(tokenizer, question, answer) for question, answer in picked]
+    except Exception as exc:  # noqa: BLE001 - a template or vocabulary that cannot render the probe
+        return None, "", f"the tokenizer cannot render the probe text: {str(exc)[:200]}"
+    length = min(min(len(e) for e in encoded), context)
+    if length < 2:
+        return None, "", f"the tokenizer encodes the probe text to {length} token(s)"
+    problem = _ids_beyond_vocab([i for e in encoded for i in e[:length]], hf_cfg)
+    if problem:
+        return None, "", f"the tokenizer {problem}"
+    templated = "chat template" if getattr(tokenizer, "chat_template", None) else "plain text (no chat template)"
+    return torch.tensor([e[:length] for e in encoded], dtype=torch.long), \
+        f"tokens: {len(encoded)} x {length} of worked problems in the {templated} (seed {seed})", ""
+
+
+FALLBACK_RANDOM_LENGTH = 64
+"""Positions per row of the random ids verify falls back to when the HF directory has no
+usable tokenizer (4 x 64: as many positions as the worked problems give)."""
+
+
+def _random_ids(hf_cfg: HfConfigDict, seed: int, shape: Tuple[int, int], context: int) -> Tuple[torch.Tensor, str]:
+    g = torch.Generator().manual_seed(seed)
+    b, s = shape
+    return torch.randint(0, hf_cfg["vocab_size"], (b, min(s, context)), generator=g), \
+        f"tokens: {b} x {min(s, context)} random ids (seed {seed})"
+
+
+def _load_tokenizer(hf_path: Path | str):
+    """(the HF directory's tokenizer, None) or (None, why there is none). transformers builds a
+    tokenizer with an empty vocabulary for a directory holding only a model's config, so a
+    tokenizer that loads is not yet one that reads text: `probe_token_ids` checks its ids."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(hf_path))
-    except (OSError, ValueError) as exc:
-        raise VerifyInputError(f"{hf_path}: no tokenizer to read the probe text with ({exc}); "
-                               "pass --random-tokens to compare on random ids") from exc
-    if text is not None:
-        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :context]
-        if ids.shape[1] < 2:
-            raise VerifyInputError(f"--text gives {ids.shape[1]} token(s); give a longer text")
-        return ids, f"tokens: 1 x {ids.shape[1]} of the given text"
-    order = torch.randperm(len(PROBE_DIALOGUES), generator=torch.Generator().manual_seed(seed)).tolist()
-    picked = [PROBE_DIALOGUES[i] for i in order[:rows]]
-    encoded = [_render(tokenizer, question, answer) for question, answer in picked]
-    length = min(min(len(e) for e in encoded), context)
-    templated = "chat template" if getattr(tokenizer, "chat_template", None) else "plain text (no chat template)"
-    return torch.tensor([e[:length] for e in encoded]), \
-        f"tokens: {len(encoded)} x {length} of worked problems in the {templated} (seed {seed})"
+        return AutoTokenizer.from_pretrained(str(hf_path)), ""
+    except Exception as exc:  # noqa: BLE001 - any failure to build one means: no tokenizer to read text with
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return None, f"the tokenizer does not load: {first[:200]}"
+
+
+def _ids_beyond_vocab(ids: Sequence[int], hf_cfg: HfConfigDict) -> str:
+    """Why these ids cannot index the model's embedding ("" when they can)."""
+    vocab = int(hf_cfg["vocab_size"])
+    largest = max(ids, default=-1)
+    return (f"gives token id {largest}, beyond the model's vocab_size {vocab} (a tokenizer of another model?)"
+            if largest >= vocab else "")
 
 
 def _render(tokenizer, question: str, answer: str) -> List[int]:

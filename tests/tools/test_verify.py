@@ -132,3 +132,68 @@ def test_a_wrong_conversion_fails_on_its_logits_and_says_where_to_look(how, bf16
 
 def test_every_wrong_conversion_is_tested():
     assert set(EXPECTED_HINT) == set(WRONG_CONVERSIONS)
+
+
+# ---------------------------------------------------------------- a directory without a usable tokenizer
+
+
+def _without_tokenizer(src: Path, dst: Path) -> Path:
+    """`src`'s model files only, as `save_pretrained` of a model leaves them (no tokenizer)."""
+    import shutil
+
+    dst.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_no_tokenizer_files_fall_back_to_random_ids_saying_so_in_one_line(bf16_qwen, tmp_path):
+    """transformers builds a Qwen2 tokenizer with an empty vocabulary for a directory holding no
+    tokenizer files (it does not raise): its probe rows are empty, and a float tensor of them
+    crashed the embedding. Now: random ids, and the note says why."""
+    bare = _without_tokenizer(bf16_qwen, tmp_path / "bare")
+    cfg = json.loads((bare / "config.json").read_text())
+    ids, line = verify.probe_token_ids(bare, cfg, seed=3)
+    assert ids.dtype == torch.long and ids.shape == (verify.PROBE_ROWS, verify.FALLBACK_RANDOM_LENGTH)
+    assert int(ids.max()) < cfg["vocab_size"]
+    assert "random ids (seed 3)" in line and "no usable tokenizer" in line and "0 token(s)" in line, line
+    assert "\n" not in line
+    with pytest.raises(verify.VerifyInputError, match="--random-tokens"):
+        verify.probe_token_ids(bare, cfg, text="What is 3 + 4?")
+
+
+def test_a_tokenizer_whose_ids_pass_the_vocabulary_falls_back(bf16_qwen, tmp_path):
+    """A tokenizer of another model (ids beyond vocab_size) would index past the embedding."""
+    import shutil
+
+    small = tmp_path / "small_vocab"
+    shutil.copytree(bf16_qwen, small)
+    cfg = {**json.loads((small / "config.json").read_text()), "vocab_size": 8}
+    ids, line = verify.probe_token_ids(small, cfg)
+    assert int(ids.max()) < 8 and "beyond the model's vocab_size 8" in line, line
+    with pytest.raises(verify.VerifyInputError, match="vocab_size 8"):
+        verify.probe_token_ids(small, cfg, text="What is 3 + 4?")
+
+
+def test_verify_without_a_tokenizer_passes_a_correct_and_fails_a_wrong_conversion_without_a_traceback(
+        bf16_qwen, tmp_path, capsys):
+    """The command a user runs (tools/convert_checkpoint.py) on a `save_pretrained` directory."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import convert_checkpoint
+
+    bare = _without_tokenizer(bf16_qwen, tmp_path / "bare")
+    assert convert_checkpoint.main(["import", "--hf-path", str(bare), "--megatron-path", str(tmp_path / "meg")]) == 0
+    assert convert_checkpoint.main(["verify", "--hf-path", str(bare), "--megatron-path", str(tmp_path / "meg")]) == 0
+    out = capsys.readouterr().out
+    assert "no usable tokenizer" in out and "PASS" in out, out
+    broken = _without_tokenizer(break_checkpoint(bf16_qwen, tmp_path / "broken", "layers swapped"), tmp_path / "b2")
+    assert convert_checkpoint.main(["import", "--hf-path", str(broken), "--megatron-path", str(tmp_path / "bad")]) == 0
+    assert convert_checkpoint.main(["verify", "--hf-path", str(bare), "--megatron-path", str(tmp_path / "bad")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "model.layers.0" in out, out
+    assert convert_checkpoint.main(["verify", "--hf-path", str(bare), "--megatron-path", str(tmp_path / "meg"),
+                                    "--text", "What is 3 + 4?"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--random-tokens" in err and "Traceback" not in err, err
