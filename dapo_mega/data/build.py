@@ -8,6 +8,7 @@
 `build_run_datasets` adds the named held-out sets of `eval.sets` (each its own file, k and
 length limit) beside the unnamed one (data.eval_path or the synthetic split), as the
 `EvalSet`s the evaluation runs; their revisions join the run's dataset revision.
+`first_training_problem` is the one row the run's checks probe a reward function with.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from dapo_mega import log
 from dapo_mega.config import DataConfig, EvalConfig
 from dapo_mega.data.problem import Problem, compute_dataset_revision, run_dataset_revision
-from dapo_mega.data.readers import read_problems
+from dapo_mega.data.readers import read_first_problem, read_problems
 from dapo_mega.data.synthetic import generate_synthetic_problems
 
 logger = log.get(__name__)
@@ -87,6 +88,18 @@ def build_datasets(data_cfg: DataConfig, report: Optional[Dict[str, object]] = N
     if report is not None:
         report.update(info)
     return train, held_out, revision
+
+
+def first_training_problem(data_cfg: DataConfig) -> Tuple[Problem, str]:
+    """(the first problem of the training data, where it is: "data.train_path row 3 of FILE" or
+    "the synthetic task's first training problem"): the row a run's checks call its reward
+    function on, so that a function reading its row's fields (verl's `extra_info["split"]`)
+    sees what the run will give it."""
+    if data_cfg.train_path:
+        problem, row = read_first_problem(data_cfg.train_path)
+        return problem, f"data.train_path row {row} (id {problem.id!r}) of {data_cfg.train_path}"
+    train, _, _ = build_datasets(data_cfg)
+    return train[0], f"the synthetic task's first training problem (id {train[0].id!r})"
 
 
 def read_named_eval_sets(eval_cfg: EvalConfig, data_cfg: DataConfig,

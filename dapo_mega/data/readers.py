@@ -212,6 +212,19 @@ def read_problems(path: str | Path, on_bad_row: str = "error", dedup: bool = Tru
     return _problems_from_rows(path, rows, on_bad_row, dedup)
 
 
+def read_first_problem(path: str | Path) -> Tuple[Problem, int]:
+    """(the first valid problem of a .parquet / .jsonl file, its row number): what a run's
+    checks probe a reward function with before it starts. DataError when no row is valid."""
+    path = Path(path)
+    for row_number, row in enumerate(_iter_file_rows(path, _iter_parquet_rows, " (check data.train_path)")):
+        if isinstance(row, dict):
+            try:
+                return _row_to_problem(row, default_source=path.stem), row_number
+            except _BadRow:
+                continue
+    raise DataError(f"{path}: no valid row (check data.train_path)")
+
+
 def _iter_file_rows(path: Path, parquet_rows: Callable[[Path], Iterator[object]], where: str) -> Iterator[object]:
     """The rows of a .parquet (through `parquet_rows`) or .jsonl file; DataError for a missing
     file (`where` says which setting names it) or another file type."""

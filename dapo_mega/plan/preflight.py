@@ -8,8 +8,9 @@ CLI prints it) instead of after the base model was built, or with a traceback.
                                 choices on this machine (layer spec, dtype, FP8), the data files,
                                 and that the checkpoint a resume would load fits this layout
     check_data_paths(cfg.data)  data.train_path / data.eval_path exist
-    check_verifier(cfg.algo)    algo.verifier resolves; a reward plugin imports, has the
-                                signature and returns a valid result on one probe call
+    check_verifier(cfg.algo, cfg.data) algo.verifier resolves; a reward plugin imports, has the
+                                signature and returns a valid result on the training data's
+                                first row (its ground truth, data source and extra_info)
     check_eval_set_paths(cfg.eval) the files of eval.sets exist
     check_engine_python(cfg.rollout) SGLang engines this process starts have a Python with SGLang
     check_nccl_agreement(cfg)   the learner's and the engines' Pythons load one NCCL release
@@ -213,13 +214,21 @@ def check_nccl_agreement(cfg: DapoConfig, learner_python: Optional[str] = None) 
         raise ConfigError(problem)
 
 
-def check_verifier(algo_cfg: AlgoConfig) -> None:
+def check_verifier(algo_cfg: AlgoConfig, data_cfg: DataConfig) -> None:
     """`algo.verifier` names a verifier that can run: a built-in name, or a reward plugin that
     imports, takes (response, ground_truth, metadata) and returns a RewardResult of finite
-    numbers on a probe, in a worker like the run's (reward.check_verifier)."""
+    numbers on the training data's first row (its ground truth, data source and extra_info,
+    as the run gives them), in a worker like the run's (reward.check_verifier)."""
+    from dapo_mega.data.build import first_training_problem
+    from dapo_mega.reward import VERIFIERS
     from dapo_mega.reward import check_verifier as check
 
-    check(algo_cfg.verifier, algo_cfg.verifier_timeout_s, algo_cfg.reward_kwargs)
+    if algo_cfg.verifier in VERIFIERS:  # built-ins are not probed: no data read for them
+        check(algo_cfg.verifier, algo_cfg.verifier_timeout_s, algo_cfg.reward_kwargs)
+        return
+    check_data_paths(data_cfg)
+    problem, where = first_training_problem(data_cfg)
+    check(algo_cfg.verifier, algo_cfg.verifier_timeout_s, algo_cfg.reward_kwargs, probe=problem, probe_where=where)
 
 
 def check_environment(cfg: DapoConfig) -> None:
@@ -238,7 +247,7 @@ def check_eval_inputs(cfg: DapoConfig) -> None:
     check_engine_python(cfg.rollout, starts_engines=True)
     check_data_paths(cfg.data)
     check_eval_set_paths(cfg.eval)
-    check_verifier(cfg.algo)
+    check_verifier(cfg.algo, cfg.data)
     check_environment(cfg)
     if cfg.data.train_path and not cfg.data.eval_path and not cfg.eval.sets:
         raise ConfigError("data.eval_path: empty, so there are no held-out problems to evaluate. Fix: set "
@@ -262,7 +271,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
 
     world = learner_world_size(cfg) if world_size is None else world_size
     validate_config(cfg, world_size=world)
-    check_verifier(cfg.algo)
+    check_verifier(cfg.algo, cfg.data)
     check_environment(cfg)
     hf_config = model_hf_config(cfg)
     layout = ParallelLayout.from_config(cfg.megatron, world, hf_config=hf_config).validate()

@@ -265,3 +265,57 @@ def test_training_two_steps_graded_by_a_verl_reward_file(tmp_path):
         assert r.correct == (pred == str(int(a) + int(b) if op == "+" else int(a) - int(b)))
         assert parts["correctness"] == (1.0 if r.correct else -1.0) and r.verifier_error is None
         assert r.reward == pytest.approx(parts["correctness"] + parts["overlong_penalty"])
+
+
+VERL_READS_SPLIT = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    split = extra_info["split"]          # as verl's functions read their row (KeyError without it)
+    level = extra_info["difficulty"]
+    right = solution_str.strip().endswith(str(ground_truth))
+    return {"score": 1.0 if right else -1.0, "train_row": float(split == "train"), "difficulty": float(level)}
+"""
+
+
+def _parquet_of_sums(path: Path, count: int) -> Path:
+    """`count` sums in verl's parquet schema, each row's extra_info with the keys verl functions read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "sums", "prompt": [{"role": "user", "content": f"Q: {i}+{i % 3}\nAnswer:"}],
+             "ability": "MATH", "reward_model": {"ground_truth": str(i + i % 3), "style": "rule"},
+             "extra_info": {"index": i, "split": "train", "difficulty": i % 3}} for i in range(count)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_the_probe_calls_a_verl_function_on_a_real_training_row_and_says_which(tmp_path):
+    """A function that reads its row's extra_info["split"] starts (it failed with KeyError: 'split'
+    on the made-up probe row); one that fails on the row is refused naming the row."""
+    from dapo_mega.config import DataConfig
+    from dapo_mega.plan.preflight import check_verifier as preflight_check
+
+    data = DataConfig(train_path=str(_parquet_of_sums(tmp_path / "train.parquet", 4)))
+    reads_split = tmp_path / "reads_split.py"
+    reads_split.write_text(VERL_READS_SPLIT)
+    preflight_check(AlgoConfig(verifier=str(reads_split), verifier_timeout_s=30.0), data)
+    picky = tmp_path / "picky.py"
+    picky.write_text(VERL_READS_SPLIT.replace('extra_info["split"]', 'extra_info["tools_kwargs"]'))
+    with pytest.raises(ConfigError, match=r"probe call on data.train_path row 0 \(id '0'\).*'tools_kwargs'"):
+        preflight_check(AlgoConfig(verifier=str(picky), verifier_timeout_s=30.0), data)
+
+
+@pytest.mark.slow
+def test_training_on_parquet_rows_graded_by_a_verl_function_that_reads_extra_info(tmp_path):
+    """The done-when of issue #45 item 2: such a function trains, and saw each row's own extra_info."""
+    from helpers.training import RUN_NAME, run_train
+
+    train = _parquet_of_sums(tmp_path / "train.parquet", 24)
+    reward = tmp_path / "reads_split.py"
+    reward.write_text(VERL_READS_SPLIT)
+    run_train(tmp_path, f"algo.verifier={reward}", f"data.train_path={train}", "data.apply_chat_template=false",
+              "trainer.total_steps=1", "trainer.sft_warmup_steps=0", timeout_s=180)
+    rows = read_records(tmp_path / RUN_NAME)
+    assert rows and all(r.verifier_error is None for r in rows)
+    by_prompt = {int(re.search(r"Q: (\d+)\+", r.prompt_text).group(1)): json.loads(r.reward_components) for r in rows}
+    for i, parts in by_prompt.items():
+        assert parts["verifier/train_row"] == 1.0 and parts["verifier/difficulty"] == float(i % 3), parts
