@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Callable, Dict, Mapping, Optional
 
 from dapo_mega.config import ConfigError
+from dapo_mega.data.problem import Problem
 from dapo_mega.reward.dapo_verifier import DapoVerifier
 from dapo_mega.reward.http_verifier import HttpVerifier, is_server_url
 from dapo_mega.reward.math_verify_verifier import MathVerifyVerifier
-from dapo_mega.data.problem import Problem
 from dapo_mega.reward.plugin import FIELD, SIGNATURES, PluginVerifier, is_plugin_path, problem_metadata
 from dapo_mega.reward.returns import ACCEPTED
 from dapo_mega.reward.types import Verifier
