@@ -129,7 +129,7 @@ def run_side(url: str, items, partial: bool, steps: int) -> Dict[str, float]:
 
 
 def run(quick: bool = False) -> Dict[str, Any]:
-    from run import git_state, machine_info
+    from provenance import git_state, machine_info
     from timing import spread, write_result
     from transformers import AutoTokenizer
 

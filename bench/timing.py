@@ -80,7 +80,7 @@ def write_result(path, result: Dict[str, Any]) -> None:
     import json
     from pathlib import Path
 
-    from run import git_state, machine_info  # bench/run.py; imported here, as run.py imports the benchmarks
+    from provenance import git_state, machine_info
 
     result["measured"] = {**git_state(), **machine_info()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -245,6 +245,43 @@ def test_graph_sees_function_level_imports():
     assert plan.read_text().splitlines()[lazy[0].line - 1].startswith("    "), "that import is indented"
 
 
+SCRIPT_DIRS = ("bench", "tools", "launch")
+"""The folders of scripts beside the package: each puts its own folder on sys.path and imports
+its siblings by bare name (`from timing import spread`)."""
+
+
+def script_graph(folder: Path) -> List[Edge]:
+    """The imports between the scripts of one folder (bare names of its own .py files), top-level
+    and inside functions."""
+    files = {p.stem: p for p in sorted(folder.glob("*.py"))}
+    edges: List[Edge] = []
+    for name, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets = [node.module.split(".")[0]]
+            else:
+                continue
+            edges += [Edge(f"{folder.name}/{name}", f"{folder.name}/{t}", f"{folder.name}/{path.name}",
+                           node.lineno) for t in targets if t in files and t != name]
+    return edges
+
+
+@pytest.mark.parametrize("folder", SCRIPT_DIRS)
+def test_scripts_beside_the_package_import_each_other_in_no_loop(folder):
+    """bench/run.py imported timing.py, which imported run.py back (git_state, machine_info)."""
+    edges = script_graph(ROOT.parent / folder)
+    cycles = find_cycles(edges)
+    assert not cycles, f"import loops in {folder}/:\n" + "\n\n".join(
+        "\n".join(f"  {e}" for e in cycle) for cycle in cycles)
+
+
+def test_the_script_walker_sees_sibling_imports():
+    """The walker finds bench's sibling imports (run.py imports timing), so an empty graph is not a pass."""
+    assert any(e.importer == "bench/run" and e.imported == "bench/timing" for e in script_graph(ROOT.parent / "bench"))
+
+
 # --------------------------------------------------------------------------- the checker itself
 
 
