@@ -54,6 +54,17 @@ from pipeline_stages import (  # beside this file
 )
 
 
+def package_import_error() -> Optional[str]:
+    """Why this interpreter cannot run the pipeline (None when it imports dapo_mega): the
+    entry points run `${PYTHON:-python}`, which is the shell's first `python` unless PYTHON says."""
+    try:
+        import dapo_mega  # noqa: F401
+    except ImportError as exc:
+        return (f"{sys.executable} cannot import dapo_mega ({exc}); the launchers run ${{PYTHON:-python}}. Fix: "
+                "activate the venv dapo-mega is installed in, or set PYTHON=/path/to/that/venv/bin/python")
+    return None
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -206,6 +217,10 @@ def run_local(pipeline: Pipeline, stages: List[Stage]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.stdout.reconfigure(line_buffering=True)  # interleaved with the stages' output and the logs
     args = parse_args(argv)
+    missing = package_import_error()
+    if missing:
+        print(f"pipeline: error: {missing}", file=sys.stderr)
+        return 2
     from dapo_mega.config import ConfigError
 
     try:

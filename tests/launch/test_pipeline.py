@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -68,6 +69,8 @@ def inputs(tmp_path_factory):
 def _pipeline(args, timeout_s: float = 120, env=None, entry=None) -> subprocess.CompletedProcess:
     """launch/pipeline.py, or an experiment's entry point (`entry`: launch/<experiment>.sh)."""
     command = ["bash", str(entry), *args] if entry else [sys.executable, str(PIPELINE), *args]
+    # the entry points run ${PYTHON:-python}: the tests' interpreter, whether or not a venv is activated
+    env = {**(os.environ if env is None else env), "PYTHON": (env or {}).get("PYTHON", sys.executable)}
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout_s, env=env)
 
 
@@ -156,6 +159,19 @@ CONVERSION = ("import", "verify", "export")
 
 def _gpu_stage(name: str) -> bool:
     return name.startswith("train-") or name == "eval"
+
+
+def test_a_launcher_whose_python_cannot_import_the_package_says_which_python_and_the_fix(tmp_path):
+    """`${PYTHON:-python}` without the venv: one line naming the interpreter and PYTHON=, no traceback."""
+    bare = tmp_path / "python"  # an interpreter without site-packages, as the shell's python outside the venv
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    out = _pipeline(["--hf-model", str(tmp_path), "--dapo-math", "x", "--aime", "y", "--output-dir", str(tmp_path),
+                     "--dry-run"], entry=REPO / "launch" / "dapo_qwen2.5_32b.sh",
+                    env={**os.environ, "PYTHON": str(bare)})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    line, = out.stderr.strip().splitlines()
+    assert line.startswith(f"pipeline: error: {sys.executable} cannot import dapo_mega") and "PYTHON=" in line, line
 
 
 def test_32b_dry_run_asks_for_gpus_only_in_gpu_stages_and_times_every_stage(tmp_path):
