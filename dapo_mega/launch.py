@@ -72,7 +72,7 @@ from dapo_mega.config import (
     validate_config,
 )
 from dapo_mega.distributed import learner_process_env
-from dapo_mega.engines.fleet import EngineFleet, wait_for_learners
+from dapo_mega.engines.fleet import REGISTRY_ROUTED_EXPERTS, EngineFleet, wait_for_learners
 from dapo_mega.engines.process import (
     EngineProcess,
     EngineStartError,
@@ -82,6 +82,7 @@ from dapo_mega.engines.process import (
     log_tail,
     stop_process,
 )
+from dapo_mega.engines.sglang.commands import ROUTED_EXPERTS_FLAG
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.engines.watch import EngineWatch
 
@@ -419,6 +420,15 @@ class _Terminated(Exception):
     pass
 
 
+def engine_record(engine: EngineProcess, task: SlurmTask) -> Dict[str, object]:
+    """What the engines role announces of one healthy engine in the registry (`engine-<i>.json`):
+    where it serves, which process it is, and whether it reports each token's routed experts
+    (started with --enable-return-routed-experts: `EngineFleet.returns_routed_experts` of the
+    learners that attach to it reads this)."""
+    return {"url": engine.url, "engine_id": engine.index, "node": task.node_name, "pid": engine.pid,
+            "job_id": task.job_id, "time": time.time(), REGISTRY_ROUTED_EXPERTS: ROUTED_EXPERTS_FLAG in engine.argv}
+
+
 def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mapping[str, str]) -> int:
     """Start (through the engine fleet), health-check, announce and watch this node's engines
     (and the router on the first engine node when `router_wanted`). Returns the exit status."""
@@ -444,8 +454,7 @@ def run_engines(cfg: DapoConfig, task: SlurmTask, engine_nodes: int, env: Mappin
         raise _Terminated()
 
     def announce(engine: EngineProcess) -> None:
-        announce_engine(registry, engine.index, {"url": engine.url, "engine_id": engine.index, "node": task.node_name,
-                                                 "pid": engine.pid, "job_id": task.job_id, "time": time.time()})
+        announce_engine(registry, engine.index, engine_record(engine, task))
         _log(f"engine {engine.index} healthy, announced in {registry}")
 
     signal.signal(signal.SIGTERM, on_sigterm)

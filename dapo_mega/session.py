@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig, routed_experts_every, validate_config
+from dapo_mega.config import ConfigError, DapoConfig, routed_experts_every, validate_config
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
@@ -165,6 +165,7 @@ class Session:
         """Data, prompt encoder, verifier, engines, rollout manager and records (global rank 0)."""
         from dapo_mega.data import PromptEncoder, PromptIterator, build_run_datasets
         from dapo_mega.driver.rollouts import RolloutSource
+        from dapo_mega.models.shape import ModelShape
         from dapo_mega.records.recorder import RunRecorder
         from dapo_mega.reward import build_verifier
         from dapo_mega.rollout.manager import RolloutManager
@@ -184,8 +185,8 @@ class Session:
         self.book.add(self.fleet.endpoints)
         # a mixture: replay needs every request's experts, the agreement metric a share
         manager = RolloutManager.from_config(cfg, self.book, "train", encoder, run_id=self.run.run_id,
-                                             dataset_revision=revision, routed_experts_every=(
-                                                 routed_experts_every(cfg) if self.fleet.returns_routed_experts else 0))
+                                             dataset_revision=revision, routed_experts_every=engine_experts_every(
+                                                 cfg, self.fleet, ModelShape.from_hf_config(str(self.model_dir)).is_moe))
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs), manager)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
@@ -283,6 +284,32 @@ class Session:
                 self.layout.destroy()
             else:
                 torch.distributed.destroy_process_group()
+
+
+def engine_experts_every(cfg: DapoConfig, fleet: "EngineFleet", moe: bool) -> int:
+    """One request in this many asks the engines for each token's routed experts
+    (`config.routed_experts_every`); 0 for a dense model or engines that do not report them
+    (`EngineFleet.returns_routed_experts`: started here on a mixture, or attached ones started
+    with --enable-return-routed-experts as the registry or their /server_info says). Routing
+    replay with such engines is refused here, before any step: it would replay nothing."""
+    if not moe:
+        return 0
+    if fleet.returns_routed_experts:
+        return routed_experts_every(cfg)
+    r = cfg.rollout
+    where = (f"rollout.engine_urls={list(r.engine_urls)} answer /server_info without enable_return_routed_experts"
+             if r.engine_urls else
+             f"the engines announced in rollout.engine_registry={r.engine_registry} were started without it"
+             if r.engine_registry else
+             f"the trainer's engines serve {fleet.model_path}, whose config.json is no mixture of experts")
+    if cfg.algo.routing_replay:
+        raise ConfigError(f"algo.routing_replay=true, but the engines report no routed experts: {where}. Fix: start "
+                          "them with --enable-return-routed-experts (rollout.extra_server_args; the Slurm engines "
+                          "role and the trainer's own engines pass it for a mixture of experts), or set "
+                          "algo.routing_replay=false")
+    logger.warning(f"[trainer] moe/router_agreement stays NaN: the engines report no routed experts ({where}; "
+                   "--enable-return-routed-experts)")
+    return 0
 
 
 def model_dir_of(cfg: DapoConfig) -> Path:

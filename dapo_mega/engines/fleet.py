@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -46,15 +48,16 @@ from dapo_mega.engines.process import (
     stop_process,
     wait_for_learners,
 )
-from dapo_mega.engines.sglang.api import SERVER_FLAGS
-from dapo_mega.engines.sglang.commands import build_engine_command, reports_routed_experts
+from dapo_mega.engines.sglang.api import SERVER_FLAGS, SERVER_INFO_ROUTED_EXPERTS
+from dapo_mega.engines.sglang.commands import ROUTED_EXPERTS_FLAG, build_engine_command, reports_routed_experts
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.tether import popen_tethered
 
 logger = log.get(__name__)
 
 __all__ = ["EngineEndpoint", "EngineFleet", "EngineProcess", "EngineStartError", "announce_engine", "endpoint_of",
-           "free_port", "is_healthy", "open_fleet", "stop_process", "announce_learners_ready", "wait_for_learners"]
+           "free_port", "is_healthy", "open_fleet", "stop_process", "announce_learners_ready", "wait_for_learners",
+           "REGISTRY_ROUTED_EXPERTS", "server_reports_routed_experts"]
 
 MAX_PORT_RETRIES = 3
 """Restarts of an engine whose free port was taken between picking it and binding it."""
@@ -67,6 +70,35 @@ glibc ignores the tunable."""
 DEFAULT_START_TIMEOUT_S = 300.0
 """Engine start bound when neither rollout.health_timeout_s nor a derived one is given (the
 tiny engines of tests and tools; `open_fleet` derives the run's from its model and engines)."""
+
+
+REGISTRY_ROUTED_EXPERTS = "routed_experts"
+"""The field of an engine's registry record (`engine-<i>.json`, written by the engines role)
+that says whether it was started with --enable-return-routed-experts."""
+
+SERVER_INFO_TIMEOUT_S = 60.0
+"""Bounds the /server_info request that asks an attached engine how it was started."""
+
+
+def server_reports_routed_experts(endpoint: EngineEndpoint) -> Optional[bool]:
+    """Whether the engine at `endpoint` was started with --enable-return-routed-experts, as its
+    GET /server_info says (SGLang 0.5.23 answers with its server arguments, the embedded
+    engine with its own: `SERVER_INFO_ROUTED_EXPERTS` among them; /get_server_info is the
+    older name). None when it does not say or does not answer."""
+    for path in ("/server_info", "/get_server_info"):
+        request = urllib.request.Request(endpoint.url + path, headers=endpoint.headers())
+        try:
+            with urllib.request.urlopen(request, timeout=SERVER_INFO_TIMEOUT_S) as response:
+                info = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                continue
+            return None
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        value = info.get(SERVER_INFO_ROUTED_EXPERTS) if isinstance(info, dict) else None
+        return None if value is None else bool(value)
+    return None
 
 
 def endpoint_of(url: str, rollout: RolloutConfig) -> EngineEndpoint:
@@ -133,24 +165,38 @@ class EngineFleet:
         self.python = rollout.engine_python or sys.executable
         self.engines: List[EngineProcess] = []
         self.attached: List[EngineEndpoint] = []
+        self.attached_routed_experts: List[bool] = []
+        """Per attached engine: started with --enable-return-routed-experts (`attach`)."""
 
     # ---------------------------------------------------------------- attach
     def endpoint(self, url: str) -> EngineEndpoint:
         return endpoint_of(url, self.rollout)
 
     @classmethod
-    def attach(cls, urls: Sequence[str], rollout: RolloutConfig, start_timeout_s: float = 0.0) -> "EngineFleet":
-        """Engines someone else started; waits until each answers /health."""
+    def attach(cls, urls: Sequence[str], rollout: RolloutConfig, start_timeout_s: float = 0.0,
+               routed_experts: Sequence[Optional[bool]] = ()) -> "EngineFleet":
+        """Engines someone else started; waits until each answers /health. `routed_experts[i]`:
+        whether engine i was started with --enable-return-routed-experts, as its registry record
+        says; where not given (None, or attached by URL) its /server_info is asked
+        (`server_reports_routed_experts`)."""
         fleet = cls(rollout, start_timeout_s=start_timeout_s)
         fleet.attached = [fleet.endpoint(u) for u in urls]
         fleet.wait_attached()
+        known = list(routed_experts) + [None] * (len(urls) - len(routed_experts))
+        fleet.attached_routed_experts = [bool(k) if k is not None else bool(server_reports_routed_experts(e))
+                                         for k, e in zip(known, fleet.attached)]
+        if len(set(fleet.attached_routed_experts)) > 1:
+            without = [e.url for e, on in zip(fleet.attached, fleet.attached_routed_experts) if not on]
+            logger.warning(f"[fleet] engines {without} were started without {ROUTED_EXPERTS_FLAG}: their samples "
+                           "carry no routed experts (the learner routes those by itself)")
         return fleet
 
     @classmethod
     def from_registry(cls, directory: Path, rollout: RolloutConfig, count: int = 0,
                       start_timeout_s: float = 0.0) -> "EngineFleet":
         """The first `count` (default rollout.num_engines) engines announced as `engine-<i>.json`
-        files in `directory` (by the Slurm engines role), once each is healthy."""
+        files in `directory` (by the Slurm engines role: `launch.run_engines`), once each is
+        healthy; whether each reports routed experts is its record's `REGISTRY_ROUTED_EXPERTS`."""
         count = count or rollout.num_engines
         directory = Path(directory)
         limit = rollout.health_timeout_s or start_timeout_s or DEFAULT_START_TIMEOUT_S
@@ -159,7 +205,9 @@ class EngineFleet:
             files = sorted(directory.glob("engine-*.json"), key=lambda p: int(p.stem.split("-")[1])) \
                 if directory.exists() else []
             if len(files) >= count:
-                return cls.attach([json.loads(f.read_text())["url"] for f in files[:count]], rollout, limit)
+                records = [json.loads(f.read_text()) for f in files[:count]]
+                return cls.attach([r["url"] for r in records], rollout, limit,
+                                  routed_experts=[r.get(REGISTRY_ROUTED_EXPERTS) for r in records])
             if time.monotonic() > deadline:
                 raise EngineStartError(f"rollout.engine_registry={directory}: {len(files)} of {count} engines "
                                        f"announced after {limit:.0f} s (rollout.health_timeout_s). Fix: check the engine "
@@ -195,9 +243,13 @@ class EngineFleet:
 
     @property
     def returns_routed_experts(self) -> bool:
-        """Whether the engines started here report each token's experts (`reports_routed_experts`);
-        engines attached by URL or from a registry: False (not known)."""
-        return not self.attached and reports_routed_experts(self.model_path)
+        """Whether the fleet's engines report each token's experts: those started here serve a
+        mixture of experts (`reports_routed_experts`: the fleet passes the flag); attached ones,
+        from a registry or by URL, were started with --enable-return-routed-experts, as their
+        record or their /server_info says (any of them: one without reports none)."""
+        if self.attached:
+            return any(self.attached_routed_experts)
+        return reports_routed_experts(self.model_path)
 
     def command(self, port: int, base_gpu_id: Optional[int] = None) -> List[str]:
         """argv of one engine on `port`: the shared command line plus what this machine needs."""

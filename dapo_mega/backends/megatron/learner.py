@@ -561,10 +561,12 @@ class MegatronLearner:
         if self._routing is not None and self.cfg.algo.routing_replay and samples \
                 and all(s.routed_experts is None for s in samples):
             raise RuntimeError("algo.routing_replay=true, but the engines reported no routed experts for any of "
-                               f"the step's {len(samples)} samples: the learner would route by itself. Fix: start "
-                               "the engines with --enable-return-routed-experts (the trainer's own fleet does for a "
-                               "mixture of experts, on the embedded engine or SGLang on GPUs; engines attached by "
-                               "URL are not asked), or set algo.routing_replay=false")
+                               f"the step's {len(samples)} samples: the learner would route by itself. The engines "
+                               "were asked (the trainer refuses at start engines not started with "
+                               "--enable-return-routed-experts), so their reports were missing or of another shape: "
+                               "a report counts only as [prompt + response - 1, num_hidden_layers, num_experts_per_tok]"
+                               " of the learner's model. Fix: serve the learner's model on the engines "
+                               "(rollout.model_path, the engines' --model-path), or set algo.routing_replay=false")
 
     def _routing_metrics(self, samples: Sequence[TrainSample]) -> Dict[str, float]:
         """moe/router_agreement (the share of the engines' token-expert choices the learner's own

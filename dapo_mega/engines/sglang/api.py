@@ -142,7 +142,14 @@ SERVER_FLAGS: Dict[str, str] = {
     "skip_server_warmup": "--skip-server-warmup", "log_level": "--log-level",
     "served_model_name": "--served-model-name",
     "device": "--device", "base_gpu_id": "--base-gpu-id",
+    "enable_return_routed_experts": "--enable-return-routed-experts",
 }
+
+#: GET /server_info answers with the server's arguments as resolved at start, each under its
+#: ServerArgs field name (`http_server.get_server_info`: `dataclasses.asdict(server_args)`;
+#: the embedded engine answers its own the same way): this one says whether /generate's
+#: `return_routed_experts` reports each token's experts.
+SERVER_INFO_ROUTED_EXPERTS = "enable_return_routed_experts"
 
 #: `python -m sglang_router.launch_router` flags (sglang-router 0.3.2 router_args.py).
 ROUTER_FLAGS: Dict[str, str] = {
