@@ -35,7 +35,7 @@ from dapo_mega.driver.run_state import RunState, prune_records_after
 from dapo_mega.driver.weight_probe import WeightProbe
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.run_files.checkpoints import set_aside_after
-from dapo_mega.run_files.identity import RUN_ID_ENV, config_dict, settle_run_dir
+from dapo_mega.run_files.identity import RUN_ID_ENV, add_to_run_file, config_dict, settle_run_dir
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout
@@ -165,6 +165,7 @@ class Session:
         """Data, prompt encoder, verifier, engines, rollout manager and records (global rank 0)."""
         from dapo_mega.data import PromptEncoder, PromptIterator, build_run_datasets
         from dapo_mega.driver.rollouts import RolloutSource
+        from dapo_mega.environments.base import environment_report
         from dapo_mega.models.shape import ModelShape
         from dapo_mega.records.recorder import RunRecorder
         from dapo_mega.reward import build_verifier
@@ -188,6 +189,9 @@ class Session:
                                              dataset_revision=revision, routed_experts_every=engine_experts_every(
                                                  cfg, self.fleet, ModelShape.from_hf_config(str(self.model_dir)).is_moe))
         rollouts = RolloutSource(cfg, prompts, encoder, build_verifier(cfg.algo.verifier, cfg.algo.reward_kwargs), manager)
+        environment = environment_report(manager.settings.environment)
+        if environment:  # what this host gives the environment (the sandbox's isolation), kept with the run
+            add_to_run_file(self.run_dir, environment=environment)
         if self.run.resumed:  # steps after the checkpoint are redone: their records go (metrics: RunRecorder)
             logger.info(f"[trainer] resumed from {self.run.checkpoint} at step {state.step}, policy version "
                         f"{state.policy_version}")

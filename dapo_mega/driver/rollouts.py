@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+from dapo_mega.environments.base import take_environment_metrics
 from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.batch_fill import SamplingRule
@@ -89,6 +90,7 @@ class RolloutSource:
         # ages as stamped here (a learner at learner_version); AsyncRollouts.take restamps them
         metrics.update(compute_age_metrics(samples, len({s.prompt_id for s in samples if s.reject_reason == "stale"})))
         metrics.update(self.manager.metrics)
+        metrics.update(take_environment_metrics(self.manager.settings.environment))  # the sandbox's runs by isolation
         metrics["data/prompts_too_long"] = float(self.prompts_too_long)
         if self._stats:
             metrics.update(_sum_verify_stats(self._stats).as_metrics())

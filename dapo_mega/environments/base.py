@@ -55,6 +55,16 @@ class Environment:
         """The environment's answer to the model's latest turn `model_text`."""
         raise NotImplementedError
 
+    def report(self) -> Dict[str, Any]:
+        """What the environment got on this host (the python tool: its sandbox's isolation and
+        limits), kept in run.json's `environment`; {} when there is nothing to say."""
+        return {}
+
+    def take_metrics(self) -> Dict[str, float]:
+        """The environment's own metrics since the last call (the step's), slash-named; the
+        python tool: its runs by isolation level."""
+        return {}
+
 
 def load_environment(path: str, field_name: str = "rollout.environment") -> Type[Environment]:
     """The class `path` names; ConfigError naming `field_name` when it cannot be loaded or is
@@ -109,3 +119,16 @@ def build_environment(path: str, kwargs: Dict[str, Any]) -> Optional[Environment
         raise ConfigError(f"rollout.environment: {path!r} has stop={stops!r}; a model turn must end somewhere. Fix: "
                           "give the class a list of non-empty stop strings (`stop = ['</code>']`)")
     return env
+
+
+def environment_report(env: Optional[Environment]) -> Dict[str, Any]:
+    """`env.report()` for run.json; {} without an environment or for a class that has no report
+    (load_environment asks only for reset and step)."""
+    report = getattr(env, "report", None)
+    return dict(report()) if callable(report) else {}
+
+
+def take_environment_metrics(env: Optional[Environment]) -> Dict[str, float]:
+    """`env.take_metrics()` for the step's metrics; {} as for `environment_report`."""
+    take = getattr(env, "take_metrics", None)
+    return dict(take()) if callable(take) else {}

@@ -5,16 +5,27 @@ generation stops at `</code>`, the code runs in the sandbox (`sandbox.py`), and 
 comes back between `<interpreter>` and `</interpreter>`: errors, timeouts and the other limits
 as text the model reads, never a trainer failure. A turn without a code block is the model's
 answer: the episode ends.
+
+`isolation` (rollout.environment_kwargs.isolation: none, limits or full, `sandbox_boot.LEVELS`)
+is the level the sandbox must hold: a host that gives less is refused when the tool is built
+(the preflight builds it), naming the fix, and a run that gets less does not run its code.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import fields, replace
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from dapo_mega.environments.base import Environment, StepResult
-from dapo_mega.environments.sandbox import Sandbox, SandboxLimits
+from dapo_mega.environments.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    check_isolation,
+    check_limits,
+    probe_isolation,
+)
+from dapo_mega.node import node_cpus
 
 CODE_OPEN, CODE_CLOSE = "<code>", "</code>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<interpreter>", "</interpreter>"
@@ -40,15 +51,19 @@ class PythonTool(Environment):
     stop = [CODE_CLOSE]
 
     def __init__(self, limits: Optional[SandboxLimits] = None, max_concurrent: int = 4,
-                 sandbox: Optional[Sandbox] = None, **limit_fields: Any):
+                 sandbox: Optional[Sandbox] = None, isolation: str = "none", **limit_fields: Any):
         """`limit_fields`: SandboxLimits' fields by name (what rollout.environment_kwargs gives:
-        wall_s, cpu_s, memory_mb, output_bytes, processes, file_bytes, open_files)."""
+        wall_s, cpu_s, memory_mb, output_bytes, processes, file_bytes, open_files, threads).
+        `isolation`: the level required (ConfigError when this host gives less: `check_isolation`)."""
         unknown = sorted(set(limit_fields) - {f.name for f in fields(SandboxLimits)})
         if unknown:
-            raise TypeError(f"unknown keyword(s) {unknown}; the python tool takes max_concurrent and "
+            raise TypeError(f"unknown keyword(s) {unknown}; the python tool takes max_concurrent, isolation and "
                             f"{[f.name for f in fields(SandboxLimits)]}")
         limits = replace(limits or SandboxLimits(), **limit_fields)
-        self.sandbox = sandbox or Sandbox(limits, max_concurrent)
+        self.sandbox = sandbox or Sandbox(limits, max_concurrent, isolation=isolation)
+        check_limits(self.sandbox.limits, node_cpus())
+        if self.sandbox.isolation != "none":  # asks the host once (probe_isolation is cached)
+            check_isolation(self.sandbox.isolation, probe_isolation(self.sandbox.python, self.sandbox.limits))
 
     def reset(self, problem: Any) -> None:
         """Nothing carries over between episodes (each run is a fresh directory)."""
@@ -64,3 +79,9 @@ class PythonTool(Environment):
         errors = {} if result.status == "ok" else {result.status: 1}
         return StepResult(observation=observation, done=False, tool_calls=1, tool_errors=errors,
                           tool_time_s=result.wall_s)
+
+    def report(self) -> Dict[str, Any]:
+        return {"sandbox": self.sandbox.report()}
+
+    def take_metrics(self) -> Dict[str, float]:
+        return self.sandbox.take_metrics()

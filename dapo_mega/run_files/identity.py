@@ -1,7 +1,9 @@
 """What a run is, kept in its directory: its id, its config, and the changes a resume made.
 
     <run_dir>/run.json              {"run_id", "run_name", "created_at"}: written once, when the
-                                    run starts fresh, and read by every resume of it
+                                    run starts fresh, and read by every resume of it; each start
+                                    adds what it found of its host (`add_to_run_file`: the
+                                    environment's sandbox isolation, as `environment`)
     <run_dir>/config.yaml           the resolved config the run trains with now
     <run_dir>/config_history.jsonl  one line per field a resume changed: run_id, step (the first
                                     step trained with the new value), field, old, new, and
@@ -254,6 +256,17 @@ def _write_run_file(run_dir: Path, identity: RunIdentity) -> None:
     write_text_atomic(Path(run_dir) / RUN_FILE, json.dumps(
         {"run_id": identity.run_id, "run_name": identity.run_name,
          "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+
+
+def add_to_run_file(run_dir: Path, **facts: object) -> None:
+    """Set `facts` (JSON values) in `<run_dir>/run.json`, keeping what it holds (the driver, at
+    each start: what this host gives the run, e.g. `environment`, the sandbox's isolation)."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError):
+        held = {}
+    write_text_atomic(path, json.dumps({**held, **facts}, indent=1) + "\n")
 
 
 def _start_fresh(cfg: DapoConfig, write: bool, inherited_run_id: Optional[str]) -> RunIdentity:

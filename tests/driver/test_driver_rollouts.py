@@ -2,6 +2,7 @@
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers_driver import group, sample
@@ -26,6 +27,7 @@ class EchoManager:
     def __init__(self, answers, lengths):
         self.answers, self.lengths = answers, lengths
         self.metrics = {"rollout/gen_batches": 1}
+        self.settings = SimpleNamespace(environment=None)  # one turn per sample
         self.prompts_seen = []
 
     def collect_step(self, step, learner_version, inputs, rule):

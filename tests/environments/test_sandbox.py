@@ -5,7 +5,8 @@ or print without end each come back within their limits as text the model sees, 
 listener, the file and the key are untouched. The limits are scaled down (seconds, not the
 recipe's 10 s), as the run's ratios are kept: wall > CPU, the output bound far below what is
 printed. Whatever isolation the kernel gives (namespaces and Landlock here; audit hooks where it
-gives none), the outcomes are the same; `isolation` names which held."""
+gives none), the outcomes are the same; `isolation` names which held (its levels and the
+refusals: test_sandbox_isolation.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from dapo_mega.config import load_config
 from dapo_mega.environments.sandbox import STATUSES, Sandbox, SandboxLimits, run_code
 
-LIMITS = SandboxLimits(wall_s=4.0, cpu_s=2.0, memory_mb=256, output_bytes=2048, processes=16)
+LIMITS = SandboxLimits(wall_s=4.0, cpu_s=1.0, memory_mb=256, output_bytes=2048, processes=16)
 
 
 def _leftovers(marker: str):
@@ -45,7 +47,7 @@ def test_a_program_runs_and_its_output_and_traceback_are_what_the_model_sees():
     text = bad.model_text()
     assert text.endswith("ZeroDivisionError: division by zero") and 'File "main.py", line 2' in text
     assert "sandbox_boot" not in text  # the model's own frames only
-    assert set(bad.isolation) == {"processes", "network", "files"}
+    assert set(bad.isolation) == {"level", "namespaces", "landlock_abi", "process_bound", "in_python"}
     # a syntax error too (the python-tool ablation's model wrote `print(169)</in991)`): before,
     # compile ran outside the model's frame and the boot script's host path came back
     syntax = run_code("print(169)</in991)\n", LIMITS)
@@ -55,12 +57,36 @@ def test_a_program_runs_and_its_output_and_traceback_are_what_the_model_sees():
 
 
 def test_a_loop_forever_stops_at_its_cpu_limit_and_a_sleep_at_the_wall_time():
-    start = time.monotonic()
-    spin = run_code("while True:\n    pass\n", LIMITS)
+    # the wall time far above the CPU time: on a busy 2-core machine a spin gets a fifth of a core
+    spin = run_code("while True:\n    pass\n", SandboxLimits(**{**LIMITS.__dict__, "wall_s": 20.0}))
     assert spin.status == "cpu_limit" and "[stopped: CPU time limit]" in spin.model_text()
+    start = time.monotonic()
     sleep = run_code("import time\ntime.sleep(60)\n", LIMITS)
     assert sleep.status == "timeout" and "[timed out after" in sleep.model_text()
-    assert time.monotonic() - start < 2 * LIMITS.wall_s + 4
+    assert time.monotonic() - start < LIMITS.wall_s + 3
+
+
+def test_numpy_runs_at_the_recipes_process_limit_on_a_many_core_node(monkeypatch):
+    """Issue #46: the process limit counts threads, and OpenBLAS starts one per core when numpy is
+    imported, so on the recipe's 112-core nodes every program that imported numpy died at the
+    limit of 16. OpenBLAS counts the cores this machine lets it run on (a twin's 112 cannot make
+    it start more), so the stand-in node also runs at the limit lowered to what the sandbox itself
+    takes (its namespace's first process and the program), as the issue reproduced it: before the
+    libraries were held to one thread, OpenBLAS's first thread failed there."""
+    pytest.importorskip("numpy")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("on one core OpenBLAS starts no thread")
+    monkeypatch.setenv("DAPO_MEGA_NODE_CPUS", "112")  # the recipe's node, as its twin claims it
+    recipe = load_config(["+experiment=dapo_retool_qwen2.5_32b"]).rollout.environment_kwargs
+    limits = SandboxLimits(**{k: v for k, v in recipe.items() if k in SandboxLimits.__dataclass_fields__})
+    code = "import numpy as np\na = np.arange(40000.0).reshape(200, 200) / 40000\nprint(round(float(np.trace(a @ a)), 6))"
+    import numpy as np
+
+    a = np.arange(40000.0).reshape(200, 200) / 40000
+    expected = str(round(float(np.trace(a @ a)), 6))
+    for processes in (limits.processes, 2):
+        result = run_code(code, SandboxLimits(**{**limits.__dict__, "processes": processes}))
+        assert (result.status, result.model_text()) == ("ok", expected), (processes, result.model_text()[-400:])
 
 
 def test_unbounded_allocation_is_a_memory_error_the_model_sees():
@@ -188,28 +214,41 @@ def test_dapo_mega_sandbox_prints_what_the_model_would_see(tmp_path):
 
 @pytest.mark.parametrize("blocked", ["namespaces", "landlock"])
 def test_without_the_kernels_isolation_the_audit_hooks_hold(blocked, monkeypatch, tmp_path):
-    """Where the kernel offers no namespaces (not root) or no Landlock, the boot's audit hooks
-    keep the socket, the file and the fork out of reach in Python."""
+    """Where the kernel offers no namespaces (not root, no user namespaces) or no Landlock, the
+    boot's audit hooks keep the sockets (UDP too: Landlock holds TCP only), the file (from another
+    directory as well) and the fork out of reach in Python, and the level says so."""
     from dapo_mega.environments import sandbox
 
     boot = tmp_path / "boot.py"
     source = sandbox.BOOT.read_text()
     if blocked == "namespaces":
-        source = source.replace("return _libc.unshare(CLONE_NEWNET | CLONE_NEWPID) == 0", "return False")
+        source = source.replace("def new_namespaces():\n", "def new_namespaces():\n    return 'none'\n")
     else:
         source = source.replace("abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, 1)", "abi = 0")
     boot.write_text(source)
     monkeypatch.setattr(sandbox, "BOOT", boot)
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET-77")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.setblocking(False)
     probe = run_code("print('alive')", LIMITS)
     assert probe.status == "ok", probe
     held = probe.isolation
-    assert (held["network"] != "namespace") if blocked == "namespaces" else held["files"] == "python"
+    assert held["level"] != "full" and "processes" in held["in_python"], held
+    assert "network" in held["in_python"] if blocked == "namespaces" else "files" in held["in_python"], held
     for code in (f"print(open({str(secret)!r}).read())",
+                 f"import os\nos.chdir({str(tmp_path)!r})\nprint(open('secret.txt').read())",
+                 f"open({str(tmp_path / 'planted.txt')!r}, 'w').write('x')",
                  "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
-                 # a process outside the interpreter's hooks: refused unless the kernel holds its files
+                 "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                 f"s.sendto(b'exfiltrated', ('127.0.0.1', {listener.getsockname()[1]}))",
+                 # a process outside the interpreter's hooks: refused unless the kernel holds everything
                  f"import subprocess\nout = subprocess.run(['cat', {str(secret)!r}], capture_output=True)\n"
                  "print(out.stdout, out.stderr)\nraise SystemExit(1)"):
         result = run_code(code, LIMITS)
         assert result.status == "error" and "TOPSECRET" not in result.model_text(), (code, result)
+    with pytest.raises(BlockingIOError):
+        listener.recv(64)
+    listener.close()
+    assert not (tmp_path / "planted.txt").exists()
