@@ -55,6 +55,10 @@ e. train_tiny_bf16: `dapo-mega train` of the tiny model, bf16 learner on the GPU
    when sglang imports, else the embedded engine (`--train-engine`), which runs on the CPU
    beside the GPU learner and gets its weights as shared-memory files
    (`placement.engine_uses_gpu`).
+f. nccl_loaded: the NCCL preflight's reading (`plan/nccl_probe.py`: the libnccl torch maps,
+   by its `ncclGetVersion`) against the release NCCL prints when a communicator starts, in
+   this Python and the SGLang venv's, with `torch.cuda.nccl.version()` beside it
+   (`bench/gpu_nccl.py`, issue #46).
 
 Then, while the budget lasts (each skipped, saying so, when its timeout no longer fits):
 the measurements at Qwen2.5-7B's shape (random weights, `--layers` of 28):
@@ -74,7 +78,7 @@ the measurements at Qwen2.5-7B's shape (random weights, `--layers` of 28):
 Output: ONE table (part, pass / fail / skipped, seconds, the reason of each failure or
 skip), the JSON of every part at `--out`, exit 0 when no part failed, else 1.
 
-    python bench/gpu_node.py --checks-only             the five checks
+    python bench/gpu_node.py --checks-only             the six checks
     python bench/gpu_node.py --layers 28 --budget-s 900  the full depth, more time
 """
 
@@ -97,6 +101,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 if str(REPO) not in sys.path:  # the repository's package, installed or not
     sys.path.insert(0, str(REPO))
+
+from gpu_nccl import check_nccl_loaded  # noqa: E402
 
 from dapo_mega.models.shape import ModelShape  # noqa: E402
 from dapo_mega.plan.memory import KNOWN_MODELS  # noqa: E402
@@ -160,7 +166,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--sglang-python", default=os.environ.get("DAPO_MEGA_SGLANG_PYTHON", ""),
                     help="the SGLang venv's interpreter (default $DAPO_MEGA_SGLANG_PYTHON; empty: this Python "
                          "where sglang imports in it)")
-    ap.add_argument("--checks-only", action="store_true", help="the five checks, no measurement")
+    ap.add_argument("--checks-only", action="store_true", help="the six checks, no measurement")
     ap.add_argument("--budget-s", type=float, default=570,
                     help="wall-clock budget of the whole run: measurements whose timeout no longer fits are skipped")
     ap.add_argument("--train-engine", default="auto", choices=["auto", "sglang", "embedded"],
@@ -190,6 +196,7 @@ PARTS: Tuple[Part, ...] = (
     Part("eval_two_engines", "check", 60, "c) eval device rule: 1 engine on GPU 0, 2 TP-1 engines need 2 GPUs"),
     Part("handover_sglang", "check", 120, "d) colocated CUDA-IPC hand-over through SGLang's unpickling"),
     Part("train_tiny_bf16", "check", 360, "e) dapo-mega train, tiny model, bf16 GPU, 2 steps, step-1 checks"),
+    Part("nccl_loaded", "check", 200, "f) ncclGetVersion of the libnccl torch maps = NCCL's at a communicator"),
     Part("learner_bf16", "measure", 150, "7B-shape learner step, bf16, MFU"),  # 59 s on an H200 (8 layers)
     Part("learner_fp8", "measure", 240, "7B-shape learner step, FP8 (Transformer Engine), MFU"),
     Part("handover", "measure", 180, "7B-shape layers through the CUDA-IPC hand-over, GB/s"),
@@ -754,6 +761,7 @@ def check_train_tiny(args) -> Dict[str, Any]:
 PART_FUNCTIONS: Dict[str, Callable[[argparse.Namespace], Dict[str, Any]]] = {
     "convert_gpu": check_convert_gpu, "convert_tp2": check_convert_tp2, "eval_two_engines": check_eval_two_engines,
     "handover_sglang": check_handover_sglang, "train_tiny_bf16": check_train_tiny,
+    "nccl_loaded": lambda a: check_nccl_loaded(sys.executable, sglang_python(a)),
     "learner_bf16": lambda a: part_learner(a, "bf16"), "learner_fp8": lambda a: part_learner(a, "fp8"),
     "handover": part_handover, "sglang": part_sglang,
 }

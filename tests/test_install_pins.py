@@ -79,9 +79,14 @@ def test_the_install_doc_uses_the_constraints_and_a_separate_sglang_venv(gpu_pin
     assert engines and all("/bin/pip install" in line and "'.[gpu]'" not in line for line in engines), engines
     venv = re.search(r"(\S+)/bin/pip install sglang", section).group(1)
     assert f"rollout.engine_python={venv}/bin/python" in section
-    # every version the section names for the learner is the constraints file's, but the NCCL
-    # installed after torch (--no-deps: torch pins its own; tests/test_nccl_agreement.py)
-    assert re.search(r"^pip install --no-deps nvidia-nccl-cu13==[\d.]+$", section, re.M), section
+    # every version the section names for the learner is the constraints file's: the NCCL in its
+    # "after torch" line (--no-deps: torch pins its own; tests/test_nccl_agreement.py)
+    after_torch = re.search(r"^# after torch: (pip install --no-deps nvidia-nccl-cu13==([\d.]+))$",
+                            (REPO / "constraints-gpu.txt").read_text(), re.M)
+    assert after_torch, "constraints-gpu.txt names no NCCL release for the learner"
+    assert re.search(rf"^{re.escape(after_torch.group(1))}$", section, re.M), section
     for name, version in re.findall(r"([A-Za-z][\w.-]*)==([\w.]+)", section):
-        if _name(name) not in ENGINE_ONLY and _name(name) != "nvidia-nccl-cu13":
+        if _name(name) == "nvidia-nccl-cu13":
+            assert version == after_torch.group(2), (name, version, after_torch.group(1))
+        elif _name(name) not in ENGINE_ONLY:
             assert gpu_pins.get(_name(name)) == version, (name, version, gpu_pins)

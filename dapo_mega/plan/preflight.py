@@ -14,23 +14,21 @@ CLI prints it) instead of after the base model was built, or with a traceback.
     check_eval_set_paths(cfg.eval) the files of eval.sets exist
     check_engine_python(cfg.rollout) SGLang engines this process starts have a Python with SGLang
     check_nccl_agreement(cfg)   the learner's and the engines' Pythons load one NCCL release
-                                where weight-update groups join them (disaggregated)
+                                where weight-update groups join them (disaggregated; plan/nccl.py)
     check_eval_inputs(cfg)      `dapo-mega eval`: data files, a held-out set, the checkpoints
 
 Nothing here opens a process group or writes a file; the processes it may start are a
 reward plugin's probe worker (killed at algo.verifier_timeout_s) and `rollout.engine_python`
-asked whether it finds sglang (`python_has_sglang`) and which NCCL it loads (`nccl_version`).
+asked whether it finds sglang (`python_has_sglang`) and which NCCL it loads (`nccl.nccl_version`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -43,6 +41,7 @@ from dapo_mega.config import (
     RolloutConfig,
     validate_config,
 )
+from dapo_mega.plan.nccl import check_nccl_agreement
 
 if TYPE_CHECKING:
     from dapo_mega.backends.megatron.layout import ParallelLayout
@@ -126,92 +125,6 @@ def check_engine_python(rollout: RolloutConfig, starts_engines: bool = False) ->
     raise ConfigError(f"rollout.engine_python: empty, so the SGLang engines would start from this Python "
                       f"({sys.executable}), which cannot import sglang (the learner's environment keeps it out: "
                       "docs/cluster.md section 1). Fix: set rollout.engine_python=<the SGLang venv>/bin/python")
-
-
-NCCL_PROBE = r"""
-import json, sys
-from importlib import metadata
-version = source = None
-try:
-    import torch
-    if torch.cuda.is_available():
-        version, source = ".".join(map(str, torch.cuda.nccl.version())), "torch"
-except Exception:
-    pass
-if version is None:
-    for dist in metadata.distributions():
-        name = (dist.metadata["Name"] or "").lower()
-        if name.startswith("nvidia-nccl-cu"):
-            version, source = dist.version, name
-            break
-print(json.dumps({"version": version, "source": source}))
-"""
-"""What `nccl_version` runs in an interpreter: the NCCL its torch loads where CUDA is present
-(the library in the process, whatever pip says), else the installed nvidia-nccl-cu* package."""
-
-
-@dataclass(frozen=True)
-class NcclVersion:
-    """The NCCL an interpreter would load, as `NCCL_PROBE` read it."""
-
-    python: str
-    version: Optional[str]
-    """"2.29.7", or None where neither torch with CUDA nor an nvidia-nccl-cu* package is found."""
-    source: Optional[str] = None
-    """"torch" or the package's name."""
-
-
-def nccl_version(python: str) -> NcclVersion:
-    """The NCCL version `python` (a path or a name on PATH) loads (`NCCL_PROBE`)."""
-    if python == sys.executable:  # this process: torch is imported already
-        import contextlib
-        import io
-
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            exec(NCCL_PROBE, {})  # noqa: S102 - the probe's own source, as another Python runs it
-        found = json.loads(buf.getvalue())
-        return NcclVersion(python, found["version"], found["source"])
-    try:
-        out = subprocess.run([python, "-c", NCCL_PROBE], capture_output=True, text=True, timeout=300)
-        found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        found = {}
-    return NcclVersion(python, found.get("version"), found.get("source"))
-
-
-def nccl_mismatch(learner: NcclVersion, engines: NcclVersion) -> Optional[str]:
-    """The refusal when two NCCL releases would meet in one communicator (NCCL refuses one
-    between ranks of different versions: "Mismatched NCCL version detected", src/init.cc),
-    None where they agree or either side has none. The fix installs the newer release on the
-    older side: NCCL runs programs built against older releases, not the reverse."""
-    if not learner.version or not engines.version or learner.version == engines.version:
-        return None
-    key = [int(p) if p.isdigit() else 0 for p in learner.version.split(".")]
-    older, newer = (learner, engines) if key < [int(p) if p.isdigit() else 0 for p in engines.version.split(".")] \
-        else (engines, learner)
-    # the older side's own package (its CUDA line), else the newer side's
-    package = next((s for s in (older.source, newer.source) if s and s.startswith("nvidia-nccl-cu")),
-                   "nvidia-nccl-cu13")
-    return (f"rollout.engine_python: the engines' Python ({engines.python}) loads NCCL {engines.version}, the "
-            f"learner's ({learner.python}) NCCL {learner.version}; NCCL refuses a weight-update group between "
-            f"different releases, so the first weight sync would fail. Fix: {older.python} -m pip install "
-            f"--no-deps {package}=={newer.version} (docs/cluster.md section 1)")
-
-
-def check_nccl_agreement(cfg: DapoConfig, learner_python: Optional[str] = None) -> None:
-    """A run whose weights go to SGLang engines of another Python over NCCL weight-update groups
-    (disaggregated) loads one NCCL release on both sides; train and the Slurm job's prepare and
-    engines roles call this before any engine starts. Colocated runs hand weights over by CUDA
-    IPC and eval / audit read checkpoints from disk: no group joins the two Pythons there."""
-    r = cfg.rollout
-    python = learner_python or sys.executable
-    if r.backend != "sglang" or cfg.cluster.mode != "disaggregated" or not r.engine_python \
-            or r.engine_python == python:
-        return
-    problem = nccl_mismatch(nccl_version(python), nccl_version(r.engine_python))
-    if problem:
-        raise ConfigError(problem)
 
 
 def check_verifier(algo_cfg: AlgoConfig, data_cfg: DataConfig) -> None:

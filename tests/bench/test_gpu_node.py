@@ -15,11 +15,12 @@ sys.path.insert(0, str(REPO / "bench"))
 import gpu_node  # noqa: E402
 
 
-def test_the_five_checks_come_first_in_the_issues_order_and_each_part_has_a_function():
+def test_the_checks_come_first_in_the_issues_order_and_each_part_has_a_function():
     names = [p.name for p in gpu_node.PARTS]
     checks = [p.name for p in gpu_node.PARTS if p.kind == "check"]
-    assert checks == ["convert_gpu", "convert_tp2", "eval_two_engines", "handover_sglang", "train_tiny_bf16"]
-    assert names[:5] == checks and len(set(names)) == len(names)
+    assert checks == ["convert_gpu", "convert_tp2", "eval_two_engines", "handover_sglang", "train_tiny_bf16",
+                      "nccl_loaded"]  # f: issue #46
+    assert names[:6] == checks and len(set(names)) == len(names)
     assert set(names) == set(gpu_node.PART_FUNCTIONS)
     assert {p.kind for p in gpu_node.PARTS} == {"check", "measure"}
     assert gpu_node.parse_args([]).budget_s <= 600  # the one call fits in 10 minutes
@@ -74,10 +75,10 @@ def test_a_run_keeps_going_after_a_failure_and_spends_its_budget_on_checks_first
     args = gpu_node.parse_args(["--budget-s", "570"])
     results = gpu_node.run_parts(args, [], te_error="No module named 'transformer_engine'", sglang=False,
                                  clock=lambda: now[0])
-    # every check ran although the first failed; after them 70 s are left: no measurement fits
+    # every check ran although the first failed; after them no time is left: no measurement fits
     assert [n for n, _ in ran] == ["convert_gpu", "convert_tp2", "eval_two_engines", "handover_sglang",
-                                   "train_tiny_bf16"]
-    assert ran[4] == ("train_tiny_bf16", 170.0)  # clipped to what was left
+                                   "train_tiny_bf16", "nccl_loaded"]
+    assert ran[4] == ("train_tiny_bf16", 170.0) and ran[5] == ("nccl_loaded", 70.0)  # clipped to what was left
     verdicts = {n: gpu_node.verdict(r) for n, r in results.items()}
     assert verdicts["convert_gpu"] == ("fail", "exit 1: RuntimeError: boom")
     assert "transformer_engine" in verdicts["learner_fp8"][1] and verdicts["learner_fp8"][0] == "skipped"
