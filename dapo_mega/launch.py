@@ -404,7 +404,8 @@ def engine_fleet(cfg: DapoConfig, rollout: RolloutConfig, model_path: str, bind_
 
     return EngineFleet(rollout, model_path, log_dir, device="cuda" if _use_gpu(cfg) else "cpu", bind_host=bind_host,
                        advertise_host=advertise, num_threads=num_threads, weight_version="default",
-                       memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=resolve_health_timeout_s(cfg))
+                       memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=resolve_health_timeout_s(cfg),
+                       context_tokens=cfg.algo.max_prompt_length + cfg.algo.max_response_length)
 
 
 def engine_command_and_env(cfg: DapoConfig, rollout: RolloutConfig, slot: EngineSlot, model_path: str, port: int,

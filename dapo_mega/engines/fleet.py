@@ -49,7 +49,13 @@ from dapo_mega.engines.process import (
     wait_for_learners,
 )
 from dapo_mega.engines.sglang.api import SERVER_FLAGS, SERVER_INFO_ROUTED_EXPERTS
-from dapo_mega.engines.sglang.commands import ROUTED_EXPERTS_FLAG, build_engine_command, reports_routed_experts
+from dapo_mega.engines.sglang.commands import (
+    ROUTED_EXPERTS_FLAG,
+    build_engine_command,
+    cpu_pool_tokens,
+    model_context_tokens,
+    reports_routed_experts,
+)
 from dapo_mega.engines.sglang.endpoint import EngineEndpoint
 from dapo_mega.tether import popen_tethered
 
@@ -132,7 +138,8 @@ def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: 
             announce_learners_ready(Path(r.engine_registry))
         return EngineFleet.from_registry(Path(r.engine_registry), r, start_timeout_s=start_timeout_s)
     fleet = EngineFleet(r, model_path, log_dir, device=cfg.cluster.device, weight_version=weight_version,
-                        memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=start_timeout_s)
+                        memory_saver=cfg.cluster.mode == "colocated", start_timeout_s=start_timeout_s,
+                        context_tokens=cfg.algo.max_prompt_length + cfg.algo.max_response_length)
     engines = trainer_placement(cfg, learner_ranks, fleet.on_gpu(), {}).engines if fleet.on_gpu() else ()
     fleet.start(gpu_ids=[list(e.gpu_ids) for e in engines], base_gpu_ids=[e.base_gpu_id for e in engines])
     return fleet
@@ -144,12 +151,15 @@ class EngineFleet:
     def __init__(self, rollout: RolloutConfig, model_path: str = "", log_dir: Optional[Path] = None, *,
                  device: str = "auto", bind_host: str = "", advertise_host: str = "", num_threads: int = 0,
                  weight_version: str = "0", memory_saver: bool = False,
-                 extra_env: Optional[Dict[str, str]] = None, start_timeout_s: float = 0.0):
+                 extra_env: Optional[Dict[str, str]] = None, start_timeout_s: float = 0.0,
+                 context_tokens: int = 0):
         """`device`: cluster.device (auto: CUDA when torch sees one). `bind_host`: where engines
         listen (default rollout.host); `advertise_host`: the host in their URLs (default the bind
         host). `num_threads`: CPU threads per embedded engine (0: this machine's CPUs shared).
         `memory_saver`: `--enable-memory-saver` (colocated engines release memory in training).
-        `start_timeout_s`: the derived start bound, used when rollout.health_timeout_s is 0."""
+        `start_timeout_s`: the derived start bound, used when rollout.health_timeout_s is 0.
+        `context_tokens`: the longest request (prompt + response) the run sends; it sizes an SGLang
+        CPU engine's KV pool (`cpu_kv_tokens`; 0: the model's context length)."""
         self.rollout = rollout
         self.start_timeout_s = rollout.health_timeout_s or start_timeout_s or DEFAULT_START_TIMEOUT_S
         """Bounds each engine's start until its first healthy answer (weights read, graphs captured)."""
@@ -161,6 +171,7 @@ class EngineFleet:
         self.num_threads = num_threads
         self.weight_version = str(weight_version)
         self.memory_saver = memory_saver
+        self.context_tokens = context_tokens
         self.extra_env = dict(extra_env or {})
         self.python = rollout.engine_python or sys.executable
         self.engines: List[EngineProcess] = []
@@ -259,13 +270,23 @@ class EngineFleet:
         memory_saver = self.memory_saver and (r.backend != "sglang" or self.on_gpu())
         argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
                                     host=self.bind_host, python=self.python, memory_saver=memory_saver,
-                                    base_gpu_id=base_gpu_id, routed_experts=self.returns_routed_experts)
+                                    base_gpu_id=base_gpu_id, routed_experts=self.returns_routed_experts,
+                                    max_total_tokens=self.cpu_kv_tokens())
         if r.backend == "sglang":
             if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
                 argv += [SERVER_FLAGS["device"], "cpu"]
         elif "--num-threads" not in r.extra_server_args:
             argv += ["--num-threads", str(self._threads())]
         return argv
+
+    def cpu_kv_tokens(self) -> Optional[int]:
+        """The KV pool cap of an SGLang engine on a CPU (`cpu_pool_tokens` of the run's longest
+        request, as the plan counts it); None for the embedded engine and on GPUs, where
+        mem_fraction_static sizes it."""
+        if self.rollout.backend != "sglang" or self.on_gpu():
+            return None
+        context = self.context_tokens or model_context_tokens(self.model_path)
+        return cpu_pool_tokens(self.rollout, context)
 
     def child_env(self, index: int, gpu_ids: Sequence[int] = (),
                   parent_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:

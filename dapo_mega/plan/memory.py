@@ -58,6 +58,7 @@ without packing and balancing:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import asdict, dataclass
@@ -68,6 +69,7 @@ from dapo_mega.backends.megatron.layout import check_expert_layout
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, Placement, place
 from dapo_mega.config import DapoConfig
+from dapo_mega.engines.sglang.commands import CPU_KV_MARGIN, cpu_pool_tokens
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan.types import (
     AssumedBatch,
@@ -771,6 +773,13 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[St
     per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
     seq_tokens = a.max_prompt_length + a.max_response_length
     kv_tokens = max(0, int(engine_room // per_token))
+    cap = cpu_pool_tokens(r, seq_tokens) if c.device == "cpu" and r.backend == "sglang" else 0
+    if cap:  # the fleet's --max-total-tokens: the pool holds no more, beside the learner or alone
+        kv_tokens, engine_room = min(kv_tokens, cap), min(engine_room, cap * per_token)
+        kv_cap = cap * per_token / gpus
+        colocated = [dataclasses.replace(f, kv_fresh=min(f.kv_fresh, kv_cap), kv_resumed=min(f.kv_resumed, kv_cap),
+                                         rollout_bytes=f.rollout_bytes - max(0.0, f.kv_fresh) + min(
+                                             max(0.0, f.kv_fresh), kv_cap)) for f in colocated]
     if engine_room <= 0:
         warnings.append(f"engines have no KV-cache room: {gpus} GPUs x mem_fraction_static {r.mem_fraction_static} "
                         f"cannot hold {2 * phi / GIB:.1f} GiB of weights"
@@ -797,7 +806,7 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[St
                         max_full_length_sequences=kv_tokens // seq_tokens if seq_tokens else 0,
                         mem_fraction_static=r.mem_fraction_static, kv_per_gpu_bytes=kv_per_gpu,
                         weights_per_gpu_bytes=room.weights, colocated=colocated, weight_update_groups=groups,
-                        outside_pool_bytes=outside, outside_pool_needed_bytes=needed)
+                        outside_pool_bytes=outside, outside_pool_needed_bytes=needed, cpu_pool_cap_tokens=cap)
 
 
 def _node_layout(cfg: DapoConfig, placement: Placement) -> List[NodeRoles]:
@@ -872,6 +881,12 @@ def _memory_lines(plan: Plan) -> List[str]:
               f"= {eng.max_full_length_sequences} full-length sequences (SGLang: mem_fraction_static "
               f"{eng.mem_fraction_static} x free memory at start - {eng.weights_per_gpu_bytes / GIB:.1f} GiB "
               "weights, per GPU)"]
+    if eng.cpu_pool_cap_tokens:
+        lines.append(f"  on a CPU each SGLang engine's pool is capped at {eng.cpu_pool_cap_tokens:,} tokens "
+                     f"= {eng.cpu_pool_cap_tokens * eng.kv_bytes_per_token / 2**20:,.1f} MiB of host memory + "
+                     f"{eng.weights_per_gpu_bytes * eng.gpus_per_engine / 2**20:,.1f} MiB of weights (--max-total-tokens: "
+                     f"rollout.extra_server_args' value, else max_running_requests x (max_prompt_length + "
+                     f"max_response_length) x {CPU_KV_MARGIN})")
     if eng.outside_pool_needed_bytes:
         lines.append(f"  outside the pool, per engine GPU: {eng.outside_pool_bytes / GIB:.1f} GiB for graphs and "
                      f"activations ~{ENGINE_RUNTIME_GIB:.0f} + {eng.weight_update_groups} weight-update group(s) x "

@@ -238,6 +238,9 @@ class EngineMemory:
     graphs, activations and the weight-update groups' NCCL buffers, all made after the pool."""
     outside_pool_needed_bytes: float = 0.0
     """ENGINE_RUNTIME_GIB + weight_update_groups × WEIGHT_UPDATE_GROUP_GIB."""
+    cpu_pool_cap_tokens: int = 0
+    """SGLang on a CPU: the pool's cap, `--max-total-tokens` (`engines.sglang.commands.cpu_kv_tokens`
+    of max_running_requests and the longest request); 0 where mem_fraction_static sizes it."""
 
 
 @dataclass(frozen=True)

@@ -270,3 +270,23 @@ def test_a_mixture_of_experts_becomes_megatron_cores_moe_config_and_its_layout_i
     with pytest.raises(ConfigError, match=r"^megatron.sequence_parallel: false with TP 2 for a mixture of experts"):
         ParallelLayout.from_config(MegatronConfig(tensor_model_parallel_size=2), 2, hf).validate()
     ParallelLayout.from_config(MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 2, hf).validate()
+
+
+def test_the_plan_prints_what_each_cpu_sglang_engine_takes():
+    """Issue #45 item 3: SGLang on a CPU is capped at the run's need (the fleet's --max-total-tokens),
+    and the plan counts that pool, not mem_fraction_static of the host: by hand, the tiny
+    default's 2 layers x K and V x 2 KV heads x 16 dims x 2 bytes (bf16) = 256 bytes per token."""
+    from dapo_mega.plan.memory import format_plan
+
+    cfg = load_config(["rollout.backend=sglang", "cluster.mode=colocated", "cluster.device=cpu",
+                       "rollout.max_running_requests=64", "algo.max_prompt_length=100", "algo.max_response_length=300"])
+    plan = compute_plan(cfg)
+    eng = plan.engines
+    assert eng.cpu_pool_cap_tokens == 32_000 and eng.kv_tokens == 32_000  # 64 x 400 x 1.25
+    assert eng.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    assert eng.kv_room_bytes == 32_000 * eng.kv_bytes_per_token
+    assert all(f.kv_fresh <= eng.kv_room_bytes for f in eng.colocated)
+    line = next(ln for ln in format_plan(plan).splitlines() if "SGLang engine's pool is capped" in ln)
+    assert f"capped at 32,000 tokens = {32_000 * eng.kv_bytes_per_token / 2**20:,.1f} MiB of host memory" in line
+    gpu = compute_plan(load_config(["rollout.backend=sglang", "cluster.mode=colocated"]))
+    assert gpu.engines.cpu_pool_cap_tokens == 0 and gpu.engines.kv_tokens > 32_000

@@ -141,7 +141,7 @@ SERVER_FLAGS: Dict[str, str] = {
     "random_seed": "--random-seed", "trust_remote_code": "--trust-remote-code",
     "skip_server_warmup": "--skip-server-warmup", "log_level": "--log-level",
     "served_model_name": "--served-model-name",
-    "device": "--device", "base_gpu_id": "--base-gpu-id",
+    "device": "--device", "base_gpu_id": "--base-gpu-id", "max_total_tokens": "--max-total-tokens",
     "enable_return_routed_experts": "--enable-return-routed-experts",
 }
 

@@ -36,6 +36,7 @@ def build_engine_command(
     memory_saver: bool = False,
     base_gpu_id: Optional[int] = None,
     routed_experts: bool = False,
+    max_total_tokens: Optional[int] = None,
 ) -> List[str]:
     """argv of one engine: `[python, -m, <module>, --model-path, ..., *extra_server_args]`.
 
@@ -50,6 +51,8 @@ def build_engine_command(
         to it); the placement narrows CUDA_VISIBLE_DEVICES per engine and passes 0.
         SGLang only: the embedded CPU engine has no GPUs.
     routed_experts: `--enable-return-routed-experts` (`reports_routed_experts` says when).
+    max_total_tokens: SGLang `--max-total-tokens`, the KV pool's cap (`cpu_kv_tokens` on a CPU);
+        a value in `extra_server_args` wins.
     """
     host = host or cfg.host
     require_api_key(host, cfg.api_key, "rollout.api_key")
@@ -73,8 +76,58 @@ def build_engine_command(
         argv += [f["base_gpu_id"], str(base_gpu_id)]
     if routed_experts and ROUTED_EXPERTS_FLAG not in cfg.extra_server_args:
         argv.append(ROUTED_EXPERTS_FLAG)
+    if max_total_tokens and not any(a.split("=")[0] == f["max_total_tokens"] for a in cfg.extra_server_args):
+        argv += [f["max_total_tokens"], str(max_total_tokens)]
     argv += list(cfg.extra_server_args)
     return argv
+
+
+CPU_KV_MARGIN = 1.25
+"""Head-room of a CPU engine's KV pool over the run's need (prefix-cache entries kept between
+rounds, a continuation's re-sent prefix)."""
+
+
+def cpu_kv_tokens(max_running_requests: int, context_tokens: int) -> int:
+    """The KV pool of an SGLang engine on a CPU, in tokens: every running request at its
+    longest (prompt + response) with CPU_KV_MARGIN, as a user sizes it by hand. On a CPU
+    SGLang sizes its pool as on a GPU, mem_fraction_static of the host's free memory (0.7 of
+    24 GiB held resident for a 2-layer model); `--max-total-tokens` caps it at this need."""
+    if max_running_requests < 1 or context_tokens < 1:
+        raise ValueError(f"cpu_kv_tokens: {max_running_requests} running requests x {context_tokens} tokens")
+    return -(-max_running_requests * context_tokens * int(CPU_KV_MARGIN * 100) // 100)
+
+
+def cpu_pool_tokens(cfg: RolloutConfig, context_tokens: int) -> int:
+    """The KV pool an SGLang CPU engine of `cfg` holds: `--max-total-tokens N` where
+    rollout.extra_server_args gives it, else `cpu_kv_tokens`."""
+    args, flag = list(cfg.extra_server_args), SERVER_FLAGS["max_total_tokens"]
+    for i, arg in enumerate(args):
+        value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
+            args[i + 1] if arg == flag and i + 1 < len(args) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"rollout.extra_server_args: {flag} {value!r} is not a whole number of tokens") \
+                    from None
+    return cpu_kv_tokens(cfg.max_running_requests, context_tokens)
+
+
+DEFAULT_CONTEXT_TOKENS = 4096
+"""A request's longest context where neither the run nor the model's config says."""
+
+
+def model_context_tokens(model_path: str) -> int:
+    """The model's context length (config.json's max_position_embeddings), DEFAULT_CONTEXT_TOKENS
+    where the path holds no readable config (a stand-in model path)."""
+    import json
+    from pathlib import Path
+
+    try:
+        value = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT_TOKENS
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_CONTEXT_TOKENS
 
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
