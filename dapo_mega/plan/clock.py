@@ -40,6 +40,7 @@ from dapo_mega.plan.memory import (
     total_params,
 )
 from dapo_mega.plan.types import Plan
+from dapo_mega.rollout.settings import tool_slots
 
 GB = 1e9
 GIB = 1024 ** 3
@@ -318,17 +319,14 @@ def estimate_generation(prompts: int, samples_per_prompt: int, max_response_leng
 def tool_load(cfg: DapoConfig, a: ClockAssumptions) -> Dict[str, float]:
     """The tool figures of `estimate_generation` for `cfg`: none without an environment; else
     tool_calls_per_sample (null: (max_turns - 1) / 2), tool_call_s, and the environment's
-    `max_concurrent` (rollout.environment_kwargs; the python tool's default 4) as its slots."""
+    `max_concurrent` as its slots (`rollout.settings.tool_slots`: the threads the rollout's tool
+    executor has)."""
     r = cfg.rollout
     if not r.environment:
         return {}
     calls = a.tool_calls_per_sample if a.tool_calls_per_sample is not None else (r.max_turns - 1) / 2
     return {"tool_calls": float(calls), "tool_call_s": float(a.tool_call_s),
-            "tool_slots": int(r.environment_kwargs.get("max_concurrent", DEFAULT_TOOL_SLOTS))}
-
-
-DEFAULT_TOOL_SLOTS = 4
-"""The python tool's max_concurrent (dapo_mega/environments/python_tool.py)."""
+            "tool_slots": tool_slots(r.environment_kwargs)}
 
 
 def train_flops_per_step(samples: int, lengths: LengthAssumption, max_response_length: int, params: float,

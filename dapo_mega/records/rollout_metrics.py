@@ -111,7 +111,9 @@ def rollout_entropy_estimate(records: Sequence) -> Optional[float]:
 def turn_metrics(records: Sequence) -> Dict[str, float]:
     """Multi-turn samples (rollout/turns.py): turns per sample, tool calls, tool errors (all and
     by kind), tool seconds and the environment's share of the response tokens, summed over the
-    step's samples."""
+    step's samples; `rollout/closed_with_pending_tool`: samples whose last turn asked for a tool
+    that never answered (`ScoredSample.tool_pending`; 0 unless the rollout lost a call; a ledger
+    row has no such field and counts none)."""
     tokens = sum(r.response_length for r in records)
     env = sum(r.env_tokens for r in records)
     out = {"rollout/turns_mean": float(np.mean([r.turns for r in records])),
@@ -120,7 +122,8 @@ def turn_metrics(records: Sequence) -> Dict[str, float]:
            "rollout/tool_errors": float(sum(sum(r.tool_errors.values()) for r in records)),
            "rollout/tool_time_s": float(sum(r.tool_time_s for r in records)),
            "rollout/env_tokens": float(env), "rollout/model_tokens": float(tokens - env),
-           "rollout/env_token_share": float(env / max(tokens, 1))}
+           "rollout/env_token_share": float(env / max(tokens, 1)),
+           "rollout/closed_with_pending_tool": float(sum(bool(getattr(r, "tool_pending", False)) for r in records))}
     for kind in sorted({k for r in records for k in r.tool_errors}):
         out[f"rollout/tool_errors/{kind}"] = float(sum(r.tool_errors.get(kind, 0) for r in records))
     return out

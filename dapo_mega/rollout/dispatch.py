@@ -13,10 +13,20 @@ while it has requests in flight, and finished chunks come out strictly in chunk 
             rnd.limit_open(n)         # send only while fewer than n prompts are open
     outcome = rnd.outcome
 
-The round reads the engine set from the engine book and writes deaths and finished requests
-into it; it calls nothing of whoever iterates it. While chunks it has handed out wait to be
-read, no new request is sent: what the reader decides (the batch is full, fewer prompts
-should be open) takes effect before the next request, as if it had been told at once.
+The round reads the engine set from the engine book and writes deaths and progress into it
+(each request answered, each tool call of a multi-turn chunk, each chunk finished: the
+driver's progress counter moves while a long chunk works); it calls nothing of whoever
+iterates it. While chunks it has handed out wait to be read, no new request is sent: what the
+reader decides (the batch is full, fewer prompts should be open) takes effect before the next
+request, as if it had been told at once.
+
+A stop reaches every chunk: no chunk is taken and no turn of a multi-turn chunk is sent
+after it (the chunk's samples so far are kept as partial rollouts), and the round's requests
+still running are aborted, again every ABORT_EVERY_S while one runs (a request that was on
+its way when the engine took the abort arrives after it), ABORT_TRIES times at most.
+
+With an environment (rollout/turns.py) the round owns the executor its steps run in:
+`RoundSettings.tool_slots` threads, made when it starts and shut down when it ends.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Deque, Dict, List, Optional, Sequence
 
 import aiohttp
@@ -54,6 +65,12 @@ class _Retry(Exception):
 
 
 _END = object()
+
+ABORT_TRIES = 10
+"""abort_all sent at most this many times after a stop, while the round's requests still run."""
+ABORT_EVERY_S = 0.5
+"""Seconds between two of them (the stop's aborts end within ABORT_TRIES x this, and each
+abort's own control timeout)."""
 
 
 def chunk_size(num_prompts: int, num_engines: int, prompts_per_request: int) -> int:
@@ -89,17 +106,20 @@ class Round:
         self.max_open: Optional[float] = None
         self.errors: List[BaseException] = []
         self.abort_tasks: List[asyncio.Task] = []
+        self.generating = {url: 0 for url in self.live}  # this round's /generate requests in flight
+        self.tools: Optional[ThreadPoolExecutor] = None  # the environment's steps run here
         self.ready: Deque[object] = deque()  # handed out, not read yet; _END last
         self.reading = True  # the reader is inside `async with`: unread chunks hold new requests back
 
     # ---------------------------------------------------------------- what the reader does
     def stop(self) -> None:
-        """No new request; those in flight are aborted and their prompts end in `outcome.unsent`."""
+        """No new request or turn; those in flight are aborted and their prompts end in
+        `outcome.unsent` (module docstring)."""
         if self.stopping.is_set():
             return
         self.stopping.set()
         self.pulse.notify()
-        self.abort_tasks.append(asyncio.ensure_future(self.book.abort_all(self.dog.busy(), self.outcome.failures)))
+        self.abort_tasks.append(asyncio.ensure_future(self._abort_until_idle()))
 
     def limit_open(self, max_open_prompts: Optional[float]) -> None:
         """Send a chunk only while fewer than this many prompts are open (sent and not read
@@ -155,6 +175,15 @@ class Round:
     async def _dispatch(self) -> None:
         if not self.chunks:
             return
+        if self.s.environment is not None:
+            self.tools = ThreadPoolExecutor(self.s.tool_slots, thread_name_prefix="dapo-mega-tool")
+        try:
+            await self._dispatch_chunks()
+        finally:
+            if self.tools is not None:  # steps a failed round left running finish on their own
+                self.tools.shutdown(wait=False, cancel_futures=True)
+
+    async def _dispatch_chunks(self) -> None:
         self.queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first
         for c in range(len(self.chunks)):
             self.queue.put_nowait(c)
@@ -193,6 +222,23 @@ class Round:
             if (failures and failures[-1].startswith("FATAL")) or all(w.done() for w in workers):
                 return
             await self.pulse.wait()
+
+    async def _abort_until_idle(self) -> None:
+        """abort_all on each engine a request of this round runs on, again while one still runs
+        there: an engine ends what it holds when the abort comes, not a request that arrives
+        after it (tests/engines/test_conformance.py), and a request sent as the round stopped
+        can. At most ABORT_TRIES times, ABORT_EVERY_S apart; what still runs then is noted."""
+        for _ in range(ABORT_TRIES):
+            busy = [url for url, k in self.generating.items() if k > 0]
+            if not busy:
+                return
+            await self.book.abort_all(busy, self.outcome.failures)
+            again = time.monotonic() + ABORT_EVERY_S
+            while any(self.generating[url] for url in busy) and time.monotonic() < again:
+                await self.pulse.wait(again - time.monotonic())
+        busy = {url: k for url, k in self.generating.items() if k > 0}
+        if busy:
+            self.outcome.failures.append(f"requests still running after {ABORT_TRIES} aborts: {busy}")
 
     def _conclude(self) -> RoundOutcome:
         out = self.outcome
@@ -283,15 +329,13 @@ class Round:
         self.dog.sent(url)
         self.open_prompts += len(idx)
         failed = True
-        try:  # a resumed chunk with nothing open (every sample had finished) needs no request
-            samples = await self.dog.until_hung(url, client.generate(
-                inputs, params, return_logprob=self.s.return_logprob,
-                return_routed_experts=self.s.reports_experts(c))) if inputs else []
+        try:  # a resumed chunk with no sample to generate (finished, or its tool pending) needs no request
+            samples = await self._generate(url, client, c, inputs, params) if inputs else []
             groups = self._groups(url, c, inputs, params, resume, samples, t0)
-            if self.s.environment is not None and not any(s.aborted for s in samples):
+            if self.s.environment is not None:
                 groups, samples = await self._turns(url, client, c, groups, samples, resume)
-            if any(s.aborted for s in samples):
-                if self.stopping.is_set():  # our own abort: the prompts go back unsent (their partials kept)
+            if any(s.aborted for s in samples) or any(pg.open for pg in groups):
+                if self.stopping.is_set():  # our own stop: the prompts go back unsent (their partials kept)
                     self._set_aside(c, groups, samples)
                     return True  # failed stays True: no longer open
                 raise _Retry(f"{url}: request aborted by the engine")
@@ -321,27 +365,45 @@ class Round:
         self._finish(url, c, groups)
         return True
 
+    async def _generate(self, url: str, client: EngineClient, c: int, inputs: List[PromptInput],
+                        params: RequestSamplingParams) -> List[SampleResult]:
+        """One /generate request of chunk `c` on `url`, counted in `generating` while it runs."""
+        self.generating[url] += 1
+        try:
+            return await self.dog.until_hung(url, client.generate(
+                inputs, params, return_logprob=self.s.return_logprob, return_routed_experts=self.s.reports_experts(c)))
+        finally:
+            self.generating[url] -= 1
+            self.pulse.notify()
+
+    def _progressed(self, url: str) -> None:
+        """A turn's request answered or a tool call ended: progress for the watchdog and the driver."""
+        self.book.count_finished()
+        self.dog.progressed(url)
+
     async def _turns(self, url: str, client: EngineClient, c: int, groups: List[PartialGroup],
                      replies: List[SampleResult], resume: Optional[ResumeRequest]):
         """The further turns of the chunk's samples with the environment (rollout/turns.py), each
-        turn one request on the same engine: (groups, the last request's replies)."""
+        turn one request on the same engine, until every episode ended, a reply was aborted or
+        the round stopped (no new turn then: the samples not ended stay open): (groups, the
+        last request's replies)."""
         idx, n = self.chunks[c], self.s.n_samples
         owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
         bases = per_prompt(self.s.params_for([self.prompts[i] for i in idx], self.step, self.gen_round), len(idx))
         episodes = Episodes(self.s.environment, self.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
-                            bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat")
-        for _ in range(self.s.max_turns):
-            request = await episodes.next_request()
-            if request is None:
+                            bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat",
+                            tools=self.tools)
+        while not self.stopping.is_set() and not any(r.aborted for r in replies):
+            async for _ in episodes.run_tools():  # the tools of the samples that stopped at a call
+                self._progressed(url)
+            request = episodes.next_request()
+            if request is None or self.stopping.is_set():
                 break
             t1 = time.monotonic()
-            replies = await self.dog.until_hung(url, client.generate(
-                request.inputs, request.params, return_logprob=self.s.return_logprob,
-                return_routed_experts=self.s.reports_experts(c)))
+            replies = await self._generate(url, client, c, request.inputs, request.params)
             episodes.take(request, replies, url, time.monotonic() - t1)
-            if any(r.aborted for r in replies):
-                return episodes.cut(request), replies
-        return episodes.groups, replies
+            self._progressed(url)
+        return episodes.partial_groups(), replies
 
     def _request(self, idx: List[int]):
         """(inputs, sampling params, ResumeRequest or None) of the chunk of prompts `idx`."""
@@ -360,8 +422,9 @@ class Round:
                             GroupOrigin(url, delay, latency, self.gen_round, self.s.dataset_revision))
 
     def _set_aside(self, c: int, groups: List[PartialGroup], replies: List[SampleResult]) -> None:
-        """A request of chunk `c` aborted by our stop: its prompts go back unsent; with
-        partial rollouts their samples so far (`groups`) are kept (`RoundOutcome.partials`)."""
+        """Chunk `c` cut by our stop (its request aborted, or its next turn not sent): its prompts
+        go back unsent; with partial rollouts their samples so far (`groups`, those not ended
+        open) are kept (`RoundOutcome.partials`)."""
         out = self.outcome
         out.aborted_requests += 1
         out.aborted_samples += len(replies)

@@ -1,11 +1,13 @@
 """The liveness watchdog of a generation round (rollout/manager.py's module docstring).
 
 Liveness is progress, not a request's duration: while an engine has requests in flight it
-is probed (`GET /health` every `probe_interval_s`), and one that answers no probe and
-finishes no request for `liveness_timeout_s` is hung: its requests are abandoned (`Hung`)
-and it is marked dead in the engine book. A `Watchdog` is made per round: it holds the book,
-the two settings and the round's requests in flight per engine; the round tells it when a
-request starts and ends (`sent`, `ended`), and runs `until_hung` around each request.
+is probed (`GET /health` every `probe_interval_s`), and one that answers no probe and makes
+no progress for `liveness_timeout_s` is hung: its requests are abandoned (`Hung`) and it is
+marked dead in the engine book. Progress is a request answered, or a tool call of a
+multi-turn chunk ended (`progressed`): a chunk of sixteen turns is many requests, not one. A
+`Watchdog` is made per round: it holds the book, the two settings and the round's chunks in
+flight per engine; the round tells it when a chunk starts and ends (`sent`, `ended`) and
+when it progresses, and runs `until_hung` around each request.
 """
 
 from __future__ import annotations
@@ -60,13 +62,14 @@ class Watchdog:
         self.in_flight[url] += 1
 
     def ended(self, url: str, finished: bool) -> None:
-        """A request on `url` ended; `finished`: with a complete reply (progress)."""
+        """A chunk on `url` ended; `finished`: with a complete reply (progress)."""
         self.in_flight[url] -= 1
         if finished:
-            self.last_progress[url] = time.monotonic()
+            self.progressed(url)
 
-    def busy(self) -> list:
-        return [u for u, k in self.in_flight.items() if k > 0]
+    def progressed(self, url: str) -> None:
+        """Work on `url` went on: a request answered, or a tool call between its turns ended."""
+        self.last_progress[url] = time.monotonic()
 
     async def until_hung(self, url: str, request):
         """The reply of `request`, or Hung once the watchdog gives the engine up."""
@@ -84,7 +87,7 @@ class Watchdog:
 
     async def watch(self, url: str, over: asyncio.Event) -> None:
         """Probe `url` while it has requests in flight, until the round is `over`; mark it hung
-        after liveness_timeout_s without an answer or a finished request."""
+        after liveness_timeout_s without an answer or progress."""
         async with EngineClient(self.book.endpoints[url]) as probe:
             while not over.is_set() and not self.book.is_dead(url):
                 if self.in_flight[url] <= 0:
@@ -97,7 +100,7 @@ class Watchdog:
                     await self._observe_loads(url, probe)
                 elif time.monotonic() - self.last_progress[url] > self.liveness_timeout_s:
                     silent = time.monotonic() - self.last_progress[url]
-                    self.book.mark_dead(url, f"{url}: hung: no answer to /health and no request finished for "
+                    self.book.mark_dead(url, f"{url}: hung: no answer to /health and no progress for "
                                              f"{silent:.0f} s with {self.in_flight[url]} request(s) in flight "
                                              f"(rollout.liveness_timeout_s={self.liveness_timeout_s:g})")
                     self.hung[url].set()

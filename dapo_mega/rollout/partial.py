@@ -19,6 +19,10 @@ tail of a round is not thrown away when the batch is full, it is finished later.
   `weight_versions`, `policy_version_min` / `_max`) say which version produced which
   tokens. The text is the two texts joined (a multi-byte character cut by the abort decodes
   as two halves). A sample cut with its whole budget spent is finished as truncated.
+* Multi-turn samples (rollout/turns.py): a sample whose turn had ended at the environment's
+  stop string when the round stopped is open too, its tool call pending
+  (`ScoredSample.tool_pending`): on resume the environment answers it first, and the model's
+  next turn follows (`PartialGroup.to_generate` leaves it out of the resume request).
 * Age: a sample's age counts its OLDEST token (`ScoredSample.age`). A carried group whose
   oldest token would be older than the age limit when consumed now is dropped before it is
   resumed (`too_old`), its prompt generated afresh, and counted (`rollout/partial_stale_*`).
@@ -84,6 +88,7 @@ def extend_sample(sample: ScoredSample, reply: "SampleResult", engine_id: str, l
     return replace(sample, token_ids=list(sample.token_ids) + list(reply.token_ids), logprobs=logprobs,
                    weight_versions=merge_spans(sample.weight_versions, reply.weight_versions, len(sample.token_ids)),
                    response_text=sample.response_text + reply.text, truncated=reply.truncated, engine_id=engine_id,
+                   tool_pending=False,  # the model spoke last: rollout/turns.py says whether a tool is due
                    generation_latency_s=sample.generation_latency_s + float(reply.meta_info.get("e2e_latency",
                                                                                                 latency_s)),
                    # the resumed request routed the prompt and the carried tokens again: its report covers them all
@@ -130,6 +135,11 @@ class PartialGroup:
     def tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.group.samples)
 
+    @property
+    def to_generate(self) -> List[int]:
+        """The open samples whose next turn is the model's (the others wait for their tool)."""
+        return [pos for pos in self.open if not self.group.samples[pos].tool_pending]
+
     def oldest_version(self) -> Optional[int]:
         """The oldest weight version of any token so far (None: no token yet)."""
         versions = [parse_version(s["version"]) for smp in self.group.samples for s in smp.weight_versions
@@ -143,19 +153,20 @@ class PartialGroup:
         return age_limit is not None and oldest is not None and learner_version - oldest > age_limit
 
     def merge(self, replies: Sequence["SampleResult"], engine_id: str, latency_s: float) -> "PartialGroup":
-        """The group after its open samples' replies (one each, in `open` order)."""
-        budget = self.budget
-        if len(replies) != len(self.open):
-            raise ValueError(f"{len(replies)} replies for {len(self.open)} open samples of prompt "
+        """The group after the replies of its open samples `to_generate` (one each, in order);
+        those whose tool is pending stay open for it."""
+        budget, generating = self.budget, self.to_generate
+        if len(replies) != len(generating):
+            raise ValueError(f"{len(replies)} replies for {len(generating)} open samples of prompt "
                              f"{self.group.prompt_id}")
-        samples, still_open = list(self.group.samples), []
-        for pos, reply in zip(self.open, replies):
+        samples, still_open = list(self.group.samples), [pos for pos in self.open if pos not in generating]
+        for pos, reply in zip(generating, replies):
             samples[pos] = extend_sample(samples[pos], reply, engine_id, latency_s)
             if is_open(reply, len(samples[pos].token_ids), budget):
                 still_open.append(pos)
             elif reply.aborted:  # cut exactly at its budget: finished, as the engine would have
                 samples[pos] = replace(samples[pos], truncated=True)
-        return PartialGroup(replace(self.group, samples=samples, engine_id=engine_id), still_open, budget)
+        return PartialGroup(replace(self.group, samples=samples, engine_id=engine_id), sorted(still_open), budget)
 
     @classmethod
     def cut(cls, group: Group, replies: Sequence["SampleResult"], budget: int) -> "PartialGroup":
@@ -186,15 +197,16 @@ class ResumeRequest:
 
 
 def resume_request(groups: Sequence[PartialGroup], params: Sequence["SamplingParams"]) -> ResumeRequest:
-    """The request that resumes every open sample of `groups` (`params[k]`: the sampling
-    params group k's prompt would be sent with; a `sampling_seed` in it becomes seed + sample
-    index, as the client seeds the samples of a group)."""
+    """The request that resumes every open sample of `groups` whose next turn is the model's
+    (`PartialGroup.to_generate`); `params[k]`: the sampling params group k's prompt would be
+    sent with; a `sampling_seed` in it becomes seed + sample index, as the client seeds the
+    samples of a group."""
     req = ResumeRequest()
     for k, (pg, base) in enumerate(zip(groups, params)):
         prompt_ids = pg.group.prompt_input
         if isinstance(prompt_ids, str):
             raise TypeError(f"prompt {pg.group.prompt_id}: a partial rollout resumes from token ids, not text")
-        for pos in pg.open:
+        for pos in pg.to_generate:
             s = pg.group.samples[pos]
             sp = {**base, "n": 1, "max_new_tokens": pg.budget - len(s.token_ids)}
             if base.get("sampling_seed") is not None:

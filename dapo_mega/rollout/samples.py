@@ -104,7 +104,8 @@ class ScoredSample:
     learner_version: int = 0
     """Policy version of the learner that consumed or rejected it."""
     turns: int = 1
-    """The model's turns (rollout/turns.py): 1 without an environment."""
+    """The model's turns (rollout/turns.py), each counted from its request on (a partial rollout
+    cut before or within a turn resumes that turn): 1 without an environment."""
     env_spans: List[List[int]] = field(default_factory=list)
     """[start, end) of each environment answer in token_ids: in the context, masked from the
     loss, log-prob 0.0."""
@@ -116,6 +117,11 @@ class ScoredSample:
     """The environment's reward parts, summed (added to the verifier's reward)."""
     turn_text_at: int = 0
     """Where in response_text the model's latest turn begins (what the environment reads)."""
+    tool_pending: bool = False
+    """Its latest turn ended at the environment's stop string with turns and budget left: the
+    environment's answer is still to come (rollout/turns.py). A partial rollout cut there stays
+    open and the environment answers first when it resumes; a sample closed with it set lost its
+    tool call (`rollout/closed_with_pending_tool`, 0 when the rollout is right)."""
 
     @property
     def response_length(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
@@ -18,9 +18,20 @@ if TYPE_CHECKING:
     from dapo_mega.environments.base import Environment
     from dapo_mega.rollout.samples import PromptItem
 
-__all__ = ["PURPOSES", "RoundSettings", "request_seed"]
+__all__ = ["DEFAULT_TOOL_SLOTS", "PURPOSES", "RoundSettings", "request_seed", "tool_slots"]
 
 PURPOSES = ("train", "eval", "audit")
+
+DEFAULT_TOOL_SLOTS = 4
+"""The environment's steps at once when rollout.environment_kwargs gives no max_concurrent
+(the python tool's default, dapo_mega/environments/python_tool.py)."""
+
+
+def tool_slots(environment_kwargs: Mapping[str, Any]) -> int:
+    """Steps of the environment at once: its `max_concurrent` (rollout.environment_kwargs), or
+    DEFAULT_TOOL_SLOTS. The round's tool executor has this many threads and the plan's clock
+    (plan/clock.py) counts this many slots, so what the plan prints is what runs."""
+    return max(1, int(environment_kwargs.get("max_concurrent", DEFAULT_TOOL_SLOTS)))
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,9 @@ class RoundSettings:
     tool_message: str = "text"
     """With an environment: its answer as written (text) or as the chat template renders a tool
     message (chat: `PromptEncoder.tool_message`)."""
+    tool_slots: int = DEFAULT_TOOL_SLOTS
+    """With an environment: threads of the round's executor its steps run in (`tool_slots`:
+    the environment's max_concurrent)."""
 
     def __post_init__(self) -> None:
         params = {**self.sampling_params, "n": self.n_samples}
@@ -67,6 +81,7 @@ class RoundSettings:
         object.__setattr__(self, "sampling_params", params)
         object.__setattr__(self, "prompts_per_request", max(1, self.prompts_per_request))
         object.__setattr__(self, "requests_per_engine", max(1, self.requests_per_engine))
+        object.__setattr__(self, "tool_slots", max(1, self.tool_slots))
 
     def params_for(self, prompts: Sequence["PromptItem"], step: int, gen_round: int) -> "RequestSamplingParams":
         """sampling_params of one request: shared, or (with `seed`) one dict per prompt whose
@@ -103,7 +118,7 @@ class RoundSettings:
                       requests_per_engine=r.requests_per_engine, liveness_timeout_s=r.liveness_timeout_s,
                       probe_interval_s=r.liveness_probe_interval_s, dataset_revision=dataset_revision,
                       environment=build_environment(r.environment, r.environment_kwargs), max_turns=r.max_turns,
-                      tool_message=r.tool_message)
+                      tool_message=r.tool_message, tool_slots=tool_slots(r.environment_kwargs))
         if purpose == "eval":
             params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=(
                 max_response_length or e.max_response_length or a.max_response_length))

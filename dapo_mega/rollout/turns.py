@@ -7,9 +7,12 @@ request stops at the environment's stop strings (SGLang's `stop`, with `no_stop_
 text keeps them as the tokens do). After a round's request answers, `Episodes` runs the turns
 of its samples on the same engine:
 
-* a sample whose latest turn ended at a stop string is handed to its own episode (a shallow
-  copy of the configured environment, reset with the problem: what `__init__` built, the
-  sandbox and its slots, is shared; what `reset` sets is the episode's), in a worker thread;
+* a sample whose latest turn ended at a stop string has its tool pending
+  (`ScoredSample.tool_pending`) and is handed to its own episode (a shallow copy of the
+  configured environment, reset with the problem: what `__init__` built, the sandbox and its
+  slots, is shared; what `reset` sets is the episode's), in a thread of the round's executor
+  (`RoundSettings.tool_slots` threads: the environment's max_concurrent, what the plan's clock
+  counts; asyncio's default pool would hold min(32, cores + 4));
 * the observation (as written, or with rollout.tool_message=chat as the chat template renders
   a tool message: `TextEncoding.tool_message`) is tokenized (`encode_text`) and appended:
   its positions go to the sample's `env_spans` (loss mask 0, log-prob 0.0);
@@ -20,6 +23,11 @@ of its samples on the same engine:
   (`algo.max_response_length`, the one the overlong shaping reads) is spent: environment
   tokens count against it, an observation that does not fit is cut and the sample truncated.
 
+A round that stops (rollout/dispatch.py) sends no new turn: the samples not ended stay open
+(`Episodes.partial_groups`), those cut by the abort, those whose tool is pending (it runs
+when the partial rollout resumes, before the model's next turn) and those whose answer came
+but whose next turn was not sent. None is closed with its tool call unmade.
+
 What the tool cost travels with the sample (`tool_calls`, `tool_errors` by kind, `tool_time_s`)
 into the ledger and the step's metrics; the environment's reward parts (`env_reward`) are added
 to the verifier's reward when the sample is scored.
@@ -29,8 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.environments.base import Environment, StepResult
 from dapo_mega.rollout.partial import PartialGroup, extend_sample
@@ -83,7 +92,7 @@ def add_observation(sample: ScoredSample, result: StepResult, ids: List[int], bu
                    truncated=len(kept) < len(ids) or sample.truncated,
                    tool_calls=sample.tool_calls + result.tool_calls, tool_errors=errors,
                    tool_time_s=sample.tool_time_s + result.tool_time_s,
-                   env_reward=sample.env_reward + float(sum(result.reward_parts.values())))
+                   env_reward=sample.env_reward + float(sum(result.reward_parts.values())), tool_pending=False)
 
 
 def turn_params(base: "SamplingParams", sample: ScoredSample, budget: int) -> "SamplingParams":
@@ -97,11 +106,10 @@ def turn_params(base: "SamplingParams", sample: ScoredSample, budget: int) -> "S
 
 @dataclass
 class TurnState:
-    """Where one sample's episode stands: its group and place, its last reply, its environment."""
+    """One sample's episode in this chunk: its group and place, its environment once it has one."""
 
     group: int
     position: int
-    last: "SampleResult"
     env: Optional[Environment] = None
 
 
@@ -115,21 +123,45 @@ class Continuation:
 
 
 class Episodes:
-    """The turns of one request's samples (module docstring).
+    """The turns of one chunk's samples (module docstring).
 
-    `groups`: the request's PartialGroups (its samples complete or cut by an abort); `replies`:
-    per (group, position) its last reply; `bases`: per group, the sampling params of its
-    prompt; `budget`: the response budget."""
+    `groups`: the chunk's PartialGroups (their samples complete, cut by an abort, or waiting for
+    their tool); `replies`: per (group, position) the reply just appended to it; `bases`: per
+    group, the sampling params of its prompt; `budget`: the response budget; `tools`: the
+    executor the environment's steps run in (the round's, sized to the environment's
+    max_concurrent; None: asyncio's default).
+
+        async for _ in episodes.run_tools():   # each answer as it comes
+            ...
+        request = episodes.next_request()      # those that go on, or None
+        ...                                    # its replies: episodes.take(request, replies, ...)
+    """
 
     def __init__(self, environment: Environment, encoding: TextEncoding, max_turns: int,
                  groups: List[PartialGroup], replies: Dict[Tuple[int, int], "SampleResult"],
-                 bases: Sequence["SamplingParams"], budget: int, chat: bool = False):
+                 bases: Sequence["SamplingParams"], budget: int, chat: bool = False,
+                 tools: Optional[Executor] = None):
         self.environment, self.encoding, self.max_turns, self.chat = environment, encoding, max_turns, chat
         self.groups, self.bases, self.budget = groups, list(bases), budget
-        self.states = [TurnState(k, j, r) for (k, j), r in sorted(replies.items())]
+        self.tools = tools
+        self.going: List[TurnState] = []  # answered, their next turn not requested yet
+        self.open = [set(pg.open) for pg in groups]
+        """Per group, its samples not ended: cut by an abort, their tool pending, or their
+        next turn not sent yet."""
+        self.states: Dict[Tuple[int, int], TurnState] = {}
+        for (k, j), reply in sorted(replies.items()):
+            self._turn_ended(self._state(k, j), reply)
 
     def sample(self, st: TurnState) -> ScoredSample:
         return self.groups[st.group].group.samples[st.position]
+
+    def partial_groups(self) -> List[PartialGroup]:
+        """The groups as the turns left them, each with its samples not ended open: what a round
+        that stops keeps as partial rollouts."""
+        return [replace(pg, open=sorted(self.open[k])) for k, pg in enumerate(self.groups)]
+
+    def _state(self, k: int, j: int) -> TurnState:
+        return self.states.setdefault((k, j), TurnState(k, j))
 
     def _set(self, st: TurnState, sample: ScoredSample) -> None:
         samples = list(self.groups[st.group].group.samples)
@@ -137,10 +169,15 @@ class Episodes:
         pg = self.groups[st.group]
         self.groups[st.group] = replace(pg, group=replace(pg.group, samples=samples))
 
-    def _wants_turn(self, st: TurnState) -> bool:
+    def _turn_ended(self, st: TurnState, reply: "SampleResult") -> None:
+        """The model's turn ended with `reply` (already appended): at a stop string with turns
+        and budget left its tool is pending, and it stays open until the environment answers."""
         s = self.sample(st)
-        return ended_at_stop(st.last, self.environment.stop) and s.turns < self.max_turns \
+        pending = ended_at_stop(reply, self.environment.stop) and s.turns < self.max_turns \
             and len(s.token_ids) < self.budget
+        self._set(st, replace(s, tool_pending=pending))
+        if pending:
+            self.open[st.group].add(st.position)
 
     def _episode(self, st: TurnState) -> Environment:
         if st.env is None:
@@ -163,43 +200,55 @@ class Episodes:
                                     f"{type(result).__name__}, not a StepResult")
         return result
 
-    async def next_request(self) -> Optional[Continuation]:
-        """Run the environment on every sample whose turn ended at a stop string (in worker
-        threads, at once) and append its answer; the request of those that go on, or None
-        when every episode has ended."""
-        todo = [st for st in self.states if self._wants_turn(st)]
-        if not todo:
-            return None
+    async def run_tools(self) -> AsyncIterator[StepResult]:
+        """Run the environment on every sample whose tool is pending (in the executor's
+        threads, at once) and append each answer as it comes, yielding it (the round counts
+        progress by them)."""
         loop = asyncio.get_running_loop()
-        results = await asyncio.gather(*(loop.run_in_executor(None, self._step, st) for st in todo))
-        going = []
-        for st, result in zip(todo, results):
-            if self.chat and not result.done and result.observation:  # the template's tool turn around it
-                result = replace(result, observation=self.encoding.tool_message(result.observation))
-            ids = self.encoding.encode_text(result.observation) if result.observation else []
-            sample = add_observation(self.sample(st), result, ids, self.budget)
-            self._set(st, sample)
-            if not result.done and not sample.truncated and len(sample.token_ids) < self.budget:
-                going.append(st)
+        todo = [self._state(k, j) for k, pg in enumerate(self.groups) for j, s in enumerate(pg.group.samples)
+                if s.tool_pending]
+        running = {loop.run_in_executor(self.tools, self._step, st): st for st in todo}
+        while running:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                st = running.pop(future)
+                yield self._answered(st, future.result())
+
+    def _answered(self, st: TurnState, result: StepResult) -> StepResult:
+        """The environment's answer appended to the sample: it goes on (open until its next turn
+        is taken) unless the episode is done or the budget spent."""
+        if self.chat and not result.done and result.observation:  # the template's tool turn around it
+            result = replace(result, observation=self.encoding.tool_message(result.observation))
+        ids = self.encoding.encode_text(result.observation) if result.observation else []
+        sample = add_observation(self.sample(st), result, ids, self.budget)
+        self._set(st, sample)
+        if not result.done and not sample.truncated and len(sample.token_ids) < self.budget:
+            self.going.append(st)
+        else:
+            self.open[st.group].discard(st.position)
+        return result
+
+    def next_request(self) -> Optional[Continuation]:
+        """The request of the samples whose answer came and that go on (`run_tools`), their
+        next turn counted from here; None when none does."""
+        going, self.going = sorted(self.going, key=lambda st: (st.group, st.position)), []
         if not going:
             return None
-        return Continuation([list(self.groups[st.group].group.prompt_input) + list(self.sample(st).token_ids)
-                             for st in going],
-                            [turn_params(self.bases[st.group], self.sample(st), self.budget) for st in going], going)
+        request = Continuation([list(self.groups[st.group].group.prompt_input) + list(self.sample(st).token_ids)
+                                for st in going],
+                               [turn_params(self.bases[st.group], self.sample(st), self.budget) for st in going], going)
+        for st in going:  # a partial rollout cut before the request is sent resumes this turn
+            self._set(st, replace(self.sample(st), turns=self.sample(st).turns + 1))
+        return request
 
     def take(self, request: Continuation, replies: Sequence["SampleResult"], engine_id: str, latency_s: float) -> None:
-        """The replies of a continuation, one per sample in it, appended as the model's next turn."""
+        """The replies of a continuation, one per sample in it, appended as the model's next
+        turn (counted when the request was made); a sample cut by an abort with budget left
+        stays open, one cut at its budget is truncated."""
         for st, reply in zip(request.states, replies):
             sample = extend_sample(self.sample(st), reply, engine_id, latency_s)
-            self._set(st, replace(sample, turns=sample.turns + 1))
-            st.last = reply
-
-    def cut(self, request: Continuation) -> List[PartialGroup]:
-        """The groups after an abort answered the continuation `request` (already `take`n): its
-        samples with budget left are open, to be resumed like any partial rollout."""
-        out = []
-        for k, pg in enumerate(self.groups):
-            cut = [st.position for st in request.states if st.group == k and st.last.aborted
-                   and len(self.sample(st).token_ids) < self.budget]
-            out.append(replace(pg, open=sorted(set(pg.open) | set(cut))))
-        return out
+            cut = reply.aborted and len(sample.token_ids) < self.budget
+            self._set(st, replace(sample, truncated=sample.truncated or (reply.aborted and not cut)))
+            if not cut:
+                self.open[st.group].discard(st.position)
+            self._turn_ended(st, reply)

@@ -110,6 +110,22 @@ def test_a_resumed_sample_keeps_the_report_of_its_last_request():
     assert report is not None and (report == 3).all()
 
 
+def test_a_sample_waiting_for_its_tool_is_left_to_it_and_carried_so():
+    """A multi-turn sample cut as its turn ended at a tool call (rollout/turns.py): open, but
+    not in the resume request (its tool answers first), still open after the others merge,
+    and so through the checkpoint."""
+    from dataclasses import replace
+
+    pg = cut_group([reply([1, 2], 4, "stop", index=0), reply([5, 6, 7], 4, index=1)])
+    waiting = replace(pg.group.samples[0], tool_pending=True)
+    pg = replace(pg, open=[0, 1], group=replace(pg.group, samples=[waiting, pg.group.samples[1]]))
+    assert pg.to_generate == [1] and resume_request([pg], [{"n": 2, "max_new_tokens": 10}]).owners == [(0, 1)]
+    merged = pg.merge([reply([8], 5, "stop")], "e1", 0.1)
+    assert merged.open == [0] and merged.group.samples[0] is waiting
+    back = PartialGroup.from_dict(json.loads(json.dumps(pg.to_dict())), Prompt)
+    assert back.group.samples[0].tool_pending and back.to_generate == [1]
+
+
 def test_merge_spans_shift_drop_empty_and_join():
     old = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 2}]
     new = [{"version": "1", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 4}]

@@ -195,6 +195,16 @@ def _episodes(env, budget=12, chat=False):
                     [{"n": 2, "max_new_tokens": budget, "sampling_seed": 10}], budget, chat=chat)
 
 
+def answer_and_go_on(episodes):
+    """The environment's answers to the samples whose tool is pending, then the request of those
+    that go on (what a round does between two turns)."""
+    async def run():
+        async for _ in episodes.run_tools():
+            pass
+        return episodes.next_request()
+    return run_coroutine(run())
+
+
 def replace_sample(s, **kw):
     from dataclasses import replace
 
@@ -203,7 +213,7 @@ def replace_sample(s, **kw):
 
 def test_a_turn_that_stopped_goes_on_with_the_answer_in_its_context():
     episodes = _episodes(build_environment(ENV, {"stops": "a"}))
-    request = run_coroutine(episodes.next_request())
+    request = answer_and_go_on(episodes)
     # only sample 0 stopped at the environment's string; sample 1 answered (EOS)
     assert [(st.group, st.position) for st in request.states] == [(0, 0)]
     answer = [ord(c) for c in "<1:3>"]
@@ -215,14 +225,14 @@ def test_a_turn_that_stopped_goes_on_with_the_answer_in_its_context():
     sample = episodes.sample(request.states[0])
     assert sample.turns == 2 and sample.token_ids == [1, 2, 97, *answer, 7, 8]
     assert sample.weight_versions == [{"version": "3", "start": 0, "end": 3}, {"version": "3", "start": 8, "end": 10}]
-    assert run_coroutine(episodes.next_request()) is None  # it ended at the length limit
+    assert answer_and_go_on(episodes) is None  # it ended at the length limit
 
 
 def test_an_environment_that_raises_fails_the_round_naming_it():
     from dapo_mega.rollout.turns import EnvironmentFailed
 
     with pytest.raises(EnvironmentFailed, match=r"_Broken.step raised KeyError.*prompt p, sample 0"):
-        run_coroutine(_episodes(_Broken()).next_request())
+        answer_and_go_on(_episodes(_Broken()))
 
 
 @pytest.mark.parametrize("overrides, field, named", [
@@ -257,7 +267,7 @@ def test_in_chat_form_the_answer_is_framed_as_the_templates_tool_turn():
     Qwen2.5's template in tests/data/test_prompt_encoder.py) goes around the answer, in the
     tokens and the text, and all of it is the environment's (masked)."""
     episodes = _episodes(build_environment(ENV, {"stops": "a"}), budget=40, chat=True)
-    request = run_coroutine(episodes.next_request())
+    request = answer_and_go_on(episodes)
     framed = "|T|<1:3>|/T|"
     assert request.inputs == [[40, 41, 1, 2, 97] + [ord(c) for c in framed]]
     sample = episodes.sample(request.states[0])
