@@ -2,6 +2,10 @@
 
     barrier(group)                       every rank of the group waits for the others
     broadcast_object(obj, src, group)    rank `src`'s object on every rank (pickled)
+    host_group(ranks)                    a gloo group: what the driver hands the learners travels
+                                         on the host, never through a GPU
+    send_tensor / receive_tensor         one rank's 1-D CPU tensor of any length to another
+    broadcast_tensor(t, src, dtype, g)   rank `src`'s 1-D CPU tensor of any length on every rank
     any_rank_true(flag, group)           True on every rank when any rank passed True
     all_reduce_sum(values, group)        element-wise sum of a list of floats over the group
     free_port(host)                      a TCP port for a rendezvous (or an engine) to bind
@@ -94,6 +98,61 @@ def broadcast_object(obj: object, src: int = 0, group: Optional[ProcessGroup] = 
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def host_group(ranks: Optional[Sequence[int]] = None) -> Optional[ProcessGroup]:
+    """A gloo group of global `ranks` (default: every rank): its collectives move CPU tensors,
+    so what travels over it never touches a GPU (under NCCL a pickled object is copied to the
+    device on every rank). None without torch.distributed. Collective: every rank of the world
+    calls it, with the same `ranks`, in the same order (`torch.distributed.new_group`); a rank
+    outside `ranks` gets a handle it must not use."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(ranks=sorted(ranks) if ranks is not None else None, backend="gloo")
+
+
+TENSOR_PIECE_BYTES = 1 << 30
+"""A tensor of any length crosses in pieces of at most this many bytes (one send each)."""
+
+
+def _pieces(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Contiguous views of a 1-D tensor, at most TENSOR_PIECE_BYTES each (none when empty)."""
+    step = max(1, TENSOR_PIECE_BYTES // tensor.element_size())
+    return [tensor[k:k + step] for k in range(0, tensor.numel(), step)]
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, group: Optional[ProcessGroup] = None) -> None:
+    """A 1-D CPU tensor to global rank `dst` (which calls `receive_tensor`): its length, then its
+    elements in pieces (`TENSOR_PIECE_BYTES`). Point to point: use a gloo group (`host_group`)."""
+    torch.distributed.send(torch.tensor([tensor.numel()], dtype=torch.int64), dst=dst, group=group)
+    for piece in _pieces(tensor.contiguous()):
+        torch.distributed.send(piece, dst=dst, group=group)
+
+
+def receive_tensor(src: int, dtype: torch.dtype, group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """The 1-D CPU tensor of `dtype` that global rank `src` sends with `send_tensor`."""
+    length = torch.zeros(1, dtype=torch.int64)
+    torch.distributed.recv(length, src=src, group=group)
+    out = torch.empty(int(length.item()), dtype=dtype)
+    for piece in _pieces(out):
+        torch.distributed.recv(piece, src=src, group=group)
+    return out
+
+
+def broadcast_tensor(tensor: Optional[torch.Tensor], src: int, dtype: torch.dtype,
+                     group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """Global rank `src`'s 1-D CPU tensor of `dtype` on every rank of `group` (the others pass
+    None): its length first, then its elements in pieces. Collective over `group` (gloo)."""
+    if not is_active(group):
+        return tensor
+    mine = torch.distributed.get_rank() == src
+    length = torch.tensor([tensor.numel() if mine else 0], dtype=torch.int64)
+    torch.distributed.broadcast(length, src=src, group=group)
+    out = tensor.contiguous() if mine else torch.empty(int(length.item()), dtype=dtype)
+    for piece in _pieces(out):
+        torch.distributed.broadcast(piece, src=src, group=group)
+    return out
 
 
 def any_rank_true(flag: bool, group: Optional[ProcessGroup] = None) -> bool:

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
+from dapo_mega import distributed as D
 from dapo_mega import log
 from dapo_mega.config import ConfigError, DapoConfig, routed_experts_every, validate_config
+from dapo_mega.driver.expert_handover import ExpertHandOver
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.known_warnings import route_known_warnings
 from dapo_mega.driver.learner_ranks import init_world_env
@@ -114,6 +116,9 @@ class Session:
         torch.manual_seed(cfg.trainer.seed)
         # every weight is loaded next (the checkpoint, model.megatron_path or the HF weights)
         self.learner = MegatronLearner(cfg, str(self.model_dir), self.layout, initialize=False)
+        # what the driver hands over travels on the host, a mixture's experts each DP rank its share
+        self.role = LearnerRankRole(gate, D.host_group(), ExpertHandOver.build(cfg, self.layout, self.learner.info.shape,
+                                                                              DRIVER_RANK))
         if not self.run.resume(self.learner):
             self._load_initial_weights()
         if is_driver:
@@ -210,7 +215,8 @@ class Session:
                                restore_row=state.metrics_row if self.run.resumed else None)
         state.wandb_run_id = recorder.wandb_run_id
         sft_prompts = PromptIterator(train_problems, seed=cfg.data.seed + 1)
-        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_sets, recorder, self.role.gate)
+        return DriverRole(cfg, self.run, rollouts, sft_prompts, eval_sets, recorder, self.role.gate,
+                          self.role.host_group, self.role.experts)
 
     def _start_engines(self) -> List[str]:
         """Engines given by URL, announced in a registry directory, or started here (the fleet)."""

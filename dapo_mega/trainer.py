@@ -74,9 +74,10 @@ def train(cfg: DapoConfig) -> int:
             with meter.phase("rollout"):
                 batch = role.next_rollout_batch(step, run.state.policy_version)  # generate, reward, filter
                 samples = role.train_samples(batch)  # advantages; every learner rank gets the list
+                experts = role.routed_experts(samples, step)  # a mixture: each DP rank its share, on the host
             with meter.phase("train"):
                 with s.policy_sync.engines_released():  # colocated: engines free memory meanwhile
-                    train_metrics = s.learner.train_step(samples, step=step)  # seeds the mini-batch shuffle
+                    train_metrics = s.learner.train_step(samples, step=step, experts=experts)  # step seeds the shuffle
             s.probe.after_step(train_metrics, step)  # the engines' log-probs of their samples vs the learner's
             if deferred is not None:
                 with meter.phase("eval"):       # the evaluation beside this step ends before the weights change

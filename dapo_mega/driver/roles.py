@@ -6,6 +6,10 @@ and the held-out evaluation, and hands each step's samples to the other ranks. E
 holds one role object with the same methods: `DriverRole` does the work and broadcasts
 what the others need; `LearnerRankRole` does nothing, or receives the broadcast. The loop
 calls them without testing the rank.
+
+What the driver hands over travels on the host (`host_group`, gloo: never a pickled object
+through a GPU), and a mixture's routed-expert reports apart from the samples, each DP rank
+only its share (`routed_experts`, `expert_handover.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 from dapo_mega import distributed as D
 from dapo_mega import log
 from dapo_mega.driver import advantages
+from dapo_mega.driver.expert_handover import ExpertHandOver
 from dapo_mega.driver.gate import DriverGate
 from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, WallClock, write_ledger
@@ -23,6 +28,10 @@ from dapo_mega.engines.book import BookView
 from dapo_mega.records.ledger import LedgerText, prepare_writer
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from dapo_mega.algo.train_sample import TrainSample
+    from dapo_mega.backends.megatron.expert_shards import RoutedExperts
     from dapo_mega.config import DapoConfig
     from dapo_mega.data import PromptIterator
     from dapo_mega.data.build import EvalSet
@@ -44,14 +53,20 @@ class LearnerRankRole:
 
     is_driver = False
 
-    def __init__(self, gate: Optional[DriverGate] = None):
+    def __init__(self, gate: Optional[DriverGate] = None, host_group: Optional["ProcessGroup"] = None,
+                 experts: Optional[ExpertHandOver] = None):
+        """`host_group`: the learner ranks' gloo group what is handed over travels in (None: the
+        default group); `experts`: the hand-over of a mixture's routed experts (None: the
+        samples keep theirs)."""
         self.gate = gate or DriverGate()
+        self.host_group = host_group
+        self.experts = experts
 
     def broadcast(self, obj: object = None, stall_timeout_s: Optional[float] = None) -> Any:
         """The driver's `obj` (inside the trusted learner group only), once it is ready;
         `stall_timeout_s` replaces cluster.driver_stall_timeout_s for this wait (the engines' start)."""
         self.gate.handover(stall_timeout_s)
-        return D.broadcast_object(obj, src=DRIVER_RANK)
+        return D.broadcast_object(obj, src=DRIVER_RANK, group=self.host_group)
 
     def say(self, message: str, error: bool = False) -> None:
         """A line on the run's console (the driver's); nothing elsewhere."""
@@ -67,8 +82,15 @@ class LearnerRankRole:
         return RolloutBatch(step=step)
 
     def train_samples(self, batch: RolloutBatch) -> list:
-        """The step's TrainSamples (advantages computed on the driver), on every rank."""
+        """The step's TrainSamples (advantages computed on the driver), on every rank; with an
+        expert hand-over, without their routed experts (`routed_experts`)."""
         return self.broadcast()
+
+    def routed_experts(self, samples: Sequence["TrainSample"], step: int) -> Optional["RoutedExperts"]:
+        """A mixture's routed-expert reports of this rank's DP share of `samples` (the step's, as
+        `train_samples` gave them), on the host; None without a hand-over (the samples carry
+        them). Collective over the learner ranks."""
+        return self.experts.receive() if self.experts is not None else None
 
     def engine_changes(self) -> BookView:
         """The driver's engine book (`BookView`: dead, rejoining, deaths), on every rank.
@@ -131,8 +153,9 @@ class DriverRole(LearnerRankRole):
     is_driver = True
 
     def __init__(self, cfg: "DapoConfig", run: RunState, rollouts: RolloutSource, sft_prompts: "PromptIterator",
-                 eval_sets: List["EvalSet"], recorder: "RunRecorder", gate: Optional[DriverGate] = None):
-        super().__init__(gate or DriverGate(is_driver=True))
+                 eval_sets: List["EvalSet"], recorder: "RunRecorder", gate: Optional[DriverGate] = None,
+                 host_group: Optional["ProcessGroup"] = None, experts: Optional[ExpertHandOver] = None):
+        super().__init__(gate or DriverGate(is_driver=True), host_group, experts)
         self.gate.start()
         self.cfg = cfg
         self.run = run
@@ -148,6 +171,8 @@ class DriverRole(LearnerRankRole):
         """The evaluation running beside the next step, if any (`begin_eval`)."""
         self.last_batch: Optional[RolloutBatch] = None
         """The last batch whose ledger shard was written: its cursor and carry go into the checkpoint."""
+        self._held_reports: Optional[List[Optional[str]]] = None
+        """The routed experts `train_samples` took out of the step's samples, until `routed_experts`."""
         prepare_writer()
 
     def say(self, message: str, error: bool = False) -> None:
@@ -183,7 +208,16 @@ class DriverRole(LearnerRankRole):
         return advantages.build_train_samples(batch.groups, self.cfg.algo, mask_offpolicy=mask)
 
     def train_samples(self, batch: RolloutBatch) -> list:
-        return self.broadcast(self.advantage_step(batch))
+        samples = self.advantage_step(batch)
+        if self.experts is not None:
+            samples, self._held_reports = self.experts.strip(samples)
+        return self.broadcast(samples)
+
+    def routed_experts(self, samples: Sequence["TrainSample"], step: int) -> Optional["RoutedExperts"]:
+        if self.experts is None:
+            return None
+        reports, self._held_reports = self._held_reports, None
+        return self.experts.send(samples, reports, step)
 
     def engine_changes(self) -> BookView:
         for url in self.book.probe_dead(self.cfg.rollout.liveness_probe_interval_s):

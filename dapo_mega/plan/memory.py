@@ -71,6 +71,7 @@ from dapo_mega.backends.placement import ClusterShape, Placement, place
 from dapo_mega.config import DapoConfig
 from dapo_mega.engines.sglang.commands import CPU_KV_MARGIN, cpu_pool_tokens
 from dapo_mega.models.shape import ModelShape
+from dapo_mega.plan.hand_over import hand_over_bytes, hand_over_lines
 from dapo_mega.plan.types import (
     AssumedBatch,
     CheckpointDisk,
@@ -661,6 +662,9 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
     placement = place(cfg, ClusterShape.from_config(cfg, use_gpu=c.device != "cpu"))
     warnings.extend(f"placement: {problem}" for problem in placement.problems())
     efficiency = learner_efficiency(cfg, dp, lengths)
+    assumed = (lengths or LengthAssumption()).resolved(cfg.algo.max_prompt_length, cfg.algo.max_response_length)
+    hand_over = hand_over_bytes(cfg, shape, dp, assumed.prompt_tokens,
+                                assumed.response_moment(1, cfg.algo.max_response_length))
     if efficiency.configured.dp_imbalance > 1.10 and not m.balance_data_parallel:
         warnings.append(f"data-parallel ranks uneven: the busiest carries "
                         f"{efficiency.configured.dp_imbalance:.2f}x the mean tokens; set "
@@ -696,6 +700,7 @@ def compute_plan(cfg: DapoConfig, lengths: Optional[LengthAssumption] = None) ->
         sync=SyncTopology(transport=placement.transport, groups=[
             SyncGroup(name=g.name, kind=g.kind, stage=g.stage, world_size=g.world_size,
                       learner_ranks=[mb.index for mb in g.members if mb.role == "learner"]) for g in placement.groups]),
+        hand_over=hand_over,
     )
 
 
@@ -899,6 +904,7 @@ def _memory_lines(plan: Plan) -> List[str]:
                      f"{fit.rollout_bytes / GIB:.1f} of {gpu:.0f} GiB; "
                      "training: "
                      f"{fit.training_bytes / GIB:.1f} of {gpu:.0f} GiB")
+    lines += hand_over_lines(plan.hand_over, plan.parallel.dp)
     lines.append(f"weight sync: {plan.weight_sync.gib_per_step:.1f} GiB per step "
                  f"(>= {plan.weight_sync.seconds_at_400gbps:.2f} s from one 400 Gb/s NIC)")
     ck, conv = plan.checkpoint, plan.conversion_host_ram

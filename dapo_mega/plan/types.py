@@ -350,6 +350,45 @@ class LearnerEfficiency:
     """No packing, contiguous DP blocks: the baseline."""
 
 
+# ---------------------------------------------------------------------- what the driver hands over
+@dataclass(frozen=True)
+class HandOver:
+    """What the driver hands the learner ranks each step, in bytes (`plan.hand_over`), at the
+    assumed mean lengths unless named "max": the samples every rank receives (pickled, over gloo,
+    on the host) and, for a mixture, the routed-expert reports each DP rank receives of its own
+    samples (one packed integer shard, on the host; a micro-batch's reach the GPU one router at a
+    time). Nothing of it goes through a GPU on the way."""
+
+    samples_per_step: int
+    mean_positions: float
+    """Fed positions of a sample (prompt + response - 1): what a report covers."""
+    max_positions: int
+    sample_pickle_bytes: float
+    """The step's samples as pickled for the broadcast (ids, engine log-probs, masks): on every rank."""
+    reporting_samples: float
+    """Samples whose engines report experts: all with routing replay, one request in
+    checks.router_agreement_every otherwise, none for a dense model."""
+    expert_id_bytes: int
+    """1 up to 256 experts, 2 beyond (`expert_shards.expert_id_dtype`)."""
+    report_bytes_per_position: int
+    """num_layers x top_k x expert_id_bytes."""
+    reports_bytes: float
+    """The step's reports, packed: what the driver hands over in all."""
+    reports_base64_bytes: float
+    """The same as the samples carry them (base64): what a pickled broadcast of the samples with
+    their reports would copy to every rank (through the GPU under NCCL)."""
+    shard_bytes: float
+    """One DP rank's share, on the host of each of its ranks."""
+    shard_max_bytes: float
+    """... when its samples are all of the longest length."""
+    driver_bytes: float
+    """The driver's host memory for it: the reports as the samples carry them and one shard packed."""
+    device_bytes_per_router: float
+    """GPU bytes, one sparse layer at a time in a micro-batch: the engine's experts [tokens, k]
+    int64, which tokens are known and their ages, the router's fp32 logits again and its own top-k
+    (`routing.RouterWatch`)."""
+
+
 # ---------------------------------------------------------------------- the plan
 BLOCKING_WARNINGS = (r"^learner does not fit", r"^learner and engine do not fit", r"^engines have no KV-cache room",
                      r"engines x \d+ GPUs need", r"^placement: ", r"^clock: ", r"not divisible by tp\*pp\*cp",
@@ -387,6 +426,8 @@ class Plan:
     warnings: List[str]
     """Problems of the layout, the memory and (added by the command) the clock."""
     sync: SyncTopology
+    hand_over: HandOver
+    """What the driver hands the learner ranks each step (samples, a mixture's routed experts)."""
 
     @property
     def blocking(self) -> List[str]:

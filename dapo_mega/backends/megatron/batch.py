@@ -52,7 +52,9 @@ from dapo_mega.backends.megatron.packing import (
     partition_contiguous,
     plan_packed_micro_batches,
     round_up,
+    shuffle_groups,
 )
+from dapo_mega.config import AlgoConfig
 
 ATTENTION_CAUSAL = "causal"
 ATTENTION_MASK = "mask"
@@ -153,6 +155,35 @@ def shard_balanced(samples: Sequence[TrainSample], indices: Sequence[int], dp_ra
     """
     parts = partition_balanced([samples[i].length for i in indices], dp_size)
     return [indices[k] for k in parts[dp_rank]]
+
+
+def shard_of(samples: Sequence[TrainSample], indices: Sequence[int], dp_rank: int, dp_size: int,
+             balanced: bool) -> List[int]:
+    """DP rank `dp_rank`'s share of `indices`: by token count (`megatron.balance_data_parallel`,
+    `shard_balanced`) or a contiguous block (`shard_for_data_parallel`)."""
+    if balanced:
+        return shard_balanced(samples, list(indices), dp_rank, dp_size)
+    return shard_for_data_parallel(list(indices), dp_rank, dp_size)
+
+
+def step_mini_batches(num_samples: int, algo: AlgoConfig, megatron_seed: int, step: int) -> List[List[int]]:
+    """A rollout batch's mini-batches (sample indices), one optimizer update each: its groups of
+    G = algo.n_samples_per_prompt samples shuffled (`algo.shuffle_mini_batches`, seeded by
+    `megatron_seed` and the rollout `step`: `packing.shuffle_groups`, the same on every rank),
+    then cut every algo.mini_batch_size x G samples."""
+    group, per_update = algo.n_samples_per_prompt, algo.mini_batch_size * algo.n_samples_per_prompt
+    order = (shuffle_groups(num_samples, group, seed=megatron_seed * 1_000_003 + int(step))
+             if algo.shuffle_mini_batches else list(range(num_samples)))
+    return [order[k:k + per_update] for k in range(0, len(order), per_update)]
+
+
+def data_parallel_samples(samples: Sequence[TrainSample], mini_batches: Sequence[Sequence[int]], dp_size: int,
+                          balanced: bool) -> List[List[int]]:
+    """Per DP rank, the samples it trains on in a step: its share of each mini-batch (`shard_of`),
+    mini-batch after mini-batch. What the learner takes (`MegatronLearner.train_step`), and so
+    what the driver sends each rank of a mixture's routed experts (`driver/expert_handover.py`)."""
+    return [[i for mb in mini_batches for i in shard_of(samples, mb, rank, dp_size, balanced)]
+            for rank in range(dp_size)]
 
 
 def count_loss_tokens(samples: Sequence[TrainSample], indices: Sequence[int]) -> int:

@@ -28,7 +28,9 @@
    a NaN/Inf loss or gradient skips the update (or raises NonFiniteError);
    clip, AdamW step, LR schedule.
 
-Every rank receives the same full sample list and returns the same metrics.
+Every rank receives the same full sample list and returns the same metrics. A mixture's
+routed-expert reports come apart from it (`experts`): each rank holds its DP rank's share only
+(`expert_shards.RoutedExperts`, on the host; `driver/expert_handover.py`).
 """
 
 from __future__ import annotations
@@ -68,14 +70,15 @@ from dapo_mega.backends.megatron.batch import (
     plan_micro_batches,
     plan_packed,
     response_values,
-    shard_balanced,
-    shard_for_data_parallel,
+    shard_of,
+    step_mini_batches,
 )
+from dapo_mega.backends.megatron.expert_shards import RoutedExperts
 from dapo_mega.backends.megatron.layout import ParallelLayout
 from dapo_mega.backends.megatron.logprobs import compute_token_log_probs
 from dapo_mega.backends.megatron.model import TE_SPEC, build_model
 from dapo_mega.backends.megatron.optimizer import WarmupConstantLR, build_optimizer, wrap_with_ddp
-from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, shuffle_groups, token_multiple
+from dapo_mega.backends.megatron.packing import equalized_micro_batch_count, token_multiple
 from dapo_mega.backends.megatron.routing import RouterWatch, take_load_balancing_loss
 from dapo_mega.config import ConfigError, DapoConfig
 from dapo_mega.models.shape import HfConfigSource
@@ -122,6 +125,10 @@ class MegatronLearner:
                                     cfg.checks.mismatch_age_buckets) if self.info.shape.is_moe else None
         self._routing_samples: Optional[Sequence[TrainSample]] = None
         """The samples the micro-batches now run index (train_step's), else None."""
+        self._routing_reports: Optional[RoutedExperts] = None
+        """This rank's routed-expert reports of those samples (train_step's)."""
+        self._unreported = 0
+        """This rank's samples of the step without a report at hand (what it routes by itself)."""
         self._router_loss_coeff = float(getattr(self.model_chunks[0].config, "moe_aux_loss_coeff", 0.0) or 0.0)
         """The load-balancing loss's weight per token (HF router_aux_loss_coef; `_scale_router_loss`)."""
         self.config = self.model_chunks[0].config
@@ -146,9 +153,7 @@ class MegatronLearner:
 
     def _shard(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> List[int]:
         """This DP rank's share of `indices` (balanced by tokens, or a contiguous block)."""
-        if self.cfg.megatron.balance_data_parallel:
-            return shard_balanced(samples, list(indices), self.layout.dp_rank, self.layout.dp)
-        return shard_for_data_parallel(list(indices), self.layout.dp_rank, self.layout.dp)
+        return shard_of(samples, indices, self.layout.dp_rank, self.layout.dp, self.cfg.megatron.balance_data_parallel)
 
     def _micro_batches(self, samples: Sequence[TrainSample], indices: Sequence[int]) -> List[MicroBatch]:
         uniform = self.layout.pp > 1
@@ -222,7 +227,7 @@ class MegatronLearner:
         def forward_step(data_iterator, model):
             mb = self._to_device(next(data_iterator))
             if self._routing is not None:
-                self._routing.begin(mb, self._routing_samples)
+                self._routing.begin(mb, self._routing_samples, self._routing_reports)
             output = model(mb.tokens, mb.position_ids, mb.attention_mask,
                            packed_seq_params=self._packed_seq_params(mb))
             return output, partial(loss_func, mb)
@@ -432,23 +437,21 @@ class MegatronLearner:
         reduced.update(loss=loss.detach(), num_tokens=num_tokens.detach(), entropy_sum=entropy_sum)
         return loss, num_tokens, reduced
 
-    def train_step(self, samples: Sequence[TrainSample], step: Optional[int] = None) -> Dict[str, float]:
+    def train_step(self, samples: Sequence[TrainSample], step: Optional[int] = None,
+                   experts: Optional[RoutedExperts] = None) -> Dict[str, float]:
         """DAPO updates on one rollout batch (ordered group by group); returns slash-keyed metrics.
 
         step: the rollout step, seeding the mini-batch shuffle; None = the number of
         optimizer updates so far (checkpointed with the LR schedule, so a resumed run
         shuffles as the straight one does).
+        experts: a mixture's routed-expert reports of this DP rank's samples, as the driver
+        hands them over (`driver/expert_handover.py`); None: read from the samples.
         """
         algo = self.cfg.algo
         start = time.perf_counter()
         samples = list(samples)
-        per_update = algo.mini_batch_size * algo.n_samples_per_prompt
-        order = list(range(len(samples)))
-        if algo.shuffle_mini_batches:
-            seed_step = self.scheduler.num_updates if step is None else step
-            order = shuffle_groups(len(samples), algo.n_samples_per_prompt,
-                                   seed=self.cfg.megatron.seed * 1_000_003 + int(seed_step))
-        mini_batches = [order[k:k + per_update] for k in range(0, len(order), per_update)]
+        mini_batches = step_mini_batches(len(samples), algo, self.cfg.megatron.seed,
+                                         self.scheduler.num_updates if step is None else step)
         shards = [self._shard(samples, mb) for mb in mini_batches]
 
         # 1. this rank's micro-batches, collated once; 2. old log-probs, before the first update.
@@ -458,15 +461,18 @@ class MegatronLearner:
                 raise ValueError(f"algo.use_engine_logprobs=true but {len(missing)} samples have no engine_log_probs")
             samples = [dataclasses.replace(s, old_log_probs=list(s.engine_log_probs)) for s in samples]
         micro_per_update = self._schedule_passes(samples, shards)
-        self._check_routing_reports(samples)
         if self._routing is not None:  # what an SFT step or a probe left counts nothing
+            self._routing_reports = RoutedExperts.of_samples(samples, self.info.shape) if experts is None else experts
+            self._unreported = sum(not self._routing_reports.covers(i, samples[i]) for shard in shards
+                                   for i in shard)
+            self._check_routing_reports(samples)
             self._routing.take_counts()
             take_load_balancing_loss()
         self._routing_samples = samples
         try:
             return self._train_passes(samples, mini_batches, micro_per_update, start)
         finally:
-            self._routing_samples = None
+            self._routing_samples = self._routing_reports = None
             self._count_routing(False)
 
     def _train_passes(self, samples: List[TrainSample], mini_batches: List[List[int]],
@@ -558,8 +564,7 @@ class MegatronLearner:
 
     def _check_routing_reports(self, samples: Sequence[TrainSample]) -> None:
         """Routing replay with no sample reporting its experts replays nothing: stop at the step."""
-        if self._routing is not None and self.cfg.algo.routing_replay and samples \
-                and all(s.routed_experts is None for s in samples):
+        if self.cfg.algo.routing_replay and samples and not self._routing_reports.reported:
             raise RuntimeError("algo.routing_replay=true, but the engines reported no routed experts for any of "
                                f"the step's {len(samples)} samples: the learner would route by itself. The engines "
                                "were asked (the trainer refuses at start engines not started with "
@@ -575,15 +580,18 @@ class MegatronLearner:
             return {}
         matches, compared, calls = self._routing.take_counts()
         buckets = len(matches)
-        totals = self._all_reduce_sum([float(v) for v in matches + compared] + [take_load_balancing_loss(), calls])
-        matches, compared, (balance, calls) = totals[:buckets], totals[buckets:2 * buckets], totals[2 * buckets:]
+        totals = self._all_reduce_sum([float(v) for v in matches + compared]
+                                      + [take_load_balancing_loss(), calls, self._unreported])
+        matches, compared, (balance, calls, unreported) = (totals[:buckets], totals[buckets:2 * buckets],
+                                                           totals[2 * buckets:])
         by_age = {f"moe/{age_bucket_label(k, buckets)}/router_agreement": (m / c if c else float("nan"))
                   for k, (m, c) in enumerate(zip(matches, compared))}
         balancing = {"moe/load_balancing_loss": balance / calls if calls else float("nan")} \
             if self._router_loss_coeff else {}  # megatron computes it only with a weight
         return {**balancing, "moe/router_agreement": sum(matches) / sum(compared) if sum(compared) else float("nan"),
                 "moe/router_choices_compared": sum(compared), **by_age,
-                "moe/unreported_samples": float(sum(s.routed_experts is None for s in samples)),
+                # each DP rank's ranks (TP, CP, PP) count its samples once each
+                "moe/unreported_samples": unreported / (self.layout.world_size // self.layout.dp),
                 "moe/routing_replay": float(self.cfg.algo.routing_replay)}
 
     def _reduce_stats(self, local: torch.Tensor, max_column: Optional[int] = None) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The engines report the experts each token was routed to (SGLang's `return_routed_experts`:
 base64 of int32 [positions, num_hidden_layers, top_k] over the prompt and response but the
 last token, which was sampled and never fed; zeros in the dense layers). A sample carries them
-(`TrainSample.routed_experts`). `RouterWatch` holds every router of this rank's model chunks and
-a forward pre-hook on each; before each micro-batch's forward the learner hands it the
+(`TrainSample.routed_experts`) to the driver, which hands each learner rank its DP rank's share
+(`expert_shards.RoutedExperts`, on the host). `RouterWatch` holds every router of this rank's
+model chunks and a forward pre-hook on each; before each micro-batch's forward the learner hands it the
 micro-batch (`begin`), and at each router's call the hook:
 
 * computes the learner's own top-k (the router's logits in fp32; top-k of the logits is top-k of
@@ -28,7 +29,6 @@ router counts once per micro-batch, so a recomputed forward adds nothing to the 
 
 from __future__ import annotations
 
-import base64
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,33 +36,21 @@ import torch
 
 from dapo_mega.algo.train_sample import TrainSample
 from dapo_mega.backends.megatron.batch import MicroBatch
+from dapo_mega.backends.megatron.expert_shards import RoutedExperts, decode_routed_experts
 from dapo_mega.backends.megatron.model import unwrap_chunk
 from dapo_mega.models.shape import ModelShape
 
 __all__ = ["RouterWatch", "decode_routed_experts", "routing_targets"]
 
 
-_COMPACT = {"u8": np.uint8, "u16": np.uint16}
-
-
-def decode_routed_experts(data: Optional[str], positions: int, num_layers: int, top_k: int) -> Optional[np.ndarray]:
-    """[positions, num_layers, top_k] of an engine's report (SGLang's base64 int32, or the
-    compact form a sample keeps: `rollout.samples.compact_routed_experts`), or None when there
-    is none or its size is not that (a report of another model or another span of positions)."""
-    if not data or positions <= 0:
-        return None
-    kind, _, body = data.partition(":") if data.startswith(("u8:", "u16:")) else ("", "", data)
-    raw = np.frombuffer(base64.b64decode(body), dtype=_COMPACT.get(kind, np.int32))
-    if raw.size != positions * num_layers * top_k:
-        return None
-    return raw.reshape(positions, num_layers, top_k)
-
-
 def routing_targets(mb: MicroBatch, samples: Sequence[TrainSample], shape: ModelShape,
-                    layers: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+                    layers: Sequence[int], experts: Optional[RoutedExperts] = None
+                    ) -> Tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """(experts [B, S, len(layers), k] int64, known [B, S] bool, samples without a report, ages
     [B, S] int64) of a micro-batch: each sample's reported experts of `layers` (global layer
-    indices) at its columns, -1 where nothing is known; each column's sample's policy-version age."""
+    indices) at its columns, -1 where nothing is known; each column's sample's policy-version age.
+    `experts`: this rank's reports (`expert_shards.RoutedExperts`; default: read from the samples)."""
+    reports = RoutedExperts.of_samples(samples, shape) if experts is None else experts
     rows, width = mb.tokens.shape
     k = shape.num_experts_per_tok
     experts = torch.full((rows, width, len(layers), k), -1, dtype=torch.long)
@@ -72,8 +60,8 @@ def routing_targets(mb: MicroBatch, samples: Sequence[TrainSample], shape: Model
     for p in mb.placements:
         n = p.prompt_length + p.response_length - 1
         ages[p.row, p.start:p.start + n] = samples[p.sample_index].age
-        report = decode_routed_experts(samples[p.sample_index].routed_experts, n, shape.num_layers, k)
-        if report is None:
+        report = reports.get(p.sample_index)
+        if report is None or report.shape[0] != n:
             missing += 1
             continue
         experts[p.row, p.start:p.start + n] = torch.from_numpy(report[:, list(layers), :].astype(np.int64))
@@ -115,13 +103,15 @@ class RouterWatch:
         self._ages: Optional[torch.Tensor] = None  # [tokens], bucketed
         self._hooks = [router.register_forward_pre_hook(self._hook(i)) for i, (_, router) in enumerate(self.routers)]
 
-    def begin(self, mb: MicroBatch, samples: Optional[Sequence[TrainSample]]) -> None:
-        """The micro-batch whose forward runs next (None samples: no reports, own routing)."""
+    def begin(self, mb: MicroBatch, samples: Optional[Sequence[TrainSample]],
+              reports: Optional[RoutedExperts] = None) -> None:
+        """The micro-batch whose forward runs next, its samples and this rank's reports of them
+        (None samples: no reports, own routing)."""
         self._counted = set()
         if samples is None or not self.routers:
             self._experts = self._known = self._ages = None
             return
-        experts, known, _, ages = routing_targets(mb, samples, self.shape, self.layers)
+        experts, known, _, ages = routing_targets(mb, samples, self.shape, self.layers, reports)
         if not known.any():  # nothing reported: nothing to compare, and replay routes as the learner does
             self._experts = self._known = self._ages = None
             return
