@@ -84,6 +84,9 @@ class ModelConfig:
     tiny_architecture: str = "qwen2"
     """The tiny model's architecture: qwen2, qwen3, llama or qwen3_moe (8 experts, 2 per token,
     its first layer dense: `models/tiny.py` TINY_MOE)."""
+    tiny_moe_dense_layers: Optional[List[int]] = None
+    """qwen3_moe only: the layers with a dense MLP (its `mlp_only_layers`); None: TINY_MOE's [0].
+    [] makes every layer sparse, as Qwen3-30B-A3B and what SGLang 0.5.23 serves (the MoE twin)."""
 
     def validate(self) -> None:
         """The tiny model's shape (a real model's is checked against its config.json by `preflight`)."""

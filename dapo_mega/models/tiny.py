@@ -87,9 +87,11 @@ def tiny_hf_config(model_cfg: ModelConfig, vocab_size: Optional[int] = None, arc
     `high_freq_factor`, `original_max_position_embeddings` (rope_type "llama3").
     `architecture`: None takes `model.tiny_architecture`.
     `dense_layers` (Qwen3-MoE only): its `mlp_only_layers` in place of TINY_MOE's ([] for every
-    layer sparse, as Qwen3-30B-A3B and what SGLang 0.5.23 serves: plan/preflight.py).
+    layer sparse, as Qwen3-30B-A3B and what SGLang 0.5.23 serves: plan/preflight.py); None
+    takes `model.tiny_moe_dense_layers`.
     """
     architecture = architecture or model_cfg.tiny_architecture
+    dense_layers = model_cfg.tiny_moe_dense_layers if dense_layers is None else dense_layers
     vocab = build_char_vocab()
     common = dict(
         vocab_size=vocab_size or len(vocab),

@@ -28,7 +28,7 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.y
 
 SIZES = {
     # the model: a tiny one of the recipe's family (model.tiny_architecture is checked below)
-    "model.name", "model.hf_path", "model.megatron_path", "model.tiny_architecture",
+    "model.name", "model.hf_path", "model.megatron_path", "model.tiny_architecture", "model.tiny_moe_dense_layers",
     # data: the synthetic task instead of the published files
     "data.train_path", "data.eval_path", "data.synthetic_task", "data.synthetic_max_digits",
     "data.synthetic_num_eval", "data.synthetic_num_train",
@@ -54,8 +54,13 @@ ON_A_CPU = {
     "megatron.fp8.enabled": False,  # FP8 needs TE on an FP8 GPU; its rules are the plan's pure functions
     "rollout.dtype": "float32",  # SGLang's CPU path runs with its AMX bf16 kernels off (tools/sglang_cpu)
     "megatron.params_dtype": "float32",
+    "megatron.sequence_parallel": False,  # the local spec's torch norms refuse it (backends/megatron/model.py)
 }
 """Fields a twin may change only to what a CPU runs, with that value."""
+
+CPU_LAYOUT = {("dapo_qwen3_30b_a3b", "tensor_model_parallel_size"):
+              "megatron-core's MoE layer trains at TP > 1 only with sequence parallelism, which a CPU cannot run"}
+"""Parallel degrees a twin folds to 1 on a CPU, each with the reason (the plan still checks the recipe's)."""
 
 FAMILIES = {"qwen2.5-32b": "qwen2", "qwen2.5-7b": "qwen2", "qwen3-8b": "qwen3", "qwen3-30b-a3b": "qwen3_moe"}
 """The recipe's model (configs/model/<name>.yaml, its `name` lower-cased) -> the tiny architecture of its family."""
@@ -96,7 +101,8 @@ def test_a_twin_keeps_every_switch_of_its_recipe_and_changes_only_sizes(experime
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                 "context_parallel_size"):
         degree, small = recipe[f"megatron.{key}"], twin[f"megatron.{key}"]
-        assert (degree > 1) == (small > 1) and small <= degree, f"megatron.{key}: {degree} -> {small}"
+        folded = (experiment, key) in CPU_LAYOUT and small == 1
+        assert ((degree > 1) == (small > 1) or folded) and small <= degree, f"megatron.{key}: {degree} -> {small}"
     if recipe["model.hf_path"]:  # a real model: the twin's tiny one is of its family
         assert twin["model.tiny_architecture"] == FAMILIES[recipe["model.name"].lower()], (recipe["model.name"], twin)
     assert recipe["algo.gen_batch_size"] * twin["algo.train_batch_size"] == \
@@ -115,3 +121,22 @@ def test_a_twin_plans_on_its_cpu_cluster_without_a_blocking_warning(experiment):
     cfg = load_config([f"+experiment={experiment}", f"+twin={experiment}"])
     plan = compute_plan(cfg)
     assert not blocking_warnings(plan.warnings, engines_take_gpus=False), plan.warnings
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_a_twin_builds_on_a_cpu_as_its_learners_would(experiment):
+    """The model provider's rules on a CPU (layer spec, dtype, sequence parallelism, MoE layout),
+    for the learner world the twin's Slurm job starts: what killed the MoE twin's first Slurm job
+    (sequence parallelism on the local spec's torch norms) fails here in milliseconds."""
+    from dapo_mega.backends.megatron.layout import ParallelLayout
+    from dapo_mega.backends.megatron.model import plan_transformer_config
+    from dapo_mega.models.shape import ModelShape
+    from dapo_mega.plan.preflight import model_hf_config
+
+    cfg = load_config([f"+experiment={experiment}", f"+twin={experiment}"])
+    c = cfg.cluster
+    world = (c.num_nodes - (c.engine_nodes if c.mode == "disaggregated" else 0)) * c.gpus_per_node
+    hf = model_hf_config(cfg)
+    layout = ParallelLayout.from_config(cfg.megatron, world, hf_config=hf).validate()
+    plan_transformer_config(ModelShape.from_hf_config(hf), cfg.megatron, layout, has_gpu=False,
+                            te_error="no GPU", routing_replay=cfg.algo.routing_replay)

@@ -237,6 +237,12 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         recompute_method=mcfg.recompute_method if mcfg.recompute_granularity == "full" else None,
         recompute_num_layers=mcfg.recompute_num_layers if mcfg.recompute_granularity == "full" else None,
     )
+    if layout.sequence_parallel and spec != TE_SPEC:
+        raise ConfigError("megatron.sequence_parallel: true, but the local layer spec's norms (torch's, megatron-core "
+                          "WrappedTorchNorm, without NVIDIA apex) refuse sequence parallelism: the model would fail "
+                          "as it is built. Fix: megatron.sequence_parallel=false on a CPU or with "
+                          "megatron.transformer_impl=local (a mixture of experts then needs TP 1), or Transformer "
+                          "Engine on GPUs")
     if routing_replay and not arch.is_moe:
         raise ConfigError(f"algo.routing_replay: true, but {arch.model_type} is a dense model: there is no routing "
                           "to replay. Fix: set algo.routing_replay=false")

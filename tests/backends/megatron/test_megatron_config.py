@@ -170,3 +170,23 @@ def test_plan_kwargs_are_accepted_by_megatron_transformer_config():
     kw = dict(plan.config_kwargs, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     config = TransformerConfig(activation_func=F.silu, **kw)
     assert config.fp8 == "e4m3" and config.first_last_layers_bf16 and config.num_query_groups == 2
+
+
+def test_sequence_parallel_with_the_local_spec_is_refused_before_the_model_is_built():
+    """The recipes' sequence_parallel=true on the local spec (a CPU twin, or transformer_impl=local)
+    reached megatron-core's WrappedTorchNorm, whose assert ("sequence parallel not supported by torch
+    LayerNorm") killed every learner rank at model build under Slurm; now the preflight names it."""
+    import inspect
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # the norm that refuses, read here
+
+    assert "not config.sequence_parallel" in inspect.getsource(WrappedTorchNorm)
+    arch = ModelShape.from_hf_config(_hf())
+    layout = ParallelLayout(world_size=8, tp=2, pp=2, dp=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"^megatron.sequence_parallel: true, but the local layer spec"):
+        plan_transformer_config(arch, MegatronConfig(sequence_parallel=True), layout, has_gpu=False, te_error=NO_GPU)
+    with pytest.raises(ConfigError, match=r"^megatron.sequence_parallel"):
+        plan_transformer_config(arch, MegatronConfig(sequence_parallel=True, transformer_impl="local"), layout,
+                                has_gpu=True, te_error=None)
+    te = plan_transformer_config(arch, MegatronConfig(sequence_parallel=True), layout, has_gpu=True, te_error=None)
+    assert te.config_kwargs["sequence_parallel"] is True
