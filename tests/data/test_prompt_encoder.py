@@ -132,6 +132,8 @@ def _train_path_ids(cfg, problems, monkeypatch):
     captured = {}
 
     class CapturingManager:
+        settings = SimpleNamespace(environment=None)  # the real manager's RoundSettings: no environment here
+
         @classmethod
         def from_config(cls, cfg, book, purpose, encoding=None, **kwargs):
             captured["encoding"] = encoding
