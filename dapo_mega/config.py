@@ -84,6 +84,10 @@ class ModelConfig:
     tiny_architecture: str = "qwen2"
     """The tiny model's architecture: qwen2, qwen3, llama or qwen3_moe (8 experts, 2 per token,
     its first layer dense: `models/tiny.py` TINY_MOE)."""
+    tiny_chat_template: bool = False
+    """Give the tiny model's tokenizer Qwen's ChatML chat template (`models/tiny.py` CHATML_TEMPLATE),
+    for recipes that render prompts with it (data.apply_chat_template: the twins of the Qwen recipes).
+    Its markers are plain text to the character vocabulary."""
     tiny_moe_dense_layers: Optional[List[int]] = None
     """qwen3_moe only: the layers with a dense MLP (its `mlp_only_layers`); None: TINY_MOE's [0].
     [] makes every layer sparse, as Qwen3-30B-A3B and what SGLang 0.5.23 serves (the MoE twin)."""

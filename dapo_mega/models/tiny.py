@@ -66,6 +66,11 @@ def build_char_tokenizer():
     )
 
 
+CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Qwen2.5's and Qwen3's chat format (ChatML) without their system default and tool blocks: what
+`model.tiny_chat_template` gives the tiny tokenizer."""
+
 TINY_ARCHITECTURES = get_args(TinyArchitecture)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                 mlp_only_layers=[0], router_aux_loss_coef=0.001)
@@ -152,6 +157,8 @@ def build_tiny_model_dir(out_dir: Path | str, model_cfg: Optional[ModelConfig] =
     hf_config = tiny_hf_config(model_cfg, architecture=architecture, rope_scaling=rope_scaling,
                                dense_layers=dense_layers)
     tokenizer = build_char_tokenizer()
+    if model_cfg.tiny_chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.save_pretrained(out)
     if with_weights:
         torch.manual_seed(seed)

@@ -29,6 +29,7 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.y
 SIZES = {
     # the model: a tiny one of the recipe's family (model.tiny_architecture is checked below)
     "model.name", "model.hf_path", "model.megatron_path", "model.tiny_architecture", "model.tiny_moe_dense_layers",
+    "model.tiny_chat_template",
     # data: the synthetic task instead of the published files
     "data.train_path", "data.eval_path", "data.synthetic_task", "data.synthetic_max_digits",
     "data.synthetic_num_eval", "data.synthetic_num_train",
