@@ -10,7 +10,8 @@ each run every engine took the run's pushes inside weight-update sessions, serve
 learner's version, and its greedy output (tokens and log-probs) equals transformers' on the
 HF export of the checkpoint the run saved. A disaggregated run whose trainer starts the SGLang
 engines itself: tests/faults/test_faults_engines_sglang.py (one engine killed there) and the
-Slurm job with SGLang engines (tests/launch/test_slurm_jobs.py).
+Slurm jobs of the recipes' twins with SGLang engines (tests/launch/test_twin_runs.py: a
+mixture replaying its experts there).
 
 Needs the SGLang venv (`tools/setup_sglang_cpu.sh`, see test_conformance.py); skips
 without it (fails under CI=true). The model is random (no warm start), so dynamic sampling is off: every group
@@ -61,47 +62,6 @@ def test_train_colocated_with_real_sglang(tmp_path):
     checked = [r for r in rows if "checksum/tensors" in r]
     assert len(checked) == 2 and all(r["checksum/tensors"] > 10 and r["checksum/engines"] == 1
                                      and r["checksum/errors"] == 0 for r in checked), checked
-
-
-@pytest.mark.slow  # ~2 min on 2 cores: SGLang's start and two steps
-def test_train_a_mixture_with_real_sglang_replaying_its_experts(tmp_path):
-    """A tiny Qwen3-MoE (every layer sparse, as SGLang 0.5.23 builds it: plan/preflight.py)
-    served by the real SGLang on a CPU, colocated, with routing replay: the fleet starts it with
-    --enable-return-routed-experts (tools/sglang_cpu/cpu_host_buffers.py makes that start on a
-    CPU), every sample comes back with its experts, and the learner's own router (megatron-core's,
-    held to transformers' in test_megatron_routing.py) chooses what SGLang's chose; SGLang's
-    log-probs equal the learner's (fp32 both sides) and the ledger keeps the experts."""
-    import base64
-
-    from dapo_mega.backends.megatron.routing import decode_routed_experts
-    from dapo_mega.models.shape import ModelShape
-    from dapo_mega.models.tiny import build_tiny_model_dir
-    from dapo_mega.records.ledger import read_records
-
-    sglang_python = sglang_python_or_skip()
-    model = build_tiny_model_dir(tmp_path / "moe", seed=5, architecture="qwen3_moe", dense_layers=[])
-    out = run_cli("train", "cluster.mode=colocated", "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
-                  f"model.hf_path={model}", "model.name=tiny-qwen3-moe", "rollout.dtype=float32",
-                  "trainer.total_steps=2", "trainer.sft_warmup_steps=0", "algo.dynamic_sampling=false",
-                  "algo.routing_replay=true", "trainer.ledger_routed_experts=true", f"trainer.output_dir={tmp_path}",
-                  "trainer.run_name=run", "rollout.extra_server_args=[--max-total-tokens,4096]", timeout_s=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    run = tmp_path / "run"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "moe/router_agreement" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    for r in steps:
-        assert r["moe/unreported_samples"] == 0 and r["moe/router_choices_compared"] > 0, r
-        assert r["moe/router_agreement"] > 0.99 and r["moe/routing_replay"] == 1.0, r
-        assert r["mismatch/logp_abs_max"] < 1e-3, r
-    shape = ModelShape.from_hf_config(str(model))
-    ledger = read_records(run)
-    assert ledger and all(row.routed_experts for row in ledger)
-    choices = shape.num_layers * shape.num_experts_per_tok
-    for row in ledger:
-        positions = len(base64.b64decode(row.routed_experts.partition(":")[2])) // choices
-        experts = decode_routed_experts(row.routed_experts, positions, shape.num_layers, shape.num_experts_per_tok)
-        assert experts is not None and positions > row.response_length and int(experts.max()) < shape.num_experts
 
 
 @pytest.mark.slow  # ~3 min on 2 cores: a 400-step warm start, SGLang's start and two steps
