@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.node import node_cpus
 from dapo_mega.plan.memory import (
     LengthAssumption,
     compute_plan,
@@ -597,7 +598,8 @@ def clock_warnings(cfg: DapoConfig, estimates: ClockEstimate) -> List[str]:
         warnings.append(f"the tools bound a rollout round (~{ro.tool_throughput_s:,.0f} s of tool calls, "
                         f"{slots} at a time on the driver, against ~{ro.throughput_s:,.0f} s of decoding): the engines "
                         f"wait for the sandbox; raise rollout.environment_kwargs.max_concurrent above "
-                        f"{math.ceil(slots * ro.tool_throughput_s / max(1.0, ro.throughput_s))} (the driver's cores)")
+                        f"{math.ceil(slots * ro.tool_throughput_s / max(1.0, ro.throughput_s))}, within the driver "
+                        f"node's cores ({node_cpus()} where this plan runs: dapo_mega/node.py)")
     wall = cfg.trainer.wall_time_minutes * 60
     if 0 < wall < e.health_timeout_s + e.step_s:
         warnings.append(f"trainer.wall_time_minutes={cfg.trainer.wall_time_minutes:g} leaves no room for one step "
