@@ -54,11 +54,16 @@ e. train_tiny_bf16: `dapo-mega train` of the tiny model, bf16 learner on the GPU
    nats, weight_probe.BF16_MAX_ABS_MEAN) with no probe errors. Engine: SGLang colocated
    when sglang imports, else the embedded engine (`--train-engine`), which runs on the CPU
    beside the GPU learner and gets its weights as shared-memory files
-   (`placement.engine_uses_gpu`).
+   (`placement.engine_uses_gpu`). `bench/gpu_train.py`.
 f. nccl_loaded: the NCCL preflight's reading (`plan/nccl_probe.py`: the libnccl torch maps,
    by its `ncclGetVersion`) against the release NCCL prints when a communicator starts, in
    this Python and the SGLang venv's, with `torch.cuda.nccl.version()` beside it
    (`bench/gpu_nccl.py`, issue #46).
+g. train_moe_bf16: check e's run (embedded engine) on the tiny Qwen3-MoE, every layer sparse,
+   with routing replay and the experts in the ledger: every step's moe/* metrics (no sample
+   without its experts, router agreement >= 0.9) and every ledger row's experts decoding to
+   the sample's positions (`bench/gpu_moe.py`, issue #46: where the experts' gloo hand-over
+   first runs beside the learner's NCCL group; world size 1 on one GPU).
 
 Then, while the budget lasts (each skipped, saying so, when its timeout no longer fits):
 the measurements at Qwen2.5-7B's shape (random weights, `--layers` of 28):
@@ -78,7 +83,7 @@ the measurements at Qwen2.5-7B's shape (random weights, `--layers` of 28):
 Output: ONE table (part, pass / fail / skipped, seconds, the reason of each failure or
 skip), the JSON of every part at `--out`, exit 0 when no part failed, else 1.
 
-    python bench/gpu_node.py --checks-only             the six checks
+    python bench/gpu_node.py --checks-only             the seven checks
     python bench/gpu_node.py --layers 28 --budget-s 900  the full depth, more time
 """
 
@@ -102,7 +107,9 @@ REPO = BENCH_DIR.parent
 if str(REPO) not in sys.path:  # the repository's package, installed or not
     sys.path.insert(0, str(REPO))
 
+from gpu_moe import check_train_moe  # noqa: E402
 from gpu_nccl import check_nccl_loaded  # noqa: E402
+from gpu_train import check_train_tiny  # noqa: E402
 
 from dapo_mega.models.shape import ModelShape  # noqa: E402
 from dapo_mega.plan.memory import KNOWN_MODELS  # noqa: E402
@@ -166,7 +173,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--sglang-python", default=os.environ.get("DAPO_MEGA_SGLANG_PYTHON", ""),
                     help="the SGLang venv's interpreter (default $DAPO_MEGA_SGLANG_PYTHON; empty: this Python "
                          "where sglang imports in it)")
-    ap.add_argument("--checks-only", action="store_true", help="the six checks, no measurement")
+    ap.add_argument("--checks-only", action="store_true", help="the seven checks, no measurement")
     ap.add_argument("--budget-s", type=float, default=570,
                     help="wall-clock budget of the whole run: measurements whose timeout no longer fits are skipped")
     ap.add_argument("--train-engine", default="auto", choices=["auto", "sglang", "embedded"],
@@ -197,6 +204,7 @@ PARTS: Tuple[Part, ...] = (
     Part("handover_sglang", "check", 120, "d) colocated CUDA-IPC hand-over through SGLang's unpickling"),
     Part("train_tiny_bf16", "check", 360, "e) dapo-mega train, tiny model, bf16 GPU, 2 steps, step-1 checks"),
     Part("nccl_loaded", "check", 200, "f) ncclGetVersion of the libnccl torch maps = NCCL's at a communicator"),
+    Part("train_moe_bf16", "check", 300, "g) dapo-mega train, tiny Qwen3-MoE, bf16 GPU, replay, experts in the ledger"),
     Part("learner_bf16", "measure", 150, "7B-shape learner step, bf16, MFU"),  # 59 s on an H200 (8 layers)
     Part("learner_fp8", "measure", 240, "7B-shape learner step, FP8 (Transformer Engine), MFU"),
     Part("handover", "measure", 180, "7B-shape layers through the CUDA-IPC hand-over, GB/s"),
@@ -230,14 +238,16 @@ def verdict(result: Dict[str, Any]) -> Tuple[str, str]:
     """(pass | fail | skipped, reason) of one part's result.
 
     `skipped` (a reason) -> skipped; `error` (the part raised, timed out or exited non-zero)
-    -> fail; a check's `passed` False -> fail with its `reason`; else pass, with its `note`
-    (e.g. the SGLang half of a check skipped). A check without `passed` fails: it decided nothing."""
+    -> fail; a check's `passed` False -> fail with its `reason` (and the telling line of its
+    `log_tail`, a command's output); else pass, with its `note` (e.g. the SGLang half of a
+    check skipped). A check without `passed` fails: it decided nothing."""
     if "skipped" in result:
         return SKIPPED, str(result["skipped"])
     if "error" in result:
         return FAIL, first_line(str(result["error"]))
     if result.get("passed") is False:
-        return FAIL, str(result.get("reason") or "failed (no reason given)")
+        reason = str(result.get("reason") or "failed (no reason given)")
+        return FAIL, reason + (f": {first_line(result['log_tail'])}" if result.get("log_tail") else "")
     if result.get("kind") == "check" and result.get("passed") is not True:
         return FAIL, "the check returned no verdict"
     return PASS, str(result.get("note", ""))
@@ -282,33 +292,6 @@ def judge_refusal(returncode: int, stderr: str, must_say: Sequence[str]) -> Tupl
     if missing:
         return False, f"the refusal does not say {missing}: {errors[0]}"
     return True, errors[0]
-
-
-def judge_train_metrics(rows: Sequence[Dict[str, Any]], steps: int, limit: float) -> Tuple[bool, str, Dict[str, float]]:
-    """The step-1 checks of a finished run, from its metrics.jsonl rows: every step 1..steps has
-    `mismatch/age_0/logp_abs_mean` <= limit, some row carries `probe/logp_abs_mean` and every
-    such row is <= limit with `probe/errors` 0. Returns (passed, reason, the worst values)."""
-    worst = {"mismatch/age_0/logp_abs_mean": float("-inf"), "probe/logp_abs_mean": float("-inf")}
-    seen_steps, probes = set(), 0
-    for row in rows:
-        for key in worst:
-            if key in row:
-                value = float(row[key])
-                if not value <= limit:  # NaN fails
-                    return False, f"step {row.get('step')}: {key} = {value:.4g} > {limit:g} nats", {key: value}
-                worst[key] = max(worst[key], value)
-        if "mismatch/age_0/logp_abs_mean" in row and "step" in row:
-            seen_steps.add(int(row["step"]))
-        if "probe/logp_abs_mean" in row:
-            probes += 1
-            if float(row.get("probe/errors", 0.0)) != 0.0:
-                return False, f"step {row.get('step')}: probe/errors = {row['probe/errors']}", {}
-    missing = sorted(set(range(1, steps + 1)) - seen_steps)
-    if missing:
-        return False, f"no mismatch/age_0/logp_abs_mean for steps {missing} in metrics.jsonl", {}
-    if probes == 0:
-        return False, "no probe/logp_abs_mean in metrics.jsonl: the post-sync probe did not run", {}
-    return True, "", worst
 
 
 def sample_lengths(num: int, max_len: int, seed: int = 0) -> List[tuple]:
@@ -702,66 +685,13 @@ def check_handover_sglang(args) -> Dict[str, Any]:
     return out
 
 
-TINY_GPU_OVERRIDES = (
-    "trainer.total_steps=2", "trainer.save_interval=0", "trainer.sft_warmup_steps=0", "trainer.eval_interval=0",
-    "trainer.wandb_mode=disabled", "trainer.plot=false", "algo.n_samples_per_prompt=4", "algo.train_batch_size=4",
-    "algo.gen_batch_size=4", "algo.mini_batch_size=2", "algo.dynamic_sampling=false",
-    "algo.max_response_length=12", "algo.overlong_buffer_length=4", "megatron=gpu_bf16",
-    "megatron.micro_batch_tokens=512", "cluster.device=cuda", "cluster.num_learner_processes=1",
-    "checks.probe=true", "checks.stop=true",
-)
-"""A GPU run of the tiny model: 2 rollout steps of 4 prompts x 4 samples, bf16 learner."""
-
-
-def train_overrides(engine: str, te_imports: bool, gpus: int, out_dir: str, engine_python: str = "") -> List[str]:
-    """`dapo-mega train` overrides of check e for `engine` (sglang or embedded); `engine_python`:
-    the SGLang venv's interpreter (rollout.engine_python; empty: the learner's Python)."""
-    engine_args = (["rollout=sglang", "rollout.num_engines=1", "rollout.mem_fraction_static=0.3",
-                    "rollout.extra_server_args=[--max-total-tokens,4096]"]
-                   + ([f"rollout.engine_python={engine_python}"] if engine_python else []) if engine == "sglang"
-                   else ["rollout=embedded", "rollout.num_engines=1"])
-    return [*TINY_GPU_OVERRIDES, f"megatron.transformer_impl={'transformer_engine' if te_imports else 'local'}",
-            f"cluster.gpus_per_node={gpus}", f"trainer.output_dir={out_dir}", "trainer.run_name=gpu_node_tiny",
-            *engine_args]
-
-
-def check_train_tiny(args) -> Dict[str, Any]:
-    """e) two steps of the tiny model in bf16 on the GPU; the run's own checks and the rows."""
-    import torch
-
-    from dapo_mega.backends.megatron.model import transformer_engine_import_error
-    from dapo_mega.driver.weight_probe import BF16_MAX_ABS_MEAN
-
-    engine, python = args.train_engine, sglang_python(args)
-    if engine == "auto":
-        engine = "sglang" if python is not None else "embedded"
-    with tempfile.TemporaryDirectory(prefix="gpu_node_train_") as tmp:
-        overrides = train_overrides(engine, transformer_engine_import_error() is None, torch.cuda.device_count(), tmp,
-                                    engine_python=python if python and python != sys.executable else "")
-        try:
-            proc = subprocess.run([sys.executable, "-m", "dapo_mega.cli", "train", *overrides], capture_output=True,
-                                  text=True, timeout=args.train_timeout_s, cwd=REPO,
-                                  env=repo_env())
-        except subprocess.TimeoutExpired as exc:
-            return {"passed": False, "engine": engine, "reason": f"dapo-mega train: no exit within "
-                                                                 f"{args.train_timeout_s} s: {first_line(str(exc.stderr))}"}
-        metrics = Path(tmp) / "gpu_node_tiny" / "metrics.jsonl"
-        rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()] if metrics.exists() else []
-    out: Dict[str, Any] = {"engine": engine, "returncode": proc.returncode, "overrides": overrides,
-                           "metric_rows": len(rows)}
-    if proc.returncode != 0:
-        return {**out, "passed": False, "log_tail": (proc.stdout + proc.stderr)[-3000:],
-                "reason": f"dapo-mega train ({engine} engine): exit {proc.returncode}: "
-                          f"{first_line(proc.stderr + proc.stdout)}"}
-    ok, reason, worst = judge_train_metrics(rows, steps=2, limit=BF16_MAX_ABS_MEAN)
-    return {**out, "passed": ok, "reason": reason, "worst": worst}
-
-
 # ============================================================================ driver
 PART_FUNCTIONS: Dict[str, Callable[[argparse.Namespace], Dict[str, Any]]] = {
     "convert_gpu": check_convert_gpu, "convert_tp2": check_convert_tp2, "eval_two_engines": check_eval_two_engines,
-    "handover_sglang": check_handover_sglang, "train_tiny_bf16": check_train_tiny,
+    "handover_sglang": check_handover_sglang,
+    "train_tiny_bf16": lambda a: check_train_tiny(a.train_engine, sglang_python(a), a.train_timeout_s, repo_env()),
     "nccl_loaded": lambda a: check_nccl_loaded(sys.executable, sglang_python(a)),
+    "train_moe_bf16": lambda a: check_train_moe(a.train_timeout_s, repo_env()),
     "learner_bf16": lambda a: part_learner(a, "bf16"), "learner_fp8": lambda a: part_learner(a, "fp8"),
     "handover": part_handover, "sglang": part_sglang,
 }
@@ -771,7 +701,7 @@ def _run_part(part: str, argv: List[str], timeout_s: float) -> Dict[str, Any]:
     """One part in a fresh process (its own session: a timeout kills what it started too,
     `dapo-mega train` and its engines); its JSON is the last line of its stdout."""
     t0 = time.perf_counter()
-    extra = ["--train-timeout-s", str(max(10, int(timeout_s) - 20))] if part == "train_tiny_bf16" else []
+    extra = ["--train-timeout-s", str(max(10, int(timeout_s) - 20))] if part.startswith("train_") else []
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, *extra, "--part", part],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True)

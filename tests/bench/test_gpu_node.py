@@ -1,5 +1,6 @@
 """bench/gpu_node.py's pure pieces on the CPU: the part list, the budget, the verdicts, the
-table, the refusal and metrics judges, and the order of a run with the parts faked."""
+table, the refusal and metrics judges (check e's: bench/gpu_train.py), and the order of a run
+with the parts faked. Check g's pieces: test_gpu_moe.py."""
 
 import argparse
 import math
@@ -13,14 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_node  # noqa: E402
+import gpu_train  # noqa: E402
 
 
 def test_the_checks_come_first_in_the_issues_order_and_each_part_has_a_function():
     names = [p.name for p in gpu_node.PARTS]
     checks = [p.name for p in gpu_node.PARTS if p.kind == "check"]
     assert checks == ["convert_gpu", "convert_tp2", "eval_two_engines", "handover_sglang", "train_tiny_bf16",
-                      "nccl_loaded"]  # f: issue #46
-    assert names[:6] == checks and len(set(names)) == len(names)
+                      "nccl_loaded", "train_moe_bf16"]  # f, g: issue #46
+    assert names[:7] == checks and len(set(names)) == len(names)
     assert set(names) == set(gpu_node.PART_FUNCTIONS)
     assert {p.kind for p in gpu_node.PARTS} == {"check", "measure"}
     assert gpu_node.parse_args([]).budget_s <= 600  # the one call fits in 10 minutes
@@ -42,6 +44,9 @@ def test_budget_clips_checks_and_skips_measurements_that_no_longer_fit():
     ({"kind": "check", "skipped": "no TE"}, ("skipped", "no TE")),
     ({"kind": "check", "error": "Traceback ...\n  File x\nValueError: bad\n"}, ("fail", "ValueError: bad")),
     ({"kind": "check", "passed": False, "reason": "verify: exit 1"}, ("fail", "verify: exit 1")),
+    ({"kind": "check", "passed": False, "reason": "dapo-mega train: exit 1 (embedded engine)",
+      "log_tail": "[trainer] step 1\nTraceback ...\nRuntimeError: gloo\n  raised here\n"},
+     ("fail", "dapo-mega train: exit 1 (embedded engine): RuntimeError: gloo")),
     ({"kind": "check", "passed": True, "note": "SGLang half skipped"}, ("pass", "SGLang half skipped")),
     ({"kind": "check"}, ("fail", "the check returned no verdict")),
     ({"kind": "measure", "gbps": 3.0}, ("pass", "")),
@@ -68,7 +73,7 @@ def test_a_run_keeps_going_after_a_failure_and_spends_its_budget_on_checks_first
 
     def fake_run(name, argv, timeout):
         ran.append((name, timeout))
-        now[0] += 100.0  # every part takes 100 s
+        now[0] += 80.0  # every part takes 80 s
         return {"error": "exit 1: RuntimeError: boom"} if name == "convert_gpu" else {"passed": True}
 
     monkeypatch.setattr(gpu_node, "_run_part", fake_run)
@@ -77,8 +82,8 @@ def test_a_run_keeps_going_after_a_failure_and_spends_its_budget_on_checks_first
                                  clock=lambda: now[0])
     # every check ran although the first failed; after them no time is left: no measurement fits
     assert [n for n, _ in ran] == ["convert_gpu", "convert_tp2", "eval_two_engines", "handover_sglang",
-                                   "train_tiny_bf16", "nccl_loaded"]
-    assert ran[4] == ("train_tiny_bf16", 170.0) and ran[5] == ("nccl_loaded", 70.0)  # clipped to what was left
+                                   "train_tiny_bf16", "nccl_loaded", "train_moe_bf16"]
+    assert ran[5] == ("nccl_loaded", 170.0) and ran[6] == ("train_moe_bf16", 90.0)  # clipped to what was left
     verdicts = {n: gpu_node.verdict(r) for n, r in results.items()}
     assert verdicts["convert_gpu"] == ("fail", "exit 1: RuntimeError: boom")
     assert "transformer_engine" in verdicts["learner_fp8"][1] and verdicts["learner_fp8"][0] == "skipped"
@@ -125,17 +130,17 @@ def _rows(mismatch=(0.02, 0.03), probe=(0.01, 0.02), errors=0.0):
 
 
 def test_train_metrics_judge():
-    ok, reason, worst = gpu_node.judge_train_metrics(_rows(), steps=2, limit=0.5)
+    ok, reason, worst = gpu_train.judge_train_metrics(_rows(), steps=2, limit=0.5)
     assert ok and reason == "" and worst == {"mismatch/age_0/logp_abs_mean": 0.03, "probe/logp_abs_mean": 0.02}
-    ok, reason, _ = gpu_node.judge_train_metrics(_rows(mismatch=(0.02, 3.1)), 2, 0.5)
+    ok, reason, _ = gpu_train.judge_train_metrics(_rows(mismatch=(0.02, 3.1)), 2, 0.5)
     assert not ok and reason == "step 2: mismatch/age_0/logp_abs_mean = 3.1 > 0.5 nats"
-    ok, reason, _ = gpu_node.judge_train_metrics(_rows(probe=(math.nan, 0.01)), 2, 0.5)
+    ok, reason, _ = gpu_train.judge_train_metrics(_rows(probe=(math.nan, 0.01)), 2, 0.5)
     assert not ok and "probe/logp_abs_mean = nan" in reason
-    ok, reason, _ = gpu_node.judge_train_metrics(_rows()[:1], 2, 0.5)
+    ok, reason, _ = gpu_train.judge_train_metrics(_rows()[:1], 2, 0.5)
     assert not ok and "steps [2]" in reason
-    ok, reason, _ = gpu_node.judge_train_metrics(_rows(probe=(None, None)), 2, 0.5)
+    ok, reason, _ = gpu_train.judge_train_metrics(_rows(probe=(None, None)), 2, 0.5)
     assert not ok and "probe did not run" in reason
-    ok, reason, _ = gpu_node.judge_train_metrics(_rows(errors=1.0), 2, 0.5)
+    ok, reason, _ = gpu_train.judge_train_metrics(_rows(errors=1.0), 2, 0.5)
     assert not ok and "probe/errors" in reason
 
 
@@ -144,7 +149,7 @@ def test_the_train_overrides_compose_into_a_bf16_gpu_run_checked_at_the_bf16_lim
     from dapo_mega.config import load_config
     from dapo_mega.driver.weight_probe import BF16_MAX_ABS_MEAN, resolve_limit
 
-    cfg = load_config(gpu_node.train_overrides(engine, te_imports=False, gpus=1, out_dir=str(tmp_path)))
+    cfg = load_config(gpu_train.train_overrides(engine, te_imports=False, gpus=1, out_dir=str(tmp_path)))
     assert (cfg.megatron.params_dtype, cfg.megatron.transformer_impl, cfg.cluster.device) == ("bf16", "local", "cuda")
     assert cfg.trainer.total_steps == 2 and cfg.rollout.backend == engine and cfg.rollout.num_engines == 1
     assert cfg.checks.probe and cfg.checks.stop and cfg.run_dir == tmp_path / "gpu_node_tiny"
@@ -218,6 +223,6 @@ def test_sglang_runs_from_its_own_venv_as_the_docs_install_it(tmp_path, monkeypa
     assert gpu_node.sglang_python(gpu_node.parse_args(["--sglang-python", "/no/such/python"])) is None
     has.add(sys.executable)
     assert gpu_node.sglang_python(gpu_node.parse_args(["--sglang-python", "/no/such/python"])) == sys.executable
-    cfg = load_config(gpu_node.train_overrides("sglang", te_imports=False, gpus=1, out_dir=str(tmp_path),
+    cfg = load_config(gpu_train.train_overrides("sglang", te_imports=False, gpus=1, out_dir=str(tmp_path),
                                                engine_python=venv))
     assert cfg.rollout.engine_python == venv and cfg.rollout.backend == "sglang"
