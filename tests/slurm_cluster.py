@@ -139,7 +139,7 @@ def _sbin(name: str) -> str:
 class LocalSlurmCluster:
     """Two slurmd "nodes" (n1, n2) + slurmctld + munged, all private to `workdir`."""
 
-    def __init__(self, workdir: Path, cpus_per_node: int = 2, real_memory_mb: int = 10000):
+    def __init__(self, workdir: Path, cpus_per_node: int = 4, real_memory_mb: int = 10000):
         self.workdir = Path(workdir)
         self.cpus_per_node = cpus_per_node
         self.real_memory_mb = real_memory_mb
@@ -303,6 +303,9 @@ class LocalSlurmCluster:
             "SlurmUser=root",
             "ReturnToService=2",
             "MpiDefault=none",
+            # each node poses with cpus_per_node CPUs, whatever the machine has (a recipe's twin
+            # puts TP 2 x PP 2 learner ranks on one node: docs/twins.md); jobs still get one CPU a task
+            "SlurmdParameters=config_overrides",
             "JobAcctGatherType=jobacct_gather/none",
             "KillWait=3",
             "MinJobAge=600",

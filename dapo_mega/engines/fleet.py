@@ -4,20 +4,16 @@ killed and restarted.
     fleet = EngineFleet(cfg.rollout, model_path, log_dir, device=cfg.cluster.device)
     endpoints = fleet.start(2)   # or EngineFleet.attach(urls, cfg.rollout), .from_registry(dir, cfg.rollout)
 
-An engine is `python -m dapo_mega.engines.embedded.server` (the embedded CPU engine) or
-`python -m sglang.launch_server`, with the argv of `engines.sglang.commands.build_engine_command`,
-run by `rollout.engine_python` (default: this interpreter). The fleet adds what each kind
-needs to run: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses devices
-itself, and refuses to start an engine on GPUs without them; the placement function gives
-them, `start_on_this_node` for a command's own node), `--base-gpu-id` when given, and on a machine without a
-GPU `--device cpu` with `SGLANG_USE_CPU_ENGINE=1` for SGLang (SGLang's `is_cpu()` reads that
-variable), `--num-threads` and OMP threads for the embedded engine. Each engine writes
-`engine-<i>.log`; an engine that dies before it is healthy raises `EngineStartError` naming
-that log and quoting its tail. Every engine starts tethered (`dapo_mega/tether.py`): it gets
-SIGTERM when the process that started it dies, SIGKILLed or not, so a crashed trainer leaves
-no engine holding its port or its GPU. SGLang's `/health` runs a one-token generation and sleeps
-1 s, so each probe waits several seconds (`HEALTH_PROBE_TIMEOUT_S`); a /health answer counts only
-from the engine's own process (`EngineProcess.serves_its_port`).
+An engine is the embedded CPU engine or `sglang.launch_server`, with the argv of
+`engines.sglang.commands.build_engine_command`, run by `rollout.engine_python`. The fleet adds
+what each kind needs: `CUDA_VISIBLE_DEVICES` from the GPU ids it is given (it never chooses
+devices; the placement gives them, `start_on_this_node` for a command's own node),
+`--base-gpu-id`, and without a GPU `--device cpu`, `SGLANG_USE_CPU_ENGINE=1` and a KV pool sized
+to the run (`cpu_pool_tokens`) for SGLang, threads for the embedded engine. Each engine writes
+`engine-<i>.log`; one that dies before it is healthy raises `EngineStartError` quoting its tail.
+Every engine starts tethered (`dapo_mega/tether.py`), so a crashed trainer leaves no engine
+holding its port or GPU. SGLang's `/health` runs a one-token generation and sleeps 1 s
+(`HEALTH_PROBE_TIMEOUT_S`); an answer counts only from the engine's own process.
 """
 
 from __future__ import annotations
@@ -28,8 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -48,15 +42,17 @@ from dapo_mega.engines.process import (
     stop_process,
     wait_for_learners,
 )
-from dapo_mega.engines.sglang.api import SERVER_FLAGS, SERVER_INFO_ROUTED_EXPERTS
+from dapo_mega.engines.sglang.api import SERVER_FLAGS
 from dapo_mega.engines.sglang.commands import (
     ROUTED_EXPERTS_FLAG,
     build_engine_command,
     cpu_pool_tokens,
+    cpu_threads_per_engine,
     model_context_tokens,
     reports_routed_experts,
 )
-from dapo_mega.engines.sglang.endpoint import EngineEndpoint
+from dapo_mega.engines.sglang.endpoint import EngineEndpoint, endpoint_of
+from dapo_mega.engines.sglang.server_info import REGISTRY_ROUTED_EXPERTS, server_reports_routed_experts
 from dapo_mega.tether import popen_tethered
 
 logger = log.get(__name__)
@@ -72,52 +68,9 @@ CPU_SGLANG_MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
 """glibc (2.35+) asks for transparent huge pages on the memory it maps (madvise mode); older
 glibc ignores the tunable."""
 
-
 DEFAULT_START_TIMEOUT_S = 300.0
 """Engine start bound when neither rollout.health_timeout_s nor a derived one is given (the
 tiny engines of tests and tools; `open_fleet` derives the run's from its model and engines)."""
-
-
-REGISTRY_ROUTED_EXPERTS = "routed_experts"
-"""The field of an engine's registry record (`engine-<i>.json`, written by the engines role)
-that says whether it was started with --enable-return-routed-experts."""
-
-SERVER_INFO_TIMEOUT_S = 60.0
-"""Bounds the /server_info request that asks an attached engine how it was started."""
-
-
-def server_reports_routed_experts(endpoint: EngineEndpoint) -> Optional[bool]:
-    """Whether the engine at `endpoint` was started with --enable-return-routed-experts, as its
-    GET /server_info says (SGLang 0.5.23 answers with its server arguments, the embedded
-    engine with its own: `SERVER_INFO_ROUTED_EXPERTS` among them; /get_server_info is the
-    older name). None when it does not say or does not answer."""
-    for path in ("/server_info", "/get_server_info"):
-        request = urllib.request.Request(endpoint.url + path, headers=endpoint.headers())
-        try:
-            with urllib.request.urlopen(request, timeout=SERVER_INFO_TIMEOUT_S) as response:
-                info = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                continue
-            return None
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
-        value = info.get(SERVER_INFO_ROUTED_EXPERTS) if isinstance(info, dict) else None
-        return None if value is None else bool(value)
-    return None
-
-
-def endpoint_of(url: str, rollout: RolloutConfig) -> EngineEndpoint:
-    """The endpoint of the engine at `url` with the run's API key and request timeout."""
-    return EngineEndpoint(url, api_key=rollout.api_key, timeout_s=rollout.request_timeout_s)
-
-
-def cpu_threads_per_engine(cpus: int, engines: int) -> int:
-    """Threads of each embedded engine a trainer starts on its own machine's CPUs: one CPU is
-    left to the trainer's process, which parses the replies and scores the samples while the
-    engines generate (measured on 2 cores: a rollout step 0.125 s with both cores' threads in
-    the engine, 0.10 s with one; the learner, idle then, takes every core in its turn)."""
-    return max(1, (cpus - 1) // max(1, engines))
 
 
 def open_fleet(cfg: DapoConfig, model_path: str, log_dir: Path, weight_version: str = "0",
@@ -268,25 +221,18 @@ class EngineFleet:
         # SGLang's --enable-memory-saver imports torch_memory_saver, a CUDA library: without a GPU
         # SGLang does not start with it (release/resume still answer, there is no GPU memory to free)
         memory_saver = self.memory_saver and (r.backend != "sglang" or self.on_gpu())
+        # an SGLang engine on a CPU: its KV pool capped at the run's need (`cpu_pool_tokens`, as the plan counts it)
         argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
                                     host=self.bind_host, python=self.python, memory_saver=memory_saver,
                                     base_gpu_id=base_gpu_id, routed_experts=self.returns_routed_experts,
-                                    max_total_tokens=self.cpu_kv_tokens())
+                                    max_total_tokens=None if r.backend != "sglang" or self.on_gpu() else
+                                    cpu_pool_tokens(r, self.context_tokens or model_context_tokens(self.model_path)))
         if r.backend == "sglang":
             if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
                 argv += [SERVER_FLAGS["device"], "cpu"]
         elif "--num-threads" not in r.extra_server_args:
             argv += ["--num-threads", str(self._threads())]
         return argv
-
-    def cpu_kv_tokens(self) -> Optional[int]:
-        """The KV pool cap of an SGLang engine on a CPU (`cpu_pool_tokens` of the run's longest
-        request, as the plan counts it); None for the embedded engine and on GPUs, where
-        mem_fraction_static sizes it."""
-        if self.rollout.backend != "sglang" or self.on_gpu():
-            return None
-        context = self.context_tokens or model_context_tokens(self.model_path)
-        return cpu_pool_tokens(self.rollout, context)
 
     def child_env(self, index: int, gpu_ids: Sequence[int] = (),
                   parent_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:

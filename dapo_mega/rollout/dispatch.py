@@ -25,6 +25,8 @@ after it (the chunk's samples so far are kept as partial rollouts), and the roun
 still running are aborted, again every ABORT_EVERY_S while one runs (a request that was on
 its way when the engine took the abort arrives after it), ABORT_TRIES times at most.
 
+One chunk's request (its inputs, /generate, its groups and, with an environment, its further
+turns) is a `ChunkRequest` (rollout/request.py); the round sends it, retries or sets it aside.
 With an environment (rollout/turns.py) the round owns the executor its steps run in:
 `RoundSettings.tool_slots` threads, made when it starts and shut down when it ends.
 """
@@ -41,21 +43,16 @@ from typing import Deque, Dict, List, Optional, Sequence
 import aiohttp
 
 from dapo_mega.engines.book import EngineBook
-from dapo_mega.engines.sglang.client import EngineClient, EngineError, PromptInput, RequestSamplingParams, SampleResult
+from dapo_mega.engines.sglang.client import EngineClient, EngineError, SampleResult
 from dapo_mega.rollout.liveness import Hung, Pulse, Watchdog
 from dapo_mega.rollout.outcome import RolloutError, RoundOutcome
 from dapo_mega.rollout.partial import (
-    GroupOrigin,
     PartialGroup,
-    ResumeRequest,
     cut_chunks,
-    per_prompt,
-    reply_groups,
-    resume_request,
 )
+from dapo_mega.rollout.request import ChunkRequest
 from dapo_mega.rollout.samples import Group, PromptEncoding, PromptItem, scored_sample
 from dapo_mega.rollout.settings import RoundSettings
-from dapo_mega.rollout.turns import Episodes
 
 __all__ = ["RolloutError", "Round", "RoundOutcome", "chunk_size", "scored_sample"]
 
@@ -324,16 +321,11 @@ class Round:
         """One request for chunk `c` on `url` (and, with an environment, its samples' further
         turns); False when this worker should stop (its engine died or hung)."""
         idx = self.chunks[c]
-        inputs, params, resume = self._request(idx)
-        t0 = time.monotonic()
         self.dog.sent(url)
         self.open_prompts += len(idx)
         failed = True
-        try:  # a resumed chunk with no sample to generate (finished, or its tool pending) needs no request
-            samples = await self._generate(url, client, c, inputs, params) if inputs else []
-            groups = self._groups(url, c, inputs, params, resume, samples, t0)
-            if self.s.environment is not None:
-                groups, samples = await self._turns(url, client, c, groups, samples, resume)
+        try:
+            groups, samples = await ChunkRequest(self, url, client, c).run()
             if any(s.aborted for s in samples) or any(pg.open for pg in groups):
                 if self.stopping.is_set():  # our own stop: the prompts go back unsent (their partials kept)
                     self._set_aside(c, groups, samples)
@@ -364,62 +356,6 @@ class Round:
                 self.open_prompts -= len(idx)
         self._finish(url, c, groups)
         return True
-
-    async def _generate(self, url: str, client: EngineClient, c: int, inputs: List[PromptInput],
-                        params: RequestSamplingParams) -> List[SampleResult]:
-        """One /generate request of chunk `c` on `url`, counted in `generating` while it runs."""
-        self.generating[url] += 1
-        try:
-            return await self.dog.until_hung(url, client.generate(
-                inputs, params, return_logprob=self.s.return_logprob, return_routed_experts=self.s.reports_experts(c)))
-        finally:
-            self.generating[url] -= 1
-            self.pulse.notify()
-
-    def _progressed(self, url: str) -> None:
-        """A turn's request answered or a tool call ended: progress for the watchdog and the driver."""
-        self.book.count_finished()
-        self.dog.progressed(url)
-
-    async def _turns(self, url: str, client: EngineClient, c: int, groups: List[PartialGroup],
-                     replies: List[SampleResult], resume: Optional[ResumeRequest]):
-        """The further turns of the chunk's samples with the environment (rollout/turns.py), each
-        turn one request on the same engine, until every episode ended, a reply was aborted or
-        the round stopped (no new turn then: the samples not ended stay open): (groups, the
-        last request's replies)."""
-        idx, n = self.chunks[c], self.s.n_samples
-        owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
-        bases = per_prompt(self.s.params_for([self.prompts[i] for i in idx], self.step, self.gen_round), len(idx))
-        episodes = Episodes(self.s.environment, self.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
-                            bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat",
-                            tools=self.tools)
-        while not self.stopping.is_set() and not any(r.aborted for r in replies):
-            async for _ in episodes.run_tools():  # the tools of the samples that stopped at a call
-                self._progressed(url)
-            request = episodes.next_request()
-            if request is None or self.stopping.is_set():
-                break
-            t1 = time.monotonic()
-            replies = await self._generate(url, client, c, request.inputs, request.params)
-            episodes.take(request, replies, url, time.monotonic() - t1)
-            self._progressed(url)
-        return episodes.partial_groups(), replies
-
-    def _request(self, idx: List[int]):
-        """(inputs, sampling params, ResumeRequest or None) of the chunk of prompts `idx`."""
-        params = self.s.params_for([self.prompts[i] for i in idx], self.step, self.gen_round)
-        if idx[0] not in self.partials:
-            return [self.encoding.encode(self.prompts[i]) for i in idx], params, None
-        resume = resume_request([self.partials[i] for i in idx], per_prompt(params, len(idx)))
-        return resume.inputs, resume.params, resume
-
-    def _groups(self, url: str, c: int, inputs: List[PromptInput], params: RequestSamplingParams,
-                resume: Optional[ResumeRequest], samples: List[SampleResult], t0: float) -> List[PartialGroup]:
-        """The chunk's groups from a reply (complete or aborted), each with its samples still open."""
-        latency, delay = time.monotonic() - t0, t0 - self.start
-        return reply_groups([self.prompts[i] for i in self.chunks[c]], inputs, params, resume, samples,
-                            [self.partials.get(i) for i in self.chunks[c]], self.s.n_samples,
-                            GroupOrigin(url, delay, latency, self.gen_round, self.s.dataset_revision))
 
     def _set_aside(self, c: int, groups: List[PartialGroup], replies: List[SampleResult]) -> None:
         """Chunk `c` cut by our stop (its request aborted, or its next turn not sent): its prompts

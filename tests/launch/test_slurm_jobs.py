@@ -8,11 +8,9 @@ this machine) once; each test submits the real sbatch script with the tiny CPU e
 bound and checks the run directory and the job's exit state. Nothing is stubbed: metrics,
 ledger shards and checkpoints are the trainer's own, and the policy versions the engines
 report in the ledger show that the learner's weights reached engine processes started by
-another srun step (another "node", another heterogeneous component). The disaggregated job
-with two learner tasks runs with two real SGLang servers as its engines
-(`rollout.backend=sglang`, the SGLang venv's interpreter; skipped without one,
-tests/sglang_venv.py); with embedded engines it runs in the engine-kill test, which checks the
-same records over 60 steps.
+another srun step (another "node", another heterogeneous component). The disaggregated job runs with embedded
+engines in the engine-kill test, which checks the same records over 60 steps; with real SGLang
+servers, as the disaggregated recipe's twin (tests/launch/test_twin_runs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_venv import sglang_python_or_skip
 
 from dapo_mega.distributed import free_port
 
@@ -149,59 +146,6 @@ def _learner_nodes(logs: Path) -> dict:
     ranks = {int(m.group(1)): m.group(3) for m in lines.values()}
     assert sorted(ranks) == list(range(worlds.pop())) and sorted(lines) == [f"learner-{r}.log" for r in sorted(ranks)]
     return ranks
-
-
-def _disaggregated_job(cluster, tmp_path, name, overrides, timeout_s, learners=1):
-    """Submit disaggregated.sbatch with `learners` learner tasks on its learner node, wait,
-    check it completed; (run dir, metrics, job log dir, job info)."""
-    job = _submit(cluster, "disaggregated.sbatch", tmp_path, name, DISAGGREGATED, overrides, learners_per_node=learners)
-    info = cluster.wait_job(job, timeout_s)
-    run_dir = tmp_path / name
-    logs = run_dir / "logs" / f"job-{job}"
-    assert _learner_nodes(logs) == {r: info.get("NodeList") for r in range(learners)}, \
-        _batch_log(tmp_path, job) + _job_logs(run_dir, job)
-    metrics = _assert_completed_run(cluster, tmp_path, run_dir, job, info)
-    assert sorted(p.name for p in logs.iterdir()) == ["engine-0.log", "engine-1.log", "engines-node0.log",
-                                                      *(f"learner-{r}.log" for r in range(learners))]
-    assert f"learner world {learners} (1 nodes)" in (logs / "learner-0.log").read_text()
-    assert _trainer_state(run_dir, TOTAL_STEPS)["learner_layout"]["dp"] == learners
-    return run_dir, metrics, logs, info
-
-
-@pytest.fixture
-def sglang_python():
-    """The SGLang venv's interpreter (skips before the cluster starts when there is none)."""
-    return sglang_python_or_skip()
-
-
-SGLANG_JOB_TIMEOUT_S = 900  # two SGLang servers start on the engine node: about a minute each on 2 cores
-
-
-@pytest.mark.slow
-@pytest.mark.sglang
-def test_disaggregated_job_with_sglang_engines(sglang_python, cluster, tmp_path):
-    # two learner tasks on the learner component's node (one before the fix, as colocated),
-    # two real SGLang 0.5.23 servers (CPU) on the engine component, run by the SGLang venv's
-    # interpreter (the local nodes share this filesystem). The heterogeneous job with embedded
-    # engines: test_engine_killed_mid_run_is_restarted_and_the_disaggregated_job_completes.
-    overrides = [*DISAGG_OVERRIDES, "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
-                 "rollout.extra_server_args=[--max-total-tokens,4096]", "rollout.health_timeout_s=600"]
-    run_dir, metrics, logs, info = _disaggregated_job(cluster, tmp_path, "sgl", overrides, SGLANG_JOB_TIMEOUT_S,
-                                                      learners=2)
-    assert f"{sglang_python} -m sglang.launch_server" in (logs / "engines-node0.log").read_text()
-    for i in (0, 1):  # each server took the first push and one sync per step inside a weight-update session
-        engine_log = (logs / f"engine-{i}.log").read_text(errors="replace")
-        assert engine_log.count("POST /update_weights_from_distributed ") >= TOTAL_STEPS + 1, engine_log[-3000:]
-        assert engine_log.count("POST /begin_weight_update ") == engine_log.count("POST /end_weight_update ") \
-            >= TOTAL_STEPS + 1
-    # component 1's single node runs both engines; component 0's node the learners
-    engine_nodes = {json.loads(p.read_text())["node"] for p in (run_dir / "engines").glob("engine-*.json")}
-    learner_node = info.get("NodeList")
-    assert len(engine_nodes) == 1 and engine_nodes != {learner_node}, (engine_nodes, learner_node)
-    # distributed-mode sync (a gloo group of learner rank 0 + both engine processes) moved
-    # the whole tiny model every step: same byte count each step, nonzero
-    sync_bytes = {m["sync/bytes"] for m in metrics}
-    assert len(sync_bytes) == 1 and sync_bytes.pop() > 0
 
 
 @pytest.mark.slow  # one or two real jobs: ~1 min each on 2 cores

@@ -11,7 +11,7 @@ learner's version, and its greedy output (tokens and log-probs) equals transform
 HF export of the checkpoint the run saved. A disaggregated run whose trainer starts the SGLang
 engines itself: tests/faults/test_faults_engines_sglang.py (one engine killed there) and the
 Slurm jobs of the recipes' twins with SGLang engines (tests/launch/test_twin_runs.py: a
-mixture replaying its experts there).
+mixture replaying its experts, and the python tool's turns with SGLang, there).
 
 Needs the SGLang venv (`tools/setup_sglang_cpu.sh`, see test_conformance.py); skips
 without it (fails under CI=true). The model is random (no warm start), so dynamic sampling is off: every group
@@ -62,41 +62,6 @@ def test_train_colocated_with_real_sglang(tmp_path):
     checked = [r for r in rows if "checksum/tensors" in r]
     assert len(checked) == 2 and all(r["checksum/tensors"] > 10 and r["checksum/engines"] == 1
                                      and r["checksum/errors"] == 0 for r in checked), checked
-
-
-@pytest.mark.slow  # ~3 min on 2 cores: a 400-step warm start, SGLang's start and two steps
-def test_train_with_the_python_tool_on_real_sglang(tmp_path):
-    """Multi-turn samples with the python tool (issue #39 items 2 and 5) on the real SGLang
-    0.5.23, colocated, fp32. The tiny model is warm-started on the sum task's tool references
-    (data.synthetic_task=sum_tool: write the sum as code, read the interpreter, copy it), then
-    trains 2 steps:
-    - every turn stops at `</code>` (SGLang's `stop`, `no_stop_trim`);
-    - the sandbox runs the code and its output goes back into the context;
-    - SGLang's log-probs of the model's tokens equal the learner's over the whole sequence (the
-      two saw the same context);
-    - the ledger keeps the turns and the environment's spans."""
-    from dapo_mega.records.ledger import read_records
-
-    sglang_python = sglang_python_or_skip()
-    out = run_cli("train", "cluster.mode=colocated", "rollout.backend=sglang", f"rollout.engine_python={sglang_python}",
-                  "rollout.dtype=float32", "rollout.environment=python", "data.synthetic_task=sum_tool",
-                  "data.synthetic_min_digits=5", "data.synthetic_max_digits=5", "data.synthetic_ops=+",
-                  "algo.max_response_length=96", "algo.dynamic_sampling=false", "trainer.total_steps=2",
-                  "trainer.sft_warmup_steps=400", "trainer.eval_interval=0", f"trainer.output_dir={tmp_path}",
-                  "trainer.run_name=run", "rollout.extra_server_args=[--max-total-tokens,4096]", timeout_s=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    run = tmp_path / "run"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "loss/pg" in r]
-    assert len(steps) == 2 and all(r["rollout/turns_mean"] > 1.5 and r["rollout/tool_calls"] > 0 for r in steps), steps
-    assert all(r["rollout/accuracy"] > 0.3 for r in steps), [r["rollout/accuracy"] for r in steps]
-    assert all(r["mismatch/logp_abs_max"] < 1e-3 for r in steps), [r["mismatch/logp_abs_max"] for r in steps]
-    ledger = read_records(run)
-    used = [row for row in ledger if row.tool_calls]
-    # a turn after each answer, unless the answer spent the budget (then the sample ends truncated)
-    assert used and all((row.turns == row.tool_calls + 1 or row.truncated and row.turns == row.tool_calls)
-                        and json.loads(row.env_spans) for row in used)
-    assert all("<interpreter>" in row.response_text for row in used)
 
 
 # ------------------------------------------------------------------------------------------------

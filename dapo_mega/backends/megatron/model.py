@@ -237,15 +237,7 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
         recompute_method=mcfg.recompute_method if mcfg.recompute_granularity == "full" else None,
         recompute_num_layers=mcfg.recompute_num_layers if mcfg.recompute_granularity == "full" else None,
     )
-    if layout.sequence_parallel and spec != TE_SPEC:
-        raise ConfigError("megatron.sequence_parallel: true, but the local layer spec's norms (torch's, megatron-core "
-                          "WrappedTorchNorm, without NVIDIA apex) refuse sequence parallelism: the model would fail "
-                          "as it is built. Fix: megatron.sequence_parallel=false on a CPU or with "
-                          "megatron.transformer_impl=local (a mixture of experts then needs TP 1), or Transformer "
-                          "Engine on GPUs")
-    if routing_replay and not arch.is_moe:
-        raise ConfigError(f"algo.routing_replay: true, but {arch.model_type} is a dense model: there is no routing "
-                          "to replay. Fix: set algo.routing_replay=false")
+    refuse_unbuildable(arch, layout, spec, routing_replay)
     if arch.is_moe:
         kwargs.update(moe_config_kwargs(arch, layout.ep, spec), moe_enable_routing_replay=routing_replay)
     if mcfg.fp8.enabled:
@@ -276,6 +268,19 @@ def plan_transformer_config(arch: ModelShape, mcfg: MegatronConfig, layout: Para
                 kwargs.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
                               num_layers_at_end_in_bf16=end)
     return TransformerPlan(config_kwargs=kwargs, layer_spec=spec, params_dtype=params_dtype, notes=notes)
+
+
+def refuse_unbuildable(arch: ModelShape, layout: ParallelLayout, spec: str, routing_replay: bool) -> None:
+    """ConfigError for what megatron-core would refuse only once the model is built, on every rank."""
+    if layout.sequence_parallel and spec != TE_SPEC:
+        raise ConfigError("megatron.sequence_parallel: true, but the local layer spec's norms (torch's, megatron-core "
+                          "WrappedTorchNorm, without NVIDIA apex) refuse sequence parallelism: the model would fail "
+                          "as it is built. Fix: megatron.sequence_parallel=false on a CPU or with "
+                          "megatron.transformer_impl=local (a mixture of experts then needs TP 1), or Transformer "
+                          "Engine on GPUs")
+    if routing_replay and not arch.is_moe:
+        raise ConfigError(f"algo.routing_replay: true, but {arch.model_type} is a dense model: there is no routing "
+                          "to replay. Fix: set algo.routing_replay=false")
 
 
 def moe_config_kwargs(arch: ModelShape, ep: int, spec: str) -> Dict[str, Any]:

@@ -8,7 +8,10 @@ the key and the timeout travel with the URL instead of beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Union
+from typing import TYPE_CHECKING, Dict, Union
+
+if TYPE_CHECKING:
+    from dapo_mega.config import RolloutConfig
 
 CONTROL_TIMEOUT_S = 600.0
 """Default bound on one control request (a 512 MiB weight bucket, a pause, a release)."""
@@ -44,3 +47,8 @@ EngineAddress = Union[EngineEndpoint, str]
 def as_endpoint(engine: EngineAddress) -> EngineEndpoint:
     """`engine` as an `EngineEndpoint` (a bare URL gets no key and the default timeout)."""
     return engine if isinstance(engine, EngineEndpoint) else EngineEndpoint(str(engine))
+
+
+def endpoint_of(url: str, rollout: "RolloutConfig") -> EngineEndpoint:
+    """The endpoint of the engine at `url` with the run's API key and request timeout."""
+    return EngineEndpoint(url, api_key=rollout.api_key, timeout_s=rollout.request_timeout_s)

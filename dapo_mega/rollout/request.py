@@ -1,0 +1,97 @@
+"""One chunk's request on one engine, as a round sends it (rollout/dispatch.py): its prompts'
+inputs (fresh, or the open samples of resumed partial rollouts), the /generate request, the
+groups of its reply and, with an environment (rollout/turns.py), the further turns of its
+samples on the same engine until every episode ended, a reply was aborted or the round stopped.
+
+    groups, replies = await ChunkRequest(rnd, url, client, c).run()
+
+The round keeps what is the round's: which chunk goes where, the retries, the aborts and the
+order chunks come out in. The request reads the round's settings, prompts and partials, and
+writes into it what every request counts: the /generate requests running on each engine (what
+the round's aborts wait for), the watchdog's progress and the engine book's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+from dapo_mega.engines.sglang.client import EngineClient, PromptInput, RequestSamplingParams, SampleResult
+from dapo_mega.rollout.partial import GroupOrigin, PartialGroup, ResumeRequest, per_prompt, reply_groups, resume_request
+from dapo_mega.rollout.turns import Episodes
+
+if TYPE_CHECKING:
+    from dapo_mega.rollout.settings import RoundSettings
+
+
+class ChunkRequest:
+    """Chunk `c` of round `rnd` (a `dispatch.Round`) sent to the engine at `url` through `client`."""
+
+    def __init__(self, rnd, url: str, client: EngineClient, c: int):
+        self.rnd, self.url, self.client, self.c = rnd, url, client, c
+        self.s: "RoundSettings" = rnd.s
+        self.idx: List[int] = rnd.chunks[c]
+
+    async def run(self) -> Tuple[List[PartialGroup], List[SampleResult]]:
+        """(the chunk's groups, each with its samples still open; the last request's replies)."""
+        rnd, idx = self.rnd, self.idx
+        inputs, params, resume = self._inputs()
+        t0 = time.monotonic()
+        # a resumed chunk with no sample to generate (finished, or its tool pending) needs no request
+        replies = await self._generate(inputs, params) if inputs else []
+        latency, delay = time.monotonic() - t0, t0 - rnd.start
+        groups = reply_groups([rnd.prompts[i] for i in idx], inputs, params, resume, replies,
+                              [rnd.partials.get(i) for i in idx], self.s.n_samples,
+                              GroupOrigin(self.url, delay, latency, rnd.gen_round, self.s.dataset_revision))
+        if self.s.environment is not None:
+            groups, replies = await self._turns(groups, replies, resume)
+        return groups, replies
+
+    def _inputs(self):
+        """(inputs, sampling params, ResumeRequest or None) of the chunk's prompts."""
+        rnd = self.rnd
+        params = self.s.params_for([rnd.prompts[i] for i in self.idx], rnd.step, rnd.gen_round)
+        if self.idx[0] not in rnd.partials:
+            return [rnd.encoding.encode(rnd.prompts[i]) for i in self.idx], params, None
+        resume = resume_request([rnd.partials[i] for i in self.idx], per_prompt(params, len(self.idx)))
+        return resume.inputs, resume.params, resume
+
+    async def _generate(self, inputs: List[PromptInput], params: RequestSamplingParams) -> List[SampleResult]:
+        """One /generate request, counted in the round's `generating` while it runs."""
+        rnd, url = self.rnd, self.url
+        rnd.generating[url] += 1
+        try:
+            return await rnd.dog.until_hung(url, self.client.generate(
+                inputs, params, return_logprob=self.s.return_logprob, return_routed_experts=self.s.reports_experts(self.c)))
+        finally:
+            rnd.generating[url] -= 1
+            rnd.pulse.notify()
+
+    def _progressed(self) -> None:
+        """A turn's request answered or a tool call ended: progress for the watchdog and the driver."""
+        self.rnd.book.count_finished()
+        self.rnd.dog.progressed(self.url)
+
+    async def _turns(self, groups: List[PartialGroup], replies: List[SampleResult],
+                     resume: Optional[ResumeRequest]) -> Tuple[List[PartialGroup], List[SampleResult]]:
+        """The further turns of the chunk's samples with the environment, each turn one request
+        on the same engine, until every episode ended, a reply was aborted or the round stopped
+        (no new turn then: the samples not ended stay open)."""
+        rnd, n = self.rnd, self.s.n_samples
+        owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
+        bases = per_prompt(self.s.params_for([rnd.prompts[i] for i in self.idx], rnd.step, rnd.gen_round),
+                           len(self.idx))
+        episodes = Episodes(self.s.environment, rnd.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
+                            bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat",
+                            tools=rnd.tools)
+        while not rnd.stopping.is_set() and not any(r.aborted for r in replies):
+            async for _ in episodes.run_tools():  # the tools of the samples that stopped at a call
+                self._progressed()
+            request = episodes.next_request()
+            if request is None or rnd.stopping.is_set():
+                break
+            t1 = time.monotonic()
+            replies = await self._generate(request.inputs, request.params)
+            episodes.take(request, replies, self.url, time.monotonic() - t1)
+            self._progressed()
+        return episodes.partial_groups(), replies
