@@ -336,3 +336,20 @@ def test_eval_runs_beside_the_next_step_by_default_only_when_disaggregated():
     assert not eval_beside(load_config(["cluster.mode=colocated"]))
     assert eval_beside(load_config(["cluster.mode=disaggregated"]))
     assert not eval_beside(load_config(["cluster.mode=disaggregated", "eval.overlap=inline"]))
+
+
+def test_a_chat_template_without_one_is_refused_before_any_rank_starts(tmp_path):
+    """The MoE twin's first Slurm job: every rank started, then the driver's encoder found the tiny
+    tokenizer had no template and the other ranks died waiting (DistNetworkError). The preflight,
+    which every rank runs before a process group forms, now says it in one line."""
+    from dapo_mega.models.tiny import build_tiny_model_dir
+    from dapo_mega.plan.preflight import check_chat_template
+
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template: .*Fix: model.tiny_chat_template=true"):
+        check_chat_template(load_config(["data.apply_chat_template=true"]))
+    check_chat_template(load_config(["data.apply_chat_template=true", "model.tiny_chat_template=true"]))
+    bare = build_tiny_model_dir(tmp_path / "bare", with_weights=False)  # an HF directory, its tokenizer without one
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template: true, but the tokenizer"):
+        check_chat_template(load_config(["data.apply_chat_template=true", f"model.hf_path={bare}"]))
+    chat = build_tiny_model_dir(tmp_path / "chat", load_config(["model.tiny_chat_template=true"]).model, with_weights=False)
+    check_chat_template(load_config(["data.apply_chat_template=true", f"model.hf_path={chat}"]))

@@ -8,6 +8,7 @@ CLI prints it) instead of after the base model was built, or with a traceback.
                                 choices on this machine (layer spec, dtype, FP8), the data files,
                                 and that the checkpoint a resume would load fits this layout
     check_data_paths(cfg.data)  data.train_path / data.eval_path exist
+    check_chat_template(cfg)    data.apply_chat_template has a template to apply
     check_verifier(cfg.algo, cfg.data) algo.verifier resolves; a reward plugin imports, has the
                                 signature and returns a valid result on the training data's
                                 first row (its ground truth, data source and extra_info)
@@ -78,6 +79,23 @@ def check_data_paths(data_cfg: DataConfig) -> None:
             raise ConfigError(f"data.{name}: {value} does not exist. Fix: point data.{name} at a .parquet or "
                               ".jsonl file (tools/prepare_data.py writes them), or leave data.train_path empty "
                               "for the synthetic task")
+
+
+def check_chat_template(cfg: DapoConfig) -> None:
+    """`data.apply_chat_template` with a tokenizer that has a template: checked on every rank
+    before any process group forms (the driver's encoder found it only after the other ranks
+    had started, which then died waiting for it). The tiny model has one with
+    `model.tiny_chat_template`; an HF directory's tokenizer is asked as the encoder asks it."""
+    if not cfg.data.apply_chat_template:
+        return
+    if not cfg.model.hf_path:
+        if not cfg.model.tiny_chat_template:
+            raise ConfigError("data.apply_chat_template: true, but the tiny model's tokenizer has no chat template. "
+                              "Fix: model.tiny_chat_template=true (Qwen's ChatML), or data.apply_chat_template=false")
+        return
+    from dapo_mega.data.encoder import PromptEncoder
+
+    PromptEncoder.from_pretrained(cfg.model.hf_path, cfg.data)  # ConfigError naming the field and the fix
 
 
 def check_eval_set_paths(eval_cfg: EvalConfig) -> None:
@@ -197,6 +215,7 @@ def check_before_start(cfg: DapoConfig, world_size: Optional[int] = None) -> Non
     check_routing_replay(cfg)
     check_engine_serves_model(cfg, shape)
     check_data_paths(cfg.data)
+    check_chat_template(cfg)
     check_eval_set_paths(cfg.eval)
     check_engine_python(cfg.rollout)
     check_nccl_agreement(cfg)
