@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from gpu_train import STEPS, gpu_settings, judge_train_metrics, read_metrics, run_train, train_overrides
+from gpu_train import STEPS, gpu_settings, judge_train_metrics, run_train, train_overrides
 
 RUN_NAME = "gpu_node_moe"
 WARM_START_STEPS = 50
@@ -152,6 +152,7 @@ def check_train_moe(timeout_s: float, env: Dict[str, str], extra_overrides: Sequ
     from dapo_mega.driver.weight_probe import BF16_MAX_ABS_MEAN
     from dapo_mega.models.shape import ModelShape
     from dapo_mega.records.ledger import read_ledger
+    from dapo_mega.records.metrics import read_metrics
 
     te_imports, gpus = gpu_settings()
     with tempfile.TemporaryDirectory(prefix="gpu_node_moe_") as tmp:

@@ -13,7 +13,6 @@ tests/bench/test_gpu_node.py.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
@@ -102,18 +101,13 @@ def run_train(overrides: Sequence[str], timeout_s: float, env: Dict[str, str]) -
     return None
 
 
-def read_metrics(run_dir: Path) -> List[Dict[str, Any]]:
-    """The rows of a run's metrics.jsonl ([] when it wrote none)."""
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-
-
 def check_train_tiny(engine: str, engine_python: Optional[str], timeout_s: float, env: Dict[str, str]
                      ) -> Dict[str, Any]:
     """e) two steps of the tiny model in bf16 on the GPU; the run's own checks and the rows.
     `engine`: sglang, embedded or auto (sglang when `engine_python`, the interpreter SGLang
     imports in, is given)."""
     from dapo_mega.driver.weight_probe import BF16_MAX_ABS_MEAN
+    from dapo_mega.records.metrics import read_metrics
 
     if engine == "auto":
         engine = "sglang" if engine_python is not None else "embedded"

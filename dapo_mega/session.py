@@ -112,7 +112,6 @@ class Session:
         gate = DriverGate(cfg.cluster.driver_stall_timeout_s, is_driver=is_driver,
                           progress=self.book.finished_requests)
         gate.start()
-        self.role = LearnerRankRole(gate)
         torch.manual_seed(cfg.trainer.seed)
         # every weight is loaded next (the checkpoint, model.megatron_path or the HF weights)
         self.learner = MegatronLearner(cfg, str(self.model_dir), self.layout, initialize=False)

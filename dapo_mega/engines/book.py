@@ -165,12 +165,14 @@ class EngineBook:
 
     # ---------------------------------------------------------------- progress and load
     def count_finished(self) -> None:
-        """A request finished (any round, training or evaluation)."""
+        """Progress: a request finished (any round, training or evaluation), or a turn's request
+        or a tool call of a multi-turn chunk ended (rollout/request.py)."""
         with self._lock:
             self._finished += 1
 
     def finished_requests(self) -> int:
-        """Requests finished on these engines: the driver's progress counter (driver/gate.py)."""
+        """Requests, turns and tool calls finished on these engines: the driver's progress counter
+        (driver/gate.py)."""
         return self._finished
 
     def observe_loads(self, url: str, loads: Sequence[Dict[str, object]]) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 
 from dapo_mega.environments.base import Environment, StepResult
 from dapo_mega.environments.sandbox import (
+    DEFAULT_MAX_CONCURRENT,
     Sandbox,
     SandboxLimits,
     check_isolation,
@@ -50,7 +51,7 @@ class PythonTool(Environment):
 
     stop = [CODE_CLOSE]
 
-    def __init__(self, limits: Optional[SandboxLimits] = None, max_concurrent: int = 4,
+    def __init__(self, limits: Optional[SandboxLimits] = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
                  sandbox: Optional[Sandbox] = None, isolation: str = "none", **limit_fields: Any):
         """`limit_fields`: SandboxLimits' fields by name (what rollout.environment_kwargs gives:
         wall_s, cpu_s, memory_mb, output_bytes, processes, file_bytes, open_files, threads).

@@ -53,6 +53,9 @@ BOOT = Path(__file__).with_name("sandbox_boot.py")
 SAFE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
             "PYTHONDONTWRITEBYTECODE": "1"}
 """The whole environment of the code (HOME and TMPDIR: its working directory)."""
+DEFAULT_MAX_CONCURRENT = 4
+"""Runs at once on the driver when the environment's kwargs give no max_concurrent (the python
+tool's, and the rollout's tool threads: rollout/settings.py DEFAULT_TOOL_SLOTS)."""
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory", "output_limit", "crash", "sandbox_error")
 THREAD_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
               "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMEXPR_MAX_THREADS", "NUMBA_NUM_THREADS",
@@ -130,7 +133,7 @@ class Sandbox:
     below the `isolation` level (LEVELS) does not run its code. It counts its runs by level
     (`take_metrics`)."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), max_concurrent: int = 4, python: str = sys.executable,
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), max_concurrent: int = DEFAULT_MAX_CONCURRENT, python: str = sys.executable,
                  base_dir: Optional[str] = None, isolation: str = "none"):
         self.limits, self.python, self.base_dir, self.isolation = limits, python, base_dir, isolation
         self.max_concurrent = max_concurrent

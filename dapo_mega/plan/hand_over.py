@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import List
 
+from dapo_mega.backends.megatron.expert_shards import expert_id_dtype
 from dapo_mega.config import DapoConfig, partial_rollout_enabled, routed_experts_every
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan.types import HandOver
@@ -60,7 +61,7 @@ def hand_over_bytes(cfg: DapoConfig, shape: ModelShape, dp: int, prompt_tokens: 
                                                   and cfg.rollout.mask_offpolicy_in_partial_rollout)
     every = routed_experts_every(cfg) if shape.is_moe else 0
     reporting = samples / every if every else 0.0
-    id_bytes = 1 if shape.num_experts <= 256 else 2
+    id_bytes = expert_id_dtype(shape.num_experts).itemsize if shape.is_moe else 1
     per_position = shape.num_layers * shape.num_experts_per_tok * id_bytes if shape.is_moe else 0
     mean_positions = prompt_tokens + mean_response - 1
     max_positions = a.max_prompt_length + a.max_response_length - 1

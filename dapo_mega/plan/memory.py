@@ -58,7 +58,6 @@ without packing and balancing:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from dataclasses import asdict, dataclass
@@ -441,21 +440,21 @@ def weight_update_groups_per_engine_gpu(cfg: DapoConfig) -> int:
     return cfg.megatron.pipeline_model_parallel_size
 
 
-def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float) -> KvRoom:
+def engine_kv_room(cfg: DapoConfig, phi: int, learner_resident: float, kv_cap: float = math.inf) -> KvRoom:
     """SGLang 0.5.23's KV budget on one engine GPU (`_profile_available_bytes`): free memory B
     measured when the engine starts (after its CUDA context, and, colocated, beside the
     learner's `learner_resident` bytes and context), the weights loaded, then
-    rest = free_after_load − B·(1 − f) = f·B − weights."""
+    rest = f·B − weights, at most `kv_cap` (`--max-total-tokens`: `_apply_token_constraints`)."""
     r, gpu = cfg.rollout, cfg.cluster.gpu_memory_gib * GIB
     contexts = 0.0 if cfg.cluster.device == "cpu" else (  # no CUDA on a CPU cluster
         ENGINE_CONTEXT_GIB + (LEARNER_CONTEXT_GIB if cfg.cluster.mode == "colocated" else 0.0)) * GIB
     free_at_start = gpu - learner_resident - contexts
     weights = 2 * phi / r.engine_tp_size
     return KvRoom(free_at_start=free_at_start, weights=weights, contexts=contexts,
-                  kv=r.mem_fraction_static * free_at_start - weights)
+                  kv=min(r.mem_fraction_static * free_at_start - weights, kv_cap))
 
 
-def colocated_fit(cfg: DapoConfig, phi: int, stage: StageMemory, dp: int) -> ColocatedFit:
+def colocated_fit(cfg: DapoConfig, phi: int, stage: StageMemory, dp: int, kv_cap: float = math.inf) -> ColocatedFit:
     """One colocated GPU of a stage in both phases (bytes). The engine sizes its KV pool when
     it starts: on a fresh run the learner then holds its bf16 params, fp32 grads and fp32
     master shard but no Adam m, v (made at the first step) and no FP8 caches (made at the
@@ -464,11 +463,11 @@ def colocated_fit(cfg: DapoConfig, phi: int, stage: StageMemory, dp: int) -> Col
     engine's weights, KV pool and runtime, and at the weight sync that precedes it two
     buckets (`weights/handover.py`: the source rank's gathered HF tensors and the flat
     buffer every rank receives); during training the released engine keeps its context.
-    The rollout figure is the fresh run's (the larger pool)."""
+    The rollout figure is the fresh run's (the larger pool); `kv_cap`: the pool's cap on one GPU."""
     m, params = cfg.megatron, stage.params
     fresh = params * (2 + 4 + (4 / dp if m.use_distributed_optimizer else 4))
-    at_fresh = engine_kv_room(cfg, phi, fresh)
-    at_resume = engine_kv_room(cfg, phi, stage.model_state_bytes)
+    at_fresh = engine_kv_room(cfg, phi, fresh, kv_cap)
+    at_resume = engine_kv_room(cfg, phi, stage.model_state_bytes, kv_cap)
     learner = stage.model_state_bytes + stage.fp8_cache_bytes
     runtime = 0.0 if cfg.cluster.device == "cpu" else ENGINE_RUNTIME_GIB * GIB
     engine = at_fresh.weights + max(0.0, at_fresh.kv) + runtime
@@ -771,20 +770,16 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[St
     r, c, a = cfg.rollout, cfg.cluster, cfg.algo
     gpus = r.engine_tp_size * r.engine_dp_size
     gpu_bytes = c.gpu_memory_gib * GIB
-    colocated = [] if c.mode == "disaggregated" else [colocated_fit(cfg, phi, st, dp) for st in stages]
-    room = engine_kv_room(cfg, phi, 0.0)
-    kv_per_gpu = min(f.kv_resumed for f in colocated) if colocated else room.kv
-    engine_room = gpus * kv_per_gpu
     per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
     seq_tokens = a.max_prompt_length + a.max_response_length
-    kv_tokens = max(0, int(engine_room // per_token))
+    # SGLang on a CPU: the fleet's --max-total-tokens caps the pool, beside the learner or alone
     cap = cpu_pool_tokens(r, seq_tokens) if c.device == "cpu" and r.backend == "sglang" else 0
-    if cap:  # the fleet's --max-total-tokens: the pool holds no more, beside the learner or alone
-        kv_tokens, engine_room = min(kv_tokens, cap), min(engine_room, cap * per_token)
-        kv_cap = cap * per_token / gpus
-        colocated = [dataclasses.replace(f, kv_fresh=min(f.kv_fresh, kv_cap), kv_resumed=min(f.kv_resumed, kv_cap),
-                                         rollout_bytes=f.rollout_bytes - max(0.0, f.kv_fresh) + min(
-                                             max(0.0, f.kv_fresh), kv_cap)) for f in colocated]
+    kv_cap = cap * per_token / gpus if cap else math.inf
+    colocated = [] if c.mode == "disaggregated" else [colocated_fit(cfg, phi, st, dp, kv_cap) for st in stages]
+    room = engine_kv_room(cfg, phi, 0.0, kv_cap)
+    kv_per_gpu = min(f.kv_resumed for f in colocated) if colocated else room.kv
+    engine_room = gpus * kv_per_gpu
+    kv_tokens = max(0, int(engine_room // per_token))
     if engine_room <= 0:
         warnings.append(f"engines have no KV-cache room: {gpus} GPUs x mem_fraction_static {r.mem_fraction_static} "
                         f"cannot hold {2 * phi / GIB:.1f} GiB of weights"

@@ -35,7 +35,7 @@ class ChunkRequest:
     async def run(self) -> Tuple[List[PartialGroup], List[SampleResult]]:
         """(the chunk's groups, each with its samples still open; the last request's replies)."""
         rnd, idx = self.rnd, self.idx
-        inputs, params, resume = self._inputs()
+        inputs, params, resume, bases = self._inputs()
         t0 = time.monotonic()
         # a resumed chunk with no sample to generate (finished, or its tool pending) needs no request
         replies = await self._generate(inputs, params) if inputs else []
@@ -44,17 +44,19 @@ class ChunkRequest:
                               [rnd.partials.get(i) for i in idx], self.s.n_samples,
                               GroupOrigin(self.url, delay, latency, rnd.gen_round, self.s.dataset_revision))
         if self.s.environment is not None:
-            groups, replies = await self._turns(groups, replies, resume)
+            groups, replies = await self._turns(groups, replies, resume, bases)
         return groups, replies
 
     def _inputs(self):
-        """(inputs, sampling params, ResumeRequest or None) of the chunk's prompts."""
+        """(inputs, sampling params, ResumeRequest or None, each prompt's sampling params) of the
+        chunk's prompts."""
         rnd = self.rnd
         params = self.s.params_for([rnd.prompts[i] for i in self.idx], rnd.step, rnd.gen_round)
+        bases = per_prompt(params, len(self.idx))
         if self.idx[0] not in rnd.partials:
-            return [rnd.encoding.encode(rnd.prompts[i]) for i in self.idx], params, None
-        resume = resume_request([rnd.partials[i] for i in self.idx], per_prompt(params, len(self.idx)))
-        return resume.inputs, resume.params, resume
+            return [rnd.encoding.encode(rnd.prompts[i]) for i in self.idx], params, None, bases
+        resume = resume_request([rnd.partials[i] for i in self.idx], bases)
+        return resume.inputs, resume.params, resume, bases
 
     async def _generate(self, inputs: List[PromptInput], params: RequestSamplingParams) -> List[SampleResult]:
         """One /generate request, counted in the round's `generating` while it runs."""
@@ -72,15 +74,13 @@ class ChunkRequest:
         self.rnd.book.count_finished()
         self.rnd.dog.progressed(self.url)
 
-    async def _turns(self, groups: List[PartialGroup], replies: List[SampleResult],
-                     resume: Optional[ResumeRequest]) -> Tuple[List[PartialGroup], List[SampleResult]]:
-        """The further turns of the chunk's samples with the environment, each turn one request
-        on the same engine, until every episode ended, a reply was aborted or the round stopped
-        (no new turn then: the samples not ended stay open)."""
+    async def _turns(self, groups: List[PartialGroup], replies: List[SampleResult], resume: Optional[ResumeRequest],
+                     bases: List) -> Tuple[List[PartialGroup], List[SampleResult]]:
+        """The further turns of the chunk's samples with the environment (`bases`: each prompt's
+        sampling params), each turn one request on the same engine, until every episode ended, a
+        reply was aborted or the round stopped (no new turn then: the samples not ended stay open)."""
         rnd, n = self.rnd, self.s.n_samples
         owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
-        bases = per_prompt(self.s.params_for([rnd.prompts[i] for i in self.idx], rnd.step, rnd.gen_round),
-                           len(self.idx))
         episodes = Episodes(self.s.environment, rnd.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
                             bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat",
                             tools=rnd.tools)

@@ -12,6 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
+from dapo_mega.environments.sandbox import DEFAULT_MAX_CONCURRENT
+
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
     from dapo_mega.engines.sglang.client import RequestSamplingParams, SamplingParams
@@ -22,9 +24,9 @@ __all__ = ["DEFAULT_TOOL_SLOTS", "PURPOSES", "RoundSettings", "request_seed", "t
 
 PURPOSES = ("train", "eval", "audit")
 
-DEFAULT_TOOL_SLOTS = 4
+DEFAULT_TOOL_SLOTS = DEFAULT_MAX_CONCURRENT
 """The environment's steps at once when rollout.environment_kwargs gives no max_concurrent
-(the python tool's default, dapo_mega/environments/python_tool.py)."""
+(the python tool's default, dapo_mega/environments/sandbox.py)."""
 
 
 def tool_slots(environment_kwargs: Mapping[str, Any]) -> int:

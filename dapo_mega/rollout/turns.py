@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.environments.base import Environment, StepResult
-from dapo_mega.rollout.partial import PartialGroup, extend_sample
+from dapo_mega.rollout.partial import PartialGroup, extend_sample, is_open
 from dapo_mega.rollout.samples import ScoredSample
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ class Episodes:
         stays open, one cut at its budget is truncated."""
         for st, reply in zip(request.states, replies):
             sample = extend_sample(self.sample(st), reply, engine_id, latency_s)
-            cut = reply.aborted and len(sample.token_ids) < self.budget
+            cut = is_open(reply, len(sample.token_ids), self.budget)
             self._set(st, replace(sample, truncated=sample.truncated or (reply.aborted and not cut)))
             if not cut:
                 self.open[st.group].discard(st.position)

@@ -153,17 +153,22 @@ def shard_balanced(samples: Sequence[TrainSample], indices: Sequence[int], dp_ra
 
     Every rank computes the same partition from the same list; parts are in index order.
     """
-    parts = partition_balanced([samples[i].length for i in indices], dp_size)
-    return [indices[k] for k in parts[dp_rank]]
+    return shards(samples, indices, dp_size, balanced=True)[dp_rank]
 
 
 def shard_of(samples: Sequence[TrainSample], indices: Sequence[int], dp_rank: int, dp_size: int,
              balanced: bool) -> List[int]:
-    """DP rank `dp_rank`'s share of `indices`: by token count (`megatron.balance_data_parallel`,
-    `shard_balanced`) or a contiguous block (`shard_for_data_parallel`)."""
+    """DP rank `dp_rank`'s share of `indices` (`shards`)."""
+    return shards(samples, indices, dp_size, balanced)[dp_rank]
+
+
+def shards(samples: Sequence[TrainSample], indices: Sequence[int], dp_size: int, balanced: bool) -> List[List[int]]:
+    """Every DP rank's share of `indices`, the partition made once: by token count
+    (`megatron.balance_data_parallel`, Karmarkar–Karp) or contiguous blocks (`shard_for_data_parallel`)."""
+    indices = list(indices)
     if balanced:
-        return shard_balanced(samples, list(indices), dp_rank, dp_size)
-    return shard_for_data_parallel(list(indices), dp_rank, dp_size)
+        return [[indices[k] for k in part] for part in partition_balanced([samples[i].length for i in indices], dp_size)]
+    return [shard_for_data_parallel(indices, rank, dp_size) for rank in range(dp_size)]
 
 
 def step_mini_batches(num_samples: int, algo: AlgoConfig, megatron_seed: int, step: int) -> List[List[int]]:
@@ -182,8 +187,8 @@ def data_parallel_samples(samples: Sequence[TrainSample], mini_batches: Sequence
     """Per DP rank, the samples it trains on in a step: its share of each mini-batch (`shard_of`),
     mini-batch after mini-batch. What the learner takes (`MegatronLearner.train_step`), and so
     what the driver sends each rank of a mixture's routed experts (`driver/expert_handover.py`)."""
-    return [[i for mb in mini_batches for i in shard_of(samples, mb, rank, dp_size, balanced)]
-            for rank in range(dp_size)]
+    per_batch = [shards(samples, mb, dp_size, balanced) for mb in mini_batches]
+    return [[i for parts in per_batch for i in parts[rank]] for rank in range(dp_size)]
 
 
 def count_loss_tokens(samples: Sequence[TrainSample], indices: Sequence[int]) -> int:
