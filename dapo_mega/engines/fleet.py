@@ -42,11 +42,11 @@ from dapo_mega.engines.process import (
     stop_process,
     wait_for_learners,
 )
-from dapo_mega.engines.sglang.api import SERVER_FLAGS
 from dapo_mega.engines.sglang.commands import (
     ROUTED_EXPERTS_FLAG,
     build_engine_command,
     cpu_pool_tokens,
+    cpu_server_args,
     cpu_threads_per_engine,
     model_context_tokens,
     reports_routed_experts,
@@ -228,8 +228,7 @@ class EngineFleet:
                                     max_total_tokens=None if r.backend != "sglang" or self.on_gpu() else
                                     cpu_pool_tokens(r, self.context_tokens or model_context_tokens(self.model_path)))
         if r.backend == "sglang":
-            if not self.on_gpu() and SERVER_FLAGS["device"] not in r.extra_server_args:
-                argv += [SERVER_FLAGS["device"], "cpu"]
+            argv += [] if self.on_gpu() else cpu_server_args(r)
         elif "--num-threads" not in r.extra_server_args:
             argv += ["--num-threads", str(self._threads())]
         return argv

@@ -58,6 +58,8 @@ class Server:
     endpoint: EngineEndpoint
     dtype: torch.dtype
     """The dtype the server holds the weights in (the reference model uses the same)."""
+    pid: int
+    """The engine's main process."""
 
 
 def run(coro_fn, server: Server, *args, **kwargs):
@@ -102,7 +104,7 @@ def server(request, model_dir, tmp_path_factory):
                         weight_version=VERSION, num_threads=1)
     try:
         endpoint = fleet.start(1)[0]
-        yield Server(kind, endpoint, dtype)
+        yield Server(kind, endpoint, dtype, fleet.engines[0].proc.pid)
     finally:
         fleet.close()
 
@@ -193,6 +195,32 @@ def test_weights_checker_checksums_every_tensor_as_the_learner_computes_them(ser
         gate_up = torch.cat([ckpt[f"{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
         assert held[f"{layer}.self_attn.qkv_proj.weight"] == tensor_checksum(qkv)
         assert held[f"{layer}.mlp.gate_up_proj.weight"] == tensor_checksum(gate_up)
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and its descendants so far, from /proc."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for tid in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+        except OSError:
+            continue
+    return total
+
+
+def test_an_idle_engine_takes_no_core(server):
+    """Between rounds (a colocated learner's step, the driver's scoring) an engine on a CPU waits
+    without spinning: SGLang's scheduler polls its sockets with no pause unless --sleep-on-idle
+    (1.0 core measured without it), and the learners share those cores."""
+    greedy(server, "ab", steps=2)  # a request served, then nothing
+    before, start = process_tree_cpu_s(server.pid), time.monotonic()
+    time.sleep(3.0)
+    used = (process_tree_cpu_s(server.pid) - before) / (time.monotonic() - start)
+    assert used < 0.25, f"the idle {server.kind} engine took {used:.2f} of a core"
 
 
 def test_generate_by_input_ids_n_samples_logprobs_versions(server):

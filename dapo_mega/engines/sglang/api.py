@@ -143,6 +143,7 @@ SERVER_FLAGS: Dict[str, str] = {
     "served_model_name": "--served-model-name",
     "device": "--device", "base_gpu_id": "--base-gpu-id", "max_total_tokens": "--max-total-tokens",
     "enable_return_routed_experts": "--enable-return-routed-experts",
+    "sleep_on_idle": "--sleep-on-idle",
 }
 
 #: GET /server_info answers with the server's arguments as resolved at start, each under its

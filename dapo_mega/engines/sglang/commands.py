@@ -82,6 +82,17 @@ def build_engine_command(
     return argv
 
 
+def cpu_server_args(cfg: RolloutConfig) -> List[str]:
+    """What an SGLang engine on a CPU adds to its command line, where rollout.extra_server_args
+    does not already say it: `--device cpu`, and `--sleep-on-idle`: without it SGLang's
+    scheduler polls its sockets with no pause between batches, so an idle engine takes a whole
+    core from the learners beside it (measured on 2 cores: 1.0 core idle, 0.02 with the flag,
+    which waits on the sockets and wakes when a request arrives)."""
+    f, given = SERVER_FLAGS, {a.split("=")[0] for a in cfg.extra_server_args}
+    return ([] if f["device"] in given else [f["device"], "cpu"]) + \
+        ([] if f["sleep_on_idle"] in given else [f["sleep_on_idle"]])
+
+
 CPU_KV_MARGIN = 1.25
 """Head-room of a CPU engine's KV pool over the run's need (prefix-cache entries kept between
 rounds, a continuation's re-sent prefix)."""

@@ -65,21 +65,23 @@ def test_a_cpu_sglang_engine_sizes_its_kv_pool_from_the_runs_need_read_by_sglang
     """On a CPU SGLang sizes its pool as mem_fraction_static of the host's free memory (21.8 GB
     resident for the tiny model on a 24 GiB host): the fleet caps it at the run's need, every
     running request at its longest with the margin, by hand: 64 x (100 + 300) x 1.25 = 32,000;
-    a value in rollout.extra_server_args wins; GPUs and the embedded engine get no cap."""
+    a value in rollout.extra_server_args wins; GPUs and the embedded engine get no cap. A CPU
+    engine sleeps when idle (tests/engines/test_conformance.py measures that it takes no core)."""
     from dapo_mega.engines.fleet import EngineFleet
 
     cfg = RolloutConfig(backend="sglang", max_running_requests=64)
     fleet = EngineFleet(cfg, str(tmp_path), device="cpu", context_tokens=400)
     argv = fleet.command(30001)
     args = parse_in_sglang_venv(PARSE_SERVER, argv[3:], "sglang.srt.server_args")
-    assert (args["max_total_tokens"], args["device"]) == (32_000, "cpu")
+    assert (args["max_total_tokens"], args["device"], args["sleep_on_idle"]) == (32_000, "cpu", True)
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))  # no run: the model's context
     argv = EngineFleet(cfg, str(tmp_path), device="cpu").command(30001)
     assert argv[argv.index("--max-total-tokens") + 1] == "20480"  # 64 x 256 x 1.25
     mine = RolloutConfig(backend="sglang", max_running_requests=64, extra_server_args=["--max-total-tokens", "4096"])
     argv = EngineFleet(mine, str(tmp_path), device="cpu", context_tokens=400).command(30001)
     assert argv.count("--max-total-tokens") == 1 and argv[argv.index("--max-total-tokens") + 1] == "4096"
-    assert "--max-total-tokens" not in EngineFleet(cfg, str(tmp_path), device="cuda").command(30001)
+    gpu = EngineFleet(cfg, str(tmp_path), device="cuda").command(30001)
+    assert "--max-total-tokens" not in gpu and "--sleep-on-idle" not in gpu and "--device" not in gpu
     assert "--max-total-tokens" not in EngineFleet(RolloutConfig(), str(tmp_path), device="cpu").command(30001)
 
 
