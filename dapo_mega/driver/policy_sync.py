@@ -310,13 +310,13 @@ class PolicySync:
         `w13_weight` / `w2_weight`, which the learner's per-expert tensors do not hash to): the
         probe judges those."""
         from dapo_mega.backends.placement import engine_uses_gpu
-        from dapo_mega.engines.embedded.model_runner import TORCH_DTYPES
         from dapo_mega.wire.checksum import CPU_HASH, GPU_HASH, HF, SGLANG_TP1, HeldAs
+        from dapo_mega.wire.transport import ENGINE_DTYPES
 
         r = self.cfg.rollout
         if not self.cfg.checks.checksum or self.handover is not None or self.engine_dtype is None:
             return None
-        dtype = TORCH_DTYPES[self.engine_dtype]
+        dtype = ENGINE_DTYPES[self.engine_dtype]
         if r.backend == "embedded":
             return HeldAs(dtype, HF, CPU_HASH)
         if mixture or r.engine_tp_size != 1 or any(a.startswith("--quantization") for a in r.extra_server_args):

@@ -13,12 +13,11 @@ instead (see `convert.run_on_ranks`).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import time
 import traceback
-from typing import Any, Callable, Iterator, List, Mapping, Sequence, TypeVar
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, TypeVar
 
 from dapo_mega.backends.placement import CPU, CPU_RANK_ENV, CUDA
 
@@ -45,7 +44,23 @@ def torch_threads_per_rank(cpus: int, world_size: int) -> int:
     return max(1, cpus // max(1, world_size))
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], args: Sequence[object], queue) -> None:
+PRELOAD = ("torch", "transformers", "dapo_mega.backends.megatron.learner", "dapo_mega.weights.convert",
+           "dapo_mega.weights.verify")
+"""What the fork server imports once, before it forks the ranks (multiprocessing's forkserver):
+each rank starts with torch, megatron-core and transformers loaded instead of importing them
+itself, ~7 s of a core per rank on a 2-core CPU (a verify rank spent 7.7 of its 10.1 s in
+imports). The server lives as long as this process, so a second spawn imports nothing either.
+It never touches a GPU (importing torch does not initialise CUDA); each rank's environment and CPU
+affinity are this process's at the spawn (`_worker`), not the server's."""
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], args: Sequence[object], queue,
+            env: Mapping[str, str], cpus: Optional[Set[int]]) -> None:
+    # a forked rank inherits the server's environment and CPU affinity: the caller's at the spawn, as spawn would
+    os.environ.clear()
+    os.environ.update(env)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -62,21 +77,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., object], ar
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _environment(variables: Mapping[str, str]) -> Iterator[None]:
-    """This process's environment with `variables` set, restored afterwards."""
-    saved = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _load_result(payload: bytes) -> Any:
@@ -115,18 +115,20 @@ def spawn_ranks(fn: Callable[..., T], world_size: int, args: Sequence[object] = 
 
     if device not in (CPU, CUDA):
         raise ValueError(f"spawn_ranks: device {device!r}; one of {CPU!r}, {CUDA!r}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts, at the first spawn
     queue = ctx.Queue()
     # the rendezvous store is hosted here, on a port the OS gives it while it is bound: a port
     # picked free and bound later by rank 0 can be taken meanwhile (EADDRINUSE, seen in CI)
     store = torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue),
+    env = {**os.environ, **(CPU_RANK_ENV if device == CPU else {})}
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), queue, env, cpus),
                          daemon=False)  # dist_checkpointing forks writer processes of its own
              for r in range(world_size)]
-    with _environment(CPU_RANK_ENV if device == CPU else {}):  # a spawned child inherits it at its start
-        for proc in procs:
-            proc.start()
+    for proc in procs:
+        proc.start()
     results: List[Any] = [None] * world_size
     received, deadline = 0, time.monotonic() + timeout_s
     try:

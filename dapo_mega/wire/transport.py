@@ -40,6 +40,10 @@ DTYPES: Dict[str, torch.dtype] = {
     "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
     "int8": torch.int8, "bool": torch.bool,
 }
+ENGINE_DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                                          "float16": torch.float16, "half": torch.float16, "auto": torch.float32}
+"""An engine's `--dtype` (sglang.launch_server's names) -> the dtype the embedded engine loads
+the model in, which the learner's checksums of its weights are computed in."""
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 SHM_PREFIX = "dapo_mega_weights_"
 

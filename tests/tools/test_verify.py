@@ -5,7 +5,7 @@ fails, naming where to look.
 The criterion's figures are checked against numbers computed here by hand (KL from its
 definition), the wrong conversions are made on the HF side (tests/helpers/wrong_conversions.py)
 and the reference is transformers' own model. SmolLM2 (a trained model, 30 layers) in bf16 at
-TP 1, TP 3 and PP 2 is in tests/models/test_smollm2_real_model.py.
+TP 3 and PP 2 is in tests/models/test_smollm2_real_model.py.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def hand_avg_at_k(result: dict) -> float:
 
 @pytest.mark.slow  # a real run with its warm start: ~45 s
 def test_two_named_sets_side_by_side_in_a_training_run(tmp_path):
-    output = run_train(tmp_path, "trainer.total_steps=1", "trainer.eval_interval=1", sets_override(tmp_path))
+    output = run_train(tmp_path, "trainer.total_steps=1", "trainer.eval_interval=1", "trainer.plot=true",
+                       sets_override(tmp_path))
     run_dir = tmp_path / RUN_NAME
     rows = {r["step"]: r for r in read_rows(run_dir)}
     for step in (0, 1):

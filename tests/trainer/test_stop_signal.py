@@ -11,6 +11,7 @@ import time
 
 import pytest
 from helpers.training import (
+    RECORDS_IN_FULL,
     RUN_NAME,
     check_records_of_run,
     kill_group,
@@ -23,7 +24,7 @@ from helpers.training import (
 from dapo_mega.driver.stop_signal import EXIT_STOPPED, StopSignals
 from dapo_mega.records.ledger import read_records
 
-LONG = ["trainer.total_steps=40", "trainer.save_interval=0"]  # saves only at the end, unless stopped
+LONG = ["trainer.total_steps=40", "trainer.save_interval=0", *RECORDS_IN_FULL]  # saves only at the end, unless stopped
 
 
 def _stop_mid_run(tmp_path, sig: int, tag: str) -> tuple:
@@ -67,7 +68,8 @@ def test_a_stop_signal_saves_the_step_it_was_on_and_the_run_resumes(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{on:06d}"
 
     total = on + 1
-    resumed = run_train(tmp_path, f"trainer.total_steps={total}", "trainer.save_interval=0", tag="resumed")
+    resumed = run_train(tmp_path, f"trainer.total_steps={total}", "trainer.save_interval=0", *RECORDS_IN_FULL,
+                        tag="resumed")
     assert f"at step {on}, policy version {on}" in resumed and "[warm start]" not in resumed
     assert "stopped after" not in resumed
     check_records_of_run(run_dir, total_steps=total, max_staleness=0)

@@ -12,15 +12,16 @@ import math
 import re
 
 import pytest
-from helpers.training import RUN_NAME, check_records_of_run, read_rows, records_by_step, run_train
+from helpers.training import RECORDS_IN_FULL, RUN_NAME, check_records_of_run, read_rows, records_by_step, run_train
 
 from dapo_mega.config import from_yaml
 
 
 def test_colocated_sync_end_to_end(tmp_path):
-    output = run_train(tmp_path, "trainer.eval_interval=3")
+    output = run_train(tmp_path, "trainer.eval_interval=3", *RECORDS_IN_FULL)
     run_dir = tmp_path / RUN_NAME
     check_records_of_run(run_dir, total_steps=3, max_staleness=0)
+    assert (run_dir / "curves.png").is_file() and list((run_dir / "wandb").glob("offline-run-*"))  # the whole record
     by_step = records_by_step(run_dir)
     printed = re.search(r"held-out problems, revision (\S+);", output).group(1)
     assert {r.dataset_revision for recs in by_step.values() for r in recs} == {printed}  # was '' in every row

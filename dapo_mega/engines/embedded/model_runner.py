@@ -28,10 +28,7 @@ import torch
 from dapo_mega.engines.embedded.flat_weights import FlatParameters
 from dapo_mega.engines.embedded.kv_cache import CACHE_KWARG, cache_of
 from dapo_mega.engines.embedded.sampling import Sequence_
-
-TORCH_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "half": torch.float16, "auto": torch.float32}
-"""`--dtype` values (sglang.launch_server's names) -> the dtype the model is loaded in."""
+from dapo_mega.wire.transport import ENGINE_DTYPES
 
 
 class CheckpointView(NamedTuple):
@@ -76,7 +73,7 @@ class ModelRunner:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=TORCH_DTYPES[dtype]).to(
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=ENGINE_DTYPES[dtype]).to(
             self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model_path = model_path
