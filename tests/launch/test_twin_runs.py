@@ -55,7 +55,7 @@ inside the job, on 4 ranks of 2 shared cores, took ~1.4 s a step."""
 def warm_model(experiment: str, out: Path) -> Path:
     """The twin's tiny model, warm-started in one process and exported to HF (the recipe itself
     starts from a pretrained HF checkpoint): the twin's model, task, prompt format and lengths."""
-    from helpers.training import run_cli
+    from helpers.training import QUIET_RECORDS, run_cli
 
     cfg = load_config([f"+experiment={experiment}", f"+twin={experiment}"])
     m, d, a, r = cfg.model, cfg.data, cfg.algo, cfg.rollout
@@ -68,7 +68,7 @@ def warm_model(experiment: str, out: Path) -> Path:
                  f"algo.overlong_buffer_length={a.overlong_buffer_length}", "algo.dynamic_sampling=false",
                  f"trainer.sft_warmup_steps={WARM_START_STEPS}", "trainer.sft_batch_size=32", "trainer.total_steps=1",
                  "trainer.eval_interval=0", "trainer.hf_export_interval=1", "trainer.hf_export_dtype=float32",
-                 f"trainer.output_dir={out}", "trainer.run_name=warm"]
+                 f"trainer.output_dir={out}", "trainer.run_name=warm", *QUIET_RECORDS]
     overrides += [f"rollout.environment={r.environment}"] if r.environment else []
     proc = run_cli("train", *overrides, timeout_s=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -106,7 +106,21 @@ def run_twin(cluster, experiment: str, out: Path, overrides=(), env=None) -> Tup
     for row in steps:  # the step-1 checks of every recipe: the engines serve the learner's weights
         assert math.isfinite(row["mismatch/logp_abs_mean"]) and row["mismatch/logp_abs_max"] < 1e-2, row
         assert row["probe/engines"] == len(records), row
+    engine_logs = sorted(run_dir.glob("logs/job-*/engine-*.log"))
+    assert len(engine_logs) == len(records), engine_logs
+    for log in engine_logs:  # the job's first push and each step's sync, in weight-update sessions that all ended
+        text = log.read_text(errors="replace")
+        begins, ends = (text.count(f"POST /{what}_weight_update ") for what in ("begin", "end"))
+        assert begins == ends >= 2, (log, begins, ends)
     return run_dir, steps
+
+
+def assert_checksums_on_every_engine(run_dir: Path, engines: int) -> None:
+    """The weights check of a dense model: after each sync every engine's weights hashed equal to the learner's."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    checked = [r for r in rows if "checksum/tensors" in r]
+    assert checked and all(r["checksum/engines"] == engines and r["checksum/errors"] == 0
+                           and r["checksum/tensors"] > 10 for r in checked), checked
 
 
 def _ledger_rows(run_dir: Path) -> List[dict]:
@@ -149,6 +163,11 @@ def test_the_disaggregated_twin_runs_as_its_heterogeneous_job(slurm_cluster, tmp
     learner_logs = sorted((run_dir / "logs").glob("job-*/learner-*.log"))
     assert len(learner_logs) == 4 and len({r["node"] for r in records}) == 1, (learner_logs, records)
     assert len({r["sync/bytes"] for r in steps}) == 1 and steps[0]["sync/bytes"] > 0
+    assert_checksums_on_every_engine(run_dir, len(records))
+    for log in sorted(run_dir.glob("logs/job-*/engine-*.log")):  # each pipeline stage broadcast on a group of its own
+        assert "group_name=dapo_weight_sync_pp1" in log.read_text(errors="replace"), log
+    for row in _ledger_rows(run_dir):  # one version of staleness: what SGLang's replies carried
+        assert 0 <= row["age"] <= 1, row
 
 
 def test_the_retool_twin_runs_its_tools_on_a_112_core_stand_in(slurm_cluster, tmp_path):
@@ -162,6 +181,8 @@ def test_the_retool_twin_runs_its_tools_on_a_112_core_stand_in(slurm_cluster, tm
         assert row["rollout/closed_with_pending_tool"] == 0, row
         assert row["rollout/sandbox_isolation"] == 2.0, row  # full, as the recipe requires
         assert row["mismatch/logp_abs_max"] < 1e-3, row  # SGLang and the learner saw the same contexts
+    twin = load_config(["+experiment=dapo_retool_qwen2.5_32b", "+twin=dapo_retool_qwen2.5_32b"])
+    assert_checksums_on_every_engine(run_dir, twin.rollout.num_engines)
     used = [r for r in _ledger_rows(run_dir) if r["tool_calls"]]
     # every turn stopped at `</code>`, the sandbox's answer went back into the context, and a turn
     # followed each answer unless the answer spent the budget (then the sample ends truncated)
