@@ -776,10 +776,10 @@ def test_embedded_engine_stops_promptly_on_sigterm_mid_generation(model_dir, tmp
     fleet = EngineFleet(cfg, str(model_dir), tmp_path, device="cpu", num_threads=1)
     try:
         endpoint = fleet.start(1)[0]
-        server = Server("embedded", endpoint, torch.float32)
+        proc = fleet.engines[0].proc
+        server = Server("embedded", endpoint, torch.float32, proc.pid)
         result = {}
         t = start_long_generation(server, result, max_new_tokens=250)
-        proc = fleet.engines[0].proc
         start = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=15)

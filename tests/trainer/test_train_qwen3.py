@@ -8,7 +8,7 @@ on the HF export of the checkpoint the run saved (only the syncs can make them e
 
 The model is random (no warm start on a pretrained checkpoint), so dynamic sampling is off
 and the SGLang run's rewards differ through the overlong penalty only (responses of up to
-48 tokens, penalised from the 5th, as in tests/rollout/test_train_sglang.py).
+48 tokens, penalised from the 5th, as the random-model SGLang runs did).
 """
 
 from __future__ import annotations
