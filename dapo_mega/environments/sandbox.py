@@ -130,8 +130,8 @@ class SandboxResult:
 
 class Sandbox:
     """Runs code under `limits`, at most `max_concurrent` at a time (threads may share one); a run
-    below the `isolation` level (LEVELS) does not run its code. It counts its runs by level
-    (`take_metrics`)."""
+    below the `isolation` level (LEVELS) does not run its code. It counts its runs by level and
+    the most that ran at once (`take_metrics`)."""
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), max_concurrent: int = DEFAULT_MAX_CONCURRENT, python: str = sys.executable,
                  base_dir: Optional[str] = None, isolation: str = "none"):
@@ -140,23 +140,35 @@ class Sandbox:
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._lock = threading.Lock()
         self._runs: Dict[str, int] = {}
+        self._running = self._peak = 0
 
     def run(self, code: str) -> SandboxResult:
         with self._slots:
-            result = run_code(code, self.limits, self.python, self.base_dir, self.isolation)
+            with self._lock:
+                self._running += 1
+                self._peak = max(self._peak, self._running)
+            try:
+                result = run_code(code, self.limits, self.python, self.base_dir, self.isolation)
+            finally:
+                with self._lock:
+                    self._running -= 1
         with self._lock:
             level = result.isolation.get("level", "unknown")
             self._runs[level] = self._runs.get(level, 0) + 1
         return result
 
     def take_metrics(self) -> Dict[str, float]:
-        """The runs since the last call by isolation level (`rollout/sandbox_runs/<level>`) and the
-        lowest level among them as its index in LEVELS (`rollout/sandbox_isolation`: 2 is full)."""
+        """The runs since the last call by isolation level (`rollout/sandbox_runs/<level>`), the
+        lowest level among them as its index in LEVELS (`rollout/sandbox_isolation`: 2 is full) and
+        the most that ran at once (`rollout/sandbox_runs_at_once`, at most max_concurrent: what the
+        plan's clock assumes of a round's tools)."""
         with self._lock:
             runs, self._runs = self._runs, {}
+            peak, self._peak = self._peak, self._running
         out = {f"rollout/sandbox_runs/{level}": float(n) for level, n in sorted(runs.items())}
         if runs:
             out["rollout/sandbox_isolation"] = float(min(LEVELS.index(x) if x in LEVELS else -1 for x in runs))
+            out["rollout/sandbox_runs_at_once"] = float(peak)
         return out
 
     def report(self) -> Dict[str, Any]:

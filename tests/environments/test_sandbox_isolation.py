@@ -121,9 +121,23 @@ def test_the_report_goes_into_run_json_and_the_runs_into_the_metrics(tmp_path, m
     tool.step("<code>print(2)</code>")
     level = report["level"]
     assert take_environment_metrics(tool) == {f"rollout/sandbox_runs/{level}": 2.0,
-                                              "rollout/sandbox_isolation": float(LEVELS.index(level))}
+                                              "rollout/sandbox_isolation": float(LEVELS.index(level)),
+                                              "rollout/sandbox_runs_at_once": 1.0}  # one after the other
     assert take_environment_metrics(tool) == {} and take_environment_metrics(None) == {}
     assert environment_report(object()) == {}  # a class with reset and step only
+
+
+def test_the_metrics_say_how_many_ran_at_once_up_to_max_concurrent():
+    """Five calls at once into a sandbox of three slots: three run together, never more (the
+    retool twin reads this metric at the recipe's max_concurrent)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    box = Sandbox(LIMITS, max_concurrent=3)
+    with ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(box.run, ["import time\ntime.sleep(0.6)\nprint('ok')"] * 5))
+    assert [r.status for r in results] == ["ok"] * 5, results
+    assert box.take_metrics()["rollout/sandbox_runs_at_once"] == 3.0
+    assert "rollout/sandbox_runs_at_once" not in box.take_metrics()  # nothing ran since
 
 
 def test_a_run_below_the_required_level_does_not_run_its_code(tmp_path, monkeypatch):

@@ -181,6 +181,9 @@ def test_the_retool_twin_runs_its_tools_on_a_112_core_stand_in(slurm_cluster, tm
         assert row["rollout/closed_with_pending_tool"] == 0, row
         assert row["rollout/sandbox_isolation"] == 2.0, row  # full, as the recipe requires
         assert row["mismatch/logp_abs_max"] < 1e-3, row  # SGLang and the learner saw the same contexts
+    # the round's tool calls ran max_concurrent at once (asyncio's default pool would have run 6 on
+    # this machine's 2 cores, whatever the node's 112 say): the plan's clock counts on it
+    assert max(row["rollout/sandbox_runs_at_once"] for row in steps) == 16, steps
     twin = load_config(["+experiment=dapo_retool_qwen2.5_32b", "+twin=dapo_retool_qwen2.5_32b"])
     assert_checksums_on_every_engine(run_dir, twin.rollout.num_engines)
     used = [r for r in _ledger_rows(run_dir) if r["tool_calls"]]
