@@ -198,16 +198,16 @@ def test_weights_checker_checksums_every_tensor_as_the_learner_computes_them(ser
 
 
 def process_tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of `pid` and its descendants so far, from /proc."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
+    """CPU seconds (user + system) of `pid` and its descendants so far."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            for tid in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
-        except OSError:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
             continue
     return total
 
