@@ -186,7 +186,7 @@ class Round:
             self.queue.put_nowait(c)
         self.start = time.monotonic()
         # One HTTP session (connection pool) per engine, shared by its concurrent requests.
-        clients = {url: EngineClient(self.book.endpoints[url]) for url in self.live}
+        clients = {url: EngineClient(self.book.endpoints[url], self.s.requests_at_once()) for url in self.live}
         for client in clients.values():
             await client.__aenter__()
         # engine by engine within each rank of worker: the first chunks go round the engines

@@ -1,7 +1,8 @@
 """One chunk's request on one engine, as a round sends it (rollout/dispatch.py): its prompts'
 inputs (fresh, or the open samples of resumed partial rollouts), the /generate request, the
 groups of its reply and, with an environment (rollout/turns.py), the further turns of its
-samples on the same engine until every episode ended, a reply was aborted or the round stopped.
+samples on the same engine, each sample's episode on its own, until every episode ended, a reply
+was aborted or the round stopped.
 
     groups, replies = await ChunkRequest(rnd, url, client, c).run()
 
@@ -13,12 +14,13 @@ the round's aborts wait for), the watchdog's progress and the engine book's.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from dapo_mega.engines.sglang.client import EngineClient, PromptInput, RequestSamplingParams, SampleResult
 from dapo_mega.rollout.partial import GroupOrigin, PartialGroup, ResumeRequest, per_prompt, reply_groups, resume_request
-from dapo_mega.rollout.turns import Episodes
+from dapo_mega.rollout.turns import Episodes, TurnState
 
 if TYPE_CHECKING:
     from dapo_mega.rollout.settings import RoundSettings
@@ -77,21 +79,52 @@ class ChunkRequest:
     async def _turns(self, groups: List[PartialGroup], replies: List[SampleResult], resume: Optional[ResumeRequest],
                      bases: List) -> Tuple[List[PartialGroup], List[SampleResult]]:
         """The further turns of the chunk's samples with the environment (`bases`: each prompt's
-        sampling params), each turn one request on the same engine, until every episode ended, a
-        reply was aborted or the round stopped (no new turn then: the samples not ended stay open)."""
+        sampling params): each sample's episode on its own, its tool then its next turn, one
+        request each on the same engine, until it ended, a reply of the chunk was aborted or the
+        round stopped (no new turn then: the samples not ended stay open). Returns the groups
+        and each sample's latest reply."""
         rnd, n = self.rnd, self.s.n_samples
         owners = resume.owners if resume is not None else [(q // n, q % n) for q in range(len(replies))]
-        episodes = Episodes(self.s.environment, rnd.encoding, self.s.max_turns, groups, dict(zip(owners, replies)),
+        latest = dict(zip(owners, replies))
+        episodes = Episodes(self.s.environment, rnd.encoding, self.s.max_turns, groups, latest,
                             bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat",
                             tools=rnd.tools)
-        while not rnd.stopping.is_set() and not any(r.aborted for r in replies):
-            async for _ in episodes.run_tools():  # the tools of the samples that stopped at a call
-                self._progressed()
-            request = episodes.next_request()
-            if request is None or rnd.stopping.is_set():
-                break
-            t1 = time.monotonic()
-            replies = await self._generate(request.inputs, request.params)
-            episodes.take(request, replies, self.url, time.monotonic() - t1)
+        self.cut = any(r.aborted for r in replies)
+        if not self._halted():
+            await all_or_none([asyncio.ensure_future(self._episode(episodes, st, latest)) for st in episodes.pending()])
+        return episodes.partial_groups(), list(latest.values())
+
+    def _halted(self) -> bool:
+        """No new turn: the round stopped, or a reply of this chunk was aborted (the engine's own
+        abort: the chunk goes again, what its other episodes would add is lost anyway)."""
+        return self.rnd.stopping.is_set() or self.cut
+
+    async def _episode(self, episodes: Episodes, st: TurnState, latest: Dict) -> None:
+        """One sample's episode from its pending tool call: answer, next turn, until it ends."""
+        while not self._halted():
+            goes_on = await episodes.answer(st)
             self._progressed()
-        return episodes.partial_groups(), replies
+            if not goes_on:
+                return
+            turn = episodes.next_turn(st)  # counted now: a stop before it is sent resumes this turn
+            if self._halted():
+                return
+            t1 = time.monotonic()
+            (reply,) = await self._generate([turn.input], [turn.params])
+            latest[st.key] = reply
+            self.cut = self.cut or reply.aborted
+            self._progressed()
+            if not episodes.take(st, reply, self.url, time.monotonic() - t1):
+                return
+
+
+async def all_or_none(tasks: List["asyncio.Task[None]"]) -> None:
+    """Wait for `tasks`; the first that raises cancels the others (after they end, it is raised
+    as it was: the round tells an engine's failure by its type)."""
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence
 
+from dapo_mega.engines.sglang.client import DEFAULT_CONNECTIONS
 from dapo_mega.environments.sandbox import DEFAULT_MAX_CONCURRENT
 
 if TYPE_CHECKING:
@@ -94,6 +95,13 @@ class RoundSettings:
             return self.sampling_params
         return [{**self.sampling_params, "sampling_seed": request_seed(self.seed, step, gen_round,
                                                                        str(getattr(p, "id", "")))} for p in prompts]
+
+    def requests_at_once(self) -> int:
+        """/generate requests a round may have on one engine at once: one per chunk in flight, or
+        with an environment one per sample of those chunks (each episode sends its own turns);
+        an engine client holds this many connections (aiohttp's 100 at least)."""
+        per_chunk = self.prompts_per_request * self.n_samples if self.environment is not None else 1
+        return max(DEFAULT_CONNECTIONS, self.requests_per_engine * per_chunk)
 
     def reports_experts(self, chunk: int) -> bool:
         """Whether the request of chunk `chunk` asks for its tokens' routed experts."""

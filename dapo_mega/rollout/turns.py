@@ -5,25 +5,29 @@ of turns in one response: the model's tokens (trained: log-probs and weight vers
 engine) and the environment's (in the context, masked from the loss, no log-probs). Every
 request stops at the environment's stop strings (SGLang's `stop`, with `no_stop_trim` so the
 text keeps them as the tokens do). After a round's request answers, `Episodes` runs the turns
-of its samples on the same engine:
+of its samples on the same engine, each sample's episode on its own (an asyncio task per
+sample, rollout/request.py, as verl's agent loop and AReaL run them: a turn waits for its own
+generation and its own tool, not for the chunk's slowest):
 
 * a sample whose latest turn ended at a stop string has its tool pending
-  (`ScoredSample.tool_pending`) and is handed to its own episode (a shallow copy of the
-  configured environment, reset with the problem: what `__init__` built, the sandbox and its
-  slots, is shared; what `reset` sets is the episode's), in a thread of the round's executor
+  (`ScoredSample.tool_pending`); its episode (a shallow copy of the configured environment,
+  reset with the problem: what `__init__` built, the sandbox and its slots, is shared; what
+  `reset` sets is the episode's) answers it in a thread of the round's executor
   (`RoundSettings.tool_slots` threads: the environment's max_concurrent, what the plan's clock
   counts; asyncio's default pool would hold min(32, cores + 4));
 * the observation (as written, or with rollout.tool_message=chat as the chat template renders
   a tool message: `TextEncoding.tool_message`) is tokenized (`encode_text`) and appended:
   its positions go to the sample's `env_spans` (loss mask 0, log-prob 0.0);
-* the samples that go on are one request (prompt ids + their tokens so far, n = 1, the budget
-  left: the same request a partial rollout resumes with, rollout/partial.py);
+* a sample that goes on is one request of its own (prompt ids + its tokens so far, n = 1, the
+  budget left: the same request a partial rollout resumes with, rollout/partial.py), sent as
+  soon as its answer is in; the engine batches the episodes' requests as they come;
 * a sample ends when its environment says done, its turn ends without a stop string (the
   model answered or hit EOS), it has `max_turns` model turns, or the response-length budget
   (`algo.max_response_length`, the one the overlong shaping reads) is spent: environment
   tokens count against it, an observation that does not fit is cut and the sample truncated.
 
-A round that stops (rollout/dispatch.py) sends no new turn: the samples not ended stay open
+A round that stops (rollout/dispatch.py) sends no new turn (each episode looks between its
+turns): the samples not ended stay open
 (`Episodes.partial_groups`), those cut by the abort, those whose tool is pending (it runs
 when the partial rollout resumes, before the model's next turn) and those whose answer came
 but whose next turn was not sent. None is closed with its tool call unmade.
@@ -39,7 +43,7 @@ import asyncio
 import copy
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.environments.base import Environment, StepResult
 from dapo_mega.rollout.partial import PartialGroup, extend_sample, is_open
@@ -48,7 +52,7 @@ from dapo_mega.rollout.samples import ScoredSample
 if TYPE_CHECKING:
     from dapo_mega.engines.sglang.client import SampleResult, SamplingParams
 
-__all__ = ["Continuation", "EnvironmentFailed", "Episodes", "TextEncoding", "TurnState", "add_observation", "ended_at_stop",
+__all__ = ["EnvironmentFailed", "Episodes", "TextEncoding", "Turn", "TurnState", "add_observation", "ended_at_stop",
            "turn_params"]
 
 SEED_STRIDE = 1_000_003
@@ -112,18 +116,21 @@ class TurnState:
     position: int
     env: Optional[Environment] = None
 
+    @property
+    def key(self) -> Tuple[int, int]:
+        return self.group, self.position
+
 
 @dataclass
-class Continuation:
-    """One request of the samples that go on: their inputs and params, and who they are."""
+class Turn:
+    """A sample's next model turn: its input (prompt ids + its tokens so far) and sampling params."""
 
-    inputs: List[List[int]]
-    params: List["SamplingParams"]
-    states: List[TurnState]
+    input: List[int]
+    params: "SamplingParams"
 
 
 class Episodes:
-    """The turns of one chunk's samples (module docstring).
+    """The episodes of one chunk's samples (module docstring), each driven on its own.
 
     `groups`: the chunk's PartialGroups (their samples complete, cut by an abort, or waiting for
     their tool); `replies`: per (group, position) the reply just appended to it; `bases`: per
@@ -131,10 +138,13 @@ class Episodes:
     executor the environment's steps run in (the round's, sized to the environment's
     max_concurrent; None: asyncio's default).
 
-        async for _ in episodes.run_tools():   # each answer as it comes
-            ...
-        request = episodes.next_request()      # those that go on, or None
-        ...                                    # its replies: episodes.take(request, replies, ...)
+        for st in episodes.pending():              # each sample whose tool is due, on its own:
+            while await episodes.answer(st):       #   its tool ran; it goes on
+                turn = episodes.next_turn(st)      #   its next turn (counted from here)
+                ...                                #   one request: turn.input, turn.params
+                if not episodes.take(st, reply, engine_id, latency_s):
+                    break                          #   it ended, or was cut
+        groups = episodes.partial_groups()
     """
 
     def __init__(self, environment: Environment, encoding: TextEncoding, max_turns: int,
@@ -144,7 +154,8 @@ class Episodes:
         self.environment, self.encoding, self.max_turns, self.chat = environment, encoding, max_turns, chat
         self.groups, self.bases, self.budget = groups, list(bases), budget
         self.tools = tools
-        self.going: List[TurnState] = []  # answered, their next turn not requested yet
+        self.samples = [list(pg.group.samples) for pg in groups]
+        """Per group, its samples as their turns left them (changed in place: one write per turn)."""
         self.open = [set(pg.open) for pg in groups]
         """Per group, its samples not ended: cut by an abort, their tool pending, or their
         next turn not sent yet."""
@@ -153,31 +164,36 @@ class Episodes:
             self._turn_ended(self._state(k, j), reply)
 
     def sample(self, st: TurnState) -> ScoredSample:
-        return self.groups[st.group].group.samples[st.position]
+        return self.samples[st.group][st.position]
+
+    def pending(self) -> List[TurnState]:
+        """The episodes whose tool is due (their sample stopped at a call), in group order."""
+        return [self._state(k, j) for k, samples in enumerate(self.samples) for j, s in enumerate(samples)
+                if s.tool_pending]
 
     def partial_groups(self) -> List[PartialGroup]:
         """The groups as the turns left them, each with its samples not ended open: what a round
         that stops keeps as partial rollouts."""
-        return [replace(pg, open=sorted(self.open[k])) for k, pg in enumerate(self.groups)]
+        return [replace(pg, group=replace(pg.group, samples=list(self.samples[k])), open=sorted(self.open[k]))
+                for k, pg in enumerate(self.groups)]
 
     def _state(self, k: int, j: int) -> TurnState:
         return self.states.setdefault((k, j), TurnState(k, j))
 
     def _set(self, st: TurnState, sample: ScoredSample) -> None:
-        samples = list(self.groups[st.group].group.samples)
-        samples[st.position] = sample
-        pg = self.groups[st.group]
-        self.groups[st.group] = replace(pg, group=replace(pg.group, samples=samples))
+        self.samples[st.group][st.position] = sample
 
-    def _turn_ended(self, st: TurnState, reply: "SampleResult") -> None:
+    def _turn_ended(self, st: TurnState, reply: "SampleResult") -> bool:
         """The model's turn ended with `reply` (already appended): at a stop string with turns
-        and budget left its tool is pending, and it stays open until the environment answers."""
+        and budget left its tool is pending, and it stays open until the environment answers.
+        True when it is."""
         s = self.sample(st)
         pending = ended_at_stop(reply, self.environment.stop) and s.turns < self.max_turns \
             and len(s.token_ids) < self.budget
         self._set(st, replace(s, tool_pending=pending))
         if pending:
             self.open[st.group].add(st.position)
+        return pending
 
     def _episode(self, st: TurnState) -> Environment:
         if st.env is None:
@@ -200,55 +216,36 @@ class Episodes:
                                     f"{type(result).__name__}, not a StepResult")
         return result
 
-    async def run_tools(self) -> AsyncIterator[StepResult]:
-        """Run the environment on every sample whose tool is pending (in the executor's
-        threads, at once) and append each answer as it comes, yielding it (the round counts
-        progress by them)."""
-        loop = asyncio.get_running_loop()
-        todo = [self._state(k, j) for k, pg in enumerate(self.groups) for j, s in enumerate(pg.group.samples)
-                if s.tool_pending]
-        running = {loop.run_in_executor(self.tools, self._step, st): st for st in todo}
-        while running:
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                st = running.pop(future)
-                yield self._answered(st, future.result())
-
-    def _answered(self, st: TurnState, result: StepResult) -> StepResult:
-        """The environment's answer appended to the sample: it goes on (open until its next turn
-        is taken) unless the episode is done or the budget spent."""
+    async def answer(self, st: TurnState) -> bool:
+        """Run the environment on the sample's pending call (in the executor's threads) and
+        append its answer. True when the sample goes on (open until its next turn is taken),
+        False when the episode is done or the budget spent."""
+        result = await asyncio.get_running_loop().run_in_executor(self.tools, self._step, st)
         if self.chat and not result.done and result.observation:  # the template's tool turn around it
             result = replace(result, observation=self.encoding.tool_message(result.observation))
         ids = self.encoding.encode_text(result.observation) if result.observation else []
         sample = add_observation(self.sample(st), result, ids, self.budget)
         self._set(st, sample)
         if not result.done and not sample.truncated and len(sample.token_ids) < self.budget:
-            self.going.append(st)
-        else:
+            return True
+        self.open[st.group].discard(st.position)
+        return False
+
+    def next_turn(self, st: TurnState) -> Turn:
+        """The request of the sample's next model turn (after `answer` said it goes on); the turn
+        is counted from here, so a partial rollout cut before it is answered resumes this turn."""
+        sample = self.sample(st)
+        turn = Turn(list(self.groups[st.group].group.prompt_input) + list(sample.token_ids),
+                    turn_params(self.bases[st.group], sample, self.budget))
+        self._set(st, replace(sample, turns=sample.turns + 1))
+        return turn
+
+    def take(self, st: TurnState, reply: "SampleResult", engine_id: str, latency_s: float) -> bool:
+        """The reply of the sample's turn, appended; a sample cut by an abort with budget left
+        stays open, one cut at its budget is truncated. True when its tool is due (it goes on)."""
+        sample = extend_sample(self.sample(st), reply, engine_id, latency_s)
+        cut = is_open(reply, len(sample.token_ids), self.budget)
+        self._set(st, replace(sample, truncated=sample.truncated or (reply.aborted and not cut)))
+        if not cut:
             self.open[st.group].discard(st.position)
-        return result
-
-    def next_request(self) -> Optional[Continuation]:
-        """The request of the samples whose answer came and that go on (`run_tools`), their
-        next turn counted from here; None when none does."""
-        going, self.going = sorted(self.going, key=lambda st: (st.group, st.position)), []
-        if not going:
-            return None
-        request = Continuation([list(self.groups[st.group].group.prompt_input) + list(self.sample(st).token_ids)
-                                for st in going],
-                               [turn_params(self.bases[st.group], self.sample(st), self.budget) for st in going], going)
-        for st in going:  # a partial rollout cut before the request is sent resumes this turn
-            self._set(st, replace(self.sample(st), turns=self.sample(st).turns + 1))
-        return request
-
-    def take(self, request: Continuation, replies: Sequence["SampleResult"], engine_id: str, latency_s: float) -> None:
-        """The replies of a continuation, one per sample in it, appended as the model's next
-        turn (counted when the request was made); a sample cut by an abort with budget left
-        stays open, one cut at its budget is truncated."""
-        for st, reply in zip(request.states, replies):
-            sample = extend_sample(self.sample(st), reply, engine_id, latency_s)
-            cut = is_open(reply, len(sample.token_ids), self.budget)
-            self._set(st, replace(sample, truncated=sample.truncated or (reply.aborted and not cut)))
-            if not cut:
-                self.open[st.group].discard(st.position)
-            self._turn_ended(st, reply)
+        return self._turn_ended(st, reply)

@@ -49,17 +49,19 @@ class Meter:
     """Steps running at once, at most."""
     calls: List[str] = field(default_factory=list)
     """Per step, the prompt id of its sample."""
+    spans: List[tuple] = field(default_factory=list)
+    """Per step: (prompt id, start, end) on the monotonic clock."""
     on_step: Optional[Callable[[], None]] = None
 
 
 class SlowTool(Environment):
-    """A turn ends at its first character; each step sleeps `tool_s` and answers `<turn>`; the
-    episode ends after `done_after` steps (of this episode: a resumed sample's is a fresh one),
-    else at rollout.max_turns."""
+    """A turn ends at its first character; each step sleeps `tool_s` (or, a dict, the seconds of
+    the sample's prompt id) and answers `<turn>`; the episode ends after `done_after` steps (of
+    this episode: a resumed sample's is a fresh one), else at rollout.max_turns."""
 
     stop = list(CHARACTERS)
 
-    def __init__(self, tool_s: float, done_after: int = 1000):
+    def __init__(self, tool_s, done_after: int = 1000):
         self.tool_s, self.done_after, self.meter = tool_s, done_after, Meter()
 
     def reset(self, problem):
@@ -73,13 +75,16 @@ class SlowTool(Environment):
             m.calls.append(self.problem_id)
         if m.on_step is not None:
             m.on_step()
+        seconds = self.tool_s[self.problem_id] if isinstance(self.tool_s, dict) else self.tool_s
+        t0 = time.monotonic()
         try:
-            time.sleep(self.tool_s)
+            time.sleep(seconds)
         finally:
             with m.lock:
                 m.running -= 1
+                m.spans.append((self.problem_id, t0, time.monotonic()))
         return StepResult(observation=f"<{self.turn}>", done=self.turn >= self.done_after, tool_calls=1,
-                          tool_time_s=self.tool_s)
+                          tool_time_s=seconds)
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,21 @@ def test_tool_calls_run_as_many_at_once_as_the_environment_allows(engine):
     while tool_threads() and time.monotonic() < deadline:  # the round is still referenced: shut down, not collected
         time.sleep(0.05)
     assert tool_threads() == []
+
+
+def test_each_sample_goes_on_as_its_own_tool_answers_not_at_the_slowest_of_its_chunk(engine):
+    """Issue #47 item 1: one chunk, two samples; t0's tool takes 1.2 s a call, t1's 0.02 s.
+    t1's episode makes its three calls and its turns between them while t0's first call still
+    runs (lock-step turns would hold each of t1's turns until t0's call ended)."""
+    env = SlowTool(tool_s={"t0": 1.2, "t1": 0.02}, done_after=3)
+    mgr = manager(engine, env, n_samples=1, prompts_per_request=2)
+    rnd = run_coroutine(run_round(mgr, problems(2)))
+    assert rnd.outcome.requests_by_engine == {engine[0][0].url: 1}, "one chunk: both samples in one request"
+    assert [[s.tool_calls, s.turns] for g in (rnd.outcome.groups[0], rnd.outcome.groups[1]) for s in g.samples] == \
+        [[3, 3], [3, 3]]
+    slow_first_end = min(end for pid, _, end in env.meter.spans if pid == "t0")
+    fast = sorted(span for span in env.meter.spans if span[0] == "t1")
+    assert len(fast) == 3 and all(end < slow_first_end for _, _, end in fast), env.meter.spans
 
 
 def test_the_executor_has_the_slots_the_plan_counts():
@@ -283,8 +303,8 @@ def _reply(tokens, reason):
 
 
 def test_a_continuation_cut_by_the_stop_keeps_open_both_the_aborted_and_the_stopped():
-    """A turn request of two samples answers as the round stops: one was aborted mid-turn, the
-    other had just stopped at a tool call. Both stay open; the second's tool is pending."""
+    """The turns of two samples answer as the round stops: one was aborted mid-turn, the other
+    had just stopped at a tool call. Both stay open; the second's tool is pending."""
     from dapo_mega.rollout.turns import Episodes
 
     class Chars:
@@ -301,14 +321,14 @@ def test_a_continuation_cut_by_the_stop_keeps_open_both_the_aborted_and_the_stop
     episodes = Episodes(env, Chars(), 4, [PartialGroup(group, [], 40)], {(0, 0): stopped, (0, 1): stopped},
                         [{"n": 2, "max_new_tokens": 40}], 40)
     async def answer():
-        async for _ in episodes.run_tools():
-            pass
-        return episodes.next_request()
+        return [st for st in episodes.pending() if await episodes.answer(st)]
 
-    request = run_coroutine(answer())
-    assert len(request.states) == 2
-    episodes.take(request, [_reply([98, 99], {"type": "abort"}), _reply([98, 97], {"type": "stop", "matched": "a"})],
-                  "e", 0.1)
+    going = run_coroutine(answer())
+    assert len(going) == 2
+    for st in going:
+        episodes.next_turn(st)
+    assert not episodes.take(going[0], _reply([98, 99], {"type": "abort"}), "e", 0.1)
+    assert episodes.take(going[1], _reply([98, 97], {"type": "stop", "matched": "a"}), "e", 0.1)
     (pg,) = episodes.partial_groups()
     assert pg.open == [0, 1] and [s.tool_pending for s in pg.group.samples] == [False, True]
     assert pg.to_generate == [0]

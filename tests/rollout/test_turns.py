@@ -196,12 +196,11 @@ def _episodes(env, budget=12, chat=False):
 
 
 def answer_and_go_on(episodes):
-    """The environment's answers to the samples whose tool is pending, then the request of those
-    that go on (what a round does between two turns)."""
+    """The environment's answers to the samples whose tool is pending, then the next turns of
+    those that go on: [(state, turn)] (what each episode does between two of its turns)."""
     async def run():
-        async for _ in episodes.run_tools():
-            pass
-        return episodes.next_request()
+        going = [st for st in episodes.pending() if await episodes.answer(st)]
+        return [(st, episodes.next_turn(st)) for st in going]
     return run_coroutine(run())
 
 
@@ -213,19 +212,19 @@ def replace_sample(s, **kw):
 
 def test_a_turn_that_stopped_goes_on_with_the_answer_in_its_context():
     episodes = _episodes(build_environment(ENV, {"stops": "a"}))
-    request = answer_and_go_on(episodes)
     # only sample 0 stopped at the environment's string; sample 1 answered (EOS)
-    assert [(st.group, st.position) for st in request.states] == [(0, 0)]
+    ((st, turn),) = answer_and_go_on(episodes)
+    assert st.key == (0, 0)
     answer = [ord(c) for c in "<1:3>"]
-    assert request.inputs == [[40, 41, 1, 2, 97] + answer]
-    assert request.params[0]["n"] == 1 and request.params[0]["max_new_tokens"] == 12 - 3 - 5
-    sample = episodes.sample(request.states[0])
+    assert turn.input == [40, 41, 1, 2, 97] + answer
+    assert turn.params["n"] == 1 and turn.params["max_new_tokens"] == 12 - 3 - 5
+    sample = episodes.sample(st)
     assert sample.env_spans == [[3, 8]] and sample.tool_calls == 1 and sample.turn_text_at == len("xya<1:3>")
-    episodes.take(request, [_reply([7, 8], "bc", {"type": "length", "length": 2})], "e", 0.1)
-    sample = episodes.sample(request.states[0])
+    assert not episodes.take(st, _reply([7, 8], "bc", {"type": "length", "length": 2}), "e", 0.1)
+    sample = episodes.sample(st)
     assert sample.turns == 2 and sample.token_ids == [1, 2, 97, *answer, 7, 8]
     assert sample.weight_versions == [{"version": "3", "start": 0, "end": 3}, {"version": "3", "start": 8, "end": 10}]
-    assert answer_and_go_on(episodes) is None  # it ended at the length limit
+    assert answer_and_go_on(episodes) == []  # it ended at the length limit
 
 
 def test_an_environment_that_raises_fails_the_round_naming_it():
@@ -267,8 +266,8 @@ def test_in_chat_form_the_answer_is_framed_as_the_templates_tool_turn():
     Qwen2.5's template in tests/data/test_prompt_encoder.py) goes around the answer, in the
     tokens and the text, and all of it is the environment's (masked)."""
     episodes = _episodes(build_environment(ENV, {"stops": "a"}), budget=40, chat=True)
-    request = answer_and_go_on(episodes)
+    ((st, turn),) = answer_and_go_on(episodes)
     framed = "|T|<1:3>|/T|"
-    assert request.inputs == [[40, 41, 1, 2, 97] + [ord(c) for c in framed]]
-    sample = episodes.sample(request.states[0])
+    assert turn.input == [40, 41, 1, 2, 97] + [ord(c) for c in framed]
+    sample = episodes.sample(st)
     assert sample.env_spans == [[3, 3 + len(framed)]] and sample.response_text == "xya" + framed

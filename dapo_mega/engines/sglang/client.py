@@ -171,13 +171,20 @@ def control_body(path: str, **fields: object) -> Dict[str, object]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
+DEFAULT_CONNECTIONS = 100
+"""aiohttp's own bound on a session's connections."""
+
+
 class EngineClient:
     """One engine. Use as `async with EngineClient(endpoint) as c:` (a bare URL works too)."""
 
-    def __init__(self, engine: EngineAddress):
+    def __init__(self, engine: EngineAddress, max_connections: int = DEFAULT_CONNECTIONS):
+        """`max_connections`: requests at once through this client (more wait for a connection;
+        a multi-turn round's episodes each send their own: rollout/request.py)."""
         self.endpoint = as_endpoint(engine)
         self.url = self.endpoint.url
         self.timeout_s = self.endpoint.timeout_s
+        self.max_connections = max(1, int(max_connections))
         self._session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -195,7 +202,7 @@ class EngineClient:
                        timeout_s: Optional[float] = None, expect_json: bool = True) -> Any:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                headers=self.endpoint.headers(), connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_CONNECTION_S))
+                headers=self.endpoint.headers(), connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=IDLE_CONNECTION_S))
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.endpoint.control_timeout_s)
         async with self._session.request(method, self.url + path, json=body, timeout=timeout) as resp:
             text = await resp.text()
