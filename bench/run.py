@@ -49,6 +49,7 @@ BENCHMARKS = {
     "bench_engine": "engine",
     "bench_dynamic_sampling": "dynamic_sampling",
     "bench_partial_rollout": "partial_rollout",
+    "bench_episodes": "episodes",
     "bench_e2e_trl": "e2e_trl",
     "bench_logprobs_memory": "logprobs_memory",
 }
