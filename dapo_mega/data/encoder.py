@@ -22,10 +22,11 @@ main thread encode through the same object.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.config import ConfigError, DataConfig
 from dapo_mega.data.problem import Problem, format_prompt
@@ -73,6 +74,19 @@ class PromptEncoder:
         self._cache: Dict[Tuple[str, str], List[int]] = {}
         self._lock = threading.Lock()
         self._fingerprint: Optional[str] = None
+        self.tools: List[Dict[str, Any]] = []
+        """The tools' function schemas the chat template shows in the prompt (`show_tools`)."""
+
+    def show_tools(self, schemas: Sequence[Dict[str, Any]]) -> None:
+        """Show `schemas` (OpenAI function schemas: environments/tool_calls.py) in every prompt,
+        through the chat template's `tools=`; the prompts encoded so far are encoded again."""
+        if schemas and not self.apply_chat_template:
+            raise ConfigError("rollout.environment: its tools are shown to the model through the chat template, but "
+                              "data.apply_chat_template is false. Fix: set data.apply_chat_template=true")
+        with self._lock:
+            self.tools = [dict(s) for s in schemas]
+            self._cache.clear()
+            self._fingerprint = None
 
     @classmethod
     def from_config(cls, tokenizer: PreTrainedTokenizerBase, data_cfg: DataConfig) -> "PromptEncoder":
@@ -106,7 +120,10 @@ class PromptEncoder:
         vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
         digest = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()[:12]
         name = str(getattr(tok, "name_or_path", "") or type(tok).__name__).rstrip("/").split("/")[-1]
-        return f"template={self.prompt_template};chat={chat};tokenizer={name}/vocab {len(vocab)}/{digest}"
+        tools = ""
+        if self.tools:
+            tools = ";tools=" + hashlib.sha256(json.dumps(self.tools, sort_keys=True).encode()).hexdigest()[:12]
+        return f"template={self.prompt_template};chat={chat}{tools};tokenizer={name}/vocab {len(vocab)}/{digest}"
 
     # ------------------------------------------------------------------ the prompt
     def messages(self, problem: Problem) -> List[Dict[str, str]]:
@@ -124,7 +141,8 @@ class PromptEncoder:
         """The prompt as text: the chat template's rendering, or the formatted prompt."""
         if not self.apply_chat_template:
             return format_prompt(problem, self.prompt_template)
-        return self.tokenizer.apply_chat_template(self.messages(problem), tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(self.messages(problem), tools=self.tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
 
     def encode(self, problem: Problem) -> List[int]:
         """Token ids of the problem's prompt (cached; thread-safe)."""
@@ -136,20 +154,29 @@ class PromptEncoder:
                 self._cache[key] = ids
             return list(ids)
 
-    def tool_message(self, text: str) -> str:
-        """`text` as the chat template renders a tool's answer after an assistant turn that
-        called the tool (rollout.tool_message=chat, rollout/turns.py): the end of that turn, the
-        tool message, and the start of the assistant's next turn. For Qwen2.5:
-        `<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n`."""
+    def tool_message(self, texts: Sequence[str], after: Optional[int] = None) -> str:
+        """`texts` (one per call) as the chat template renders the tools' answers after an
+        assistant turn that called them (rollout.tool_message=chat, rollout/turns.py): the end of
+        that turn, one tool message each, and the start of the assistant's next turn. For
+        Qwen2.5: `<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n`
+        (several: `<tool_response>` blocks in one user turn). `after`: the last token of the
+        model's turn; when it is the template's end of turn (the model ended its message: a
+        tool-call format), the framing starts after it instead of writing it again."""
         if not self.apply_chat_template:
             raise ConfigError("rollout.tool_message: chat, but data.apply_chat_template is false: the prompt has no "
                               "chat turns to continue. Fix: set data.apply_chat_template=true, or "
                               "rollout.tool_message=text")
+        texts = [texts] if isinstance(texts, str) else list(texts)
         turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": TURN_MARK}]
         with self._lock:
-            full = self.tokenizer.apply_chat_template(turn + [{"role": "tool", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)
-        return full[full.index(TURN_MARK) + len(TURN_MARK):]
+            full = self.tokenizer.apply_chat_template(turn + [{"role": "tool", "content": t} for t in texts],
+                                                      tokenize=False, add_generation_prompt=True)
+            framed = full[full.index(TURN_MARK) + len(TURN_MARK):]
+            if after is not None and after in self.tokenizer.all_special_ids:
+                end = self.tokenizer.convert_ids_to_tokens(after)
+                if framed.startswith(end):
+                    framed = framed[len(end):]
+        return framed
 
     def encode_text(self, text: str) -> List[int]:
         """Token ids of plain text (a reference answer), no special tokens added."""

@@ -51,8 +51,8 @@ class EncodedPrompts:
         """An environment's answer (multi-turn samples): the run's encoder, under its lock."""
         return self.encoding.encode_text(text)
 
-    def tool_message(self, text: str) -> str:
-        return self.encoding.tool_message(text)
+    def tool_message(self, texts: Sequence[str], after: Optional[int] = None) -> str:
+        return self.encoding.tool_message(texts, after)
 
 
 class EvalBeside:

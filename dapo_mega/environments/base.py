@@ -40,6 +40,9 @@ class StepResult:
     tool_errors: Dict[str, int] = field(default_factory=dict)
     """Errors by kind (the sandbox's statuses: timeout, memory, ...)."""
     tool_time_s: float = 0.0
+    tool_outputs: List[str] = field(default_factory=list)
+    """Each call's answer, when the turn made calls (tool_calls.py): with rollout.tool_message=chat
+    each is one tool message as the chat template renders them; [] renders `observation` as one."""
 
 
 class Environment:
@@ -55,6 +58,17 @@ class Environment:
         """The environment's answer to the model's latest turn `model_text`."""
         raise NotImplementedError
 
+    def answers(self, model_text: str) -> bool:
+        """Whether a turn that ended with the model's message (EOS), not at one of `stop`, is
+        answered: a tool-call format whose message holds its calls (tool_calls.py). Default:
+        no, such a turn is the model's answer."""
+        return False
+
+    def tool_schemas(self) -> List[Dict[str, Any]]:
+        """The OpenAI function schemas of the tools the prompt shows (the chat template's
+        `tools=`); [] for none."""
+        return []
+
     def report(self) -> Dict[str, Any]:
         """What the environment got on this host (the python tool: its sandbox's isolation and
         limits), kept in run.json's `environment`; {} when there is nothing to say."""
@@ -66,9 +80,10 @@ class Environment:
         return {}
 
 
-def load_environment(path: str, field_name: str = "rollout.environment") -> Type[Environment]:
-    """The class `path` names; ConfigError naming `field_name` when it cannot be loaded or is
-    not an Environment (it needs `reset` and `step`)."""
+def load_class(path: str, field_name: str) -> Any:
+    """What `path` names (`package.module:Name` or `path/to/file.py:Name`): the one loader of
+    the user's plugins (environments, tools; reward plugins read the same forms). ConfigError
+    naming `field_name` when it cannot be loaded."""
     match = CLASS_PATH.match(path or "")
     if not match:
         raise ConfigError(f"{field_name}: {path!r} is not a class path. Fix: package.module:Class or "
@@ -92,14 +107,21 @@ def load_environment(path: str, field_name: str = "rollout.environment") -> Type
     except Exception as exc:  # noqa: BLE001 -- the user's module failed; say which and how
         raise ConfigError(f"{field_name}: {path!r} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}). "
                           "Fix: make the module importable (its folder on PYTHONPATH, or a file path)") from None
-    cls = getattr(module, name, None)
+    return getattr(module, name, None)
+
+
+def load_environment(path: str, field_name: str = "rollout.environment") -> Type[Environment]:
+    """The class `path` names; ConfigError naming `field_name` when it cannot be loaded or is
+    not an Environment (it needs `reset` and `step`)."""
+    cls = load_class(path, field_name)
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None)) and callable(getattr(cls, "reset", None))):
         raise ConfigError(f"{field_name}: {path!r} is not an environment class (it needs reset(problem) and "
                           "step(model_text)). Fix: subclass dapo_mega.environments.base.Environment")
     return cls
 
 
-BUILT_IN = {"python": "dapo_mega.environments.python_tool:PythonTool"}
+BUILT_IN = {"python": "dapo_mega.environments.python_tool:PythonTool",
+            "tools": "dapo_mega.environments.tool_calls:ToolEnvironment"}
 """Names rollout.environment takes for the built-in environments."""
 
 
@@ -115,10 +137,18 @@ def build_environment(path: str, kwargs: Dict[str, Any]) -> Optional[Environment
         raise ConfigError(f"rollout.environment_kwargs: {dict(kwargs)} do not fit {path!r} ({exc}). Fix: give the "
                           "keyword arguments its constructor takes") from None
     stops = getattr(env, "stop", None)
-    if not isinstance(stops, (list, tuple)) or not stops or not all(isinstance(x, str) and x for x in stops):
+    answers_messages = type(env).answers is not Environment.answers if isinstance(env, Environment) else False
+    if not isinstance(stops, (list, tuple)) or not (stops or answers_messages) or \
+            not all(isinstance(x, str) and x for x in stops):
         raise ConfigError(f"rollout.environment: {path!r} has stop={stops!r}; a model turn must end somewhere. Fix: "
                           "give the class a list of non-empty stop strings (`stop = ['</code>']`)")
     return env
+
+
+def environment_tools(env: Optional[Environment]) -> List[Dict[str, Any]]:
+    """`env.tool_schemas()` for the prompt; [] as for `environment_report`."""
+    schemas = getattr(env, "tool_schemas", None)
+    return list(schemas()) if callable(schemas) else []
 
 
 def environment_report(env: Optional[Environment]) -> Dict[str, Any]:

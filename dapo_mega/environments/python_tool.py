@@ -18,6 +18,7 @@ from dataclasses import fields, replace
 from typing import Any, Dict, Optional
 
 from dapo_mega.environments.base import Environment, StepResult
+from dapo_mega.environments.tool_calls import Tool
 from dapo_mega.environments.sandbox import (
     DEFAULT_MAX_CONCURRENT,
     Sandbox,
@@ -86,3 +87,20 @@ class PythonTool(Environment):
 
     def take_metrics(self) -> Dict[str, float]:
         return self.sandbox.take_metrics()
+
+
+class PythonCode(Tool):
+    """The sandbox as a tool with a schema (environments/tool_calls.py): `python(code)` in the
+    hermes format, or the `<code>` text form with `format=code`. Takes the python tool's
+    keyword arguments (limits, max_concurrent, isolation)."""
+
+    name = "python"
+    description = "Run a Python program in a sandbox and read what it printed (stdout, then stderr)."
+    parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                  "required": ["code"]}
+
+    def __init__(self, **python_tool: Any):
+        self.sandbox = PythonTool(**python_tool).sandbox
+
+    def call(self, code: str) -> str:
+        return self.sandbox.run(code).model_text(self.sandbox.limits.output_bytes)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Un
 from dapo_mega.aio import run_coroutine
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.endpoint import EngineAddress, EngineEndpoint
+from dapo_mega.environments.base import environment_tools
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, SamplingRule
 from dapo_mega.rollout.dispatch import RolloutError, Round, chunk_size
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs
@@ -84,6 +85,13 @@ class RolloutManager:
         if settings.environment is not None and not callable(getattr(self.encoding, "encode_text", None)):
             raise TypeError(f"multi-turn samples (an environment) need an encoding with encode_text(text) to tokenize "
                             f"the environment's answers (data.PromptEncoder); got {type(self.encoding).__name__}")
+        schemas = environment_tools(settings.environment)
+        if schemas:  # the prompts show the environment's tools (the chat template's tools=)
+            show = getattr(self.encoding, "show_tools", None)
+            if not callable(show):
+                raise TypeError(f"the environment's tools are shown through the chat template: the encoding needs "
+                                f"show_tools (data.PromptEncoder); got {type(self.encoding).__name__}")
+            show(schemas)
         self._step = 0
         self.requests_by_engine: Dict[str, int] = {}
         """url -> requests completed there by `generate_groups` (an evaluation's engine line)."""

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from dapo_mega.engines.sglang.client import SampleResult, SamplingParams
 
 __all__ = ["EnvironmentFailed", "Episodes", "TextEncoding", "Turn", "TurnState", "add_observation", "ended_at_stop",
-           "turn_params"]
+           "ended_message", "turn_params"]
 
 SEED_STRIDE = 1_000_003
 """A continuation's sampling seed: the sample's seed + turn x this (so turns draw apart)."""
@@ -69,13 +69,20 @@ class TextEncoding(Protocol):
 
     def encode_text(self, text: str) -> List[int]: ...
 
-    def tool_message(self, text: str) -> str: ...
+    def tool_message(self, texts: Sequence[str], after: Optional[int] = None) -> str: ...
 
 
 def ended_at_stop(reply: "SampleResult", stops: Sequence[str]) -> bool:
     """The engine stopped this turn at one of the environment's stop strings."""
     reason = reply.finish_reason
     return reason.get("type") == "stop" and reason.get("matched") in stops
+
+
+def ended_message(reply: "SampleResult") -> bool:
+    """The engine stopped this turn at the end of the model's message (EOS or a stop token),
+    not at a stop string."""
+    reason = reply.finish_reason
+    return reason.get("type") == "stop" and not isinstance(reason.get("matched"), str)
 
 
 def add_observation(sample: ScoredSample, result: StepResult, ids: List[int], budget: int) -> ScoredSample:
@@ -188,8 +195,10 @@ class Episodes:
         and budget left its tool is pending, and it stays open until the environment answers.
         True when it is."""
         s = self.sample(st)
-        pending = ended_at_stop(reply, self.environment.stop) and s.turns < self.max_turns \
-            and len(s.token_ids) < self.budget
+        answers = getattr(self.environment, "answers", None)  # an environment needs only reset and step
+        called = ended_at_stop(reply, self.environment.stop) or \
+            (ended_message(reply) and callable(answers) and answers(s.response_text[s.turn_text_at:]))
+        pending = called and s.turns < self.max_turns and len(s.token_ids) < self.budget
         self._set(st, replace(s, tool_pending=pending))
         if pending:
             self.open[st.group].add(st.position)
@@ -222,7 +231,9 @@ class Episodes:
         False when the episode is done or the budget spent."""
         result = await asyncio.get_running_loop().run_in_executor(self.tools, self._step, st)
         if self.chat and not result.done and result.observation:  # the template's tool turn around it
-            result = replace(result, observation=self.encoding.tool_message(result.observation))
+            sample = self.sample(st)
+            result = replace(result, observation=self.encoding.tool_message(
+                result.tool_outputs or [result.observation], after=sample.token_ids[-1] if sample.token_ids else None))
         ids = self.encoding.encode_text(result.observation) if result.observation else []
         sample = add_observation(self.sample(st), result, ids, self.budget)
         self._set(st, sample)

@@ -166,8 +166,8 @@ class _Chars:
         return [ord(c) for c in text]
 
     @staticmethod
-    def tool_message(text):
-        return f"|T|{text}|/T|"
+    def tool_message(texts, after=None):
+        return "".join(f"|T|{text}|/T|" for text in texts)
 
 
 def _reply(tokens, text, reason):
