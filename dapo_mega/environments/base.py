@@ -46,10 +46,16 @@ class StepResult:
 
 
 class Environment:
-    """The interface: `reset` once per sample, `step` after each model turn."""
+    """The interface: `reset` once per sample, `step` after each model turn (sync, run in the
+    round's threads, or `async def`, run on its loop), `release` when the episode is over."""
 
     stop: List[str] = []
     """Strings that end a model turn and hand the text to `step`."""
+
+    resumable: bool = True
+    """A partial rollout resumes a sample with a fresh copy `reset` with the problem: an
+    environment whose episode state cannot be rebuilt that way says False, and partial rollouts
+    are refused with it (plan/preflight.py)."""
 
     def reset(self, problem: Any) -> None:
         """A new episode for `problem` (a `data.Problem`)."""
@@ -57,6 +63,10 @@ class Environment:
     def step(self, model_text: str) -> StepResult:
         """The environment's answer to the model's latest turn `model_text`."""
         raise NotImplementedError
+
+    def release(self) -> None:
+        """The episode is over (ended, or cut by a stop: a resumed sample gets a fresh copy);
+        once per episode that was reset. `step`, `reset` and `release` may be async."""
 
     def answers(self, model_text: str) -> bool:
         """Whether a turn that ended with the model's message (EOS), not at one of `stop`, is

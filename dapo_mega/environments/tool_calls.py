@@ -36,12 +36,12 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from dapo_mega.config import ConfigError
 from dapo_mega.environments.base import Environment, StepResult, load_class
 
-__all__ = ["FORMATS", "Tool", "ToolCall", "ToolEnvironment", "parse_calls"]
+__all__ = ["FORMATS", "Tool", "ToolCall", "ToolEnvironment", "VerlTool", "parse_calls"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CODE_OPEN, CODE_CLOSE = "<code>", "</code>"
@@ -98,14 +98,17 @@ class Tool:
             def call(self, a, b):
                 return str(a + b)
 
-    `call` gets the checked arguments as keywords and returns the text the model reads; an
-    exception is answered as the tool's error. One instance serves every episode (threads)."""
+    `call` gets the checked arguments as keywords and returns the text the model reads (or
+    text and a reward); an exception is answered as the tool's error. One instance serves every
+    episode (threads)."""
 
     name: str = ""
     description: str = ""
     parameters: Dict[str, Any] = {"type": "object", "properties": {}}
 
-    def call(self, **arguments: Any) -> str:
+    def call(self, **arguments: Any) -> Any:
+        """The text the model reads, or (text, reward): the call's reward, summed into the
+        sample's `reward_parts["tools"]`."""
         raise NotImplementedError
 
     def schema(self) -> Dict[str, Any]:
@@ -155,23 +158,25 @@ class ToolEnvironment(Environment):
         """A hermes turn ends with the model's message: it is answered when it holds a call."""
         return self.format == "hermes" and CALL_OPEN in model_text
 
-    def _run(self, call: ToolCall) -> tuple:
-        """(text the model reads, error kind or "") of one call."""
+    def _run(self, call: ToolCall) -> Tuple[str, str, float]:
+        """(text the model reads, error kind or "", reward) of one call."""
         if call.error:
-            return f"Error: {call.error}", "invalid_call"
+            return f"Error: {call.error}", "invalid_call", 0.0
         tool = self.tools.get(call.name)
         if tool is None:
-            return f"Error: there is no tool {call.name!r}; the tools are {sorted(self.tools)}", "unknown_tool"
+            return f"Error: there is no tool {call.name!r}; the tools are {sorted(self.tools)}", "unknown_tool", 0.0
         import jsonschema
 
         try:
             jsonschema.validate(call.arguments, tool.parameters)
         except jsonschema.ValidationError as exc:
-            return f"Error: wrong arguments for {call.name}: {exc.message}", "invalid_arguments"
+            return f"Error: wrong arguments for {call.name}: {exc.message}", "invalid_arguments", 0.0
         try:
-            return str(tool.call(**call.arguments)), ""
+            out = tool.call(**call.arguments)
         except Exception as exc:  # noqa: BLE001 -- the model reads what went wrong
-            return f"Error: {call.name} raised {type(exc).__name__}: {exc}", "tool_error"
+            return f"Error: {call.name} raised {type(exc).__name__}: {exc}", "tool_error", 0.0
+        text, reward = out if isinstance(out, tuple) else (out, 0.0)
+        return str(text), "", float(reward or 0.0)
 
     def _cut(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
@@ -184,9 +189,10 @@ class ToolEnvironment(Environment):
             return StepResult(observation="", done=True)
         t0 = time.monotonic()
         outcomes = list(self.calls.map(self._run, calls))
-        outputs = [self._cut(text) for text, _ in outcomes]
+        outputs = [self._cut(text) for text, _, _ in outcomes]
+        rewards = [reward for _, _, reward in outcomes]
         errors: Dict[str, int] = {}
-        for _, kind in outcomes:
+        for _, kind, _ in outcomes:
             if kind:
                 errors[kind] = errors.get(kind, 0) + 1
         if self.format == "code":
@@ -194,4 +200,57 @@ class ToolEnvironment(Environment):
         else:
             observation = "\n" + "\n".join(f"{RESPONSE_OPEN}\n{out}\n{RESPONSE_CLOSE}" for out in outputs) + "\n"
         return StepResult(observation=observation, done=False, tool_calls=len(calls), tool_errors=errors,
-                          tool_time_s=time.monotonic() - t0, tool_outputs=outputs)
+                          tool_time_s=time.monotonic() - t0, tool_outputs=outputs,
+                          reward_parts={"tools": sum(rewards)} if any(rewards) else {})
+
+
+class _Fields(dict):
+    """A schema dict read as attributes too (`schema.function.name`), with pydantic's
+    `model_dump`: what verl's tools read of their `OpenAIFunctionToolSchema`."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            value = self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+        return _Fields(value) if isinstance(value, dict) else value
+
+    def model_dump(self, **_: Any) -> Dict[str, Any]:
+        return json.loads(json.dumps(self))
+
+
+class VerlTool(Tool):
+    """A tool written for verl (`verl.tools.base_tool.BaseTool`: `__init__(config, tool_schema)`,
+    async `create`, `execute(instance_id, parameters)`, `release`), run unchanged: each call is
+    create, execute, release, as verl's ToolAgentLoop makes it; execute's text (a str or
+    verl's ToolResponse) is the answer and its reward the call's.
+
+        +rollout.environment_kwargs.tools=[{path: dapo_mega.environments.tool_calls:VerlTool,
+            kwargs: {tool: my_verl_tools.py:Calculator, config: {...}, tool_schema: {...}}}]"""
+
+    def __init__(self, tool: str, tool_schema: Dict[str, Any], config: Dict[str, Any] | None = None):
+        cls = load_class(tool, "rollout.environment_kwargs.tools")
+        if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("create", "execute")):
+            raise ConfigError(f"rollout.environment_kwargs.tools: {tool!r} is not in verl's BaseTool shape (async "
+                              "create and execute)")
+        function = dict(tool_schema.get("function", tool_schema))
+        self.name, self.description = str(function.get("name", "")), str(function.get("description", ""))
+        self.parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        self.tool = cls(dict(config or {}), _Fields({"type": "function", "function": function}))
+
+    async def _call(self, arguments: Dict[str, Any]) -> Tuple[str, float]:
+        created = await self.tool.create()
+        instance_id = created[0] if isinstance(created, tuple) else created
+        try:
+            response, reward, _metrics = await self.tool.execute(instance_id, arguments)
+        finally:
+            release = getattr(self.tool, "release", None)
+            if callable(release):
+                await release(instance_id)
+        text = response if isinstance(response, str) else getattr(response, "text", None)
+        return ("" if text is None else str(text)), float(reward or 0.0)
+
+    def call(self, **arguments: Any) -> Tuple[str, float]:
+        import asyncio
+
+        return asyncio.run(self._call(arguments))  # in a worker thread of the environment's calls

@@ -165,9 +165,14 @@ def check_verifier(algo_cfg: AlgoConfig, data_cfg: DataConfig) -> None:
 def check_environment(cfg: DapoConfig) -> None:
     """`rollout.environment` (multi-turn samples) loads, takes rollout.environment_kwargs and
     has stop strings (environments.base.build_environment: ConfigError naming the field)."""
+    from dapo_mega.config import partial_rollout_enabled
     from dapo_mega.environments.base import build_environment
 
-    build_environment(cfg.rollout.environment, cfg.rollout.environment_kwargs)
+    env = build_environment(cfg.rollout.environment, cfg.rollout.environment_kwargs)
+    if env is not None and not getattr(env, "resumable", True) and partial_rollout_enabled(cfg):
+        raise ConfigError(f"rollout.partial_rollout: on, but rollout.environment {cfg.rollout.environment!r} says its "
+                          "episodes cannot be resumed (resumable = False: their state is not rebuilt by reset). Fix: "
+                          "set rollout.partial_rollout=false")
 
 
 def check_eval_inputs(cfg: DapoConfig) -> None:

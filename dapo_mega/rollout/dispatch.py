@@ -104,7 +104,8 @@ class Round:
         self.errors: List[BaseException] = []
         self.abort_tasks: List[asyncio.Task] = []
         self.generating = {url: 0 for url in self.live}  # this round's /generate requests in flight
-        self.tools: Optional[ThreadPoolExecutor] = None  # the environment's steps run here
+        self.tools: Optional[ThreadPoolExecutor] = None  # the environment's synchronous steps run here
+        self.tool_gate: Optional[asyncio.Semaphore] = None
         self.ready: Deque[object] = deque()  # handed out, not read yet; _END last
         self.reading = True  # the reader is inside `async with`: unread chunks hold new requests back
 
@@ -174,6 +175,7 @@ class Round:
             return
         if self.s.environment is not None:
             self.tools = ThreadPoolExecutor(self.s.tool_slots, thread_name_prefix="dapo-mega-tool")
+            self.tool_gate = asyncio.Semaphore(self.s.tool_slots)  # an async step's bound
         try:
             await self._dispatch_chunks()
         finally:

@@ -88,7 +88,7 @@ class ChunkRequest:
         latest = dict(zip(owners, replies))
         episodes = Episodes(self.s.environment, rnd.encoding, self.s.max_turns, groups, latest,
                             bases, groups[0].budget if groups else 0, chat=self.s.tool_message == "chat",
-                            tools=rnd.tools)
+                            tools=rnd.tools, gate=rnd.tool_gate)
         self.cut = any(r.aborted for r in replies)
         if not self._halted():
             await all_or_none([asyncio.ensure_future(self._episode(episodes, st, latest)) for st in episodes.pending()])
@@ -100,7 +100,14 @@ class ChunkRequest:
         return self.rnd.stopping.is_set() or self.cut
 
     async def _episode(self, episodes: Episodes, st: TurnState, latest: Dict) -> None:
-        """One sample's episode from its pending tool call: answer, next turn, until it ends."""
+        """One sample's episode from its pending tool call: answer, next turn, until it ends
+        (then its environment is released, whatever ended it)."""
+        try:
+            await self._turns_of(episodes, st, latest)
+        finally:
+            await episodes.release(st)
+
+    async def _turns_of(self, episodes: Episodes, st: TurnState, latest: Dict) -> None:
         while not self._halted():
             goes_on = await episodes.answer(st)
             self._progressed()

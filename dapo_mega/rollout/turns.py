@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.environments.base import Environment, StepResult
 from dapo_mega.rollout.partial import PartialGroup, extend_sample, is_open
+from dapo_mega.rollout.settings import DEFAULT_TOOL_SLOTS
 from dapo_mega.rollout.samples import ScoredSample
 
 if TYPE_CHECKING:
@@ -142,8 +144,8 @@ class Episodes:
     `groups`: the chunk's PartialGroups (their samples complete, cut by an abort, or waiting for
     their tool); `replies`: per (group, position) the reply just appended to it; `bases`: per
     group, the sampling params of its prompt; `budget`: the response budget; `tools`: the
-    executor the environment's steps run in (the round's, sized to the environment's
-    max_concurrent; None: asyncio's default).
+    executor a synchronous `step` runs in (the round's, sized to the environment's
+    max_concurrent; None: asyncio's default); `gate`: the same bound for an async `step`.
 
         for st in episodes.pending():              # each sample whose tool is due, on its own:
             while await episodes.answer(st):       #   its tool ran; it goes on
@@ -157,10 +159,12 @@ class Episodes:
     def __init__(self, environment: Environment, encoding: TextEncoding, max_turns: int,
                  groups: List[PartialGroup], replies: Dict[Tuple[int, int], "SampleResult"],
                  bases: Sequence["SamplingParams"], budget: int, chat: bool = False,
-                 tools: Optional[Executor] = None):
+                 tools: Optional[Executor] = None, gate: Optional[asyncio.Semaphore] = None):
         self.environment, self.encoding, self.max_turns, self.chat = environment, encoding, max_turns, chat
         self.groups, self.bases, self.budget = groups, list(bases), budget
         self.tools = tools
+        self.gate = gate or asyncio.Semaphore(DEFAULT_TOOL_SLOTS)
+        """Bounds an async `step`'s calls at once (the round's: the environment's max_concurrent)."""
         self.samples = [list(pg.group.samples) for pg in groups]
         """Per group, its samples as their turns left them (changed in place: one write per turn)."""
         self.open = [set(pg.open) for pg in groups]
@@ -210,26 +214,49 @@ class Episodes:
             st.env.reset(self.groups[st.group].prompt)
         return st.env
 
-    def _step(self, st: TurnState) -> StepResult:
-        """The episode's answer to the sample's latest turn (in a worker thread)."""
-        env = self._episode(st)
-        sample = self.sample(st)
-        try:
-            result = env.step(sample.response_text[sample.turn_text_at:])
-        except Exception as exc:  # the environment's own bug: the round fails, naming it
-            raise EnvironmentFailed(f"rollout.environment {type(env).__name__}.step raised {type(exc).__name__}: "
-                                    f"{exc} (prompt {sample.prompt_id}, sample {sample.sample_index}, turn "
-                                    f"{sample.turns}); errors the model should read are observations") from exc
+    @staticmethod
+    def _failed(env: Environment, sample: ScoredSample, exc: Exception) -> EnvironmentFailed:
+        """The environment's own bug (the round fails, naming it and the sample)."""
+        return EnvironmentFailed(f"rollout.environment {type(env).__name__}.step raised {type(exc).__name__}: {exc} "
+                                 f"(prompt {sample.prompt_id}, sample {sample.sample_index}, turn {sample.turns}); "
+                                 "errors the model should read are observations")
+
+    @staticmethod
+    def _checked(env: Environment, result: object) -> StepResult:
         if not isinstance(result, StepResult):
             raise EnvironmentFailed(f"rollout.environment {type(env).__name__}.step returned "
                                     f"{type(result).__name__}, not a StepResult")
         return result
 
+    def _step(self, st: TurnState) -> StepResult:
+        """The episode's answer to the sample's latest turn (a synchronous step: in a worker thread)."""
+        env, sample = self._episode(st), self.sample(st)
+        try:
+            result = env.step(sample.response_text[sample.turn_text_at:])
+        except Exception as exc:
+            raise self._failed(env, sample, exc) from exc
+        return self._checked(env, result)
+
+    async def _async_step(self, st: TurnState) -> StepResult:
+        """The same with an async `step` (on the round's loop, at most `gate` at once)."""
+        sample = self.sample(st)
+        async with self.gate:
+            env = self._episode(st)
+            try:
+                result = await env.step(sample.response_text[sample.turn_text_at:])
+            except Exception as exc:
+                raise self._failed(env, sample, exc) from exc
+        return self._checked(env, result)
+
     async def answer(self, st: TurnState) -> bool:
-        """Run the environment on the sample's pending call (in the executor's threads) and
-        append its answer. True when the sample goes on (open until its next turn is taken),
-        False when the episode is done or the budget spent."""
-        result = await asyncio.get_running_loop().run_in_executor(self.tools, self._step, st)
+        """Run the environment on the sample's pending call (a synchronous `step` in the
+        executor's threads, an async one on the loop) and append its answer. True when the
+        sample goes on (open until its next turn is taken), False when the episode is done or
+        the budget spent."""
+        if inspect.iscoroutinefunction(self.environment.step):
+            result = await self._async_step(st)
+        else:
+            result = await asyncio.get_running_loop().run_in_executor(self.tools, self._step, st)
         if self.chat and not result.done and result.observation:  # the template's tool turn around it
             sample = self.sample(st)
             result = replace(result, observation=self.encoding.tool_message(
@@ -241,6 +268,18 @@ class Episodes:
             return True
         self.open[st.group].discard(st.position)
         return False
+
+    async def release(self, st: TurnState) -> None:
+        """The episode's environment is done with (ended, or cut: a resumed sample gets a fresh
+        one): its `release` hook, when it has one, runs once."""
+        env, st.env = st.env, None
+        release = getattr(env, "release", None)
+        if env is None or not callable(release):
+            return
+        if inspect.iscoroutinefunction(release):
+            await release()
+        else:
+            await asyncio.get_running_loop().run_in_executor(self.tools, release)
 
     def next_turn(self, st: TurnState) -> Turn:
         """The request of the sample's next model turn (after `answer` said it goes on); the turn

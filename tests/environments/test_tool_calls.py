@@ -208,3 +208,122 @@ def test_a_turn_that_ended_its_message_with_a_call_is_answered_and_goes_on():
     assert st.key == (0, 0) and run_coroutine(episodes.answer(st))
     assert episodes.sample(st).response_text.endswith("<tool_response>\n3\n</tool_response>\n")
     assert episodes.sample(st).tool_calls == 1
+
+
+VERL_SHAPED = '''
+"""A tool as verl's docs write one (verl/tools/base_tool.py's BaseTool, gsm8k_tool.py's shape),
+without verl installed: the adapter must need nothing else."""
+from uuid import uuid4
+
+RELEASED = []
+
+
+class ToolResponse:  # verl.tools.schemas.ToolResponse's text field
+    def __init__(self, text=None):
+        self.text = text
+
+
+class AnswerCheck:
+    def __init__(self, config, tool_schema):
+        self.config, self.tool_schema = config, tool_schema
+        self.name = tool_schema.function.name
+        self._instances = {}
+
+    async def create(self, instance_id=None, **kwargs):
+        instance_id = instance_id or str(uuid4())
+        self._instances[instance_id] = {"expected": self.config["expected"]}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        right = str(parameters.get("answer")) == self._instances[instance_id]["expected"]
+        return ToolResponse(text=f"{self.name}: {'correct' if right else 'wrong'}"), (1.0 if right else 0.0), {}
+
+    async def release(self, instance_id, **kwargs):
+        RELEASED.append(self._instances.pop(instance_id))
+'''
+
+
+def test_a_tool_in_verls_shape_runs_unchanged(tmp_path):
+    module = tmp_path / "verl_shaped.py"
+    module.write_text(VERL_SHAPED)
+    schema = {"type": "function", "function": {"name": "check", "description": "Check an answer.", "parameters": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    env = build_environment("tools", {"tools": [{"path": "dapo_mega.environments.tool_calls:VerlTool", "kwargs": {
+        "tool": f"{module}:AnswerCheck", "tool_schema": schema, "config": {"expected": "42"}}}]})
+    assert env.tool_schemas() == [schema]
+    result = env.step(call("check", answer="42") + "\n" + call("check", answer="41") + "\n" + call("check"))
+    assert result.tool_outputs[:2] == ["check: correct", "check: wrong"] and result.reward_parts == {"tools": 1.0}
+    assert result.tool_errors == {"invalid_arguments": 1}
+    released = sys.modules[[m for m in sys.modules if m.startswith("_dapo_mega_env_")][-1]].RELEASED
+    assert len(released) == 2  # each call made is created, executed and released, as verl's loop does
+
+
+class AsyncEnv:
+    """An async environment: its steps await; each episode's release is counted."""
+
+    stop = ["a"]
+    released: list = []
+
+    def reset(self, problem):
+        self.turn = 0
+
+    async def step(self, model_text):
+        import asyncio
+
+        from dapo_mega.environments.base import StepResult
+
+        await asyncio.sleep(0.01)
+        self.turn += 1
+        return StepResult(observation=f"<{self.turn}>", done=self.turn >= 2, tool_calls=1)
+
+    async def release(self):
+        AsyncEnv.released.append(self.turn)
+
+
+def test_an_async_step_is_awaited_and_each_episode_released():
+    from dapo_mega.engines.sglang.client import SampleResult
+    from dapo_mega.rollout.partial import PartialGroup
+    from dapo_mega.rollout.samples import Group, ScoredSample
+    from dapo_mega.rollout.turns import Episodes
+    from dapo_mega.data import Problem
+
+    stopped = SampleResult(prompt_index=0, sample_index=0, text="xa", output_ids=[1, 97], token_ids=[1, 97],
+                           finish_reason={"type": "stop", "matched": "a"}, logprobs=[-0.5, -0.5],
+                           weight_versions=[{"version": "1", "start": 0, "end": 2}], prompt_tokens=1,
+                           completion_tokens=2)
+    samples = [ScoredSample(prompt_id="p", sample_index=j, token_ids=[1, 97], logprobs=None, weight_versions=[],
+                            response_text="xa", truncated=False, seed=None, engine_id="e", queue_delay_s=0.0,
+                            generation_latency_s=0.0) for j in range(2)]
+    group = Group(prompt=Problem(id="p", prompt="q", ground_truth="3", data_source="t"), prompt_input=[1],
+                  samples=samples, engine_id="e", queue_delay_s=0.0, latency_s=0.0)
+
+    class Chars:
+        encode_text = staticmethod(lambda text: [ord(c) for c in text])
+
+    AsyncEnv.released.clear()
+    episodes = Episodes(AsyncEnv(), Chars(), 4, [PartialGroup(group, [], 50)], {(0, 0): stopped, (0, 1): stopped},
+                        [{"n": 2}], 50)
+
+    async def run():
+        for st in episodes.pending():
+            assert await episodes.answer(st)
+            await episodes.release(st)
+            await episodes.release(st)  # once per episode
+
+    run_coroutine(run())
+    assert [s.response_text for s in episodes.partial_groups()[0].group.samples] == ["xa<1>", "xa<1>"]
+    assert AsyncEnv.released == [1, 1]
+
+
+def test_an_environment_that_cannot_resume_refuses_partial_rollouts(tmp_path):
+    from dapo_mega.config import load_config
+    from dapo_mega.plan.preflight import check_environment
+
+    module = tmp_path / "stateful.py"
+    module.write_text("from dapo_mega.environments.base import Environment\n"
+                      "class Stateful(Environment):\n    stop = ['a']\n    resumable = False\n"
+                      "    def step(self, text):\n        raise NotImplementedError\n")
+    env = f"rollout.environment={module}:Stateful"
+    with pytest.raises(ConfigError, match=r"^rollout.partial_rollout: on, but .*resumable = False.*partial_rollout=false"):
+        check_environment(load_config([env, "rollout.partial_rollout=true", "cluster.max_sample_age=1"]))
+    check_environment(load_config([env, "rollout.partial_rollout=false"]))
