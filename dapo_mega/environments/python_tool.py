@@ -18,7 +18,6 @@ from dataclasses import fields, replace
 from typing import Any, Dict, Optional
 
 from dapo_mega.environments.base import Environment, StepResult
-from dapo_mega.environments.tool_calls import Tool
 from dapo_mega.environments.sandbox import (
     DEFAULT_MAX_CONCURRENT,
     Sandbox,
@@ -27,6 +26,7 @@ from dapo_mega.environments.sandbox import (
     check_limits,
     probe_isolation,
 )
+from dapo_mega.environments.tool_calls import Tool
 from dapo_mega.node import node_cpus
 
 CODE_OPEN, CODE_CLOSE = "<code>", "</code>"

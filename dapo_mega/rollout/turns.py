@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from dapo_mega.environments.base import Environment, StepResult
 from dapo_mega.rollout.partial import PartialGroup, extend_sample, is_open
-from dapo_mega.rollout.settings import DEFAULT_TOOL_SLOTS
 from dapo_mega.rollout.samples import ScoredSample
+from dapo_mega.rollout.settings import DEFAULT_TOOL_SLOTS
 
 if TYPE_CHECKING:
     from dapo_mega.engines.sglang.client import SampleResult, SamplingParams

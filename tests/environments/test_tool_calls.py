@@ -281,11 +281,11 @@ class AsyncEnv:
 
 
 def test_an_async_step_is_awaited_and_each_episode_released():
+    from dapo_mega.data import Problem
     from dapo_mega.engines.sglang.client import SampleResult
     from dapo_mega.rollout.partial import PartialGroup
     from dapo_mega.rollout.samples import Group, ScoredSample
     from dapo_mega.rollout.turns import Episodes
-    from dapo_mega.data import Problem
 
     stopped = SampleResult(prompt_index=0, sample_index=0, text="xa", output_ids=[1, 97], token_ids=[1, 97],
                            finish_reason={"type": "stop", "matched": "a"}, logprobs=[-0.5, -0.5],
