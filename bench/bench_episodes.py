@@ -26,10 +26,8 @@ order reversed every other repeat; figures are the best repeat, spreads min/medi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
-import json
 import sys
 import tempfile
 import time
@@ -184,8 +182,6 @@ def run(quick: bool = False) -> Dict[str, Any]:
 
 if __name__ == "__main__":
     sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args()
-    out = run(a.quick)
-    print(json.dumps({k: v for k, v in out.items() if k != "sides"}, indent=2))
+    from timing import run_cli
+
+    run_cli(run, __doc__)

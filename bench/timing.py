@@ -85,3 +85,15 @@ def write_result(path, result: Dict[str, Any]) -> None:
     result["measured"] = {**git_state(), **machine_info()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2))
+
+
+def run_cli(run: Callable[[bool], Dict[str, Any]], doc: str) -> None:
+    """A benchmark's command line (`python bench/bench_X.py [--quick]`): runs it and prints its
+    result, the per-repeat `sides` left to the results file."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    out = run(ap.parse_args().quick)
+    print(json.dumps({k: v for k, v in out.items() if k != "sides"}, indent=2))
