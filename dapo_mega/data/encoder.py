@@ -137,6 +137,14 @@ class PromptEncoder:
         chat[users[-1]]["content"] = text
         return chat
 
+    def render_messages(self, messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None
+                        ) -> str:
+        """A chat (an agent's messages, rollout/openai_endpoint.py) as the chat template renders it
+        for the assistant's next turn, `tools` shown."""
+        with self._lock:
+            return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                      tokenize=False, add_generation_prompt=True)
+
     def render(self, problem: Problem) -> str:
         """The prompt as text: the chat template's rendering, or the formatted prompt."""
         if not self.apply_chat_template:

@@ -1,0 +1,116 @@
+"""Agent code drives episodes through the OpenAI-compatible endpoint (issue #47 item 4).
+
+The agent is written against the `openai` client package, as users write theirs; the endpoint
+runs over a real embedded engine. References: the tokenizer's own chat template rendering the
+whole conversation, and transformers' log-probs of the assembled sample.
+"""
+
+from __future__ import annotations
+
+import openai  # the dev extra installs it
+import pytest
+import torch
+
+from dapo_mega.aio import run_coroutine
+from dapo_mega.config import DataConfig, ModelConfig, RolloutConfig
+from dapo_mega.data import PromptEncoder
+from dapo_mega.data.problem import Problem
+from dapo_mega.engines.fleet import EngineFleet
+from dapo_mega.models.tiny import build_tiny_model_dir
+from dapo_mega.rollout.openai_endpoint import AgentEndpoint
+
+
+PROBLEM = Problem(id="p", prompt="2+2=", ground_truth="4", data_source="t")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir = build_tiny_model_dir(tmp_path_factory.mktemp("chat_tiny") / "tiny",
+                                     ModelConfig(tiny_chat_template=True), seed=5)
+    fleet = EngineFleet(RolloutConfig(health_timeout_s=120), str(model_dir), num_threads=1, weight_version="3")
+    (engine,) = fleet.start(1)
+    try:
+        yield model_dir, engine, PromptEncoder.from_pretrained(model_dir, DataConfig(prompt_template="raw",
+                                                                                     apply_chat_template=True))
+    finally:
+        fleet.close()
+
+
+def drive(engine, encoder, agent):
+    """Run `agent(endpoint)` against a started endpoint; the endpoint after it closed."""
+    async def run():
+        endpoint = AgentEndpoint(engine, encoder, {"temperature": 1.0})
+        await endpoint.start()
+        try:
+            result = await agent(endpoint)
+        finally:
+            await endpoint.close()
+        return endpoint, result
+    return run_coroutine(run())
+
+
+def test_an_openai_agent_episode_trains_on_the_engines_own_tokens(served):
+    model_dir, engine, encoder = served
+
+    async def agent(endpoint):
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url("e1"), api_key="-", max_retries=0)
+        messages = [{"role": "user", "content": "2+2="}]
+        replies = []
+        for turn in range(3):
+            r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8, seed=11 + turn)
+            replies.append(r)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "tool" if turn == 0 else "user", "content": f"<{turn}>"}]
+        await client.close()
+        calls = [list(c.reply.token_ids) for c in endpoint.episodes["e1"].branches[0]]
+        return messages[:-1], replies, calls
+
+    endpoint, (conversation, replies, calls) = drive(engine, encoder, agent)
+    ((prompt_ids, sample),) = endpoint.take_episode("e1", PROBLEM)
+    assert [r.usage.completion_tokens for r in replies] == [len(c) for c in calls]
+    assert sample.turns == 3 and len(sample.env_spans) == 2 and sample.prompt_id == "p"
+    # the model's tokens are the engine's replies, in order, with the agent's messages between
+    mask = sample.env_mask()
+    assert [t for t, keep in zip(sample.token_ids, mask) if keep] == [t for c in calls for t in c]
+    # the whole stream is the chat template's rendering of the conversation (up to the last reply)
+    tok = encoder.tokenizer
+    rendered = tok.apply_chat_template(conversation, tokenize=False)
+    assert rendered == tok.decode(prompt_ids + sample.token_ids, skip_special_tokens=True) + "<|im_end|>\n"
+    # transformers' log-probs of the sample as one sequence equal the engine's at every model token
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids + sample.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    ref = logp[len(prompt_ids) - 1:].gather(1, ids[0, len(prompt_ids):, None])[:, 0]
+    diffs = [abs(float(ref[t]) - sample.logprobs[t]) for t, keep in enumerate(mask) if keep]
+    assert len(diffs) == sum(map(len, calls)) and max(diffs) < 1e-4, max(diffs)
+    assert all(lp == 0.0 for lp, keep in zip(sample.logprobs, mask) if not keep)
+    assert {s["version"] for s in sample.weight_versions} == {"3"}
+
+
+def test_a_rewritten_history_begins_a_branch_and_text_completions_continue_theirs(served):
+    _, engine, encoder = served
+
+    async def agent(endpoint):
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url("e2"), api_key="-", max_retries=0)
+        first = await client.completions.create(model="policy", prompt="Q: 1+1=", max_tokens=5, seed=1)
+        again = await client.completions.create(model="policy", prompt="Q: 1+1=" + first.choices[0].text + " ok?",
+                                                max_tokens=5, seed=2)
+        other = await client.completions.create(model="policy", prompt="Q: 2+2=", max_tokens=5, seed=3)
+        models = await client.models.list()
+        with pytest.raises(openai.BadRequestError, match="one choice per call"):
+            await client.completions.create(model="policy", prompt="x", max_tokens=2, n=2)
+        await client.close()
+        return first, again, other, [m.id for m in models.data]
+
+    endpoint, (first, again, other, models) = drive(engine, encoder, agent)
+    assert models == ["policy"]
+    (p1, s1), (p2, s2) = endpoint.take_episode("e2", PROBLEM)
+    assert encoder.tokenizer.decode(p1) == "Q: 1+1=" and encoder.tokenizer.decode(p2) == "Q: 2+2="
+    n = again.usage.completion_tokens
+    assert s1.turns == 2 and s1.env_spans == [[len(s1.token_ids) - n - len(" ok?"), len(s1.token_ids) - n]]
+    assert s1.response_text == first.choices[0].text + " ok?" + again.choices[0].text
+    assert s2.turns == 1 and s2.response_text == other.choices[0].text
+    assert endpoint.take_episode("e2", PROBLEM) == []  # taken once
