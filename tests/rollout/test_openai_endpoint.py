@@ -19,7 +19,6 @@ from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.models.tiny import build_tiny_model_dir
 from dapo_mega.rollout.openai_endpoint import AgentEndpoint
 
-
 PROBLEM = Problem(id="p", prompt="2+2=", ground_truth="4", data_source="t")
 
 
