@@ -495,6 +495,14 @@ class RolloutConfig:
     environment_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment's constructor (verl's tool config `config:`), e.g.
     `+rollout.environment_kwargs.timeout_s=10` for the python tool."""
+    agent: str = ""
+    """Agent rollouts (dapo_mega/environments/agent.py): a class path whose `async run(problem,
+    base_url)` runs one episode with an OpenAI-style client against the OpenAI-compatible
+    endpoint at base_url (rollout/openai_endpoint.py), made with rollout.agent_kwargs; each
+    sample is its episode's calls as the engine gave them. Empty: the trainer's own requests.
+    Not with rollout.environment."""
+    agent_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the agent's constructor."""
     tool_message: str = "text"
     """With an environment: how its answer goes into the context. text: as the environment
     wrote it (ReTool's `<interpreter>` block inside the assistant's turn); chat: as the
@@ -1217,6 +1225,12 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
         raise err("rollout.tool_message", "is chat, but data.apply_chat_template is false: the prompt has no chat "
                   "turns for the tool's answer to continue", "set data.apply_chat_template=true, or "
                   "rollout.tool_message=text")
+    if cfg.rollout.agent and cfg.rollout.environment:
+        raise err("rollout.agent", f"is {cfg.rollout.agent!r} with rollout.environment={cfg.rollout.environment!r}: an "
+                  "agent runs its own loop (its tools included)", "set one of them")
+    if cfg.rollout.agent_kwargs and not cfg.rollout.agent:
+        raise err("rollout.agent_kwargs", f"{sorted(cfg.rollout.agent_kwargs)} given, but rollout.agent is empty",
+                  "set rollout.agent, or drop the keyword arguments")
     if cfg.data.synthetic_task == "sum_tool" and not cfg.data.train_path and cfg.rollout.environment != "python":
         raise err("data.synthetic_task", "is sum_tool: its warm start teaches the model to call the python tool, but "
                   f"rollout.environment={cfg.rollout.environment!r} runs none", "set rollout.environment=python, "

@@ -164,9 +164,13 @@ def check_verifier(algo_cfg: AlgoConfig, data_cfg: DataConfig) -> None:
 
 def check_environment(cfg: DapoConfig) -> None:
     """`rollout.environment` (multi-turn samples) loads, takes rollout.environment_kwargs and
-    has stop strings (environments.base.build_environment: ConfigError naming the field)."""
+    has stop strings (environments.base.build_environment: ConfigError naming the field), and
+    so does `rollout.agent` with its kwargs."""
     from dapo_mega.config import partial_rollout_enabled
+    from dapo_mega.environments.agent import build_agent
     from dapo_mega.environments.base import build_environment
+
+    build_agent(cfg.rollout.agent, cfg.rollout.agent_kwargs)  # rollout.agent loads and takes its kwargs
 
     env = build_environment(cfg.rollout.environment, cfg.rollout.environment_kwargs)
     if env is not None and not getattr(env, "resumable", True) and partial_rollout_enabled(cfg):

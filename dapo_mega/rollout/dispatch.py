@@ -45,6 +45,7 @@ import aiohttp
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, SampleResult
 from dapo_mega.rollout.liveness import Hung, Pulse, Watchdog
+from dapo_mega.rollout.openai_endpoint import AgentEndpoint, agent_sampling
 from dapo_mega.rollout.outcome import RolloutError, RoundOutcome
 from dapo_mega.rollout.partial import (
     PartialGroup,
@@ -106,6 +107,7 @@ class Round:
         self.generating = {url: 0 for url in self.live}  # this round's /generate requests in flight
         self.tools: Optional[ThreadPoolExecutor] = None  # the environment's synchronous steps run here
         self.tool_gate: Optional[asyncio.Semaphore] = None
+        self.agent_endpoints: Dict[str, AgentEndpoint] = {}  # per engine url, with rollout.agent
         self.ready: Deque[object] = deque()  # handed out, not read yet; _END last
         self.reading = True  # the reader is inside `async with`: unread chunks hold new requests back
 
@@ -176,11 +178,19 @@ class Round:
         if self.s.environment is not None:
             self.tools = ThreadPoolExecutor(self.s.tool_slots, thread_name_prefix="dapo-mega-tool")
             self.tool_gate = asyncio.Semaphore(self.s.tool_slots)  # an async step's bound
+        if self.s.agent is not None:  # the agents' OpenAI-compatible endpoint on each engine
+            for url in self.live:
+                endpoint = AgentEndpoint(self.book.endpoints[url], self.encoding, agent_sampling(self.s.sampling_params),
+                                         max_connections=self.s.requests_at_once())
+                await endpoint.start()
+                self.agent_endpoints[url] = endpoint
         try:
             await self._dispatch_chunks()
         finally:
             if self.tools is not None:  # steps a failed round left running finish on their own
                 self.tools.shutdown(wait=False, cancel_futures=True)
+            for endpoint in self.agent_endpoints.values():
+                await endpoint.close()
 
     async def _dispatch_chunks(self) -> None:
         self.queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first

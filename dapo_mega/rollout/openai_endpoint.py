@@ -38,13 +38,13 @@ from dapo_mega.engines.sglang.client import EngineClient, SampleResult
 from dapo_mega.environments.base import StepResult
 from dapo_mega.rollout.partial import extend_sample
 from dapo_mega.rollout.samples import ScoredSample, scored_sample
-from dapo_mega.rollout.turns import add_observation
+from dapo_mega.rollout.turns import SEED_STRIDE, add_observation
 
 if TYPE_CHECKING:
     from dapo_mega.data import PromptEncoder
     from dapo_mega.engines.sglang.endpoint import EngineAddress
 
-__all__ = ["AgentEndpoint", "Call", "Episode"]
+__all__ = ["AgentEndpoint", "Call", "Episode", "agent_sampling"]
 
 DEFAULT_MAX_TOKENS = 1024
 """A call's max_tokens when the agent gives none."""
@@ -69,6 +69,13 @@ class Episode:
     """An agent's calls, as branches of one token stream each."""
 
     branches: List[List[Call]] = field(default_factory=list)
+    seed: Optional[int] = None
+    """Seeds the calls that bring none of their own: call k samples with seed + k x SEED_STRIDE
+    (the sample's `seed` in the ledger)."""
+
+    @property
+    def calls(self) -> int:
+        return sum(len(b) for b in self.branches)
 
     def prompt_ids(self, text: str, encoder: "PromptEncoder") -> Tuple[List[int], int, Optional[List[Call]]]:
         """(prompt ids of a call whose prompt renders as `text`, how many of them are new
@@ -88,9 +95,10 @@ class AgentEndpoint:
     params (an agent's own temperature, top_p, max_tokens and stop win)."""
 
     def __init__(self, engine: "EngineAddress", encoder: "PromptEncoder", sampling: Optional[Dict[str, Any]] = None,
-                 model_name: str = "policy", host: str = "127.0.0.1", port: int = 0):
+                 model_name: str = "policy", host: str = "127.0.0.1", port: int = 0, max_connections: int = 100):
         self.engine, self.encoder, self.sampling = engine, encoder, dict(sampling or {})
         self.model_name, self.host, self.port = model_name, host, port
+        self.max_connections = max_connections
         self.episodes: Dict[str, Episode] = {}
         self.client: Optional[EngineClient] = None
         self.runner: Optional[web.AppRunner] = None
@@ -101,7 +109,7 @@ class AgentEndpoint:
         app.router.add_post("/v1/episodes/{episode}/chat/completions", self.chat_completions)
         app.router.add_post("/v1/episodes/{episode}/completions", self.completions)
         app.router.add_get("/v1/episodes/{episode}/models", self.models)
-        self.client = EngineClient(self.engine)
+        self.client = EngineClient(self.engine, self.max_connections)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, self.port)
@@ -113,6 +121,11 @@ class AgentEndpoint:
             await self.runner.cleanup()
         if self.client is not None:
             await self.client.close()
+
+    def open_episode(self, episode: str, seed: Optional[int] = None) -> str:
+        """Name `episode` (its calls seeded from `seed`); its base URL."""
+        self.episodes[episode] = Episode(seed=seed)
+        return self.base_url(episode)
 
     def base_url(self, episode: str) -> str:
         """What an OpenAI client takes as `base_url` for `episode`."""
@@ -163,9 +176,12 @@ class AgentEndpoint:
             return _error("n: one choice per call (each call is a step of its episode)")
         episode = self.episodes.setdefault(episode_id, Episode())
         prompt_ids, added, branch = episode.prompt_ids(text, self.encoder)
+        params = self._params(body)
+        if "sampling_seed" not in params and episode.seed is not None:
+            params["sampling_seed"] = (episode.seed + episode.calls * SEED_STRIDE) % (1 << 62)
         t0 = time.monotonic()
         assert self.client is not None, "start() first"
-        (reply,) = await self.client.generate([prompt_ids], self._params(body), return_logprob=True)
+        (reply,) = await self.client.generate([prompt_ids], params, return_logprob=True)
         through = text + reply.text
         ends = [through]
         last = reply.token_ids[-1] if reply.token_ids else None
@@ -199,7 +215,7 @@ class AgentEndpoint:
         out = []
         for branch in episode.branches:
             first = branch[0]
-            sample = scored_sample(replace(first.reply, sample_index=sample_index), problem, None, url, 0.0,
+            sample = scored_sample(replace(first.reply, sample_index=sample_index), problem, episode.seed, url, 0.0,
                                    first.latency_s, 0)
             for call in branch[1:]:
                 new = call.prompt_ids[len(call.prompt_ids) - call.added:]
@@ -208,6 +224,12 @@ class AgentEndpoint:
                 sample = replace(extend_sample(sample, call.reply, url, call.latency_s), turns=sample.turns + 1)
             out.append((list(first.prompt_ids), sample))
         return out
+
+
+def agent_sampling(params: Dict[str, Any]) -> Dict[str, Any]:
+    """A round's sampling params as an agent call's defaults: the temperature, top_p, top_k and
+    the response budget (a call's own max_tokens within it); n and stop are the call's."""
+    return {k: v for k, v in params.items() if k in ("temperature", "top_p", "top_k", "max_new_tokens")}
 
 
 def _error(message: str, status: int = 400) -> web.Response:

@@ -16,10 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from dapo_mega.engines.sglang.client import EngineClient, PromptInput, RequestSamplingParams, SampleResult
-from dapo_mega.rollout.partial import GroupOrigin, PartialGroup, ResumeRequest, per_prompt, reply_groups, resume_request
+from dapo_mega.rollout.partial import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GroupOrigin,
+    PartialGroup,
+    ResumeRequest,
+    per_prompt,
+    reply_groups,
+    resume_request,
+)
+from dapo_mega.rollout.samples import Group, ScoredSample
 from dapo_mega.rollout.turns import Episodes, TurnState
 
 if TYPE_CHECKING:
@@ -37,6 +47,8 @@ class ChunkRequest:
     async def run(self) -> Tuple[List[PartialGroup], List[SampleResult]]:
         """(the chunk's groups, each with its samples still open; the last request's replies)."""
         rnd, idx = self.rnd, self.idx
+        if self.s.agent is not None:
+            return await self._agents()
         inputs, params, resume, bases = self._inputs()
         t0 = time.monotonic()
         # a resumed chunk with no sample to generate (finished, or its tool pending) needs no request
@@ -94,6 +106,46 @@ class ChunkRequest:
             await all_or_none([asyncio.ensure_future(self._episode(episodes, st, latest)) for st in episodes.pending()])
         return episodes.partial_groups(), list(latest.values())
 
+    async def _agents(self) -> Tuple[List[PartialGroup], List[SampleResult]]:
+        """The chunk's samples as agent episodes (rollout.agent): `n_samples` runs of the agent
+        per prompt at once against the endpoint on this engine; each sample is its episode's last
+        branch (rollout/openai_endpoint.py), cut to the response budget. Every episode of a prompt
+        must begin with the same prompt ids (they are the group's)."""
+        rnd, n = self.rnd, self.s.n_samples
+        endpoint = rnd.agent_endpoints[self.url]
+        problems = [rnd.prompts[i] for i in self.idx]
+        names = {(k, j): f"{self.s.run_id}-{rnd.step}-{rnd.gen_round}-{self.c}-{k}-{j}-{rnd.attempts[self.c]}"
+                 for k in range(len(problems)) for j in range(n)}
+        seeds = [p.get("sampling_seed") for p in per_prompt(self.s.params_for(problems, rnd.step, rnd.gen_round),
+                                                           len(problems))]
+        t0 = time.monotonic()
+        try:  # episode j of a prompt seeded as the engine seeds sample j of a request: seed + j
+            await all_or_none([asyncio.ensure_future(self.s.agent.run(problems[k], endpoint.open_episode(
+                name, None if seeds[k] is None else int(seeds[k]) + j))) for (k, j), name in names.items()])
+        except Exception as exc:
+            for name in names.values():
+                endpoint.take_episode(name, None)
+            raise AgentFailed(f"rollout.agent {type(self.s.agent).__name__}.run raised {type(exc).__name__}: {exc} "
+                              f"(chunk {self.c} on {self.url})") from exc
+        budget = int(self.s.sampling_params.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+        groups = []
+        for k, problem in enumerate(problems):
+            branches = [endpoint.take_episode(names[k, j], problem, j) for j in range(n)]
+            if not all(branches):
+                raise AgentFailed(f"rollout.agent: an episode of prompt {problem.id} made no call")
+            prompts = {tuple(b[-1][0]) for b in branches}
+            if len(prompts) > 1:
+                raise AgentFailed(f"rollout.agent: the {n} episodes of prompt {problem.id} began with {len(prompts)} "
+                                  "different prompts; a group's samples share one (render the same first messages)")
+            samples = [replace(cut_to_budget(b[-1][1], budget), gen_round=rnd.gen_round, queue_delay_s=t0 - rnd.start,
+                               dataset_revision=b[-1][1].dataset_revision or self.s.dataset_revision)
+                       for b in branches]
+            self._progressed()
+            groups.append(PartialGroup(Group(prompt=problem, prompt_input=list(branches[0][-1][0]), samples=samples,
+                                             engine_id=self.url, queue_delay_s=t0 - rnd.start,
+                                             latency_s=time.monotonic() - t0, gen_round=rnd.gen_round), [], budget))
+        return groups, []
+
     def _halted(self) -> bool:
         """No new turn: the round stopped, or a reply of this chunk was aborted (the engine's own
         abort: the chunk goes again, what its other episodes would add is lost anyway)."""
@@ -135,3 +187,18 @@ async def all_or_none(tasks: List["asyncio.Task[None]"]) -> None:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+class AgentFailed(RuntimeError):
+    """An agent's `run` raised, or its episodes cannot be a group (a bug in the agent)."""
+
+
+def cut_to_budget(sample: ScoredSample, budget: int) -> ScoredSample:
+    """An agent's sample cut to the response budget (then truncated), its spans with it."""
+    if len(sample.token_ids) <= budget:
+        return sample
+    spans = [[a, min(b, budget)] for a, b in sample.env_spans if a < budget]
+    versions = [{**v, "end": min(int(v["end"]), budget)} for v in sample.weight_versions if int(v["start"]) < budget]
+    return replace(sample, token_ids=sample.token_ids[:budget], truncated=True, env_spans=spans,
+                   weight_versions=versions,
+                   logprobs=None if sample.logprobs is None else sample.logprobs[:budget])

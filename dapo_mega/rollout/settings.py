@@ -18,6 +18,7 @@ from dapo_mega.environments.sandbox import DEFAULT_MAX_CONCURRENT
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
     from dapo_mega.engines.sglang.client import RequestSamplingParams, SamplingParams
+    from dapo_mega.environments.agent import Agent
     from dapo_mega.environments.base import Environment
     from dapo_mega.rollout.samples import PromptItem
 
@@ -71,6 +72,9 @@ class RoundSettings:
     tool_message: str = "text"
     """With an environment: its answer as written (text) or as the chat template renders a tool
     message (chat: `PromptEncoder.tool_message`)."""
+    agent: Optional["Agent"] = None
+    """Agent rollouts (environments/agent.py): each sample is one `agent.run` against the
+    round's OpenAI-compatible endpoint on the chunk's engine (rollout/openai_endpoint.py)."""
     tool_slots: int = DEFAULT_TOOL_SLOTS
     """With an environment: threads of the round's executor its steps run in (`tool_slots`:
     the environment's max_concurrent)."""
@@ -100,7 +104,7 @@ class RoundSettings:
         """/generate requests a round may have on one engine at once: one per chunk in flight, or
         with an environment one per sample of those chunks (each episode sends its own turns);
         an engine client holds this many connections (aiohttp's 100 at least)."""
-        per_chunk = self.prompts_per_request * self.n_samples if self.environment is not None else 1
+        per_chunk = self.prompts_per_request * self.n_samples if self.environment or self.agent else 1
         return max(DEFAULT_CONNECTIONS, self.requests_per_engine * per_chunk)
 
     def reports_experts(self, chunk: int) -> bool:
@@ -119,6 +123,7 @@ class RoundSettings:
         chunking, liveness, the environment of multi-turn samples); `routed_experts_every`: training on a mixture whose engines report experts."""
         from dapo_mega.config import partial_rollout_enabled
         from dapo_mega.engines.sglang.client import build_sampling_params
+        from dapo_mega.environments.agent import build_agent
         from dapo_mega.environments.base import build_environment
 
         if purpose not in PURPOSES:
@@ -128,7 +133,8 @@ class RoundSettings:
                       requests_per_engine=r.requests_per_engine, liveness_timeout_s=r.liveness_timeout_s,
                       probe_interval_s=r.liveness_probe_interval_s, dataset_revision=dataset_revision,
                       environment=build_environment(r.environment, r.environment_kwargs), max_turns=r.max_turns,
-                      tool_message=r.tool_message, tool_slots=tool_slots(r.environment_kwargs))
+                      tool_message=r.tool_message, tool_slots=tool_slots(r.environment_kwargs),
+                      agent=build_agent(r.agent, r.agent_kwargs))
         if purpose == "eval":
             params = build_sampling_params(temperature=e.temperature, top_p=e.top_p, max_new_tokens=(
                 max_response_length or e.max_response_length or a.max_response_length))

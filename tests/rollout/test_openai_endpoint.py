@@ -113,3 +113,22 @@ def test_a_rewritten_history_begins_a_branch_and_text_completions_continue_their
     assert s1.response_text == first.choices[0].text + " ok?" + again.choices[0].text
     assert s2.turns == 1 and s2.response_text == other.choices[0].text
     assert endpoint.take_episode("e2", PROBLEM) == []  # taken once
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["rollout.agent=nope.mod:X"], "rollout.agent: 'nope.mod:X' cannot be loaded"),
+    (["rollout.agent=json:loads"], "rollout.agent: 'json:loads' is not an agent class"),
+    ([f"rollout.agent={__file__.replace('test_openai_endpoint.py', 'openai_agent.py')}:Continue",
+      "+rollout.agent_kwargs.turns=2"], "rollout.agent_kwargs: {'turns': 2} do not fit"),
+    (["rollout.agent=a.b:C", "rollout.environment=python"], "rollout.agent: is 'a.b:C' with rollout.environment"),
+    (["+rollout.agent_kwargs.calls=2"], "rollout.agent_kwargs: ['calls'] given, but rollout.agent is empty"),
+])
+def test_a_bad_agent_setting_is_refused_naming_it(overrides, named):
+    from dapo_mega.config import ConfigError, load_config, validate_config
+    from dapo_mega.plan.preflight import check_environment
+
+    with pytest.raises(ConfigError) as info:
+        cfg = load_config(overrides)
+        validate_config(cfg)
+        check_environment(cfg)
+    assert named in str(info.value), str(info.value)
