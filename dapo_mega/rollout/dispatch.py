@@ -51,7 +51,7 @@ from dapo_mega.rollout.partial import (
     PartialGroup,
     cut_chunks,
 )
-from dapo_mega.rollout.request import ChunkRequest
+from dapo_mega.rollout.request import AgentStopped, ChunkRequest
 from dapo_mega.rollout.samples import Group, PromptEncoding, PromptItem, scored_sample
 from dapo_mega.rollout.settings import RoundSettings
 
@@ -118,6 +118,8 @@ class Round:
         if self.stopping.is_set():
             return
         self.stopping.set()
+        for endpoint in self.agent_endpoints.values():  # agents' new calls are refused from here
+            endpoint.stop()
         self.pulse.notify()
         self.abort_tasks.append(asyncio.ensure_future(self._abort_until_idle()))
 
@@ -238,16 +240,21 @@ class Round:
         after it (tests/engines/test_conformance.py), and a request sent as the round stopped
         can. At most ABORT_TRIES times, ABORT_EVERY_S apart; what still runs then is noted."""
         for _ in range(ABORT_TRIES):
-            busy = [url for url, k in self.generating.items() if k > 0]
+            busy = [url for url in self.generating if self._running(url)]
             if not busy:
                 return
             await self.book.abort_all(busy, self.outcome.failures)
             again = time.monotonic() + ABORT_EVERY_S
-            while any(self.generating[url] for url in busy) and time.monotonic() < again:
+            while any(self._running(url) for url in busy) and time.monotonic() < again:
                 await self.pulse.wait(again - time.monotonic())
-        busy = {url: k for url, k in self.generating.items() if k > 0}
+        busy = {url: self._running(url) for url in self.generating if self._running(url)}
         if busy:
             self.outcome.failures.append(f"requests still running after {ABORT_TRIES} aborts: {busy}")
+
+    def _running(self, url: str) -> int:
+        """This round's /generate requests running on `url`: its own and its agents' calls."""
+        endpoint = self.agent_endpoints.get(url)
+        return self.generating[url] + (endpoint.in_flight if endpoint is not None else 0)
 
     def _conclude(self) -> RoundOutcome:
         out = self.outcome
@@ -343,6 +350,9 @@ class Round:
                     self._set_aside(c, groups, samples)
                     return True  # failed stays True: no longer open
                 raise _Retry(f"{url}: request aborted by the engine")
+        except AgentStopped:  # the round stopped under the chunk's agents: its prompts go back unsent
+            self._set_aside(c, [], [])
+            return True
         except Hung as exc:
             self._requeue(c, str(exc), False)
             return False

@@ -99,6 +99,9 @@ class AgentEndpoint:
         self.engine, self.encoder, self.sampling = engine, encoder, dict(sampling or {})
         self.model_name, self.host, self.port = model_name, host, port
         self.max_connections = max_connections
+        self.in_flight = 0
+        """Calls waiting for the engine now (what a round's aborts wait for)."""
+        self.stopped = False
         self.episodes: Dict[str, Episode] = {}
         self.client: Optional[EngineClient] = None
         self.runner: Optional[web.AppRunner] = None
@@ -121,6 +124,11 @@ class AgentEndpoint:
             await self.runner.cleanup()
         if self.client is not None:
             await self.client.close()
+
+    def stop(self) -> None:
+        """The round stopped: every new call is refused (503), those running end as the
+        round's aborts cut them (their finish_reason "length")."""
+        self.stopped = True
 
     def open_episode(self, episode: str, seed: Optional[int] = None) -> str:
         """Name `episode` (its calls seeded from `seed`); its base URL."""
@@ -174,6 +182,8 @@ class AgentEndpoint:
     async def _call(self, episode_id: str, text: str, body: Dict[str, Any]):
         if int(body.get("n", 1) or 1) != 1:
             return _error("n: one choice per call (each call is a step of its episode)")
+        if self.stopped:
+            return _error("the round stopped: no new call of this episode is taken", 503)
         episode = self.episodes.setdefault(episode_id, Episode())
         prompt_ids, added, branch = episode.prompt_ids(text, self.encoder)
         params = self._params(body)
@@ -181,7 +191,11 @@ class AgentEndpoint:
             params["sampling_seed"] = (episode.seed + episode.calls * SEED_STRIDE) % (1 << 62)
         t0 = time.monotonic()
         assert self.client is not None, "start() first"
-        (reply,) = await self.client.generate([prompt_ids], params, return_logprob=True)
+        self.in_flight += 1
+        try:
+            (reply,) = await self.client.generate([prompt_ids], params, return_logprob=True)
+        finally:
+            self.in_flight -= 1
         through = text + reply.text
         ends = [through]
         last = reply.token_ids[-1] if reply.token_ids else None

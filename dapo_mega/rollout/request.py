@@ -125,6 +125,8 @@ class ChunkRequest:
         except Exception as exc:
             for name in names.values():
                 endpoint.take_episode(name, None)
+            if rnd.stopping.is_set():  # its calls were refused, or cut, by the round's stop
+                raise AgentStopped(f"chunk {self.c}: the round stopped under its agents") from exc
             raise AgentFailed(f"rollout.agent {type(self.s.agent).__name__}.run raised {type(exc).__name__}: {exc} "
                               f"(chunk {self.c} on {self.url})") from exc
         budget = int(self.s.sampling_params.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
@@ -191,6 +193,11 @@ async def all_or_none(tasks: List["asyncio.Task[None]"]) -> None:
 
 class AgentFailed(RuntimeError):
     """An agent's `run` raised, or its episodes cannot be a group (a bug in the agent)."""
+
+
+class AgentStopped(Exception):
+    """A chunk's agents ended early because the round stopped (their calls refused or cut):
+    the chunk is set aside, its prompts unsent (agent episodes are not carried as partials)."""
 
 
 def cut_to_budget(sample: ScoredSample, budget: int) -> ScoredSample:

@@ -132,3 +132,54 @@ def test_a_bad_agent_setting_is_refused_naming_it(overrides, named):
         validate_config(cfg)
         check_environment(cfg)
     assert named in str(info.value), str(info.value)
+
+
+class Counted:
+    """An agent of text completions: problem t0's episodes make 2 calls, the others up to 200;
+    every call made is counted, and what ended each episode."""
+
+    calls: dict = {}
+    ended: list = []
+
+    async def run(self, problem, base_url):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0)
+        text = problem.prompt
+        try:
+            for _ in range(2 if problem.id == "t0" else 200):
+                reply = await client.completions.create(model="policy", prompt=text, max_tokens=4)
+                Counted.calls[problem.id] = Counted.calls.get(problem.id, 0) + 1
+                text += reply.choices[0].text + "\n"
+            Counted.ended.append("done")
+        except openai.APIStatusError as exc:
+            Counted.ended.append(exc.status_code)
+            raise
+        finally:
+            await client.close()
+
+
+def test_a_stop_refuses_the_agents_next_calls_and_their_prompts_go_back_unsent(served):
+    """The round stops once the first chunk is read: the agents of the chunk in flight get 503
+    on their next call (a call running then is aborted), the chunk is set aside and its prompts
+    are unsent with the one never sent; the round does not wait for the 200 calls."""
+    from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+
+    _, engine, encoder = served
+    Counted.calls.clear()
+    Counted.ended.clear()
+    settings = RoundSettings(n_samples=2, sampling_params={"max_new_tokens": 64, "temperature": 1.0},
+                             agent=Counted(), prompts_per_request=1, requests_per_engine=2)
+    manager = RolloutManager([engine], settings, encoder)
+    prompts = [Problem(id=f"t{i}", prompt=f"{i}+{i}=", ground_truth=str(2 * i), data_source="t") for i in range(3)]
+
+    async def run():
+        async with manager.round(prompts, 0) as rnd:
+            async for groups in rnd:
+                assert [g.prompt_id for g in groups] == ["t0"]
+                rnd.stop()
+        return rnd.outcome
+
+    out = run_coroutine(run())
+    assert out.stopped and list(out.groups) == [0] and sorted(p.id for p in out.unsent) == ["t1", "t2"]
+    assert Counted.calls["t0"] == 4 and 0 < Counted.calls.get("t1", 0) < 100, Counted.calls
+    assert Counted.ended.count(503) == 2 and "t2" not in Counted.calls, Counted.ended
+    assert out.partials == {}
