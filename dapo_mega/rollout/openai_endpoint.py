@@ -27,14 +27,16 @@ begins a new branch: an episode gives one sample per branch.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
+import aiohttp
 from aiohttp import web
 
-from dapo_mega.engines.sglang.client import EngineClient, SampleResult
+from dapo_mega.engines.sglang.client import EngineClient, EngineError, SampleResult
 from dapo_mega.environments.base import StepResult
 from dapo_mega.rollout.partial import extend_sample
 from dapo_mega.rollout.samples import ScoredSample, scored_sample
@@ -69,6 +71,9 @@ class Episode:
     """An agent's calls, as branches of one token stream each."""
 
     branches: List[List[Call]] = field(default_factory=list)
+    engine_error: Optional[BaseException] = None
+    """The engine's failure under one of its calls (answered 502): the round treats the chunk as
+    the engine's loss (retried elsewhere), not the agent's error."""
     seed: Optional[int] = None
     """Seeds the calls that bring none of their own: call k samples with seed + k x SEED_STRIDE
     (the sample's `seed` in the ledger)."""
@@ -194,6 +199,14 @@ class AgentEndpoint:
         self.in_flight += 1
         try:
             (reply,) = await self.client.generate([prompt_ids], params, return_logprob=True)
+        except EngineError as exc:
+            if exc.status < 500:  # the call itself was refused (its length, a bad parameter): the agent's to read
+                return _error(f"the engine refused the call: {exc}")
+            episode.engine_error = exc
+            return _error(f"the engine failed: {exc}", 502)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            episode.engine_error = exc
+            return _error(f"the engine failed: {type(exc).__name__}: {exc}", 502)
         finally:
             self.in_flight -= 1
         through = text + reply.text
@@ -220,6 +233,11 @@ class AgentEndpoint:
                           "total_tokens": len(call.prompt_ids) + len(call.reply.token_ids)}}
 
     # ---------------------------------------------------------------- the trained samples
+    def engine_error(self, episode_ids) -> Optional[BaseException]:
+        """The first engine failure under a call of these episodes, or None."""
+        errors = [self.episodes[e].engine_error for e in episode_ids if e in self.episodes]
+        return next((e for e in errors if e is not None), None)
+
     def take_episode(self, episode_id: str, problem: Any, sample_index: int = 0) -> List[Tuple[List[int], ScoredSample]]:
         """The episode's samples, one per branch: (its prompt ids, the sample: every reply's
         tokens and log-probs as the engine gave them, the agent's messages between them as

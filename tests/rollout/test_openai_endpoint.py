@@ -183,3 +183,28 @@ def test_a_stop_refuses_the_agents_next_calls_and_their_prompts_go_back_unsent(s
     assert Counted.calls["t0"] == 4 and 0 < Counted.calls.get("t1", 0) < 100, Counted.calls
     assert Counted.ended.count(503) == 2 and "t2" not in Counted.calls, Counted.ended
     assert out.partials == {}
+
+
+def test_an_engine_lost_under_an_agent_is_the_engines_loss_not_the_agents_error(served):
+    """The chunk's engine refuses connections: its agents' calls are answered 502, and the round
+    takes it as the engine's failure (marked dead, the chunk requeued: one engine, so it is left
+    unfinished), not as a bug in the agent."""
+    from dapo_mega.distributed import free_port
+    from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+
+    _, _, encoder = served
+    dead = f"http://127.0.0.1:{free_port()}"
+    Counted.ended.clear()
+    settings = RoundSettings(n_samples=2, sampling_params={"max_new_tokens": 16}, agent=Counted(),
+                             prompts_per_request=1, requests_per_engine=1, max_retries=0)
+    manager = RolloutManager([dead], settings, encoder)
+
+    async def run():
+        async with manager.round([PROBLEM], 0) as rnd:
+            async for _ in rnd:
+                pass
+        return rnd.outcome
+
+    out = run_coroutine(run())
+    assert out.groups == {} and manager.book.is_dead(dead), (out.failures, manager.book.dead())
+    assert Counted.ended == [502, 502] and not any("AgentFailed" in f for f in out.failures), out.failures
