@@ -15,6 +15,8 @@
     dapo-mega sandbox FILE [--wall-s S] [--cpu-s S] [--memory-mb M] [--output-bytes B] [--json]
                                            run FILE as the python tool would and print what the
                                            model would see (exit 0 unless the sandbox failed)
+    dapo-mega sandbox serve [--host H] [--port P] [--max-concurrent N] [limits]
+                                           the sandbox as a service (environments/sandbox_service.py)
 
 Overrides use Hydra syntax (`algo.lr=2e-6`, `+experiment=dapo_qwen2.5_32b`).
 """
@@ -42,6 +44,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command not in COMMANDS:
         print(f"dapo-mega: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if command == "sandbox" and rest[:1] == ["serve"]:
+        from dapo_mega.environments.sandbox_service import main as serve_main
+
+        return serve_main(rest[1:])
     if command == "sandbox":
         from dapo_mega.environments.sandbox import main as sandbox_main
 

@@ -53,15 +53,21 @@ class PythonTool(Environment):
     stop = [CODE_CLOSE]
 
     def __init__(self, limits: Optional[SandboxLimits] = None, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
-                 sandbox: Optional[Sandbox] = None, isolation: str = "none", **limit_fields: Any):
+                 sandbox: Optional[Sandbox] = None, isolation: str = "none", url: str = "", **limit_fields: Any):
         """`limit_fields`: SandboxLimits' fields by name (what rollout.environment_kwargs gives:
         wall_s, cpu_s, memory_mb, output_bytes, processes, file_bytes, open_files, threads).
-        `isolation`: the level required (ConfigError when this host gives less: `check_isolation`)."""
+        `isolation`: the level required (ConfigError when this host gives less: `check_isolation`).
+        `url`: run the code on the sandbox service there (`dapo-mega sandbox serve`), not here."""
         unknown = sorted(set(limit_fields) - {f.name for f in fields(SandboxLimits)})
         if unknown:
             raise TypeError(f"unknown keyword(s) {unknown}; the python tool takes max_concurrent, isolation and "
                             f"{[f.name for f in fields(SandboxLimits)]}")
         limits = replace(limits or SandboxLimits(), **limit_fields)
+        if url:  # the sandbox service on another node (sandbox_service.py): its isolation and limits hold there
+            from dapo_mega.environments.sandbox_service import RemoteSandbox
+
+            self.sandbox = RemoteSandbox(url, limits)
+            return
         self.sandbox = sandbox or Sandbox(limits, max_concurrent, isolation=isolation)
         check_limits(self.sandbox.limits, node_cpus())
         if self.sandbox.isolation != "none":  # asks the host once (probe_isolation is cached)
