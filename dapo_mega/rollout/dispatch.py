@@ -45,7 +45,7 @@ import aiohttp
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, SampleResult
 from dapo_mega.rollout.liveness import Hung, Pulse, Watchdog
-from dapo_mega.rollout.openai_endpoint import AgentEndpoint, agent_sampling
+from dapo_mega.rollout.openai_endpoint import AgentEndpoints
 from dapo_mega.rollout.outcome import RolloutError, RoundOutcome
 from dapo_mega.rollout.partial import (
     PartialGroup,
@@ -107,7 +107,7 @@ class Round:
         self.generating = {url: 0 for url in self.live}  # this round's /generate requests in flight
         self.tools: Optional[ThreadPoolExecutor] = None  # the environment's synchronous steps run here
         self.tool_gate: Optional[asyncio.Semaphore] = None
-        self.agent_endpoints: Dict[str, AgentEndpoint] = {}  # per engine url, with rollout.agent
+        self.agent_endpoints = AgentEndpoints()  # per engine url, with rollout.agent
         self.ready: Deque[object] = deque()  # handed out, not read yet; _END last
         self.reading = True  # the reader is inside `async with`: unread chunks hold new requests back
 
@@ -118,8 +118,7 @@ class Round:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        for endpoint in self.agent_endpoints.values():  # agents' new calls are refused from here
-            endpoint.stop()
+        self.agent_endpoints.stop()  # agents' new calls are refused from here
         self.pulse.notify()
         self.abort_tasks.append(asyncio.ensure_future(self._abort_until_idle()))
 
@@ -181,18 +180,13 @@ class Round:
             self.tools = ThreadPoolExecutor(self.s.tool_slots, thread_name_prefix="dapo-mega-tool")
             self.tool_gate = asyncio.Semaphore(self.s.tool_slots)  # an async step's bound
         if self.s.agent is not None:  # the agents' OpenAI-compatible endpoint on each engine
-            for url in self.live:
-                endpoint = AgentEndpoint(self.book.endpoints[url], self.encoding, agent_sampling(self.s.sampling_params),
-                                         max_connections=self.s.requests_at_once())
-                await endpoint.start()
-                self.agent_endpoints[url] = endpoint
+            await self.agent_endpoints.open({url: self.book.endpoints[url] for url in self.live}, self.encoding, self.s)
         try:
             await self._dispatch_chunks()
         finally:
             if self.tools is not None:  # steps a failed round left running finish on their own
                 self.tools.shutdown(wait=False, cancel_futures=True)
-            for endpoint in self.agent_endpoints.values():
-                await endpoint.close()
+            await self.agent_endpoints.close()
 
     async def _dispatch_chunks(self) -> None:
         self.queue: asyncio.PriorityQueue = asyncio.PriorityQueue()  # lowest chunk (a retry) first
@@ -253,8 +247,7 @@ class Round:
 
     def _running(self, url: str) -> int:
         """This round's /generate requests running on `url`: its own and its agents' calls."""
-        endpoint = self.agent_endpoints.get(url)
-        return self.generating[url] + (endpoint.in_flight if endpoint is not None else 0)
+        return self.generating[url] + self.agent_endpoints.in_flight(url)
 
     def _conclude(self) -> RoundOutcome:
         out = self.outcome

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from dapo_mega.data import PromptEncoder
     from dapo_mega.engines.sglang.endpoint import EngineAddress
 
-__all__ = ["AgentEndpoint", "Call", "Episode", "agent_sampling"]
+__all__ = ["AgentEndpoint", "AgentEndpoints", "Call", "Episode", "agent_sampling"]
 
 DEFAULT_MAX_TOKENS = 1024
 """A call's max_tokens when the agent gives none."""
@@ -256,6 +256,32 @@ class AgentEndpoint:
                 sample = replace(extend_sample(sample, call.reply, url, call.latency_s), turns=sample.turns + 1)
             out.append((list(first.prompt_ids), sample))
         return out
+
+
+class AgentEndpoints(Dict[str, AgentEndpoint]):
+    """A round's endpoints, one per engine url (rollout.agent): opened when the round starts,
+    stopped with it, closed when it ends."""
+
+    async def open(self, engines: Dict[str, "EngineAddress"], encoder: "PromptEncoder", settings: Any) -> None:
+        """An endpoint on each of `engines` with the round's `settings` (`RoundSettings`)."""
+        for url, engine in engines.items():
+            endpoint = AgentEndpoint(engine, encoder, agent_sampling(settings.sampling_params),
+                                     max_connections=settings.requests_at_once())
+            await endpoint.start()
+            self[url] = endpoint
+
+    def stop(self) -> None:
+        for endpoint in self.values():
+            endpoint.stop()
+
+    async def close(self) -> None:
+        for endpoint in self.values():
+            await endpoint.close()
+
+    def in_flight(self, url: str) -> int:
+        """The agents' calls running on `url`'s engine."""
+        endpoint = self.get(url)
+        return endpoint.in_flight if endpoint is not None else 0
 
 
 def agent_sampling(params: Dict[str, Any]) -> Dict[str, Any]:
