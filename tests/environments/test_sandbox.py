@@ -10,6 +10,7 @@ refusals: test_sandbox_isolation.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -109,16 +110,18 @@ def test_a_fork_bomb_is_bounded_and_leaves_no_process_behind():
     assert _leftovers("dapo-sandbox-") == []
 
 
-def test_no_connection_reaches_a_listener_on_loopback():
+@contextlib.contextmanager
+def loopback_listener(seconds: float):
+    """A listener on 127.0.0.1 accepting for `seconds`: yields (its port, the connections it
+    accepted); closed on exit."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
     server.settimeout(0.2)
-    port = server.getsockname()[1]
     accepted = []
 
     def accept():
-        end = time.monotonic() + LIMITS.wall_s + 2
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
             try:
                 accepted.append(server.accept())
@@ -129,11 +132,18 @@ def test_no_connection_reaches_a_listener_on_loopback():
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-            "s.sendall(b'exfiltrated')\nprint('connected')\n")
-    result = run_code(code, LIMITS)
-    thread.join()
-    server.close()
+    try:
+        yield server.getsockname()[1], accepted
+        thread.join()
+    finally:
+        server.close()
+
+
+def test_no_connection_reaches_a_listener_on_loopback():
+    with loopback_listener(LIMITS.wall_s + 2) as (port, accepted):
+        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                "s.sendall(b'exfiltrated')\nprint('connected')\n")
+        result = run_code(code, LIMITS)
     assert result.status == "error" and "connected" not in result.stdout, result
     assert accepted == []
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from test_sandbox import _leftovers
+from test_sandbox import _leftovers, loopback_listener
 
 from dapo_mega.environments.python_tool import PythonTool
 from dapo_mega.environments.sandbox_service import READY
@@ -57,39 +55,22 @@ def test_the_hostile_programs_are_contained_on_the_service(service, tmp_path):
     tool = PythonTool(url=url)
     secret = tmp_path / "run_state.json"
     secret.write_text("TOPSECRET-51")
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-    server.settimeout(0.2)
-    accepted = []
-
-    def accept():
-        end = time.monotonic() + 8
-        while time.monotonic() < end:
-            try:
-                accepted.append(server.accept())
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
     programs = {
         "secret file": f"print(open({str(secret)!r}).read())",
         "environment": "import os\nprint(os.environ.get('OPENAI_API_KEY'))",
-        "connect": f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)"
+        "connect": "import socket\nsocket.create_connection(('127.0.0.1', PORT), timeout=2)"
                    "\nprint('connected')",
         "fork bomb": "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
                      "        time.sleep(0.01)\n",
     }
-    for name, code in programs.items():
-        result = tool.step(f"<code>\n{code}\n</code>")
+    results = {}
+    with loopback_listener(8) as (port, accepted):
+        for name, code in programs.items():
+            results[name] = tool.step(f"<code>\n{code.replace('PORT', str(port))}\n</code>")
+    for name, result in results.items():
         assert "TOPSECRET" not in result.observation and SECRET_ENV not in result.observation, (name, result)
         assert "connected" not in result.observation, (name, result)
         assert result.tool_errors.get("sandbox_error") is None, (name, result)  # the service ran each
-    thread.join()
-    server.close()
     assert accepted == [] and secret.read_text() == "TOPSECRET-51"
     deadline = time.monotonic() + 5  # the fork bomb's processes, by their directory (test_sandbox.py)
     while _leftovers("dapo-sandbox-") and time.monotonic() < deadline:
