@@ -142,15 +142,18 @@ class PromptEncoder:
         """A chat (an agent's messages, rollout/openai_endpoint.py) as the chat template renders it
         for the assistant's next turn, `tools` shown."""
         with self._lock:
-            return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                      tokenize=False, add_generation_prompt=True)
+            return self._chat_text(messages, tools)
+
+    def _chat_text(self, messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Dict[str, Any]]]) -> str:
+        """The chat template's rendering for the assistant's next turn (the caller holds the lock)."""
+        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  tokenize=False, add_generation_prompt=True)
 
     def render(self, problem: Problem) -> str:
         """The prompt as text: the chat template's rendering, or the formatted prompt."""
         if not self.apply_chat_template:
             return format_prompt(problem, self.prompt_template)
-        return self.tokenizer.apply_chat_template(self.messages(problem), tools=self.tools or None, tokenize=False,
-                                                  add_generation_prompt=True)
+        return self._chat_text(self.messages(problem), self.tools)
 
     def encode(self, problem: Problem) -> List[int]:
         """Token ids of the problem's prompt (cached; thread-safe)."""

@@ -73,8 +73,6 @@ class RemoteSandbox:
     def __init__(self, url: str, limits: SandboxLimits, timeout_s: Optional[float] = None):
         self.url, self.limits = url.rstrip("/"), limits
         self.timeout_s = timeout_s or limits.wall_s + 30.0
-        self.isolation = "none"  # the service's own requirement holds there (its report says which)
-        self.max_concurrent = 0
 
     def run(self, code: str) -> SandboxResult:
         request = urllib.request.Request(self.url + "/run", data=json.dumps({"code": code}).encode(),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
@@ -191,10 +192,7 @@ class ToolEnvironment(Environment):
         outcomes = list(self.calls.map(self._run, calls))
         outputs = [self._cut(text) for text, _, _ in outcomes]
         rewards = [reward for _, _, reward in outcomes]
-        errors: Dict[str, int] = {}
-        for _, kind, _ in outcomes:
-            if kind:
-                errors[kind] = errors.get(kind, 0) + 1
+        errors = dict(Counter(kind for _, kind, _ in outcomes if kind))
         if self.format == "code":
             observation = "".join(f"\n<interpreter>\n{out}\n</interpreter>\n" for out in outputs)
         else:

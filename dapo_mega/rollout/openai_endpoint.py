@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import aiohttp
 from aiohttp import web
 
-from dapo_mega.engines.sglang.client import EngineClient, EngineError, SampleResult
+from dapo_mega.engines.sglang.client import DEFAULT_CONNECTIONS, EngineClient, EngineError, SampleResult
 from dapo_mega.environments.base import StepResult
 from dapo_mega.rollout.partial import extend_sample
 from dapo_mega.rollout.samples import ScoredSample, scored_sample
@@ -61,6 +61,8 @@ class Call:
     added: int
     """How many of prompt_ids the agent's new messages added (environment tokens); -1: the call
     began a branch (its prompt ids are the sample's prompt)."""
+    added_text: str
+    """The text of those tokens, as the rendering gave it."""
     through: Tuple[str, ...]
     """The texts a later call's rendering must begin with to continue this call's tokens."""
     latency_s: float
@@ -82,16 +84,18 @@ class Episode:
     def calls(self) -> int:
         return sum(len(b) for b in self.branches)
 
-    def prompt_ids(self, text: str, encoder: "PromptEncoder") -> Tuple[List[int], int, Optional[List[Call]]]:
+    def prompt_ids(self, text: str, encoder: "PromptEncoder") -> Tuple[List[int], int, str, Optional[List[Call]]]:
         """(prompt ids of a call whose prompt renders as `text`, how many of them are new
-        environment tokens, the branch it continues or None) (module docstring)."""
+        environment tokens (-1: a new branch) and their text, the branch it continues or None)
+        (module docstring)."""
         for branch in reversed(self.branches):
             last = branch[-1]
             for through in last.through:
                 if text.startswith(through):
                     added = encoder.encode_text(text[len(through):])
-                    return last.prompt_ids + list(last.reply.token_ids) + added, len(added), branch
-        return encoder.encode_text(text), -1, None
+                    return (last.prompt_ids + list(last.reply.token_ids) + added, len(added), text[len(through):],
+                            branch)
+        return encoder.encode_text(text), -1, "", None
 
 
 class AgentEndpoint:
@@ -100,7 +104,8 @@ class AgentEndpoint:
     params (an agent's own temperature, top_p, max_tokens and stop win)."""
 
     def __init__(self, engine: "EngineAddress", encoder: "PromptEncoder", sampling: Optional[Dict[str, Any]] = None,
-                 model_name: str = "policy", host: str = "127.0.0.1", port: int = 0, max_connections: int = 100):
+                 model_name: str = "policy", host: str = "127.0.0.1", port: int = 0,
+                 max_connections: int = DEFAULT_CONNECTIONS):
         self.engine, self.encoder, self.sampling = engine, encoder, dict(sampling or {})
         self.model_name, self.host, self.port = model_name, host, port
         self.max_connections = max_connections
@@ -190,7 +195,7 @@ class AgentEndpoint:
         if self.stopped:
             return _error("the round stopped: no new call of this episode is taken", 503)
         episode = self.episodes.setdefault(episode_id, Episode())
-        prompt_ids, added, branch = episode.prompt_ids(text, self.encoder)
+        prompt_ids, added, added_text, branch = episode.prompt_ids(text, self.encoder)
         params = self._params(body)
         if "sampling_seed" not in params and episode.seed is not None:
             params["sampling_seed"] = (episode.seed + episode.calls * SEED_STRIDE) % (1 << 62)
@@ -214,7 +219,7 @@ class AgentEndpoint:
         last = reply.token_ids[-1] if reply.token_ids else None
         if last is not None and last in self.encoder.tokenizer.all_special_ids:
             ends.insert(0, through + self.encoder.tokenizer.convert_ids_to_tokens(last))  # written by the template
-        call = Call(prompt_ids, reply, added, tuple(ends), time.monotonic() - t0)
+        call = Call(prompt_ids, reply, added, added_text, tuple(ends), time.monotonic() - t0)
         if branch is None:
             episode.branches.append([call])
         else:
@@ -238,6 +243,11 @@ class AgentEndpoint:
         errors = [self.episodes[e].engine_error for e in episode_ids if e in self.episodes]
         return next((e for e in errors if e is not None), None)
 
+    def forget(self, episode_ids) -> None:
+        """Drop these episodes unread (a chunk that failed or stopped)."""
+        for e in episode_ids:
+            self.episodes.pop(e, None)
+
     def take_episode(self, episode_id: str, problem: Any, sample_index: int = 0) -> List[Tuple[List[int], ScoredSample]]:
         """The episode's samples, one per branch: (its prompt ids, the sample: every reply's
         tokens and log-probs as the engine gave them, the agent's messages between them as
@@ -251,8 +261,8 @@ class AgentEndpoint:
                                    first.latency_s, 0)
             for call in branch[1:]:
                 new = call.prompt_ids[len(call.prompt_ids) - call.added:]
-                sample = add_observation(sample, StepResult(observation=self.encoder.tokenizer.decode(new),
-                                                            done=False), new, len(sample.token_ids) + len(new))
+                sample = add_observation(sample, StepResult(observation=call.added_text, done=False), new,
+                                         len(sample.token_ids) + len(new))
                 sample = replace(extend_sample(sample, call.reply, url, call.latency_s), turns=sample.turns + 1)
             out.append((list(first.prompt_ids), sample))
         return out

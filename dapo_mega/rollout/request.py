@@ -119,24 +119,21 @@ class ChunkRequest:
         seeds = [p.get("sampling_seed") for p in per_prompt(self.s.params_for(problems, rnd.step, rnd.gen_round),
                                                            len(problems))]
         t0 = time.monotonic()
+        failed: Optional[Exception] = None
         try:  # episode j of a prompt seeded as the engine seeds sample j of a request: seed + j
             await all_or_none([asyncio.ensure_future(self.s.agent.run(problems[k], endpoint.open_episode(
                 name, None if seeds[k] is None else int(seeds[k]) + j))) for (k, j), name in names.items()])
         except Exception as exc:
-            lost = endpoint.engine_error(names.values())
-            for name in names.values():
-                endpoint.take_episode(name, None)
-            if rnd.stopping.is_set():  # its calls were refused, or cut, by the round's stop
-                raise AgentStopped(f"chunk {self.c}: the round stopped under its agents") from exc
-            if lost is not None:  # the engine failed under a call: the round's to handle (retry elsewhere)
-                raise lost from exc
-            raise AgentFailed(f"rollout.agent {type(self.s.agent).__name__}.run raised {type(exc).__name__}: {exc} "
-                              f"(chunk {self.c} on {self.url})") from exc
-        lost = endpoint.engine_error(names.values())
-        if lost is not None:  # an agent that went on after its engine failed under it
-            for name in names.values():
-                endpoint.take_episode(name, None)
-            raise lost
+            failed = exc
+        lost = endpoint.engine_error(names.values())  # the engine failed under a call (the agent may have gone on)
+        if failed is not None or lost is not None:
+            endpoint.forget(names.values())
+            if failed is not None and rnd.stopping.is_set():  # its calls were refused, or cut, by the round's stop
+                raise AgentStopped(f"chunk {self.c}: the round stopped under its agents") from failed
+            if lost is not None:  # the round's to handle, as any engine failure (retried elsewhere)
+                raise lost from failed
+            raise AgentFailed(f"rollout.agent {type(self.s.agent).__name__}.run raised {type(failed).__name__}: "
+                              f"{failed} (chunk {self.c} on {self.url})") from failed
         budget = int(self.s.sampling_params.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
         groups = []
         for k, problem in enumerate(problems):
