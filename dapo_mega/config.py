@@ -38,7 +38,7 @@ OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop", "geo_m
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
 ToolMessage = Literal["text", "chat"]
-SyntheticTask = Literal["arithmetic", "chain", "sum", "sum_tool"]
+SyntheticTask = Literal["arithmetic", "chain", "sum", "sum_tool", "calc_tools"]
 RolloutBackend = Literal["embedded", "sglang"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 HFExportDtype = Literal["bfloat16", "float32", "float16"]
@@ -366,7 +366,8 @@ class DataConfig:
     one line per operation with the intermediate result, then `Answer:`; its length grows
     with the number of operands, so truncation and length shaping matter), or sum / sum_tool
     (long additions answered directly, or through the python tool: rollout.environment=python;
-    data/synthetic.py)."""
+    data/synthetic.py), or calc_tools (a*b+c*d through the calculator tools mul and add, two
+    calls at once in the hermes format: rollout.environment=tools)."""
 
     def validate(self) -> None:
         """This component's own rules (data files are checked by `preflight`)."""
@@ -1235,6 +1236,13 @@ def validate_config(cfg: DapoConfig, world_size: Optional[int] = None) -> None:
         raise err("data.synthetic_task", "is sum_tool: its warm start teaches the model to call the python tool, but "
                   f"rollout.environment={cfg.rollout.environment!r} runs none", "set rollout.environment=python, "
                   "or data.synthetic_task=sum (the same problems answered directly)")
+    if cfg.data.synthetic_task == "calc_tools" and not cfg.data.train_path and (
+            cfg.rollout.environment != "tools" or cfg.rollout.environment_kwargs.get("format", "hermes") != "hermes"):
+        raise err("data.synthetic_task", "is calc_tools: its warm start calls the calculator tools in the hermes format, "
+                  f"but rollout.environment={cfg.rollout.environment!r} with environment_kwargs "
+                  f"{dict(cfg.rollout.environment_kwargs)} does not run them", "set rollout.environment=tools and "
+                  "+rollout.environment_kwargs.tools=[dapo_mega.environments.calculator:Mul,"
+                  "dapo_mega.environments.calculator:Add]")
     if cfg.eval.overlap == "beside" and cfg.cluster.mode == "colocated":
         raise err("eval.overlap", "is beside with cluster.mode=colocated: the engines release their memory to "
                   "the learner while it trains, so an evaluation cannot run beside the next step",

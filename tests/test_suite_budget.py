@@ -18,9 +18,11 @@ from typing import Dict
 TESTS = Path(__file__).resolve().parent
 DURATIONS = TESTS / "durations.json"
 
-LANE_BUDGET_S = {"slurm": 1870.0, "sglang": 1540.0, "cpu": 3000.0}
+LANE_BUDGET_S = {"slurm": 1870.0, "sglang": 1700.0, "cpu": 3000.0}
 """Summed seconds per lane on the reference machine (2-core AMD EPYC, `-n 2`, 2026-12-07, after
-issues 46 and 49's cuts; docs/testing.md), with 5 % of head-room for the machine's noise."""
+issues 46 and 49's cuts; docs/testing.md), with 5 % of head-room for the machine's noise. The
+sglang lane's 160 s over its 1,540 are issue 47's done-when run (two tools trained on SGLang,
+tests/trainer/test_train_multi_turn.py, ~150 s), bought on credit: owed back under issue 49 item 8."""
 
 SLURM = re.compile(r"mark\.slurm|slurm_cluster")
 SGLANG = re.compile(r"mark\.sglang|sglang_python_or_skip")

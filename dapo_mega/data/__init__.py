@@ -19,6 +19,7 @@ from dapo_mega.data.problem import (
     compute_dataset_revision,
     format_prompt,
     reference_response,
+    reference_segments,
     run_dataset_revision,
     verification_prefix,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "make_chain_problem",
     "read_problems",
     "reference_response",
+    "reference_segments",
     "solve_chain",
     "token_ids_of",
     "verification_prefix",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 
 class DataError(ValueError):
@@ -63,6 +63,17 @@ def format_prompt(problem: Problem, template: str) -> str:
     if template == "dapo":
         return DAPO_PROMPT_TEMPLATE.format(problem=problem.prompt)
     raise ValueError(f"unknown prompt template {template!r}; use one of {PROMPT_TEMPLATES} (data.prompt_template)")
+
+
+MESSAGE_END = "<|message_end|>"
+"""Where a reference response's model ends its message inside the episode (a hermes tool call,
+answered after the model's EOS): the warm start writes the tokenizer's EOS there
+(`reference_segments`)."""
+
+
+def reference_segments(problem: Problem) -> List[str]:
+    """The reference response cut at each `MESSAGE_END`: the warm start joins the pieces with EOS."""
+    return reference_response(problem).split(MESSAGE_END)
 
 
 def reference_response(problem: Problem) -> str:

@@ -40,6 +40,21 @@ python tool and copies its output, in the exact text the tool's turn produces
     "<code>print(48213+97120)</code>\n<interpreter>\n145333\n</interpreter>\nAnswer: 145333"
 
 The two draw the same expressions for a seed, so their held-out sets are the same problems.
+
+The calc task (`calc_tools`, issue #47) needs two tools and calls made at once: `a*b+c*d`
+answered with the calculator tools `mul` and `add` (environments/calculator.py) in the hermes
+format. Its reference calls `mul` twice in one message, ends the message (EOS), reads both
+answers, calls `add` on them, reads that, and writes the answer line; with 2-digit operands:
+
+    prompt              "Q: 48*97+31*77\n"
+    reference_response  '<tool_call>\n{"name": "mul", "arguments": {"a": 48, "b": 97}}\n</tool_call>\n'
+                        '<tool_call>\n{"name": "mul", "arguments": {"a": 31, "b": 77}}\n</tool_call>'
+                        '<|message_end|>\n<tool_response>\n4656\n</tool_response>\n'
+                        '<tool_response>\n2387\n</tool_response>\n<tool_call>\n{"name": "add", ...'
+                        '... <|message_end|>\n<tool_response>\n7043\n</tool_response>\nAnswer: 7043'
+
+(`data.problem.MESSAGE_END` stands for the EOS; the tool responses are the tools environment's
+text framing, rollout.tool_message=text).
 """
 
 from __future__ import annotations
@@ -55,7 +70,11 @@ logger = log.get(__name__)
 SYNTHETIC_SOURCE = "synthetic_arithmetic"
 CHAIN_SOURCE = "synthetic_chain"
 SUM_SOURCE = "synthetic_sum"
-SYNTHETIC_TASKS = ("arithmetic", "chain", "sum", "sum_tool")
+CALC_SOURCE = "synthetic_calc"
+SYNTHETIC_TASKS = ("arithmetic", "chain", "sum", "sum_tool", "calc_tools")
+TASK_OPERATORS = {"calc_tools": "*+*"}
+"""The tasks whose expressions have one shape: their operators in order (data.synthetic_ops and
+data.synthetic_num_operands do not apply)."""
 ANSWER_PREFIX = "Answer:"
 
 
@@ -83,12 +102,12 @@ def _draw_operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
     return rng.randint(0, 9) if digits == 1 else rng.randint(10 ** (digits - 1), 10 ** digits - 1)
 
 
-def _enumerate_all(min_digits: int, max_digits: int, ops: str, num_operands: int) -> List[str]:
+def _enumerate_all(min_digits: int, max_digits: int, ops: str, num_operands: int, shape: str = "") -> List[str]:
     values = [v for d in range(min_digits, max_digits + 1)
               for v in (range(10) if d == 1 else range(10 ** (d - 1), 10 ** d))]
     expressions = [str(v) for v in values]
-    for _ in range(num_operands - 1):
-        expressions = [f"{e}{op}{v}" for e in expressions for op in ops for v in values]
+    for i in range(num_operands - 1):
+        expressions = [f"{e}{op}{v}" for e in expressions for op in (shape[i] if shape else ops) for v in values]
     return expressions
 
 
@@ -166,6 +185,29 @@ def make_sum_problem(expression: str, split: str, tool: bool) -> Problem:
                    messages=({"role": "user", "content": prompt},), reference_response=worked if tool else answer)
 
 
+def make_calc_problem(expression: str, split: str) -> Problem:
+    """The calc-task Problem of one expression a*b+c*d (module docstring)."""
+    import json
+
+    from dapo_mega.data.problem import MESSAGE_END
+    from dapo_mega.environments.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
+
+    (a, b, c, d), _ = _parse(expression)
+
+    def call(name: str, x: int, y: int) -> str:
+        return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': {'a': x, 'b': y}})}\n{CALL_CLOSE}"
+
+    def answers(*values: int) -> str:
+        return MESSAGE_END + "\n" + "\n".join(f"{RESPONSE_OPEN}\n{v}\n{RESPONSE_CLOSE}" for v in values) + "\n"
+
+    value = a * b + c * d
+    worked = (call("mul", a, b) + "\n" + call("mul", c, d) + answers(a * b, c * d) + call("add", a * b, c * d)
+              + answers(value) + f"{ANSWER_PREFIX} {value}")
+    prompt = f"Q: {expression}\n"
+    return Problem(id=f"calc-{split}-{expression}", prompt=prompt, ground_truth=str(value), data_source=CALC_SOURCE,
+                   messages=({"role": "user", "content": prompt},), reference_response=worked)
+
+
 def generate_synthetic_problems(
     num_train: int,
     num_eval: int,
@@ -194,8 +236,9 @@ def generate_synthetic_problems(
         raise DataError(f"synthetic task: num_operands must be >= 2, got {num_operands}")
     if task not in SYNTHETIC_TASKS:
         raise DataError(f"synthetic task: unknown task {task!r}; use one of {SYNTHETIC_TASKS} (data.synthetic_task)")
-    counts = list(range(2, num_operands + 1)) if task == "chain" else [num_operands]
-    space = sum(_operand_count(min_digits, max_digits) ** n * len(op_set) ** (n - 1) for n in counts)
+    shape = TASK_OPERATORS.get(task, "")
+    counts = list(range(2, num_operands + 1)) if task == "chain" else [len(shape) + 1] if shape else [num_operands]
+    space = sum(_operand_count(min_digits, max_digits) ** n * (1 if shape else len(op_set)) ** (n - 1) for n in counts)
     if num_eval > space:
         raise DataError(f"synthetic task: {num_eval} held-out problems requested but only {space} distinct "
                         "expressions exist; lower data.synthetic_num_eval or raise data.synthetic_max_digits")
@@ -207,7 +250,7 @@ def generate_synthetic_problems(
     rng = random.Random(seed)
     if space <= 2 * needed:
         # dense: enumerate and shuffle (rejection sampling would need ~space·log(space) draws)
-        expressions = [e for n in counts for e in _enumerate_all(min_digits, max_digits, op_set, n)]
+        expressions = [e for n in counts for e in _enumerate_all(min_digits, max_digits, op_set, n, shape)]
         rng.shuffle(expressions)
         chosen = expressions[:needed]
     else:
@@ -217,12 +260,14 @@ def generate_synthetic_problems(
         while len(chosen) < needed:
             n = rng.choice(counts) if len(counts) > 1 else counts[0]  # no extra draw: arithmetic sets stay as they were
             operands = [_draw_operand(rng, min_digits, max_digits) for _ in range(n)]
-            operators = [rng.choice(op_set) for _ in range(n - 1)]
+            operators = list(shape) or [rng.choice(op_set) for _ in range(n - 1)]
             expression = "".join(f"{v}{op}" for v, op in zip(operands, operators)) + str(operands[-1])
             if expression not in seen:
                 seen.add(expression)
                 chosen.append(expression)
     def make(expression: str, split: str) -> Problem:
+        if task == "calc_tools":
+            return make_calc_problem(expression, split)
         if task.startswith("sum"):
             return make_sum_problem(expression, split, tool=task == "sum_tool")
         return (make_chain_problem if task == "chain" else make_arithmetic_problem)(expression, split)

@@ -180,11 +180,12 @@ class DriverRole(LearnerRankRole):
 
     def sft_samples(self, batch_size: int) -> list:
         from dapo_mega.algo.train_sample import TrainSample
-        from dapo_mega.data import reference_response
+        from dapo_mega.data import reference_segments
 
         encoder = self.rollouts.encoder
+        eos = encoder.eos_token_id
         samples = [TrainSample(prompt_ids=encoder.encode(p),
-                               response_ids=encoder.encode_text(reference_response(p)) + [encoder.eos_token_id])
+                               response_ids=[t for seg in reference_segments(p) for t in encoder.encode_text(seg) + [eos]])
                    for p in self.sft_prompts.next_batch(batch_size)]
         return self.broadcast(samples)
 

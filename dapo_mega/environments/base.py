@@ -43,6 +43,9 @@ class StepResult:
     tool_outputs: List[str] = field(default_factory=list)
     """Each call's answer, when the turn made calls (tool_calls.py): with rollout.tool_message=chat
     each is one tool message as the chat template renders them; [] renders `observation` as one."""
+    calls: List[Dict[str, Any]] = field(default_factory=list)
+    """What the ledger keeps of each call of the turn (its `tool_log`): {"name", "arguments",
+    "output" (as the model reads it), "error" (its kind, "" when it ran)}."""
 
 
 class Environment:

@@ -86,7 +86,8 @@ class PythonTool(Environment):
             CODE_CLOSE) else f"\n{OUTPUT_OPEN}\n{text}\n{OUTPUT_CLOSE}\n"
         errors = {} if result.status == "ok" else {result.status: 1}
         return StepResult(observation=observation, done=False, tool_calls=1, tool_errors=errors,
-                          tool_time_s=result.wall_s)
+                          tool_time_s=result.wall_s, calls=[{"name": "python", "arguments": {"code": code}, "output": text,
+                                                             "error": "" if result.status == "ok" else result.status}])
 
     def report(self) -> Dict[str, Any]:
         return {"sandbox": self.sandbox.report()}

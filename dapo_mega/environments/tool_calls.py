@@ -197,8 +197,10 @@ class ToolEnvironment(Environment):
             observation = "".join(f"\n<interpreter>\n{out}\n</interpreter>\n" for out in outputs)
         else:
             observation = "\n" + "\n".join(f"{RESPONSE_OPEN}\n{out}\n{RESPONSE_CLOSE}" for out in outputs) + "\n"
+        log = [{"name": c.name, "arguments": None if c.error else c.arguments, "output": out, "error": kind}
+               for c, out, (_, kind, _) in zip(calls, outputs, outcomes)]
         return StepResult(observation=observation, done=False, tool_calls=len(calls), tool_errors=errors,
-                          tool_time_s=time.monotonic() - t0, tool_outputs=outputs,
+                          tool_time_s=time.monotonic() - t0, tool_outputs=outputs, calls=log,
                           reward_parts={"tools": sum(rewards)} if any(rewards) else {})
 
 

@@ -66,10 +66,13 @@ def build_char_tokenizer():
     )
 
 
-CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+CHATML_TEMPLATE = ("{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %} {{ tool['function']['name'] }}"
+                   "{% endfor %}</tools><|im_end|>\n{% endif %}"
+                   "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-"""Qwen2.5's and Qwen3's chat format (ChatML) without their system default and tool blocks: what
-`model.tiny_chat_template` gives the tiny tokenizer."""
+"""Qwen2.5's and Qwen3's chat format (ChatML) without their system default, and with the tools
+(`tools=`) named in one short system turn, where Qwen's list their JSON schemas between the same
+`<tools>` tags: what `model.tiny_chat_template` gives the tiny tokenizer."""
 
 TINY_ARCHITECTURES = get_args(TinyArchitecture)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,

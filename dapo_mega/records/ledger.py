@@ -25,7 +25,7 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, get_args
+from typing import Any, Dict, List, Optional, Sequence, Tuple, get_args
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -119,6 +119,10 @@ class LedgerRecord:
     tool_errors: str = ""
     """JSON object: the environment's errors by kind (timeout, memory, ...); "" when none."""
     tool_time_s: float = 0.0
+    tool_log: str = ""
+    """JSON [{"turn", "name", "arguments", "output", "error"}, ...]: every tool call of the episode,
+    the turn that made it, what the model read back and the error kind ("" when it ran); ""
+    when none. Its tokens are the env_spans of the response."""
 
     def __post_init__(self):
         # Rows of shards written before these columns existed read back as nulls: whole texts.
@@ -135,13 +139,14 @@ class LedgerRecord:
         self.env_tokens, self.tool_calls = self.env_tokens or 0, self.tool_calls or 0
         self.env_spans, self.tool_errors = self.env_spans or "", self.tool_errors or ""
         self.tool_time_s = self.tool_time_s or 0.0
+        self.tool_log = self.tool_log or ""
 
 
 _TYPES = {int: pa.int64(), float: pa.float64(), bool: pa.bool_(), str: pa.string(),
           "int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string(),
           "Optional[int]": pa.int64(), "Optional[str]": pa.string(), "Optional[bool]": pa.bool_()}
 SCHEMA = pa.schema([(f.name, _TYPES[f.type]) for f in fields(LedgerRecord)])
-TEXT_COLUMNS = ("response_text", "prompt_text")
+TEXT_COLUMNS = ("response_text", "prompt_text", "tool_log")
 
 
 def elision_marker(num_chars: int) -> str:
@@ -182,6 +187,15 @@ class LedgerText:
         tail = self.max_chars - head
         return text[:head] + elision_marker(len(text) - head - tail) + text[len(text) - tail:], True
 
+    def tool_log(self, calls: List[Dict[str, Any]]) -> str:
+        """The ledger's `tool_log` of an episode's calls: each output kept as a text is, the
+        arguments and outputs left out with mode none (the name, turn and error stay)."""
+        if not calls:
+            return ""
+        if self.mode == "none":
+            return json.dumps([{k: v for k, v in c.items() if k not in ("arguments", "output")} for c in calls])
+        return json.dumps([{**c, "output": self.keep(str(c.get("output", "")))[0]} for c in calls])
+
 
 FULL_TEXT = LedgerText()
 
@@ -212,7 +226,7 @@ def ledger_record(sample: ScoredSample, run_id: str, text: LedgerText = FULL_TEX
         routed_experts=sample.routed_experts if text.routed_experts else None, turns=sample.turns,
         env_tokens=sample.env_tokens, env_spans=json.dumps(sample.env_spans) if sample.env_spans else "",
         tool_calls=sample.tool_calls, tool_errors=json.dumps(sample.tool_errors) if sample.tool_errors else "",
-        tool_time_s=sample.tool_time_s)
+        tool_time_s=sample.tool_time_s, tool_log=text.tool_log(sample.tool_log))
 
 
 def ledger_dir(run_dir: os.PathLike) -> Path:

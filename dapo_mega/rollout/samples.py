@@ -113,6 +113,9 @@ class ScoredSample:
     tool_errors: Dict[str, int] = field(default_factory=dict)
     """The environment's errors by kind (the sandbox's statuses: timeout, memory, ...)."""
     tool_time_s: float = 0.0
+    tool_log: List[Dict[str, Any]] = field(default_factory=list)
+    """Every call of the episode, in order: the environment's record of it (`StepResult.calls`)
+    and the model's turn that made it (`turn`, from 1)."""
     env_reward: float = 0.0
     """The environment's reward parts, summed (added to the verifier's reward)."""
     turn_text_at: int = 0

@@ -105,6 +105,7 @@ def add_observation(sample: ScoredSample, result: StepResult, ids: List[int], bu
                    truncated=len(kept) < len(ids) or sample.truncated,
                    tool_calls=sample.tool_calls + result.tool_calls, tool_errors=errors,
                    tool_time_s=sample.tool_time_s + result.tool_time_s,
+                   tool_log=[*sample.tool_log, *({"turn": sample.turns, **c} for c in result.calls)],
                    env_reward=sample.env_reward + float(sum(result.reward_parts.values())), tool_pending=False)
 
 

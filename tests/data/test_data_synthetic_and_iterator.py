@@ -157,3 +157,32 @@ def test_the_sum_tasks_draw_the_same_problems_and_the_tool_reference_is_the_tool
     verifier = build_verifier("dapo")
     assert verifier.score(p.reference_response, p.ground_truth).correct
     assert verifier.score(eval_plain[0].reference_response, p.ground_truth).correct
+
+
+def test_the_calc_reference_is_the_tools_episode_and_its_answer_is_right():
+    """`calc_tools` (issue #47): a*b+c*d; the reference's messages, each ended where the model
+    writes its EOS (MESSAGE_END), are answered by the tools environment with the calculator
+    tools exactly as the reference reads on (two mul calls at once, then add), and the answer
+    line holds the value Python computes from the prompt."""
+    from dapo_mega.data.problem import MESSAGE_END
+    from dapo_mega.data.synthetic import generate_synthetic_problems
+    from dapo_mega.environments.calculator import TOOL_PATHS
+    from dapo_mega.environments.tool_calls import ToolEnvironment
+    from dapo_mega.reward import build_verifier
+
+    train, held_out = generate_synthetic_problems(30, 5, min_digits=2, max_digits=2, task="calc_tools", seed=5)
+    assert len(train) == 30 and not {p.prompt for p in train} & {p.prompt for p in held_out}
+    for p in held_out:
+        expression = p.prompt[3:-1]
+        assert p.ground_truth == str(eval(expression)) and expression.count("*") == 2  # noqa: S307 -- digits and ops
+        env = ToolEnvironment(list(TOOL_PATHS))
+        *turns, last = p.reference_response.split(MESSAGE_END)
+        text, calls = turns[0], []
+        for rest in [*turns[1:], last]:
+            step = env.step(text.rsplit("</tool_response>\n", 1)[-1])
+            assert not step.done and step.tool_errors == {} and rest.startswith(step.observation), (step, rest)
+            calls.append([c["name"] for c in step.calls])
+            text = rest
+        assert calls == [["mul", "mul"], ["add"]]
+        assert last.endswith(f"Answer: {p.ground_truth}") and env.step(last.split("</tool_response>\n")[-1]).done
+        assert build_verifier("dapo").score(p.reference_response.replace(MESSAGE_END, ""), p.ground_truth).correct

@@ -124,9 +124,10 @@ def records_by_step(run_dir: Path) -> dict:
 
 
 def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, first_row_step: int = 1,
-                         age_limit: Optional[int] = None) -> None:
+                         age_limit: Optional[int] = None, encoder: str = "template=raw;chat=off;tokenizer=") -> None:
     """What every mode must satisfy; versions and ages by the mode's staleness bound (the age
-    limit: cluster.max_sample_age, default the staleness)."""
+    limit: cluster.max_sample_age, default the staleness); `encoder`: how every row's encoder
+    fingerprint begins."""
     limit = max_staleness if age_limit is None else age_limit
     rows = [r for r in read_rows(run_dir) if r["step"] >= 1]
     assert [r["step"] for r in rows] == list(range(1, total_steps + 1))
@@ -143,7 +144,7 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
     assert len(revisions) == 1 and "" not in revisions, revisions
     # ... and what the model was given (one encoder), and who graded it (a derived version)
     encoders = {r.encoder for recs in by_step.values() for r in recs}
-    assert len(encoders) == 1 and next(iter(encoders)).startswith("template=raw;chat=off;tokenizer="), encoders
+    assert len(encoders) == 1 and next(iter(encoders)).startswith(encoder), encoders
     from dapo_mega.reward import build_verifier
 
     assert {r.verifier_version for recs in by_step.values() for r in recs} == {build_verifier("dapo").version}
@@ -181,11 +182,14 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
     # every weight of the model goes to the engine once per step, whatever the learner's TP
     from safetensors import safe_open
 
-    with safe_open(str(run_dir / "base_model" / "model.safetensors"), "pt") as f:
-        model_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    cfg = from_yaml((run_dir / "config.yaml").read_text())
+    model_dir = Path(cfg.model.hf_path) if cfg.model.hf_path else run_dir / "base_model"  # given, or the one built
+    model_bytes = 0
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            model_bytes += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
     assert all(row["sync/bytes"] == model_bytes for row in rows)
 
-    cfg = from_yaml((run_dir / "config.yaml").read_text())
     assert cfg.trainer.total_steps == total_steps and cfg.cluster.max_staleness == max_staleness
     if cfg.trainer.plot:
         assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
