@@ -38,6 +38,7 @@ OffPolicyCorrection = Literal["none", "tis", "mis", "geo_mask", "icepop", "geo_m
 PromptTemplate = Literal["dapo", "raw"]
 OnBadRow = Literal["error", "skip"]
 ToolMessage = Literal["text", "chat"]
+TurnReward = Literal["sum", "mean", "last", "max", "min"]
 SyntheticTask = Literal["arithmetic", "chain", "sum", "sum_tool", "calc_tools"]
 RolloutBackend = Literal["embedded", "sglang"]
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -515,6 +516,11 @@ class RolloutConfig:
     """With an environment: the model's turns per sample at most (ReTool, SimpleTIR: 5-16);
     the response-length budget (algo.max_response_length) bounds them too, the environment's
     tokens included."""
+    turn_reward: str = "sum"
+    """With an environment that rewards its answers (`StepResult.reward_parts`, a tool's reward):
+    how the rewards of an episode's answers fold into the one added to the verifier's: sum, mean
+    (over the answers, 0.0 for one without reward), last, max or min (rollout/turns.py
+    `fold_turn_rewards`)."""
     mask_offpolicy_in_partial_rollout: bool = False
     """slime's --mask-offpolicy-in-partial-rollout: a resumed sample's tokens sampled under a
     weight version older than its newest (the prefix carried from an earlier step) carry no
@@ -561,6 +567,7 @@ class RolloutConfig:
         if r.max_turns < 1:
             raise err("rollout.max_turns", f"must be >= 1, got {r.max_turns}", "use 8 (the model's turns per sample)")
         _check_choice("rollout.tool_message", r.tool_message, ToolMessage)
+        _check_choice("rollout.turn_reward", r.turn_reward, TurnReward)
         if r.environment_kwargs and not r.environment:
             raise err("rollout.environment_kwargs", f"{sorted(r.environment_kwargs)} given, but rollout.environment "
                       "is empty", "set rollout.environment=python (or your class), or drop the kwargs")

@@ -31,6 +31,7 @@ from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.manager import RolloutManager
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups
+from dapo_mega.rollout.turns import fold_turn_rewards
 
 if TYPE_CHECKING:
     from dapo_mega.config import DapoConfig
@@ -144,9 +145,11 @@ class RolloutSource:
         rewards = batch.items()
         out, k = [], 0
         for g in groups:
-            # a multi-turn sample's environment adds its reward parts (rollout/turns.py)
-            out.append([replace(r, reward=r.reward + s.env_reward, environment=s.env_reward) if s.env_reward else r
-                        for s, r in zip(g.samples, rewards[k:k + len(g.samples)])])
+            # a multi-turn sample's environment adds its turns' rewards, folded (rollout/turns.py)
+            env = [fold_turn_rewards(s.turn_rewards, self.cfg.rollout.turn_reward) if any(s.turn_rewards) else 0.0
+                   for s in g.samples]
+            out.append([replace(r, reward=r.reward + e, environment=e) if e else r
+                        for e, r in zip(env, rewards[k:k + len(g.samples)])])
             k += len(g.samples)
         return out
 

@@ -14,17 +14,11 @@ what it cost (tool calls, errors by kind, seconds), which the rollout counts per
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Type
 
 from dapo_mega.config import ConfigError
-
-CLASS_PATH = re.compile(r"^(?P<module>[A-Za-z_]\w*(\.[A-Za-z_]\w*)*|[^:]+\.py):(?P<name>[A-Za-z_]\w*)$")
+from dapo_mega.plugins import load_plugin_object
 
 
 @dataclass
@@ -94,33 +88,10 @@ class Environment:
 
 
 def load_class(path: str, field_name: str) -> Any:
-    """What `path` names (`package.module:Name` or `path/to/file.py:Name`): the one loader of
-    the user's plugins (environments, tools; reward plugins read the same forms). ConfigError
-    naming `field_name` when it cannot be loaded."""
-    match = CLASS_PATH.match(path or "")
-    if not match:
-        raise ConfigError(f"{field_name}: {path!r} is not a class path. Fix: package.module:Class or "
-                          "path/to/file.py:Class")
-    module_name, name = match["module"], match["name"]
-    try:
-        if module_name.endswith(".py"):
-            absolute = os.path.abspath(module_name)
-            spec = importlib.util.spec_from_file_location(f"_dapo_mega_env_{abs(hash(absolute))}", absolute)
-            if spec is None or not os.path.isfile(absolute):
-                raise FileNotFoundError(absolute)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
-            try:
-                spec.loader.exec_module(module)  # type: ignore[union-attr]
-            except BaseException:
-                sys.modules.pop(spec.name, None)
-                raise
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- the user's module failed; say which and how
-        raise ConfigError(f"{field_name}: {path!r} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}). "
-                          "Fix: make the module importable (its folder on PYTHONPATH, or a file path)") from None
-    return getattr(module, name, None)
+    """What `path` names (`package.module:Name` or `path/to/file.py:Name`), loaded by the one
+    loader of the user's plugins (`dapo_mega.plugins`); ConfigError naming `field_name` when it
+    cannot be loaded."""
+    return load_plugin_object(path, f"{field_name}:")
 
 
 def load_environment(path: str, field_name: str = "rollout.environment") -> Type[Environment]:

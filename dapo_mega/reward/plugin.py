@@ -27,40 +27,28 @@ docs/rewards.md is the user's page.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import os
-import re
-import sys
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from dapo_mega.config import ConfigError
+from dapo_mega.plugins import is_plugin_path, load_plugin_object, plugin_error
 from dapo_mega.reward.returns import MAX_EXTRACTED_CHARS, RewardResult, to_verify_result
 from dapo_mega.reward.types import VerifyResult, code_version
 
-PLUGIN_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
-FILE_PATH = re.compile(r"^(?P<file>[^:]+\.py)(:(?P<function>[A-Za-z_]\w*))?$")
 VERL_DEFAULT_FUNCTION = "compute_score"
 """The function a file path without `:function` names (verl's `custom_reward_function.name` default)."""
 SIGNATURE = "(response: str, ground_truth: str, metadata: dict) -> float | dict | dapo_mega.reward.RewardResult"
 SIGNATURES = (f"{SIGNATURE}, verl's (data_source, solution_str, ground_truth, extra_info=None) "
               "or slime's (args, sample)")
 FIELD = "algo.verifier"
+LABEL = f"{FIELD}: reward plugin"
 
 NATIVE, VERL, VERL_BATCH, SLIME = "dapo_mega", "verl", "verl_batch", "slime"
 """The calling conventions `calling_convention` tells apart."""
 
 __all__ = ["MAX_EXTRACTED_CHARS", "PluginVerifier", "RewardResult", "calling_convention", "is_plugin_path",
            "load_plugin", "problem_metadata", "to_verify_result"]
-
-
-def is_plugin_path(spec: str) -> bool:
-    """`spec` has the form `package.module:function`, `path/file.py` or `path/file.py:function`."""
-    return bool(PLUGIN_PATH.match(spec) or FILE_PATH.match(spec))
 
 
 def problem_metadata(problem: object) -> Dict[str, object]:
@@ -76,63 +64,19 @@ def problem_metadata(problem: object) -> Dict[str, object]:
 
 
 def _error(path: str, problem: str, fix: str) -> ConfigError:
-    return ConfigError(f"{FIELD}: reward plugin {path!r} {problem}. Fix: {fix}")
+    return plugin_error(LABEL, path, problem, fix)
 
 
 _LOADED: Dict[str, Tuple[Callable[..., object], str]] = {}
 
 
 def load_plugin(path: str) -> Tuple[Callable[..., object], str]:
-    """The function `path` names and its calling convention, imported and checked (cached per process)."""
+    """The function `path` names and its calling convention, imported (`plugins.load_plugin_object`;
+    a file path without `:function` names verl's `compute_score`) and checked (cached per process)."""
     if path not in _LOADED:
-        module, attr = _import_module(path)
-        fn = getattr(module, attr, None)
-        if fn is None:
-            raise _error(path, f"not found: module {module.__name__} has no attribute {attr!r}",
-                         "name a function the module defines")
+        fn = load_plugin_object(path, LABEL, default_name=VERL_DEFAULT_FUNCTION, what="function")
         _LOADED[path] = (fn, calling_convention(path, fn))
     return _LOADED[path]
-
-
-def _import_module(path: str) -> Tuple[ModuleType, str]:
-    file_match = FILE_PATH.match(path)
-    if file_match:
-        return _import_file(path, file_match["file"]), file_match["function"] or VERL_DEFAULT_FUNCTION
-    if not PLUGIN_PATH.match(path):
-        raise _error(path, "is not an import path", "write it as package.module:function or path/to/file.py:function")
-    module_name, attr = path.split(":")
-    try:
-        return importlib.import_module(module_name), attr
-    except ModuleNotFoundError as exc:
-        raise _error(path, f"cannot be imported ({exc})",
-                     "put the folder holding it on PYTHONPATH (e.g. PYTHONPATH=examples/rewards) "
-                     "or correct the module name") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed at import; say how
-        raise _error(path, f"raised {type(exc).__name__} on import: {str(exc)[:200]}",
-                     "make the module importable (python -c 'import " + module_name + "')") from None
-
-
-def _import_file(path: str, file: str) -> ModuleType:
-    """The module of a reward file (verl's `custom_reward_function.path`), under a name of its
-    own (so two files both called reward.py do not meet in sys.modules)."""
-    absolute = os.path.abspath(file)
-    if not os.path.isfile(absolute):
-        raise _error(path, f"names the file {absolute}, which does not exist",
-                     "give the reward file's path, absolute or relative to the directory the run starts in")
-    stem = re.sub(r"\W", "_", os.path.basename(absolute)[:-3])
-    name = f"_dapo_mega_reward_{stem}_{hashlib.sha256(absolute.encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, absolute)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as exc:  # noqa: BLE001 - the user's file failed at import; say how
-        del sys.modules[name]
-        raise _error(path, f"raised {type(exc).__name__} on import: {str(exc)[:200]}",
-                     f"make the file importable (python {absolute})") from None
-    return module
 
 
 def calling_convention(path: str, fn: object) -> str:

@@ -116,8 +116,11 @@ class ScoredSample:
     tool_log: List[Dict[str, Any]] = field(default_factory=list)
     """Every call of the episode, in order: the environment's record of it (`StepResult.calls`)
     and the model's turn that made it (`turn`, from 1)."""
-    env_reward: float = 0.0
-    """The environment's reward parts, summed (added to the verifier's reward)."""
+    turn_rewards: List[float] = field(default_factory=list)
+    """One per environment answer: the sum of its reward parts (0.0 where it gave none; not for an
+    answer that only ends the episode, with no call and no reward: a final answer). Folded
+    into one reward by rollout.turn_reward (`rollout.turns.fold_turn_rewards`) and added to the
+    verifier's when the sample is scored."""
     turn_text_at: int = 0
     """Where in response_text the model's latest turn begins (what the environment reads)."""
     tool_pending: bool = False

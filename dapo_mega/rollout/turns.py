@@ -33,8 +33,9 @@ when the partial rollout resumes, before the model's next turn) and those whose 
 but whose next turn was not sent. None is closed with its tool call unmade.
 
 What the tool cost travels with the sample (`tool_calls`, `tool_errors` by kind, `tool_time_s`)
-into the ledger and the step's metrics; the environment's reward parts (`env_reward`) are added
-to the verifier's reward when the sample is scored.
+into the ledger and the step's metrics. Each answer's reward parts, summed, are the turn's
+reward (`turn_rewards`); `fold_turn_rewards` folds them by rollout.turn_reward (sum, mean,
+last, max, min) into the environment's reward, added to the verifier's when the sample is scored.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def add_observation(sample: ScoredSample, result: StepResult, ids: List[int], bu
     for kind, k in result.tool_errors.items():
         errors[kind] = errors.get(kind, 0) + int(k)
     logprobs = None if sample.logprobs is None else list(sample.logprobs) + [0.0] * len(kept)
+    closing = result.done and not result.reward_parts and not result.tool_calls  # the answer that only ends it
     return replace(sample, token_ids=list(sample.token_ids) + kept, logprobs=logprobs,
                    env_spans=[*sample.env_spans, [start, start + len(kept)]] if kept else list(sample.env_spans),
                    response_text=sample.response_text + result.observation,
@@ -106,7 +108,29 @@ def add_observation(sample: ScoredSample, result: StepResult, ids: List[int], bu
                    tool_calls=sample.tool_calls + result.tool_calls, tool_errors=errors,
                    tool_time_s=sample.tool_time_s + result.tool_time_s,
                    tool_log=[*sample.tool_log, *({"turn": sample.turns, **c} for c in result.calls)],
-                   env_reward=sample.env_reward + float(sum(result.reward_parts.values())), tool_pending=False)
+                   turn_rewards=sample.turn_rewards if closing else [*sample.turn_rewards,
+                                                                     float(sum(result.reward_parts.values()))],
+                   tool_pending=False)
+
+
+TURN_REWARD_RULES = ("sum", "mean", "last", "max", "min")
+
+
+def fold_turn_rewards(rewards: Sequence[float], rule: str) -> float:
+    """The environment's reward of an episode from its turns' rewards (`ScoredSample.turn_rewards`)
+    by `rule` (rollout.turn_reward): their sum, mean, the last one, the largest or the smallest;
+    0.0 for an episode the environment never answered."""
+    if not rewards:
+        return 0.0
+    if rule == "sum":
+        return float(sum(rewards))
+    if rule == "mean":
+        return float(sum(rewards)) / len(rewards)
+    if rule == "last":
+        return float(rewards[-1])
+    if rule in ("max", "min"):
+        return float(max(rewards) if rule == "max" else min(rewards))
+    raise ValueError(f"rollout.turn_reward: {rule!r} is not one of {TURN_REWARD_RULES}")
 
 
 def turn_params(base: "SamplingParams", sample: ScoredSample, budget: int) -> "SamplingParams":

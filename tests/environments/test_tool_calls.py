@@ -254,7 +254,7 @@ def test_a_tool_in_verls_shape_runs_unchanged(tmp_path):
     result = env.step(call("check", answer="42") + "\n" + call("check", answer="41") + "\n" + call("check"))
     assert result.tool_outputs[:2] == ["check: correct", "check: wrong"] and result.reward_parts == {"tools": 1.0}
     assert result.tool_errors == {"invalid_arguments": 1}
-    released = sys.modules[[m for m in sys.modules if m.startswith("_dapo_mega_env_")][-1]].RELEASED
+    released = sys.modules[[m for m in sys.modules if m.startswith("_dapo_mega_plugin_")][-1]].RELEASED
     assert len(released) == 2  # each call made is created, executed and released, as verl's loop does
 
 

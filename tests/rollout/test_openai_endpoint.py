@@ -118,7 +118,7 @@ def test_a_rewritten_history_begins_a_branch_and_text_completions_continue_their
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (["rollout.agent=nope.mod:X"], "rollout.agent: 'nope.mod:X' cannot be loaded"),
+    (["rollout.agent=nope.mod:X"], "rollout.agent: 'nope.mod:X' cannot be imported"),
     (["rollout.agent=json:loads"], "rollout.agent: 'json:loads' is not an agent class"),
     ([f"rollout.agent={__file__.replace('test_openai_endpoint.py', 'openai_agent.py')}:Continue",
       "+rollout.agent_kwargs.turns=2"], "rollout.agent_kwargs: {'turns': 2} do not fit"),

@@ -126,7 +126,7 @@ def test_an_answer_that_does_not_fit_the_budget_is_cut_and_the_sample_truncated(
     s = add_observation(_sample([1, 2, 3], tool_errors={"timeout": 1}), result, [7, 8, 9, 10], budget=5)
     assert s.token_ids == [1, 2, 3, 7, 8] and s.env_spans == [[3, 5]] and s.truncated
     assert s.logprobs == [-1.0] * 3 + [0.0] * 2 and s.env_mask() == [1, 1, 1, 0, 0]
-    assert s.tool_errors == {"timeout": 2} and s.tool_time_s == 2.0 and s.env_reward == 0.5
+    assert s.tool_errors == {"timeout": 2} and s.tool_time_s == 2.0 and s.turn_rewards == [0.5]
     assert s.turn_text_at == len("xxx<out>")
     fits = add_observation(_sample([1, 2, 3]), result, [7, 8], budget=10)
     assert not fits.truncated and fits.env_spans == [[3, 5]]
@@ -235,7 +235,7 @@ def test_an_environment_that_raises_fails_the_round_naming_it():
 
 
 @pytest.mark.parametrize("overrides, field, named", [
-    (["rollout.environment=nope.mod:X"], "rollout.environment", "'nope.mod:X' cannot be loaded"),
+    (["rollout.environment=nope.mod:X"], "rollout.environment", "'nope.mod:X' cannot be imported"),
     (["rollout.environment=python", "+rollout.environment_kwargs.walls=3"], "rollout.environment_kwargs",
      "{'walls': 3} do not fit 'python'"),
     (["+rollout.environment_kwargs.wall_s=3"], "rollout.environment_kwargs", "['wall_s'] given"),
@@ -271,3 +271,22 @@ def test_in_chat_form_the_answer_is_framed_as_the_templates_tool_turn():
     assert turn.input == [40, 41, 1, 2, 97] + [ord(c) for c in framed]
     sample = episodes.sample(st)
     assert sample.env_spans == [[3, 3 + len(framed)]] and sample.response_text == "xya" + framed
+
+
+def test_the_turns_rewards_fold_by_the_rule_the_config_names():
+    """Each environment answer's reward parts, summed, are one turn's reward (0.0 for an answer
+    without reward; none for the answer that only ends the episode); rollout.turn_reward folds
+    them: by hand, for rewards 0.5, 0.0 (a plain answer) and -1 + 2 (two parts of one answer)."""
+    from dapo_mega.config import ConfigError, RolloutConfig
+    from dapo_mega.rollout.turns import fold_turn_rewards
+
+    s = _sample([1])
+    for parts, ids in (({"format": 0.5}, [2]), ({}, [3]), ({"a": -1.0, "b": 2.0}, [4])):
+        s = add_observation(s, StepResult(observation="o", done=False, reward_parts=parts), ids, budget=10)
+    ended = add_observation(s, StepResult(observation="", done=True), [], budget=10)  # the model's final answer
+    assert s.turn_rewards == ended.turn_rewards == [0.5, 0.0, 1.0]
+    expected = {"sum": 1.5, "mean": 0.5, "last": 1.0, "max": 1.0, "min": 0.0}
+    assert {rule: fold_turn_rewards(s.turn_rewards, rule) for rule in expected} == expected
+    assert fold_turn_rewards([], "mean") == 0.0
+    with pytest.raises(ConfigError, match="rollout.turn_reward"):
+        RolloutConfig(turn_reward="median").validate()

@@ -15,14 +15,18 @@ ENV = str(Path(__file__).resolve().parents[1] / "rollout" / "vowel_env.py") + ":
 
 def test_a_multi_turn_run_trains_and_records_its_turns(tmp_path):
     # the warm-started tiny model answers in digits: each digit ends a turn
+    # each answer rewards 0.25, folded by their mean (issue #47 item 3): 0.25 however many
     output = run_train(tmp_path, f"rollout.environment={ENV}", "rollout.max_turns=3",
                        "+rollout.environment_kwargs.done_after=2", "+rollout.environment_kwargs.stops=0123456789",
+                       "+rollout.environment_kwargs.reward=0.25", "rollout.turn_reward=mean",
                        "trainer.total_steps=2", "trainer.eval_interval=0")
     run_dir = tmp_path / RUN_NAME
     check_records_of_run(run_dir, total_steps=2, max_staleness=0)
     rows = [r for recs in records_by_step(run_dir).values() for r in recs]
     assert max(r.turns for r in rows) >= 2 and all(1 <= r.turns <= 3 for r in rows)
     assert all(r.tool_calls <= 2 and (r.env_tokens > 0) == (r.tool_calls > 0) for r in rows)
+    parts = [(r.tool_calls, json.loads(r.reward_components).get("environment", 0.0)) for r in rows]
+    assert all(env == (0.25 if calls else 0.0) for calls, env in parts) and (2, 0.25) in parts, parts
     steps = [r for r in read_rows(run_dir) if r.get("step", 0) >= 1 and "loss/pg" in r]
     assert len(steps) == 2 and all("rollout/turns_mean" in r and "rollout/env_token_share" in r for r in steps)
     assert max(r["rollout/turns_mean"] for r in steps) > 1.2, steps
