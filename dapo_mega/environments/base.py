@@ -15,7 +15,7 @@ what it cost (tool calls, errors by kind, seconds), which the rollout counts per
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Type
 
 from dapo_mega.config import ConfigError
 from dapo_mega.plugins import load_plugin_object
@@ -75,6 +75,11 @@ class Environment:
         """The OpenAI function schemas of the tools the prompt shows (the chat template's
         `tools=`); [] for none."""
         return []
+
+    def use_tokens(self, encode_text: Callable[[str], List[int]]) -> None:
+        """The rollout's tokenizer (`encode_text(text)` -> the ids the sample will hold), given
+        once before the first episode: an environment that bounds its answers in tokens keeps
+        it (tool_calls.py's max_output_tokens). Default: not needed."""
 
     def report(self) -> Dict[str, Any]:
         """What the environment got on this host (the python tool: its sandbox's isolation and

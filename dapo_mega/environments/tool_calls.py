@@ -21,7 +21,8 @@ An environment of tools (`rollout.environment=tools`):
 * `format=code`: ReTool's `<code>...</code>` text form, a call of the tool named `python` with
   `{"code": ...}`; the turn ends at `</code>`.
 * The calls of a turn run at once (at most `max_parallel_calls`); each answer, cut to
-  `max_output_chars`, goes back in the tool-response form of the format (hermes:
+  `max_output_chars` and to `max_output_tokens` of the rollout's tokenizer (null: no token
+  bound), goes back in the tool-response form of the format (hermes:
   `<tool_response>` blocks, or with rollout.tool_message=chat one tool message per call as
   the chat template renders them).
 * Arguments are checked against the tool's schema (`jsonschema`) before the tool runs: a
@@ -37,12 +38,12 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from dapo_mega.config import ConfigError
 from dapo_mega.environments.base import Environment, StepResult, load_class
 
-__all__ = ["FORMATS", "Tool", "ToolCall", "ToolEnvironment", "VerlTool", "parse_calls"]
+__all__ = ["FORMATS", "Tool", "ToolCall", "ToolEnvironment", "VerlTool", "cut_to_tokens", "parse_calls"]
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CODE_OPEN, CODE_CLOSE = "<code>", "</code>"
@@ -87,6 +88,22 @@ def parse_calls(text: str, fmt: str) -> List[ToolCall]:
     if fmt == "code":
         return [ToolCall("python", {"code": m.group(1).strip("\n")}) for m in _CODE.finditer(text)]
     raise ValueError(f"unknown tool-call format {fmt!r}; one of {FORMATS}")
+
+
+def cut_to_tokens(text: str, max_tokens: int, encode: Callable[[str], List[int]]) -> str:
+    """`text` whole when `encode` makes it at most `max_tokens` ids; else its longest prefix
+    that does, and a line naming how many tokens were cut (the line itself is not counted)."""
+    total = len(encode(text))
+    if total <= max_tokens:
+        return text
+    lo, hi = 0, len(text)  # bisection: lo always fits; nearly the longest (BPE counts almost never fall with length)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(encode(text[:mid])) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo] + f"\n... [{total - len(encode(text[:lo]))} tokens cut]"
 
 
 class Tool:
@@ -137,7 +154,7 @@ class ToolEnvironment(Environment):
     (module docstring). Stateless between turns: a resumed episode needs nothing carried."""
 
     def __init__(self, tools: Sequence[Any] = (), format: str = "hermes", max_parallel_calls: int = 8,
-                 max_output_chars: int = 4096):
+                 max_output_chars: int = 4096, max_output_tokens: Optional[int] = None):
         if format not in FORMATS:
             raise ConfigError(f"rollout.environment_kwargs.format: {format!r} is not one of {list(FORMATS)}")
         self.tools = {t.name: t for t in (x if isinstance(x, Tool) else _load_tool(x) for x in tools)}
@@ -149,6 +166,11 @@ class ToolEnvironment(Environment):
                               f"given ({sorted(self.tools)})")
         self.format, self.max_parallel_calls = format, max(1, int(max_parallel_calls))
         self.max_output_chars = max(1, int(max_output_chars))
+        if max_output_tokens is not None and int(max_output_tokens) < 1:
+            raise ConfigError(f"rollout.environment_kwargs.max_output_tokens: {max_output_tokens} must be >= 1, or "
+                              "null for no token bound")
+        self.max_output_tokens = None if max_output_tokens is None else int(max_output_tokens)
+        self._encode: Optional[Callable[[str], List[int]]] = None
         self.stop = [CODE_CLOSE] if format == "code" else []
         self.calls = ThreadPoolExecutor(self.max_parallel_calls, thread_name_prefix="dapo-mega-tool-call")
 
@@ -179,10 +201,18 @@ class ToolEnvironment(Environment):
         text, reward = out if isinstance(out, tuple) else (out, 0.0)
         return str(text), "", float(reward or 0.0)
 
+    def use_tokens(self, encode_text: Callable[[str], List[int]]) -> None:
+        self._encode = encode_text
+
     def _cut(self, text: str) -> str:
-        if len(text) <= self.max_output_chars:
+        if len(text) > self.max_output_chars:
+            text = text[:self.max_output_chars] + f"\n... [{len(text) - self.max_output_chars} characters cut]"
+        if self.max_output_tokens is None:
             return text
-        return text[:self.max_output_chars] + f"\n... [{len(text) - self.max_output_chars} characters cut]"
+        if self._encode is None:
+            raise RuntimeError("ToolEnvironment: max_output_tokens is set but no tokenizer was given (use_tokens); "
+                               "the rollout manager gives it before the first episode")
+        return cut_to_tokens(text, self.max_output_tokens, self._encode)
 
     def step(self, model_text: str) -> StepResult:
         calls = parse_calls(model_text, self.format)

@@ -92,6 +92,8 @@ class RolloutManager:
                 raise TypeError(f"the environment's tools are shown through the chat template: the encoding needs "
                                 f"show_tools (data.PromptEncoder); got {type(self.encoding).__name__}")
             show(schemas)
+        if settings.environment is not None:  # its answers may be bounded in the sample's tokens
+            settings.environment.use_tokens(self.encoding.encode_text)
         self._step = 0
         self.requests_by_engine: Dict[str, int] = {}
         """url -> requests completed there by `generate_groups` (an evaluation's engine line)."""

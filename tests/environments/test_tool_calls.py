@@ -327,3 +327,30 @@ def test_an_environment_that_cannot_resume_refuses_partial_rollouts(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout.partial_rollout: on, but .*resumable = False.*partial_rollout=false"):
         check_environment(load_config([env, "rollout.partial_rollout=true", "cluster.max_sample_age=1"]))
     check_environment(load_config([env, "rollout.partial_rollout=false"]))
+
+
+class Echo(Tool):
+    name = "echo"
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    def call(self, text):
+        return text
+
+
+def test_a_long_answer_is_cut_to_the_token_budget_by_the_rollouts_tokenizer(encoder):
+    """max_output_tokens counts the answer in the rollout's tokenizer (Qwen2.5's BPE here), which
+    the rollout manager gives the environment: the answer kept fits, a few characters more would
+    not, and the line after it names the tokens cut."""
+    from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+
+    env = ToolEnvironment([Echo()], max_output_tokens=20)
+    long = "The quick brown fox jumps over the lazy dog; " * 10
+    with pytest.raises(RuntimeError, match="no tokenizer was given"):
+        env.step(call("echo", text=long))
+    RolloutManager(["http://127.0.0.1:9"], RoundSettings(n_samples=1, sampling_params={}, environment=env), encoder)
+    (out,) = env.step(call("echo", text=long)).tool_outputs
+    kept, marker = out.split("\n... [")
+    tokens = encoder.encode_text
+    assert long.startswith(kept) and len(tokens(kept)) <= 20 < len(tokens(long[:len(kept) + 4])), kept
+    assert marker == f"{len(tokens(long)) - len(tokens(kept))} tokens cut]"
+    assert env.step(call("echo", text="short")).tool_outputs == ["short"]
