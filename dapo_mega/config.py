@@ -22,6 +22,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, get_args
 
@@ -41,6 +42,18 @@ ToolMessage = Literal["text", "chat"]
 TurnReward = Literal["sum", "mean", "last", "max", "min"]
 SyntheticTask = Literal["arithmetic", "chain", "sum", "sum_tool", "calc_tools"]
 RolloutBackend = Literal["embedded", "sglang"]
+
+
+class EngineKind(str, Enum):
+    """What serves the rollouts (rollout.backend): the embedded engine (this project's
+    SGLang-compatible server, CPU) or SGLang. The code compares the kind with these, never
+    with strings; a str, so the config's value is one."""
+
+    EMBEDDED = "embedded"
+    SGLANG = "sglang"
+
+
+assert {k.value for k in EngineKind} == set(get_args(RolloutBackend))
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 HFExportDtype = Literal["bfloat16", "float32", "float16"]
 Fp8Format = Literal["e4m3", "hybrid"]

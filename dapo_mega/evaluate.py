@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, TypedDict, Union
 
 from dapo_mega import log
-from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.config import ConfigError, DapoConfig, EngineKind
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.endpoint import EngineAddress
 from dapo_mega.run_files.checkpoints import write_text_atomic
@@ -181,7 +181,7 @@ def engine_identity(cfg: DapoConfig) -> str:
     `embedded dapo-mega <version>`."""
     from importlib.metadata import PackageNotFoundError, version
 
-    if cfg.rollout.backend == "sglang":
+    if cfg.rollout.backend == EngineKind.SGLANG:
         from dapo_mega.engines.sglang.api import SGLANG_VERSION_READ
 
         return f"sglang {SGLANG_VERSION_READ}"

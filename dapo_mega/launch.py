@@ -65,6 +65,7 @@ from dapo_mega import log as logs
 from dapo_mega.backends.placement import ClusterShape, engines_per_node, place
 from dapo_mega.config import (
     DapoConfig,
+    EngineKind,
     RolloutConfig,
     hydra_value,
     load_config,
@@ -261,7 +262,7 @@ def _use_gpu(cfg: DapoConfig) -> bool:
         return False
     if cfg.cluster.device == "cuda":
         return True
-    return cfg.rollout.backend == "sglang"
+    return cfg.rollout.backend == EngineKind.SGLANG
 
 
 def registry_dir(cfg: DapoConfig) -> Path:
@@ -393,7 +394,7 @@ def engine_rollout_config(cfg: DapoConfig, api_key: str) -> RolloutConfig:
 
 def router_wanted(cfg: DapoConfig, node_index: int) -> bool:
     """sglang-router runs on the first engine node, in front of SGLang engines only."""
-    return cfg.rollout.use_router and cfg.rollout.backend == "sglang" and node_index == 0
+    return cfg.rollout.use_router and cfg.rollout.backend == EngineKind.SGLANG and node_index == 0
 
 
 def engine_fleet(cfg: DapoConfig, rollout: RolloutConfig, model_path: str, bind_host: str, advertise: str = "",

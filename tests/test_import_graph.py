@@ -38,6 +38,7 @@ FLOORS: Dict[str, int] = {
     "dapo_mega.log": 0,
     "dapo_mega.aio": 0,
     "dapo_mega.node": 0,  # what a process reads of its machine (cores), settable by a twin
+    "dapo_mega.plugins": 0,  # the one loader of the user's code the config names (rewards, environments)
     "dapo_mega.environments": 0,  # what multi-turn samples talk to: the environment interface, the sandbox
     # 1: backends: Megatron (model, layout, train step, sharded state), the placement, and
     #    SGLang's wire (API tables, endpoint, HTTP client, command lines; nothing imports sglang).
@@ -347,3 +348,19 @@ def test_import_forms(source, expected):
     modules = set(all_modules()) | {"dapo_mega.algo._probe"}
     edges = imports_of("dapo_mega.algo._probe", "dapo_mega/algo/_probe.py", source, modules)
     assert [e.imported for e in edges] == expected
+
+
+def floors_line() -> str:
+    """FLOORS as docs/architecture.md states them: each floor's packages, lowest floor first."""
+    by_floor: Dict[int, List[str]] = {}
+    for name, floor in FLOORS.items():
+        if name != PACKAGE:
+            by_floor.setdefault(floor, []).append(name[len(PACKAGE) + 1:])
+    return " < ".join(", ".join(by_floor[f]) for f in sorted(by_floor))
+
+
+def test_the_floors_the_docs_state_are_these():
+    """docs/architecture.md's floors line is written from FLOORS (issue #49 item 7): a floor
+    changed here and not there fails."""
+    docs = " ".join((ROOT.parent / "docs" / "architecture.md").read_text().split())
+    assert f"(floors: {floors_line()})" in docs, f"docs/architecture.md should say: (floors: {floors_line()})"

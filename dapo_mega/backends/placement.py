@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from dapo_mega.backends.megatron.layout import ParallelLayout
-from dapo_mega.config import ConfigError, DapoConfig, RolloutConfig
+from dapo_mega.config import ConfigError, DapoConfig, EngineKind, RolloutConfig
 
 #: How weights reach an engine.
 CUDA_IPC = "cuda_ipc"
@@ -347,7 +347,7 @@ def learner_cuda_index(learner: LearnerPlacement, env: Mapping[str, str]) -> int
 def engine_uses_gpu(backend: str, use_gpu: bool) -> bool:
     """Whether an engine of rollout `backend` runs on GPUs: SGLang where the run has GPUs; the
     embedded engine never (a CPU engine, also beside GPU learners)."""
-    return use_gpu and backend == "sglang"
+    return use_gpu and backend == EngineKind.SGLANG
 
 
 def engines_per_node(num_engines: int, engine_nodes: int) -> int:

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import torch
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig, is_loopback
+from dapo_mega.config import DapoConfig, EngineKind, is_loopback
 from dapo_mega.distributed import free_port, merge_dicts
 from dapo_mega.driver.roles import LearnerRankRole
 from dapo_mega.engines.book import BookView
@@ -132,7 +132,7 @@ class PolicySync:
                                    engine_tp_size=cfg.rollout.engine_tp_size,
                                    # colocated hand-over: SGLang loads its own serializer's format,
                                    # the embedded engine only shared-memory JSON (it never unpickles)
-                                   cpu_tensor_format="sglang" if cfg.rollout.backend == "sglang"
+                                   cpu_tensor_format="sglang" if cfg.rollout.backend == EngineKind.SGLANG
                                    else "shared_memory_json", incarnations=self.incarnations)
         if not colocated and layout.is_weight_source:
             self.syncer.init_group(free_port(), stage=layout.pp_rank)
@@ -317,7 +317,7 @@ class PolicySync:
         if not self.cfg.checks.checksum or self.handover is not None or self.engine_dtype is None:
             return None
         dtype = ENGINE_DTYPES[self.engine_dtype]
-        if r.backend == "embedded":
+        if r.backend == EngineKind.EMBEDDED:
             return HeldAs(dtype, HF, CPU_HASH)
         if mixture or r.engine_tp_size != 1 or any(a.startswith("--quantization") for a in r.extra_server_args):
             return None

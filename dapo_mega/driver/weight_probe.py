@@ -35,7 +35,7 @@ import torch
 from dapo_mega import log
 from dapo_mega.algo import compute_mismatch_stats, summarize_mismatch
 from dapo_mega.algo.train_sample import TrainSample
-from dapo_mega.config import DapoConfig
+from dapo_mega.config import DapoConfig, EngineKind
 from dapo_mega.driver.roles import LearnerRankRole
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def resolve_limit(value: Optional[float], cfg: DapoConfig, learner_dtype: str) -
     if value is not None:
         return float(value)
     r = cfg.rollout
-    engines_fp32 = r.dtype == "float32" or (r.dtype == "auto" and r.backend == "embedded")
+    engines_fp32 = r.dtype == "float32" or (r.dtype == "auto" and r.backend == EngineKind.EMBEDDED)
     return FP32_MAX_ABS_MEAN if learner_dtype == "float32" and engines_fp32 else BF16_MAX_ABS_MEAN
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from dapo_mega import log
-from dapo_mega.config import DapoConfig, RolloutConfig
+from dapo_mega.config import DapoConfig, EngineKind, RolloutConfig
 from dapo_mega.engines.process import (
     BIND_FAILED,
     EngineProcess,
@@ -220,14 +220,14 @@ class EngineFleet:
         r = self.rollout
         # SGLang's --enable-memory-saver imports torch_memory_saver, a CUDA library: without a GPU
         # SGLang does not start with it (release/resume still answer, there is no GPU memory to free)
-        memory_saver = self.memory_saver and (r.backend != "sglang" or self.on_gpu())
+        memory_saver = self.memory_saver and (r.backend != EngineKind.SGLANG or self.on_gpu())
         # an SGLang engine on a CPU: its KV pool capped at the run's need (`cpu_pool_tokens`, as the plan counts it)
         argv = build_engine_command(r, self.model_path, port, weight_version=self.weight_version,
                                     host=self.bind_host, python=self.python, memory_saver=memory_saver,
                                     base_gpu_id=base_gpu_id, routed_experts=self.returns_routed_experts,
-                                    max_total_tokens=None if r.backend != "sglang" or self.on_gpu() else
+                                    max_total_tokens=None if r.backend != EngineKind.SGLANG or self.on_gpu() else
                                     cpu_pool_tokens(r, self.context_tokens or model_context_tokens(self.model_path)))
-        if r.backend == "sglang":
+        if r.backend == EngineKind.SGLANG:
             argv += [] if self.on_gpu() else cpu_server_args(r)
         elif "--num-threads" not in r.extra_server_args:
             argv += ["--num-threads", str(self._threads())]
@@ -244,7 +244,7 @@ class EngineFleet:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpu_ids, parent_env.get("CUDA_VISIBLE_DEVICES"))
         elif not self.on_gpu():  # a CPU engine (the embedded one beside GPU learners) sees no GPU
             env["CUDA_VISIBLE_DEVICES"] = ""
-        if self.rollout.backend == "sglang":
+        if self.rollout.backend == EngineKind.SGLANG:
             if not self.on_gpu():
                 env["SGLANG_USE_CPU_ENGINE"] = "1"
                 # SGLang receives each weight bucket into a fresh CPU tensor: on transparent huge

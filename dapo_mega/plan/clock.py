@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.config import ConfigError, DapoConfig, EngineKind
 from dapo_mega.node import node_cpus
 from dapo_mega.plan.memory import (
     LengthAssumption,
@@ -407,7 +407,7 @@ def _resolved(cfg: DapoConfig, a: ClockAssumptions) -> LengthAssumption:
 def _engine_start(cfg: DapoConfig, a: ClockAssumptions, data_parallel: int, params: float) -> tuple:
     """(readers, capture seconds, estimated start) of this config's engines."""
     readers = engine_start_readers(cfg, data_parallel)
-    capture = a.cuda_graph_capture_s if cfg.rollout.backend == "sglang" else 0.0
+    capture = a.cuda_graph_capture_s if cfg.rollout.backend == EngineKind.SGLANG else 0.0
     return readers, capture, estimate_engine_start_s(2 * params, readers, a, capture)
 
 
@@ -525,7 +525,7 @@ def estimate_stage_limits_s(cfg: DapoConfig, a: ClockAssumptions, params: float,
     eval_length = cfg.eval.max_response_length or cfg.algo.max_response_length
     evaluation = estimate_generation(eval_problems(cfg, a), cfg.eval.n_samples, eval_length, lengths=eval_lengths,
                                      **{**common, "num_engines": engines})
-    capture = a.cuda_graph_capture_s if cfg.rollout.backend == "sglang" else 0.0
+    capture = a.cuda_graph_capture_s if cfg.rollout.backend == EngineKind.SGLANG else 0.0
     work = {"data": 0.0, "import": estimate_conversion_s(model_bytes, ranks, a),
             "verify": estimate_verify_s(model_bytes, params, VERIFY_TOKENS, a),
             "export": estimate_conversion_s(model_bytes, ranks, a),
@@ -693,7 +693,7 @@ def format_clock(cfg: DapoConfig, estimates: ClockEstimate) -> str:
               f"{lengths.prompt_tokens} tokens; {ev.prompts} eval problems",
               f"  storage {a.storage_read_gb_per_s:g} GB/s shared; weight sync {a.weight_sync_link_gb_per_s:g} GB/s "
               f"x {a.weight_sync_efficiency:g}"]
-    if cfg.cluster.device == "cpu" or cfg.rollout.backend == "embedded":
+    if cfg.cluster.device == "cpu" or cfg.rollout.backend == EngineKind.EMBEDDED:
         lines.append("  (a CPU run: these are GPU figures; the CPU lane's clock is measured by its tests)")
     return "\n".join(lines)
 

@@ -67,7 +67,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dapo_mega.backends.megatron.layout import check_expert_layout
 from dapo_mega.backends.megatron.packing import measure_layout, token_multiple
 from dapo_mega.backends.placement import ClusterShape, Placement, place
-from dapo_mega.config import DapoConfig
+from dapo_mega.config import DapoConfig, EngineKind
 from dapo_mega.engines.sglang.commands import CPU_KV_MARGIN, cpu_pool_tokens
 from dapo_mega.models.shape import ModelShape
 from dapo_mega.plan.hand_over import hand_over_bytes, hand_over_lines
@@ -773,7 +773,7 @@ def _engine_memory(cfg: DapoConfig, shape: ModelShape, phi: int, stages: List[St
     per_token = kv_bytes_per_token(shape, r.engine_tp_size) * r.engine_tp_size  # whole engine
     seq_tokens = a.max_prompt_length + a.max_response_length
     # SGLang on a CPU: the fleet's --max-total-tokens caps the pool, beside the learner or alone
-    cap = cpu_pool_tokens(r, seq_tokens) if c.device == "cpu" and r.backend == "sglang" else 0
+    cap = cpu_pool_tokens(r, seq_tokens) if c.device == "cpu" and r.backend == EngineKind.SGLANG else 0
     kv_cap = cap * per_token / gpus if cap else math.inf
     colocated = [] if c.mode == "disaggregated" else [colocated_fit(cfg, phi, st, dp, kv_cap) for st in stages]
     room = engine_kv_room(cfg, phi, 0.0, kv_cap)

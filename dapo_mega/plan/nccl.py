@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from dapo_mega.config import ConfigError, DapoConfig
+from dapo_mega.config import ConfigError, DapoConfig, EngineKind
 
 NCCL_PROBE = Path(__file__).with_name("nccl_probe.py").read_text()
 """What `nccl_version` runs in another interpreter: `plan.nccl_probe`'s source, whose
@@ -131,7 +131,7 @@ def check_nccl_agreement(cfg: DapoConfig, learner_python: Optional[str] = None) 
     IPC and eval / audit read checkpoints from disk: no group joins the two Pythons there."""
     r = cfg.rollout
     python = learner_python or sys.executable
-    if r.backend != "sglang" or cfg.cluster.mode != "disaggregated" or not r.engine_python \
+    if r.backend != EngineKind.SGLANG or cfg.cluster.mode != "disaggregated" or not r.engine_python \
             or r.engine_python == python:
         return
     problem = nccl_mismatch(nccl_version(python), nccl_version(r.engine_python),

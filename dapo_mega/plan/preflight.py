@@ -38,6 +38,7 @@ from dapo_mega.config import (
     ConfigError,
     DapoConfig,
     DataConfig,
+    EngineKind,
     EvalConfig,
     RolloutConfig,
     validate_config,
@@ -129,7 +130,7 @@ def check_engine_python(rollout: RolloutConfig, starts_engines: bool = False) ->
     audit, the Slurm job's prepare and engines roles (`starts_engines=True` where the engines
     are started whatever `engine_urls` / `engine_registry` say; the trainer with either set
     attaches to engines someone else started, which are not checked here)."""
-    if rollout.backend != "sglang" or (not starts_engines and (rollout.engine_urls or rollout.engine_registry)):
+    if rollout.backend != EngineKind.SGLANG or (not starts_engines and (rollout.engine_urls or rollout.engine_registry)):
         return
     if rollout.engine_python and shutil.which(rollout.engine_python) is None:
         raise ConfigError(f"rollout.engine_python: {rollout.engine_python} is not an executable Python. Fix: "
@@ -249,7 +250,7 @@ def check_engine_serves_model(cfg: DapoConfig, shape) -> None:
     have no parameter, leaving those layers' experts uninitialised. The engine would serve
     another model than the learner trains, silently (a tiny model with one dense layer: other
     greedy tokens, log-probs off by 0.04). Qwen3-30B-A3B and -235B-A22B have no dense layer."""
-    if cfg.rollout.backend != "sglang" or not shape.is_moe:
+    if cfg.rollout.backend != EngineKind.SGLANG or not shape.is_moe:
         return
     dense = [i for i in range(shape.num_layers) if not shape.is_sparse_layer(i)]
     if dense:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional, Sequence
 
-from dapo_mega.config import RolloutConfig, require_api_key
+from dapo_mega.config import EngineKind, RolloutConfig, require_api_key
 from dapo_mega.engines.sglang.api import ROUTER_FLAGS, ROUTER_POLICIES, SERVER_FLAGS
 
 SGLANG_MODULE = "sglang.launch_server"
@@ -23,7 +23,7 @@ def resolve_engine_dtype(dtype: str, backend: str) -> str:
     """`auto` means float32 on the CPU engine and bfloat16 on SGLang (GPU)."""
     if dtype != "auto":
         return dtype
-    return "float32" if backend == "embedded" else "bfloat16"
+    return "float32" if backend == EngineKind.EMBEDDED else "bfloat16"
 
 
 def build_engine_command(
@@ -40,7 +40,7 @@ def build_engine_command(
 ) -> List[str]:
     """argv of one engine: `[python, -m, <module>, --model-path, ..., *extra_server_args]`.
 
-    The module is sglang.launch_server for `cfg.backend == "sglang"`, else the embedded
+    The module is sglang.launch_server for rollout.backend=sglang, else the embedded
     engine. Memory flags (`--mem-fraction-static`, `--enable-memory-saver`) are passed to
     both; the embedded engine accepts and ignores what has no meaning on a CPU.
 
@@ -56,7 +56,7 @@ def build_engine_command(
     """
     host = host or cfg.host
     require_api_key(host, cfg.api_key, "rollout.api_key")
-    module = SGLANG_MODULE if cfg.backend == "sglang" else EMBEDDED_MODULE
+    module = SGLANG_MODULE if cfg.backend == EngineKind.SGLANG else EMBEDDED_MODULE
     f = SERVER_FLAGS
     argv = [python, "-m", module,
             f["model_path"], str(model_path),
@@ -72,7 +72,7 @@ def build_engine_command(
         argv += [f["api_key"], cfg.api_key]
     if memory_saver:
         argv.append(f["enable_memory_saver"])
-    if base_gpu_id is not None and cfg.backend == "sglang":
+    if base_gpu_id is not None and cfg.backend == EngineKind.SGLANG:
         argv += [f["base_gpu_id"], str(base_gpu_id)]
     if routed_experts and ROUTED_EXPERTS_FLAG not in cfg.extra_server_args:
         argv.append(ROUTED_EXPERTS_FLAG)
