@@ -22,9 +22,11 @@ from dapo_mega.environments.base import load_class
 
 
 class Agent:
-    """The interface: `async run(problem, base_url)` runs one episode."""
+    """The interface: `async run(problem, base_url)` runs one episode. It may return the
+    episode's reward (a number: a verifiers rubric's, verifiers_env.py), added to the sample's
+    as its environment part; None adds nothing."""
 
-    async def run(self, problem: Any, base_url: str) -> None:
+    async def run(self, problem: Any, base_url: str) -> Optional[float]:
         raise NotImplementedError
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from dapo_mega.engines.sglang.client import EngineClient, PromptInput, RequestSamplingParams, SampleResult
 from dapo_mega.rollout.partial import (
@@ -120,9 +120,11 @@ class ChunkRequest:
                                                            len(problems))]
         t0 = time.monotonic()
         failed: Optional[Exception] = None
+        rewards: Dict[Tuple[int, int], Any] = {}
         try:  # episode j of a prompt seeded as the engine seeds sample j of a request: seed + j
-            await all_or_none([asyncio.ensure_future(self.s.agent.run(problems[k], endpoint.open_episode(
-                name, None if seeds[k] is None else int(seeds[k]) + j))) for (k, j), name in names.items()])
+            rewards = dict(zip(names, await all_or_none([asyncio.ensure_future(self.s.agent.run(
+                problems[k], endpoint.open_episode(name, None if seeds[k] is None else int(seeds[k]) + j)))
+                for (k, j), name in names.items()])))
         except Exception as exc:
             failed = exc
         lost = endpoint.engine_error(names.values())  # the engine failed under a call (the agent may have gone on)
@@ -145,8 +147,8 @@ class ChunkRequest:
                 raise AgentFailed(f"rollout.agent: the {n} episodes of prompt {problem.id} began with {len(prompts)} "
                                   "different prompts; a group's samples share one (render the same first messages)")
             samples = [replace(cut_to_budget(b[-1][1], budget), gen_round=rnd.gen_round, queue_delay_s=t0 - rnd.start,
-                               dataset_revision=b[-1][1].dataset_revision or self.s.dataset_revision)
-                       for b in branches]
+                               dataset_revision=b[-1][1].dataset_revision or self.s.dataset_revision,
+                               turn_rewards=agent_reward(rewards[k, j], problem.id)) for j, b in enumerate(branches)]
             self._progressed()
             groups.append(PartialGroup(Group(prompt=problem, prompt_input=list(branches[0][-1][0]), samples=samples,
                                              engine_id=self.url, queue_delay_s=t0 - rnd.start,
@@ -184,16 +186,27 @@ class ChunkRequest:
                 return
 
 
-async def all_or_none(tasks: List["asyncio.Task[None]"]) -> None:
-    """Wait for `tasks`; the first that raises cancels the others (after they end, it is raised
-    as it was: the round tells an engine's failure by its type)."""
+async def all_or_none(tasks: List["asyncio.Future[Any]"]) -> List[Any]:
+    """Wait for `tasks`, their results in order; the first that raises cancels the others
+    (after they end, it is raised as it was: the round tells an engine's failure by its type)."""
     try:
-        await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     except BaseException:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def agent_reward(value: Any, prompt_id: str) -> List[float]:
+    """The sample's turn rewards from what its agent's `run` returned: [] for None, [reward]
+    for a number; AgentFailed otherwise."""
+    if value is None:
+        return []
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise AgentFailed(f"rollout.agent: an episode of prompt {prompt_id} returned {value!r}; run returns None or "
+                          "the episode's reward (a number)")
+    return [float(value)]
 
 
 class AgentFailed(RuntimeError):

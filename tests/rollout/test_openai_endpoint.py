@@ -215,3 +215,40 @@ def test_an_engine_lost_under_an_agent_is_the_engines_loss_not_the_agents_error(
     out = run_coroutine(run())
     assert out.groups == {} and manager.book.is_dead(dead), (out.failures, manager.book.dead())
     assert Counted.ended == [502, 502] and not any("AgentFailed" in f for f in out.failures), out.failures
+
+
+GAME = __file__.replace("test_openai_endpoint.py", "verifiers_game.py") + ":load_environment"
+
+
+def test_a_verifiers_environment_runs_unchanged_on_the_engines_tokens(served):
+    """VerifiersAgent (issue #47 item 3): a `verifiers` MultiTurnEnv with its rubric, loaded by
+    path, runs its own rollout loop through the endpoint with verifiers' own OpenAI client; the
+    episode is its 3 turns, the model's tokens are the engine's replies with the environment's
+    messages between them, the stream is the chat template's rendering of the conversation, and
+    the rubric's weighted reward (3/10 + 0.5 x 1, by hand) is what the agent returns; in a round
+    it becomes the sample's environment reward."""
+    pytest.importorskip("verifiers")  # the dev extra installs it
+    from dapo_mega.environments.verifiers_env import VerifiersAgent
+    from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+
+    _, engine, encoder = served
+    agent = VerifiersAgent(GAME, {"max_turns": 3}, {"max_tokens": 6, "temperature": 1.0})
+    endpoint, reward = drive(engine, encoder, lambda ep: agent.run(PROBLEM, ep.base_url("v1")))
+    calls = [list(c.reply.token_ids) for c in endpoint.episodes["v1"].branches[0]]
+    ((prompt_ids, sample),) = endpoint.take_episode("v1", PROBLEM)
+    assert reward == pytest.approx(0.3 + 0.5) and sample.turns == 3 == len(calls)
+    mask = sample.env_mask()
+    assert [t for t, keep in zip(sample.token_ids, mask) if keep] == [t for c in calls for t in c]
+    text = encoder.tokenizer.decode(prompt_ids + sample.token_ids, skip_special_tokens=True)
+    assert text.startswith("<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n")
+    assert "<|im_start|>user\nturn 1: go on<|im_end|>\n" in text and "turn 2: go on" in text
+
+    settings = RoundSettings(n_samples=2, sampling_params={"max_new_tokens": 32, "temperature": 1.0}, agent=agent,
+                             prompts_per_request=1)
+
+    async def run():
+        async with RolloutManager([engine], settings, encoder).round([PROBLEM], 0) as rnd:
+            return [g async for groups in rnd for g in groups]
+
+    (group,) = run_coroutine(run())
+    assert [s.turn_rewards for s in group.samples] == [[pytest.approx(0.8)]] * 2
