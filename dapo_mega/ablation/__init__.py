@@ -11,7 +11,8 @@ Train overrides are those of `dapo-mega train`; `ablation.*` keys are those of
 `AblationConfig` (`rungs.py`). Each rung x seed is an ordinary training run in its own run
 directory (`runner.py`: locally one after another, or a Slurm job array; finished runs are
 skipped, killed ones resume). The result is `ablation.md` / `.json` / `.png` in the
-ablation's directory (`report.py`, statistics in `stats.py`).
+ablation's directory (`report.py`, statistics in `stats.py`); `__main__.py` holds what the
+Slurm jobs run (`task-args`, `report`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     compute_group_advantages   Eq. 9   group-relative advantages, no critic
     compute_policy_loss        Eq. 8/10/12 decoupled clip (+ dual clip), token-level loss
     compute_off_policy_weights         off-policy correction of the engine/learner mismatch:
-                                       tis, mis, geo_mask, icepop (off_policy.py)
+                                       tis, mis, geo_mask, icepop, geo_mask_tis (off_policy.py)
     compute_tis_weights                truncated importance sampling (the tis mode)
     summarize_tis_weights              its ratio statistics (weight, truncation, mismatch KL)
     compute_correction_stats           what a correction masked, by age (summarize_correction)

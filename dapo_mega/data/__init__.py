@@ -1,5 +1,6 @@
 """Prompts and reference answers: DAPO-Math-17k / AIME parquet and JSONL readers with
-validation and deduplication, the synthetic arithmetic task, and a resumable iterator.
+validation and deduplication, the synthetic tasks (arithmetic, chain, sum, sum_tool,
+calc_tools: synthetic.py), and a resumable iterator.
 
     build_datasets(data_cfg) -> (train, held_out, revision)   the training and unnamed held-out split
     build_run_datasets(data_cfg, eval_cfg) -> (train, eval sets, revision)   what the trainer calls

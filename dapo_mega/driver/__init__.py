@@ -13,7 +13,13 @@
                    update group, shared memory, or the colocated CUDA-IPC hand-over), dead
                    engines dropped, engine memory released and resumed around a step
     learner_ranks.py  how learner ranks come to exist (torchrun here, Slurm, or by hand)
-    console.py     known library warnings off the console, recorded once in the run's log
+    known_warnings.py  known library warnings off the console, recorded once in the run's log
+    eval_beside.py held-out evaluation beside the next step (eval.overlap)
+    expert_handover.py  the routed-expert reports a step's DP ranks train on, shard by shard
+    gate.py        DriverGate: where the other ranks wait on the driver (the store)
+    stop_signal.py SIGUSR1 / SIGTERM: a clean stop with a checkpoint, exit 75
+    weight_probe.py  whether the engines serve the learner's weights: the probe, the step's
+                   mismatch and the checksums, checked against their limits
 
 `dapo_mega/session.py` wires them (process groups, learner, engines) and
 `dapo_mega/trainer.py` is the loop over them.

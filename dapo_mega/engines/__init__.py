@@ -7,8 +7,8 @@
 * `process`: one engine process's operating-system plumbing (a /health probe, stopping a
   process, its log tail, the registry file it is announced in);
 * `watch`: the Slurm engines role's watch, restarting an engine that exits at its port;
-* `sglang/`: SGLang's wire: pinned API tables, an engine's endpoint, the HTTP client and the
-  engine and router command lines (nothing there imports sglang);
+* `sglang/`: SGLang's wire: pinned API tables, an engine's endpoint, the HTTP client, the
+  engine and router command lines and what `/server_info` says (nothing there imports sglang);
 * `embedded/`: the embedded CPU engine, SGLang's HTTP API over a transformers model, started
   as `python -m dapo_mega.engines.embedded.server`.
 
