@@ -107,15 +107,15 @@ def lock_step_request():
 
 def run_side(endpoints, encoder, prompts, lock_step: bool) -> Dict[str, float]:
     from dapo_mega.aio import run_coroutine
-    from dapo_mega.rollout import dispatch
+    from dapo_mega.rollout import round as rollout_round
     from dapo_mega.rollout.manager import RolloutManager, RoundSettings
 
     settings = RoundSettings(n_samples=G, sampling_params={"max_new_tokens": BUDGET, "temperature": 1.0},
                              environment=environment(), max_turns=MAX_CALLS + 1, prompts_per_request=4,
                              requests_per_engine=2, tool_slots=4 * G * 2, seed=7)
     mgr = RolloutManager(endpoints, settings, encoder)
-    original = dispatch.ChunkRequest
-    dispatch.ChunkRequest = lock_step_request() if lock_step else original
+    original = rollout_round.ChunkRequest
+    rollout_round.ChunkRequest = lock_step_request() if lock_step else original
 
     async def one_round():
         async with mgr.round(prompts, 0) as rnd:
@@ -128,7 +128,7 @@ def run_side(endpoints, encoder, prompts, lock_step: bool) -> Dict[str, float]:
         out = run_coroutine(one_round())
         seconds = time.perf_counter() - t0
     finally:
-        dispatch.ChunkRequest = original
+        rollout_round.ChunkRequest = original
     samples = [s for g in out.groups.values() for s in g.samples]
     if len(samples) != len(prompts) * G:
         raise RuntimeError(f"{len(samples)} samples of {len(prompts) * G}: {out.failures}")

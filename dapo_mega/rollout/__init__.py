@@ -1,5 +1,5 @@
 """Rollout: the rollout manager (`manager`, with what every request is sent with: `settings`),
-a round (`dispatch`, its liveness watchdog `liveness`, one chunk's request `request`, what it
+a round (`round`, its liveness watchdog `watchdog`, one chunk's request `request`, what it
 produced `outcome`), multi-turn episodes (`turns`) and the agents' OpenAI-compatible endpoint
 (`openai_endpoint`), `dynamic_sampling`, `batch_fill`, `partial`, and its typed samples
 (`samples`). The engines it

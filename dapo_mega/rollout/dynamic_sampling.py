@@ -14,7 +14,7 @@
   decided only once every group before it in the round has been, so the batch is the first
   train_batch_size groups in prompt order that pass the filter, whichever engine was faster.
   Once it is full no request is sent any more and those in flight are aborted
-  (rollout/dispatch.py).
+  (rollout/round.py).
 * What a streamed step trains on, and what its ledger holds, does not depend on timing: every
   prompt of the round after the last one decided goes back to `pending` (in `state_dict`,
   drawn first next round or step), whether its request was never sent, aborted, or had
@@ -44,8 +44,8 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from dapo_mega.rollout.batch_fill import KEEP_RATE_EMA, BatchFill, KeepRate, SamplingRule, Scorer
-from dapo_mega.rollout.dispatch import RolloutError, Round, RoundOutcome
 from dapo_mega.rollout.partial import PartialGroup
+from dapo_mega.rollout.round import RolloutError, Round, RoundOutcome
 from dapo_mega.rollout.samples import (
     Group,
     PromptDecoding,

@@ -47,9 +47,9 @@ from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.endpoint import EngineAddress, EngineEndpoint
 from dapo_mega.environments.base import environment_tools
 from dapo_mega.rollout.batch_fill import SET_ASIDE_COUNTS, SamplingRule
-from dapo_mega.rollout.dispatch import RolloutError, Round, chunk_size
 from dapo_mega.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted, StepInputs
 from dapo_mega.rollout.partial import PARTIAL_COUNTS, PartialGroup
+from dapo_mega.rollout.round import RolloutError, Round, chunk_size
 from dapo_mega.rollout.samples import (
     Group,
     PromptDecoding,
@@ -129,7 +129,7 @@ class RolloutManager:
     # ---------------------------------------------------------------- generation
     def round(self, prompts: Sequence[PromptItem], gen_round: int = 0,
               partials: Optional[Dict[int, PartialGroup]] = None) -> Round:
-        """A generation round of `prompts` on the book's serving engines (rollout/dispatch.py:
+        """A generation round of `prompts` on the book's serving engines (rollout/round.py:
         `async with` it, then read its finished groups in prompt order); those in `partials`
         (prompt index -> carried PartialGroup) resume their open samples."""
         return Round(self.book, self.settings, self.encoding, prompts, self._step, gen_round, partials)

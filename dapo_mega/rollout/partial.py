@@ -4,7 +4,7 @@ What slime calls `--partial-rollout` (after Kimi k1.5, arXiv 2501.12599 §2.6.2)
 tail of a round is not thrown away when the batch is full, it is finished later.
 
 * Cut: a streamed step aborts its requests in flight once its batch is full
-  (`/abort_request` abort_all, rollout/dispatch.py). SGLang 0.5.23 and the embedded engine
+  (`/abort_request` abort_all, rollout/round.py). SGLang 0.5.23 and the embedded engine
   answer each sample cut short with finish_reason `abort` and what it had generated: its
   output ids, their log-probs and weight-version spans (tests/engines/test_conformance.py
   checks both servers). With `rollout.partial_rollout` the replies of such a request become,

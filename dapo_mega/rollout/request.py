@@ -1,10 +1,10 @@
-"""One chunk's request on one engine, as a round sends it (rollout/dispatch.py): its prompts'
+"""One chunk's request on one engine, as a round sends it (rollout/round.py): its prompts'
 inputs (fresh, or the open samples of resumed partial rollouts), the /generate request, the
 groups of its reply and, with an environment (rollout/turns.py), the further turns of its
 samples on the same engine, each sample's episode on its own, until every episode ended, a reply
 was aborted or the round stopped.
 
-    groups, replies = await ChunkRequest(rnd, url, client, c).run()
+    reply = await ChunkRequest(rnd, url, client, c).run()     # a ChunkReply: groups, replies, cut
 
 The round keeps what is the round's: which chunk goes where, the retries, the aborts and the
 order chunks come out in. The request reads the round's settings, prompts and partials, and
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from dapo_mega.engines.sglang.client import EngineClient, PromptInput, RequestSamplingParams, SampleResult
@@ -44,11 +44,12 @@ class ChunkRequest:
         self.s: "RoundSettings" = rnd.s
         self.idx: List[int] = rnd.chunks[c]
 
-    async def run(self) -> Tuple[List[PartialGroup], List[SampleResult]]:
-        """(the chunk's groups, each with its samples still open; the last request's replies)."""
+    async def run(self) -> "ChunkReply":
+        """The chunk's groups, each with its samples still open, and the last request's replies."""
+        return ChunkReply(*(await (self._agents() if self.s.agent is not None else self._request())))
+
+    async def _request(self) -> Tuple[List[PartialGroup], List[SampleResult]]:
         rnd, idx = self.rnd, self.idx
-        if self.s.agent is not None:
-            return await self._agents()
         inputs, params, resume, bases = self._inputs()
         t0 = time.monotonic()
         # a resumed chunk with no sample to generate (finished, or its tool pending) needs no request
@@ -196,6 +197,21 @@ async def all_or_none(tasks: List["asyncio.Future[Any]"]) -> List[Any]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+@dataclass
+class ChunkReply:
+    """What one chunk's request gave the round."""
+
+    groups: List[PartialGroup]
+    """Its groups in prompt order, each with the samples still open (a turn or the request cut)."""
+    replies: List[SampleResult]
+    """The replies of its last request ([] for agents: their calls are the endpoint's)."""
+
+    @property
+    def cut(self) -> bool:
+        """The chunk did not finish: an engine aborted a reply, or a sample is still open."""
+        return any(r.aborted for r in self.replies) or any(pg.open for pg in self.groups)
 
 
 def agent_reward(value: Any, prompt_id: str) -> List[float]:

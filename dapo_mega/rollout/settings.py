@@ -1,6 +1,6 @@
 """What every request of a rollout manager is sent with, fixed when the manager is made.
 
-`RoundSettings` is read by a round (rollout/dispatch.py) and its watchdog (rollout/liveness.py)
+`RoundSettings` is read by a round (rollout/round.py) and its watchdog (rollout/watchdog.py)
 as one frozen value: they never reach back into the manager. `for_purpose` builds it from the
 run's config for training, evaluation (`dapo-mega eval`, the held-out sets) or the audit, the
 one place those three read `rollout.*`, `algo.*` and `eval.*`.

@@ -26,7 +26,7 @@ generation and its own tool, not for the chunk's slowest):
   (`algo.max_response_length`, the one the overlong shaping reads) is spent: environment
   tokens count against it, an observation that does not fit is cut and the sample truncated.
 
-A round that stops (rollout/dispatch.py) sends no new turn (each episode looks between its
+A round that stops (rollout/round.py) sends no new turn (each episode looks between its
 turns): the samples not ended stay open
 (`Episodes.partial_groups`), those cut by the abort, those whose tool is pending (it runs
 when the partial rollout resumes, before the model's next turn) and those whose answer came

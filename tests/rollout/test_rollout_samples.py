@@ -69,7 +69,7 @@ def test_a_problem_gets_the_revision_the_manager_was_given():
     row, and a prompt that carries its own keeps it."""
     from dapo_mega.data.problem import Problem
     from dapo_mega.engines.sglang.client import SampleResult
-    from dapo_mega.rollout.dispatch import scored_sample
+    from dapo_mega.rollout.round import scored_sample
 
     reply = SampleResult(prompt_index=0, sample_index=1, text=" 4", output_ids=[7], token_ids=[7],
                          finish_reason={"type": "stop"}, logprobs=[-0.5], weight_versions=[], prompt_tokens=3,

@@ -44,7 +44,6 @@ import aiohttp
 
 from dapo_mega.engines.book import EngineBook
 from dapo_mega.engines.sglang.client import EngineClient, EngineError, SampleResult
-from dapo_mega.rollout.liveness import Hung, Pulse, Watchdog
 from dapo_mega.rollout.openai_endpoint import AgentEndpoints
 from dapo_mega.rollout.outcome import RolloutError, RoundOutcome
 from dapo_mega.rollout.partial import (
@@ -54,6 +53,7 @@ from dapo_mega.rollout.partial import (
 from dapo_mega.rollout.request import AgentStopped, ChunkRequest
 from dapo_mega.rollout.samples import Group, PromptEncoding, PromptItem, scored_sample
 from dapo_mega.rollout.settings import RoundSettings
+from dapo_mega.rollout.watchdog import Hung, Pulse, Watchdog
 
 __all__ = ["RolloutError", "Round", "RoundOutcome", "chunk_size", "scored_sample"]
 
@@ -337,10 +337,11 @@ class Round:
         self.open_prompts += len(idx)
         failed = True
         try:
-            groups, samples = await ChunkRequest(self, url, client, c).run()
-            if any(s.aborted for s in samples) or any(pg.open for pg in groups):
+            reply = await ChunkRequest(self, url, client, c).run()
+            groups = reply.groups
+            if reply.cut:
                 if self.stopping.is_set():  # our own stop: the prompts go back unsent (their partials kept)
-                    self._set_aside(c, groups, samples)
+                    self._set_aside(c, reply.groups, reply.replies)
                     return True  # failed stays True: no longer open
                 raise _Retry(f"{url}: request aborted by the engine")
         except AgentStopped:  # the round stopped under the chunk's agents: its prompts go back unsent
