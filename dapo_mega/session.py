@@ -168,12 +168,12 @@ class Session:
     def _start_driver(self) -> DriverRole:
         """Data, prompt encoder, verifier, engines, rollout manager and records (global rank 0)."""
         from dapo_mega.data import PromptEncoder, PromptIterator, build_run_datasets
-        from dapo_mega.driver.rollouts import RolloutSource
         from dapo_mega.environments.base import environment_report
         from dapo_mega.models.shape import ModelShape
         from dapo_mega.records.recorder import RunRecorder
         from dapo_mega.reward import build_verifier
         from dapo_mega.rollout.manager import RolloutManager
+        from dapo_mega.rollout.source import RolloutSource
 
         cfg, state = self.cfg, self.run.state
         logger.info(self.run.identity.start_line(self.run_dir))

@@ -1,8 +1,5 @@
 """The driver's components: each owns one concept and hands the next a typed record.
 
-    rollouts.py    RolloutSource: prompts -> encode -> generate -> score -> filter -> a
-                   RolloutBatch of ScoredSamples; AsyncRollouts: the same source on its own
-                   thread (disaggregated, max_staleness > 0)
     advantages.py  the advantage step: kept groups -> TrainSamples (glue over dapo_mega.algo)
     run_state.py   TrainerState and RunState: counters, resume and save of the trainer's
                    state, ledger shards, pruning of records after a resume
@@ -21,6 +18,7 @@
     weight_probe.py  whether the engines serve the learner's weights: the probe, the step's
                    mismatch and the checksums, checked against their limits
 
-`dapo_mega/session.py` wires them (process groups, learner, engines) and
+The rollout source they draw each step's batch from is the rollout wing's
+(`dapo_mega/rollout/source.py`). `dapo_mega/session.py` wires them (process groups, learner, engines) and
 `dapo_mega/trainer.py` is the loop over them.
 """

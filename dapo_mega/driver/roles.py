@@ -21,11 +21,11 @@ from dapo_mega import log
 from dapo_mega.driver import advantages
 from dapo_mega.driver.expert_handover import ExpertHandOver
 from dapo_mega.driver.gate import DriverGate
-from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.driver.run_state import RunState, WallClock, write_ledger
 from dapo_mega.driver.stop_signal import WALL_TIME
 from dapo_mega.engines.book import BookView
 from dapo_mega.records.ledger import LedgerText, prepare_writer
+from dapo_mega.rollout.source import AsyncRollouts, RolloutBatch, RolloutSource
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

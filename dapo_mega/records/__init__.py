@@ -4,7 +4,6 @@
 * `console`: the fixed-format step line rank 0 prints;
 * `curves`: `curves.png`, redrawn at most once a minute (`trainer.plot_interval_s`);
 * `recorder`: `RunRecorder`, which writes the three above (and wandb) per step;
-* `rollout_metrics`: the step's rollout metrics, computed from the rows that go into the ledger;
 * `ledger`: the rollout ledger, one Parquet shard per step, one row per sample;
 * `ledger_report`: the diagnostics read back from the ledger (`tools/ledger_report.py`).
 * `resources`: `PhaseMeter`, the resource envelope of a step (each phase's seconds and peak

@@ -17,8 +17,8 @@ CONSOLE_COLUMNS = (
     ("rollout/kept_group_frac", "kept {:.2f}"),
     ("rollout/response_length_mean", "len {:6.1f}"),
     ("rollout/entropy_mc", "ent {:.3f}"),
-    ("rollout/turns_mean", "turns {:.2f}"),  # multi-turn samples only (records/rollout_metrics.py turn_metrics)
-    ("rollout/tool_errors", "tool_err {:.0f}"),  # rollout policy entropy estimate, −mean log p (records/rollout_metrics.py)
+    ("rollout/turns_mean", "turns {:.2f}"),  # multi-turn samples only (rollout/metrics.py turn_metrics)
+    ("rollout/tool_errors", "tool_err {:.0f}"),  # rollout policy entropy estimate, −mean log p (rollout/metrics.py)
     ("loss/pg", "loss {:+.4f}"),
     ("actor/grad_norm", "gnorm {:.3f}"),
 )

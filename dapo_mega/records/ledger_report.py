@@ -60,7 +60,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tupl
 import numpy as np
 
 from dapo_mega.records.metrics import read_metrics
-from dapo_mega.records.rollout_metrics import AGE_BUCKETS, age_label
+from dapo_mega.rollout.metrics import AGE_BUCKETS, age_label
 from dapo_mega.rollout.samples import TRAINED_REASONS
 from dapo_mega.run_files.identity import ConfigHistoryRow, history_of_current_run
 

@@ -169,7 +169,7 @@ class RolloutManager:
             raise RolloutError(f"{exc}; dead engines: {self.book.dead()}") from None
         counts, sampling = self.sampling.counts, self.sampling
         # Group-level rates (all-correct, all-wrong, kept fraction) are computed from the
-        # samples by records/rollout_metrics.py, so that they exist with dynamic sampling off.
+        # samples by rollout/metrics.py, so that they exist with dynamic sampling off.
         self.metrics = {"rollout/gen_batches": counts["rounds"], "rollout/groups_generated": counts["seen"],
                         "rollout/carried_groups": len(sampling.carry), "rollout/dead_engines": len(self.book.dead()),
                         "rollout/prompts_requested": counts["requested"],

@@ -7,9 +7,9 @@ from helpers_driver import group
 
 from dapo_mega.config import DapoConfig
 from dapo_mega.driver.roles import DriverRole, LearnerRankRole
-from dapo_mega.driver.rollouts import RolloutBatch
 from dapo_mega.driver.run_state import RunState
 from dapo_mega.engines.book import EngineBook
+from dapo_mega.rollout.source import RolloutBatch
 
 
 def _roles(rank: int, world_size: int, run_dir: str):

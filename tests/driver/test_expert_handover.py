@@ -54,9 +54,9 @@ def _hand_over(rank: int, world: int, run_dir: str):
     from dapo_mega import distributed as D
     from dapo_mega.driver.expert_handover import ExpertHandOver
     from dapo_mega.driver.roles import DriverRole, LearnerRankRole
-    from dapo_mega.driver.rollouts import RolloutBatch
     from dapo_mega.driver.run_state import RunState
     from dapo_mega.engines.book import EngineBook
+    from dapo_mega.rollout.source import RolloutBatch
 
     dist.init_process_group("gloo")
     try:

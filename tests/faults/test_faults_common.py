@@ -193,7 +193,7 @@ def _install(fault: str) -> None:
 
 
 def _track_steps() -> None:
-    from dapo_mega.driver.rollouts import RolloutSource
+    from dapo_mega.rollout.source import RolloutSource
 
     if getattr(RolloutSource.collect, "_tracked", False):
         return

@@ -3,7 +3,7 @@
 import math
 
 from dapo_mega.records.ledger import LedgerRecord
-from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollout_metrics
+from dapo_mega.rollout.metrics import compute_age_metrics, compute_rollout_metrics
 
 
 def rec(pid, correct, reason, length=3, truncated=False, age=0, rnd=0):
@@ -47,7 +47,7 @@ def test_age_buckets():
 def test_rollout_entropy_estimate_is_minus_mean_logprob_over_tokens():
     from types import SimpleNamespace
 
-    from dapo_mega.records.rollout_metrics import rollout_entropy_estimate
+    from dapo_mega.rollout.metrics import rollout_entropy_estimate
 
     # tokens weigh equally: (-(-0.5 - 1.5) - (-1.0)) / 3 = 1.0, not the mean of per-sample means
     samples = [SimpleNamespace(logprobs=[-0.5, -1.5]), SimpleNamespace(logprobs=[-1.0]), SimpleNamespace(logprobs=None)]
@@ -62,7 +62,7 @@ def test_rollout_entropy_estimate_converges_to_the_sampling_entropy():
 
     import numpy as np
 
-    from dapo_mega.records.rollout_metrics import rollout_entropy_estimate
+    from dapo_mega.rollout.metrics import rollout_entropy_estimate
 
     p = np.array([0.5, 0.25, 0.125, 0.125])  # entropy = 1.75 bits = 1.2130 nats
     draws = np.random.default_rng(0).choice(4, size=200_000, p=p)

@@ -27,8 +27,8 @@ from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.engines.sglang.client import EngineClient, SampleResult
 from dapo_mega.environments.base import Environment, StepResult
 from dapo_mega.models.tiny import CHARACTERS
-from dapo_mega.records.rollout_metrics import compute_rollout_metrics
 from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+from dapo_mega.rollout.metrics import compute_rollout_metrics
 from dapo_mega.rollout.partial import PartialGroup
 from dapo_mega.rollout.samples import Group, ScoredSample
 

@@ -22,8 +22,8 @@ from dapo_mega.engines.fleet import EngineFleet
 from dapo_mega.environments.base import StepResult, build_environment
 from dapo_mega.records import ledger
 from dapo_mega.records.console import format_console_line
-from dapo_mega.records.rollout_metrics import compute_rollout_metrics
 from dapo_mega.rollout.manager import RolloutManager, RoundSettings
+from dapo_mega.rollout.metrics import compute_rollout_metrics
 from dapo_mega.rollout.samples import ScoredSample
 from dapo_mega.rollout.turns import SEED_STRIDE, add_observation, turn_params
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from dapo_mega.environments.base import take_environment_metrics
-from dapo_mega.records.rollout_metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.reward.types import SampleReward, VerifyStats
 from dapo_mega.rollout.batch_fill import SamplingRule
 from dapo_mega.rollout.manager import RolloutManager
+from dapo_mega.rollout.metrics import compute_age_metrics, compute_rollout_metrics
 from dapo_mega.rollout.samples import Group, ScoredSample, drop_stale_groups
 from dapo_mega.rollout.turns import fold_turn_rewards
 

@@ -9,9 +9,9 @@ from helpers_driver import group, sample
 
 from dapo_mega.config import DapoConfig
 from dapo_mega.data import Problem, PromptIterator
-from dapo_mega.driver.rollouts import AsyncRollouts, RolloutBatch, RolloutSource
 from dapo_mega.reward import build_verifier
 from dapo_mega.rollout.samples import Group
+from dapo_mega.rollout.source import AsyncRollouts, RolloutBatch, RolloutSource
 
 
 class CharEncoder:
