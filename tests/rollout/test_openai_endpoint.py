@@ -195,7 +195,8 @@ def test_a_stop_refuses_the_agents_next_calls_and_their_prompts_go_back_unsent(s
 def test_an_engine_lost_under_an_agent_is_the_engines_loss_not_the_agents_error(served):
     """The chunk's engine refuses connections: its agents' calls are answered 502, and the round
     takes it as the engine's failure (marked dead, the chunk requeued: one engine, so it is left
-    unfinished), not as a bug in the agent."""
+    unfinished), not as a bug in the agent. The first agent answered 502 ends the chunk: its
+    sibling got 502 too or is cancelled where it waits."""
     from dapo_mega.distributed import free_port
     from dapo_mega.rollout.manager import RolloutManager, RoundSettings
 
@@ -214,7 +215,8 @@ def test_an_engine_lost_under_an_agent_is_the_engines_loss_not_the_agents_error(
 
     out = run_coroutine(run())
     assert out.groups == {} and manager.book.is_dead(dead), (out.failures, manager.book.dead())
-    assert Counted.ended == [502, 502] and not any("AgentFailed" in f for f in out.failures), out.failures
+    assert Counted.ended[0] == 502 and set(Counted.ended[1:]) <= {502, "cancelled"}, Counted.ended
+    assert not any("AgentFailed" in f for f in out.failures), out.failures
 
 
 GAME = __file__.replace("test_openai_endpoint.py", "verifiers_game.py") + ":load_environment"
