@@ -11,7 +11,8 @@ sample is the engine's own tokens, never re-tokenized text.
     await endpoint.close()
 
 Routes under `/v1/episodes/<episode>`: `POST /chat/completions` (messages, tools, max_tokens
-or max_completion_tokens, temperature, top_p, stop, seed; n = 1), `POST /completions` (a text
+or max_completion_tokens, temperature, top_p, stop, seed, min_tokens as SGLang takes it; n = 1),
+`POST /completions` (a text
 prompt), `GET /models`. Each call is one /generate on the engine with the log-probs asked for.
 
 How a call's prompt becomes token ids (`Episode.prompt_ids`). The messages are rendered by the
@@ -182,7 +183,8 @@ class AgentEndpoint:
         params = {**self.sampling, "n": 1}
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         params["max_new_tokens"] = int(limit or params.get("max_new_tokens") or DEFAULT_MAX_TOKENS)
-        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("sampling_seed", "seed")):
+        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("sampling_seed", "seed"),
+                             ("min_new_tokens", "min_tokens")):  # min_tokens: SGLang's and vLLM's extra field
             if body.get(theirs) is not None:
                 params[ours] = body[theirs]
         if body.get("stop") is not None:
@@ -229,11 +231,16 @@ class AgentEndpoint:
     def _envelope(self, call: Call, kind: str, choice: Dict[str, Any]) -> Dict[str, Any]:
         reason = call.reply.finish_reason.get("type")
         finish = {"length": "length", "abort": "length"}.get(str(reason), "stop")
-        logprobs = [{"token": self.encoder.tokenizer.convert_ids_to_tokens(t), "logprob": lp}
-                    for t, lp in zip(call.reply.token_ids, call.reply.logprobs or [])]
+        # each token as OpenAI's schemas have it (clients that validate them, verifiers', need every
+        # field): a chat reply's ChatCompletionTokenLogprob list, a text completion's parallel lists
+        pieces = [self.encoder.tokenizer.decode([t]) for t in call.reply.token_ids]
+        lps = list(call.reply.logprobs or [])
+        logprobs = ({"content": [{"token": p, "bytes": list(p.encode()), "logprob": lp, "top_logprobs": []}
+                                 for p, lp in zip(pieces, lps)]} if kind == "chat.completion" else
+                    {"tokens": pieces[:len(lps)], "token_logprobs": lps})
         return {"id": f"dapo-{uuid.uuid4().hex[:12]}", "object": kind, "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": 0, **choice, "finish_reason": finish, "logprobs": {"content": logprobs}}],
+                "choices": [{"index": 0, **choice, "finish_reason": finish, "logprobs": logprobs}],
                 "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.reply.token_ids),
                           "total_tokens": len(call.prompt_ids) + len(call.reply.token_ids)}}
 

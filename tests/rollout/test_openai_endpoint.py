@@ -64,11 +64,18 @@ def test_an_openai_agent_episode_trains_on_the_engines_own_tokens(served):
                          {"role": "tool" if turn == 0 else "user", "content": f"<{turn}>"}]
         await client.close()
         calls = [list(c.reply.token_ids) for c in endpoint.episodes["e1"].branches[0]]
-        return messages[:-1], replies, calls
+        return messages[:-1], replies, calls, list(endpoint.episodes["e1"].branches[0])
 
-    endpoint, (conversation, replies, calls) = drive(engine, encoder, agent)
+    endpoint, (conversation, replies, calls, endpoint_calls) = drive(engine, encoder, agent)
     ((prompt_ids, sample),) = endpoint.take_episode("e1", PROBLEM)
     assert [r.usage.completion_tokens for r in replies] == [len(c) for c in calls]
+    # every reply holds OpenAI's schema to the letter (clients that validate it, verifiers', need that)
+    # and its log-probs are the engine's, token by token
+    from openai.types.chat import ChatCompletion
+
+    for r, c in zip(replies, endpoint_calls):
+        strict = ChatCompletion.model_validate(r.model_dump(exclude_unset=True), strict=True)
+        assert [t.logprob for t in strict.choices[0].logprobs.content] == c.reply.logprobs
     assert sample.turns == 3 and len(sample.env_spans) == 2 and sample.prompt_id == "p"
     # the model's tokens are the engine's replies, in order, with the agent's messages between
     mask = sample.env_mask()
@@ -234,7 +241,8 @@ def test_a_verifiers_environment_runs_unchanged_on_the_engines_tokens(served):
     from dapo_mega.rollout.manager import RolloutManager, RoundSettings
 
     _, engine, encoder = served
-    agent = VerifiersAgent(GAME, {"max_turns": 3}, {"max_tokens": 6, "temperature": 1.0})
+    # min_tokens: verifiers aborts an episode on an empty reply, which a random tiny model gives
+    agent = VerifiersAgent(GAME, {"max_turns": 3}, {"max_tokens": 6, "temperature": 1.0, "extra_body": {"min_tokens": 6}})
     endpoint, reward = drive(engine, encoder, lambda ep: agent.run(PROBLEM, ep.base_url("v1")))
     calls = [list(c.reply.token_ids) for c in endpoint.episodes["v1"].branches[0]]
     ((prompt_ids, sample),) = endpoint.take_episode("v1", PROBLEM)
