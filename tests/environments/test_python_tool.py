@@ -49,7 +49,7 @@ def test_environments_load_by_path_and_bad_paths_name_the_field(tmp_path):
     assert issubclass(echo, Environment) and echo().step("abc").observation == "cba"
     with pytest.raises(ConfigError, match=r"^rollout.environment: .*NotOne.* is not an environment class"):
         load_environment(f"{user}:NotOne")
-    with pytest.raises(ConfigError, match=r"^rollout.environment: .* cannot be loaded \(ModuleNotFoundError"):
+    with pytest.raises(ConfigError, match=r"^rollout.environment: .* cannot be imported \(No module named"):
         load_environment("no_such_package.env:Env")
-    with pytest.raises(ConfigError, match=r"^rollout.environment: 'python' is not a class path"):
+    with pytest.raises(ConfigError, match=r"^rollout.environment: 'python' is not an import path"):
         load_environment("python")

@@ -159,8 +159,8 @@ def check_records_of_run(run_dir: Path, total_steps: int, max_staleness: int, fi
             assert r.age == r.learner_version - r.policy_version_min >= 0
             assert r.policy_version_min <= r.policy_version_max <= step - 1   # no engine ahead of the learner
             assert set(json.loads(r.reward_components)) >= {"correctness", "overlong_penalty"}
-            assert r.reward == pytest.approx(json.loads(r.reward_components)["correctness"]
-                                             + json.loads(r.reward_components)["overlong_penalty"])
+            parts = json.loads(r.reward_components)  # an environment's folded turn rewards add their part
+            assert r.reward == pytest.approx(parts["correctness"] + parts["overlong_penalty"] + parts.get("environment", 0.0))
         kept = [r for r in recs if r.reject_reason in ("kept", "verifier_error")]
         assert len(kept) == TRAIN_GROUPS * GROUP_SIZE                    # dynamic sampling off: full batch
         assert all(r.learner_version == step - 1 for r in kept)         # learner of step s holds version s-1

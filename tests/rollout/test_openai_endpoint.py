@@ -253,7 +253,8 @@ def test_a_verifiers_environment_runs_unchanged_on_the_engines_tokens(served):
     assert text.startswith("<|im_start|>user\n2+2=<|im_end|>\n<|im_start|>assistant\n")
     assert "<|im_start|>user\nturn 1: go on<|im_end|>\n" in text and "turn 2: go on" in text
 
-    settings = RoundSettings(n_samples=2, sampling_params={"max_new_tokens": 32, "temperature": 1.0}, agent=agent,
+    # a budget the 3 turns fit in (a call past it would get an empty reply, which verifiers aborts on)
+    settings = RoundSettings(n_samples=2, sampling_params={"max_new_tokens": 160, "temperature": 1.0}, agent=agent,
                              prompts_per_request=1)
 
     async def run():
