@@ -1,13 +1,17 @@
 """RolloutSource (prompts -> encode -> generate -> score -> filter) and AsyncRollouts (on a thread)."""
 
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers_driver import group, sample
 
-from dapo_mega.config import DapoConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "driver"))  # the driver tests' sample builders
+from helpers_driver import group, sample  # noqa: E402
+
+from dapo_mega.config import DapoConfig  # noqa: E402
 from dapo_mega.data import Problem, PromptIterator
 from dapo_mega.reward import build_verifier
 from dapo_mega.rollout.samples import Group
