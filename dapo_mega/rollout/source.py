@@ -146,8 +146,7 @@ class RolloutSource:
         out, k = [], 0
         for g in groups:
             # a multi-turn sample's environment adds its turns' rewards, folded (rollout/turns.py)
-            env = [fold_turn_rewards(s.turn_rewards, self.cfg.rollout.turn_reward) if any(s.turn_rewards) else 0.0
-                   for s in g.samples]
+            env = [fold_turn_rewards(s.turn_rewards, self.cfg.rollout.turn_reward) for s in g.samples]
             out.append([replace(r, reward=r.reward + e, environment=e) if e else r
                         for e, r in zip(env, rewards[k:k + len(g.samples)])])
             k += len(g.samples)
